@@ -1,0 +1,1 @@
+"""Engine adapters (Hugging Face transformers, vLLM, SGLang)."""

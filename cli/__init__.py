@@ -1,0 +1,1 @@
+"""moetrace command line (typer app)."""

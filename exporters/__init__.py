@@ -1,0 +1,1 @@
+"""Exporters: Prometheus and OpenTelemetry."""

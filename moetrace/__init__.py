@@ -1,0 +1,64 @@
+"""moetrace: observability and tracing for Mixture-of-Experts runtimes.
+
+The module-level functions act on the process-wide recorder::
+
+    import moetrace
+    moetrace.configure(num_layers=4, num_physical_experts=8, top_k=2)
+    moetrace.start_record()
+    ...  # run the model (hooks call moetrace.get_recorder())
+    path = moetrace.dump_record()
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__version__ = "0.1.0"
+
+from .config import CaptureConfig, RecorderConfig  # noqa: E402
+from .recorder import (  # noqa: E402
+    ExpertDistributionRecorder,
+    NoOpRecorder,
+    RecorderStateError,
+    get_recorder,
+    set_recorder,
+)
+from .snapshot import RecorderSnapshot  # noqa: E402
+
+__all__ = [
+    "CaptureConfig",
+    "ExpertDistributionRecorder",
+    "NoOpRecorder",
+    "RecorderConfig",
+    "RecorderSnapshot",
+    "RecorderStateError",
+    "__version__",
+    "configure",
+    "dump_record",
+    "get_recorder",
+    "set_recorder",
+    "start_record",
+    "stop_record",
+]
+
+
+def configure(**fields: object) -> ExpertDistributionRecorder:
+    """Build a recorder from :class:`RecorderConfig` fields and install it globally."""
+    recorder = ExpertDistributionRecorder(RecorderConfig(**fields))  # type: ignore[arg-type]
+    set_recorder(recorder)
+    return recorder
+
+
+def start_record() -> None:
+    """``get_recorder().start_record()``."""
+    get_recorder().start_record()
+
+
+def stop_record() -> None:
+    """``get_recorder().stop_record()``."""
+    get_recorder().stop_record()
+
+
+def dump_record(path: str | Path | None = None) -> Path:
+    """``get_recorder().dump_record(path)``."""
+    return get_recorder().dump_record(path)

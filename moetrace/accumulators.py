@@ -1,0 +1,250 @@
+"""Device-side buffers behind each recorder mode.
+
+All buffers are allocated once, at construction, and sized from the
+:class:`~moetrace.config.RecorderConfig`. Hook methods (``add_select``,
+``add_dispatch``, ``add_layer``) use only fixed-shape device ops: comparisons,
+``torch.where``, ``scatter_add_`` and slice copies. Pass-end methods run on the
+host thread between passes, still without reading device values.
+
+Column layout of a per-layer counter row (width ``C = P + 2 + 2R``):
+``[0, P)`` expert counts, ``P`` invalid ids, ``[P+1, P+1+R)`` send counts,
+``[P+1+R, P+1+2R)`` receive counts, ``P+1+2R`` dropped copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from .config import RecorderConfig
+from .trace.stream import HostBufferPool, StreamJob
+from .trace.writer import token_id_dtype
+
+__all__ = ["CounterLayout", "PassCounter", "PassStream", "StatWindow", "TokenStream"]
+
+Submit = Callable[[StreamJob], None]
+
+
+class CounterLayout:
+    """Column offsets of the ``[L, C]`` counter rows for ``P`` experts and ``R`` ranks."""
+
+    def __init__(self, num_physical_experts: int, ep_size: int) -> None:
+        p, r = num_physical_experts, ep_size
+        self.num_experts = p
+        self.invalid = p
+        self.send = slice(p + 1, p + 1 + r)
+        self.recv = slice(p + 1 + r, p + 1 + 2 * r)
+        self.dropped = p + 1 + 2 * r
+        self.width = p + 2 + 2 * r
+
+
+def _event_after_copy(device: torch.device) -> torch.cuda.Event | None:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class PassCounter:
+    """Counts of the current pass ``current [L, C]`` and running ``totals [L, C]`` (int64).
+
+    ``gate`` is a device scalar (1 = count, 0 = ignore): hooks multiply by it so
+    a CUDA graph captured with recording on can be switched off without
+    re-capture.
+    """
+
+    def __init__(self, config: RecorderConfig, layout: CounterLayout) -> None:
+        self.layout = layout
+        shape = (config.num_layers, layout.width)
+        self.current = torch.zeros(shape, dtype=torch.int64, device=config.device)
+        self.totals = torch.zeros(shape, dtype=torch.int64, device=config.device)
+        self.gate = torch.ones((), dtype=torch.int64, device=config.device)
+
+    def add_select(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Count ``topk_ids [T, k]`` into layer ``layer``; returns the validity mask ``[T, k]``.
+
+        Ids in ``[0, P)`` count for their expert, ``-1`` counts nowhere, any
+        other id counts in the invalid column.
+        """
+        p = self.layout.num_experts
+        valid = (topk_ids >= 0) & (topk_ids < p)
+        index = torch.where(valid, topk_ids, p).reshape(-1).long()
+        weight = (topk_ids != -1).reshape(-1) * self.gate
+        self.current[layer].scatter_add_(0, index, weight)
+        return valid
+
+    def add_dispatch(
+        self,
+        layer: int,
+        send_counts: torch.Tensor,
+        recv_counts: torch.Tensor | None,
+        dropped: torch.Tensor | None,
+    ) -> None:
+        """Add ``send_counts [R]``, ``recv_counts [R]`` and ``dropped []`` to layer ``layer``."""
+        row = self.current[layer]
+        row[self.layout.send].add_(send_counts * self.gate)
+        if recv_counts is not None:
+            row[self.layout.recv].add_(recv_counts * self.gate)
+        if dropped is not None:
+            row[self.layout.dropped].add_((dropped * self.gate).reshape(()))
+
+    def fold(self) -> None:
+        """Pass end: add the pass into the totals (the pass stays readable until :meth:`clear`)."""
+        self.totals.add_(self.current)
+
+    def clear(self) -> None:
+        self.current.zero_()
+
+    def reset(self) -> None:
+        self.current.zero_()
+        self.totals.zero_()
+
+
+class StatWindow:
+    """Ring of the last ``W`` passes' expert counts ``[W, L, P]`` (int32) plus host metadata."""
+
+    def __init__(self, config: RecorderConfig) -> None:
+        w = config.window
+        self.counts = torch.zeros((w, config.num_layers, config.num_physical_experts), dtype=torch.int32, device=config.device)
+        self.pass_id = np.full(w, -1, dtype=np.int64)
+        self.timestamp = np.zeros(w, dtype=np.float64)
+        self.num_tokens = np.zeros(w, dtype=np.int64)
+        self.pushed = 0
+
+    def push(self, current: torch.Tensor, pass_id: int, timestamp: float, num_tokens: int) -> None:
+        """Store one pass's ``current[:, :P]`` in the oldest slot."""
+        slot = self.pushed % len(self.pass_id)
+        self.counts[slot].copy_(current[:, : self.counts.shape[2]])
+        self.pass_id[slot], self.timestamp[slot], self.num_tokens[slot] = pass_id, timestamp, num_tokens
+        self.pushed += 1
+
+    def order(self) -> np.ndarray:
+        """Slot indices oldest to newest."""
+        w = len(self.pass_id)
+        if self.pushed <= w:
+            return np.arange(self.pushed)
+        start = self.pushed % w
+        return np.concatenate([np.arange(start, w), np.arange(start)])
+
+    def reset(self) -> None:
+        self.pass_id.fill(-1)
+        self.pushed = 0
+
+
+class PassStream:
+    """``per_pass`` mode: stage ``S`` passes' rows on the device, then hand them to the writer."""
+
+    def __init__(self, config: RecorderConfig, layout: CounterLayout, submit: Submit) -> None:
+        s = config.stream_chunk_passes
+        shape = (s, config.num_layers, layout.width)
+        self.layout = layout
+        self.device = config.device
+        self.staging = torch.zeros(shape, dtype=torch.int32, device=config.device)
+        self.pool = HostBufferPool(shape, torch.int32, count=2, pin=config.device.type == "cuda")
+        self.meta = np.zeros((s, 3), dtype=np.float64)  # pass_id, timestamp, num_tokens
+        self.filled = 0
+        self.submit = submit
+
+    def push(self, current: torch.Tensor, pass_id: int, timestamp: float, num_tokens: int) -> None:
+        self.staging[self.filled].copy_(current)
+        self.meta[self.filled] = (pass_id, timestamp, num_tokens)
+        self.filled += 1
+        if self.filled == len(self.meta):
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the staged passes to the writer (asynchronous copy, event, job)."""
+        n = self.filled
+        if n == 0:
+            return
+        host = self.pool.acquire()
+        host[:n].copy_(self.staging[:n], non_blocking=True)
+        event = _event_after_copy(self.device)
+        meta = self.meta[:n].copy()
+        layout = self.layout
+
+        def build() -> dict[str, np.ndarray]:
+            rows = host[:n].numpy()
+            return {
+                "passes/pass_id": meta[:, 0].astype(np.int64),
+                "passes/timestamp": meta[:, 1],
+                "passes/num_tokens": meta[:, 2].astype(np.int64),
+                "passes/physical_count": rows[:, :, : layout.num_experts].copy(),
+                "passes/invalid_ids": rows[:, :, layout.invalid].copy(),
+                "passes/send_count": rows[:, :, layout.send].copy(),
+                "passes/recv_count": rows[:, :, layout.recv].copy(),
+            }
+
+        self.submit(StreamJob(event=event, build=build, done=lambda: self.pool.release(host)))
+        self.filled = 0
+
+    def reset(self) -> None:
+        self.filled = 0
+
+
+class TokenStream:
+    """``per_token`` mode: every token's ``[L, k]`` ids, staged per pass then per chunk.
+
+    ``pass_stage [max_tokens, L, k]`` collects one pass layer by layer (layers a
+    pass never reached stay -1); at pass end its rows move into ``chunk
+    [chunk_tokens, L, k]``, which goes to the writer when the next pass would
+    not fit.
+    """
+
+    def __init__(self, config: RecorderConfig, submit: Submit) -> None:
+        self.np_dtype = token_id_dtype(config.num_physical_experts)
+        dtype = torch.int16 if self.np_dtype == np.int16 else torch.int32
+        row = (config.num_layers, config.top_k)
+        self.device = config.device
+        self.max_tokens = config.max_tokens_per_pass
+        self.pass_stage = torch.full((config.max_tokens_per_pass, *row), -1, dtype=dtype, device=config.device)
+        self.chunk = torch.full((config.stream_chunk_tokens, *row), -1, dtype=dtype, device=config.device)
+        self.pool = HostBufferPool(tuple(self.chunk.shape), dtype, count=2, pin=config.device.type == "cuda")
+        self.pass_id = np.zeros(config.stream_chunk_tokens, dtype=np.int64)
+        self.position = np.zeros(config.stream_chunk_tokens, dtype=np.int32)
+        self.filled = 0
+        self.pass_tokens = 0
+        self.submit = submit
+
+    def add_layer(self, layer: int, topk_ids: torch.Tensor, valid: torch.Tensor) -> None:
+        """Stage ``topk_ids [T, k]``; invalid ids (not -1, not in range) are stored as -2."""
+        tokens = topk_ids.shape[0]
+        self.pass_stage[:tokens, layer].copy_(torch.where(valid | (topk_ids == -1), topk_ids, -2))
+        self.pass_tokens = max(self.pass_tokens, tokens)
+
+    def end_pass(self, pass_id: int) -> None:
+        tokens = self.pass_tokens
+        if tokens == 0:
+            return
+        if self.filled + tokens > len(self.pass_id):
+            self.flush()
+        self.chunk[self.filled : self.filled + tokens].copy_(self.pass_stage[:tokens])
+        self.pass_stage[:tokens].fill_(-1)
+        self.pass_id[self.filled : self.filled + tokens] = pass_id
+        self.position[self.filled : self.filled + tokens] = np.arange(tokens, dtype=np.int32)
+        self.filled += tokens
+        self.pass_tokens = 0
+
+    def flush(self) -> None:
+        n = self.filled
+        if n == 0:
+            return
+        host = self.pool.acquire()
+        host[:n].copy_(self.chunk[:n], non_blocking=True)
+        event = _event_after_copy(self.device)
+        pass_id, position = self.pass_id[:n].copy(), self.position[:n].copy()
+
+        def build() -> dict[str, np.ndarray]:
+            return {"tokens/topk_ids": host[:n].numpy().copy(), "tokens/pass_id": pass_id, "tokens/position": position}
+
+        self.submit(StreamJob(event=event, build=build, done=lambda: self.pool.release(host)))
+        self.filled = 0
+
+    def reset(self) -> None:
+        self.pass_stage.fill_(-1)
+        self.filled = 0
+        self.pass_tokens = 0
+

@@ -1,0 +1,1 @@
+"""Offline analysis of moetrace traces."""

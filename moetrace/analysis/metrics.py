@@ -1,0 +1,84 @@
+"""Balance metrics: one definition each, shared by analysis, exporters and docs.
+
+Shapes: ``counts`` is ``[L, E]`` (layers x experts), ``load`` is ``[L, R]``
+(layers x EP ranks). Everything is plain numpy on the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "balancedness",
+    "dead_experts",
+    "entropy_ratio",
+    "layer_balancedness",
+    "layer_imbalance",
+    "rank_load",
+    "to_logical",
+]
+
+
+def to_logical(counts: np.ndarray, physical_to_logical: np.ndarray) -> np.ndarray:
+    """Fold physical-expert counts ``[..., L, P]`` into logical-expert counts ``[..., L, E]``.
+
+    ``physical_to_logical`` is ``[L, P]``; ``E = max + 1``.
+    """
+    counts = np.asarray(counts)
+    mapping = np.asarray(physical_to_logical, dtype=np.int64)
+    num_layers, num_physical = mapping.shape
+    num_logical = int(mapping.max()) + 1
+    flat = counts.reshape(-1, num_layers, num_physical)
+    out = np.zeros((flat.shape[0], num_layers, num_logical), dtype=np.int64)
+    for layer in range(num_layers):
+        np.add.at(out[:, layer, :], (slice(None), mapping[layer]), flat[:, layer, :])
+    return out.reshape(*counts.shape[:-1], num_logical)
+
+
+def rank_load(counts: np.ndarray, ep_size: int) -> np.ndarray:
+    """Tokens routed to each EP rank ``[L, R]`` from per-physical-expert counts ``[L, P]``.
+
+    Physical experts are split contiguously: rank ``r`` owns ``[r*P/R, (r+1)*P/R)``.
+    """
+    counts = np.asarray(counts)
+    num_layers, num_physical = counts.shape
+    if num_physical % ep_size:
+        raise ValueError(f"{num_physical} physical experts cannot be split over ep_size={ep_size}")
+    return counts.reshape(num_layers, ep_size, num_physical // ep_size).sum(axis=2)
+
+
+def layer_balancedness(load: np.ndarray) -> np.ndarray:
+    """Per-layer balancedness ``mean_r T[l,r] / max_r T[l,r]`` ``[L]``; 1.0 for an empty layer."""
+    load = np.asarray(load, dtype=np.float64)
+    peak = load.max(axis=1)
+    return np.divide(load.mean(axis=1), peak, out=np.ones_like(peak), where=peak > 0)
+
+
+def balancedness(load: np.ndarray) -> float:
+    """Overall balancedness ``sum_l mean_r T[l,r] / sum_l max_r T[l,r]`` (vLLM's form; 1 = perfect)."""
+    load = np.asarray(load, dtype=np.float64)
+    peak = float(load.max(axis=1).sum())
+    return float(load.mean(axis=1).sum() / peak) if peak > 0 else 1.0
+
+
+def layer_imbalance(load: np.ndarray) -> np.ndarray:
+    """Per-layer imbalance ``max / mean`` ``[L]`` (1 = perfect); 1.0 for an empty layer."""
+    load = np.asarray(load, dtype=np.float64)
+    mean = load.mean(axis=1)
+    return np.divide(load.max(axis=1), mean, out=np.ones_like(mean), where=mean > 0)
+
+
+def entropy_ratio(counts: np.ndarray) -> np.ndarray:
+    """Routing entropy per layer normalised by ``log(E)`` ``[L]`` (1 = uniform); 0.0 for an empty layer."""
+    counts = np.asarray(counts, dtype=np.float64)
+    num_experts = counts.shape[1]
+    totals = counts.sum(axis=1, keepdims=True)
+    p = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=1)
+    return h / np.log(num_experts) if num_experts > 1 else np.zeros(counts.shape[0])
+
+
+def dead_experts(counts: np.ndarray) -> np.ndarray:
+    """Experts that received no token, per layer ``[L]``."""
+    return (np.asarray(counts) == 0).sum(axis=1)

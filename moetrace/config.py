@@ -1,0 +1,187 @@
+"""Validated configuration for the recorder and the capturer.
+
+Every field is checked once, at construction, so that the hot path never has
+to look at a value twice. Errors say which field is wrong and what to pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+__all__ = ["MODES", "CaptureConfig", "RecorderConfig", "RecorderMode"]
+
+RecorderMode = Literal["stat", "per_pass", "per_token"]
+MODES: tuple[str, ...] = ("stat", "per_pass", "per_token")
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecorderConfig:
+    """What the recorder records and where it keeps it.
+
+    Args:
+        num_layers: number of MoE layers ``L`` (compact numbering ``0..L-1``).
+        num_physical_experts: physical expert slots ``P`` (ids seen by hooks).
+        top_k: experts per token ``k``.
+        physical_to_logical: optional map ``[L, P]`` from physical slot to
+            logical expert (EPLB vocabulary). ``None`` means identity.
+        ep_size: expert-parallel ranks ``R``; physical experts are split
+            contiguously, ``P / R`` per rank.
+        ep_rank: this process's EP rank.
+        mode: ``"stat"``, ``"per_pass"`` or ``"per_token"``.
+        window: passes kept in the ``stat`` mode's time-ordered window.
+        device: where the counting buffers live (the hooks' tensors' device).
+        output_dir: where dumps go when no path is given.
+        layer_ids: model layer index of each MoE layer ``[L]`` (gaps allowed).
+        max_tokens_per_pass: largest pass ``per_token`` mode accepts.
+        stream_chunk_passes: passes staged on the device before a
+            ``per_pass`` hand-off to the background writer.
+        stream_chunk_tokens: tokens staged before a ``per_token`` hand-off.
+        hidden_size: model hidden size ``H`` (for all-to-all byte figures).
+        dtype_bytes: bytes per activation element ``b``.
+        model: model name written into traces and metrics.
+        engine: engine name written into traces and metrics.
+    """
+
+    num_layers: int
+    num_physical_experts: int
+    top_k: int
+    physical_to_logical: np.ndarray | None = None
+    ep_size: int = 1
+    ep_rank: int = 0
+    mode: str = "stat"
+    window: int = 1000
+    device: torch.device | str = "cpu"
+    output_dir: Path | str = "."
+    layer_ids: tuple[int, ...] | None = None
+    max_tokens_per_pass: int = 8192
+    stream_chunk_passes: int = 64
+    stream_chunk_tokens: int = 65536
+    hidden_size: int | None = None
+    dtype_bytes: int = 2
+    model: str = ""
+    engine: str = ""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        num_layers = _positive_int("num_layers", self.num_layers)
+        num_physical = _positive_int("num_physical_experts", self.num_physical_experts)
+        top_k = _positive_int("top_k", self.top_k)
+        if top_k > num_physical:
+            raise ValueError(f"top_k={top_k} exceeds num_physical_experts={num_physical}")
+        ep_size = _positive_int("ep_size", self.ep_size)
+        if num_physical % ep_size:
+            raise ValueError(
+                f"num_physical_experts={num_physical} is not divisible by ep_size={ep_size}; "
+                "each EP rank must own the same number of physical experts"
+            )
+        if not 0 <= int(self.ep_rank) < ep_size:
+            raise ValueError(f"ep_rank={self.ep_rank} is outside [0, ep_size={ep_size})")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("window", "max_tokens_per_pass", "stream_chunk_passes", "stream_chunk_tokens", "dtype_bytes"):
+            set_(self, name, _positive_int(name, getattr(self, name)))
+        if self.stream_chunk_tokens < self.max_tokens_per_pass:
+            raise ValueError(
+                f"stream_chunk_tokens={self.stream_chunk_tokens} must be >= max_tokens_per_pass="
+                f"{self.max_tokens_per_pass} so that one pass always fits in a chunk"
+            )
+        if self.hidden_size is not None:
+            set_(self, "hidden_size", _positive_int("hidden_size", self.hidden_size))
+        set_(self, "num_layers", num_layers)
+        set_(self, "num_physical_experts", num_physical)
+        set_(self, "top_k", top_k)
+        set_(self, "ep_size", ep_size)
+        set_(self, "ep_rank", int(self.ep_rank))
+        set_(self, "device", torch.device(self.device))
+        set_(self, "output_dir", Path(self.output_dir))
+        set_(self, "physical_to_logical", self._checked_map(num_layers, num_physical))
+        set_(self, "layer_ids", self._checked_layer_ids(num_layers))
+
+    def _checked_map(self, num_layers: int, num_physical: int) -> np.ndarray:
+        if self.physical_to_logical is None:
+            return np.tile(np.arange(num_physical, dtype=np.int64), (num_layers, 1))
+        raw = self.physical_to_logical
+        if isinstance(raw, torch.Tensor):
+            raw = raw.detach().cpu().numpy()
+        mapping = np.asarray(raw)
+        if mapping.ndim == 1:
+            mapping = np.tile(mapping, (num_layers, 1))
+        if mapping.shape != (num_layers, num_physical):
+            raise ValueError(
+                f"physical_to_logical must have shape [num_layers, num_physical_experts] = "
+                f"[{num_layers}, {num_physical}], got {list(mapping.shape)}"
+            )
+        if not np.issubdtype(mapping.dtype, np.integer):
+            raise ValueError(f"physical_to_logical must hold integers, got dtype {mapping.dtype}")
+        if mapping.min() < 0:
+            raise ValueError("physical_to_logical holds negative ids; every physical slot must map to an expert")
+        return mapping.astype(np.int64)
+
+    def _checked_layer_ids(self, num_layers: int) -> tuple[int, ...]:
+        if self.layer_ids is None:
+            return tuple(range(num_layers))
+        ids = tuple(int(i) for i in self.layer_ids)
+        if len(ids) != num_layers:
+            raise ValueError(f"layer_ids has {len(ids)} entries, expected num_layers={num_layers}")
+        if any(b <= a for a, b in zip(ids, ids[1:], strict=False)) or (ids and ids[0] < 0):
+            raise ValueError(f"layer_ids must be non-negative and strictly increasing, got {list(ids)}")
+        return ids
+
+    @property
+    def num_logical_experts(self) -> int:
+        """Logical experts ``E`` (``max(physical_to_logical) + 1``)."""
+        assert self.physical_to_logical is not None
+        return int(self.physical_to_logical.max()) + 1
+
+    @property
+    def has_logical_map(self) -> bool:
+        """True when physical ids differ from logical ids somewhere."""
+        assert self.physical_to_logical is not None
+        identity = np.arange(self.num_physical_experts)
+        return not bool((self.physical_to_logical == identity).all())
+
+    @property
+    def experts_per_rank(self) -> int:
+        """Physical experts each EP rank owns (``P / R``)."""
+        return self.num_physical_experts // self.ep_size
+
+    def replace(self, **changes: object) -> RecorderConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureConfig:
+    """Sizes of the per-request routed-experts capturer.
+
+    Args:
+        num_layers: model layers ``L`` that may be captured.
+        top_k: experts per token ``k``.
+        max_tokens_per_pass: largest forward pass in tokens.
+        num_kv_slots: KV-cache slots of the serving engine (host buffer rows).
+        device: device of the ids handed to ``capture``.
+    """
+
+    num_layers: int
+    top_k: int
+    max_tokens_per_pass: int
+    num_kv_slots: int
+    device: torch.device | str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "top_k", "max_tokens_per_pass", "num_kv_slots"):
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+        object.__setattr__(self, "device", torch.device(self.device))
+

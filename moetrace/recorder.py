@@ -1,0 +1,670 @@
+"""The expert distribution recorder: global, start/stop/dump, device-side counts.
+
+Runtimes call the hooks from inside every MoE layer::
+
+    rec = moetrace.get_recorder()
+    with rec.with_forward_pass():
+        for i, layer in enumerate(moe_layers):
+            with rec.with_current_layer(i):
+                topk_ids = router(x)               # [T, k]
+                rec.on_select_experts(topk_ids)
+                rec.on_dispatch(send_counts)       # [R], optional
+
+Hooks check cheap metadata only (dtype, rank, device, layer index) and count
+with fixed-shape device ops; they never read tensor values on the host. When
+the recorder is not recording they return at once.
+
+Lifecycle: ``start_record()`` begins a fresh recording (counts zeroed),
+``stop_record()`` ends it, ``dump_record()`` writes what was recorded (allowed
+while recording or after stop; state is kept, so a failed dump can be
+retried), ``reset()`` discards everything. ``start`` while recording and
+``stop`` while stopped raise :class:`RecorderStateError`, as does ``dump``
+before any ``start``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .accumulators import CounterLayout, PassCounter, PassStream, StatWindow, TokenStream
+from .analysis.metrics import to_logical
+from .config import RecorderConfig
+from .snapshot import RecorderSnapshot
+from .trace.schema import TraceWriteError
+from .trace.stream import BackgroundTraceWriter, StreamJob
+from .trace.writer import TraceHeader, TraceWriter, check_writable_dir
+
+__all__ = [
+    "ExpertDistributionRecorder",
+    "NoOpRecorder",
+    "RecorderStateError",
+    "get_recorder",
+    "set_recorder",
+]
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+class RecorderStateError(RuntimeError):
+    """A lifecycle call that does not fit the recorder's state (e.g. start twice)."""
+
+
+def _normalise_device(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _dist_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group, or (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _LayerScope:
+    __slots__ = ("_previous", "_recorder", "_layer")
+
+    def __init__(self, recorder: ExpertDistributionRecorder, layer: int) -> None:
+        self._recorder, self._layer = recorder, layer
+
+    def __enter__(self) -> int:
+        self._previous = self._recorder._layer
+        self._recorder._layer = self._layer
+        return self._layer
+
+    def __exit__(self, *exc: object) -> None:
+        self._recorder._layer = self._previous
+
+
+class _SnapshotChannel:
+    """Two host buffers that receive the totals asynchronously at pass end.
+
+    ``publish`` (forward thread) copies into the older buffer with
+    ``non_blocking=True`` and records an event; ``latest`` (any thread) returns
+    the newest buffer whose copy has completed, never waiting for the device.
+    Both run under the recorder's lock.
+    """
+
+    def __init__(self, shape: tuple[int, int], device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self._buffers = [torch.zeros(shape, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._meta: list[tuple[int, int, float] | None] = [(0, 0, time.time()), None]
+        self._cuda = device.type == "cuda"
+        self._newest = 0
+        self._cached: tuple[np.ndarray, tuple[int, int, float]] = (self._buffers[0].numpy().copy(), (0, 0, time.time()))
+
+    def publish(self, totals: torch.Tensor, num_passes: int, num_tokens: int, timestamp: float) -> None:
+        slot = 1 - self._newest
+        self._buffers[slot].copy_(totals, non_blocking=True)
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[slot] = event
+        self._meta[slot] = (num_passes, num_tokens, timestamp)
+        self._newest = slot
+
+    def latest(self) -> tuple[np.ndarray, tuple[int, int, float]]:
+        for slot in (self._newest, 1 - self._newest):
+            event, meta = self._events[slot], self._meta[slot]
+            if meta is not None and (event is None or event.query()):
+                self._cached = (self._buffers[slot].numpy().copy(), meta)
+                break
+        return self._cached
+
+    def clear(self) -> None:
+        for buf in self._buffers:
+            buf.zero_()
+        self._events = [None, None]
+        self._meta = [(0, 0, time.time()), None]
+        self._newest = 0
+        self._cached = (self._buffers[0].numpy().copy(), self._meta[0])  # type: ignore[assignment]
+
+
+class ExpertDistributionRecorder:
+    """Counts routed experts per layer, expert and EP rank on the device.
+
+    Args:
+        config: a validated :class:`~moetrace.config.RecorderConfig`.
+    """
+
+    def __init__(self, config: RecorderConfig) -> None:
+        self.config = config.replace(device=_normalise_device(config.device))  # type: ignore[arg-type]
+        cfg = self.config
+        self._device: torch.device = cfg.device  # type: ignore[assignment]
+        self._cuda = self._device.type == "cuda"
+        self._layout = CounterLayout(cfg.num_physical_experts, cfg.ep_size)
+        self._counter = PassCounter(cfg, self._layout)
+        self._counter.gate.fill_(0)
+        self._window = StatWindow(cfg) if cfg.mode == "stat" else None
+        self._pass_stream = PassStream(cfg, self._layout, self._submit) if cfg.mode == "per_pass" else None
+        self._token_stream = TokenStream(cfg, self._submit) if cfg.mode == "per_token" else None
+        self._snapshots = _SnapshotChannel((cfg.num_layers, self._layout.width), self._device)
+        self._lock = threading.RLock()
+        self._recording = False
+        self._started = False
+        self._in_pass = False
+        self._pass_active = False
+        self._pass_tokens = 0
+        self._next_pass_id = 0
+        self._layer: int | None = None
+        self._disabled = 0
+        self._num_passes = 0
+        self._num_tokens = 0
+        self._run_id = uuid.uuid4().hex
+        self._segment: BackgroundTraceWriter | None = None
+        self.last_dump_path: Path | None = None
+        self._errors: list[str] = []
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def recording(self) -> bool:
+        """Whether hooks currently count."""
+        return self._recording
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def num_passes(self) -> int:
+        """Forward passes recorded since ``start_record``."""
+        return self._num_passes
+
+    @property
+    def id_space(self) -> str:
+        """``"physical"`` when a non-identity physical-to-logical map is set, else ``"logical"``."""
+        return "physical" if self.config.has_logical_map else "logical"
+
+    # ------------------------------------------------------------------ context managers
+    @contextlib.contextmanager
+    def with_forward_pass(self, forward_pass_id: int | None = None) -> Iterator[int]:
+        """Mark one model forward. Yields the pass id (auto-incremented when ``None``).
+
+        Passes do not nest. If the body raises, the partial pass is discarded.
+        """
+        if self._in_pass:
+            raise RecorderStateError("with_forward_pass is already active: forward passes do not nest")
+        pass_id = self._next_pass_id if forward_pass_id is None else int(forward_pass_id)
+        self._next_pass_id = pass_id + 1
+        self._in_pass = True
+        self._pass_active = self._recording
+        self._pass_tokens = 0
+        ok = False
+        try:
+            yield pass_id
+            ok = True
+        finally:
+            if self._pass_active and not (self._cuda and torch.cuda.is_current_stream_capturing()):
+                if ok:
+                    self._end_pass(pass_id)
+                else:
+                    self._discard_pass()
+            self._in_pass = False
+            self._pass_active = False
+
+    def with_current_layer(self, layer_idx: int) -> _LayerScope:
+        """Set the MoE layer (compact index ``0..L-1``) that hooks in the block count into."""
+        if not 0 <= layer_idx < self.config.num_layers:
+            raise ValueError(f"layer index {layer_idx} is outside [0, num_layers={self.config.num_layers})")
+        return _LayerScope(self, layer_idx)
+
+    @contextlib.contextmanager
+    def disable_this_region(self) -> Iterator[None]:
+        """Hooks inside the block count nothing (e.g. warm-up or a draft model)."""
+        self._disabled += 1
+        try:
+            yield
+        finally:
+            self._disabled -= 1
+
+    # ------------------------------------------------------------------ hooks
+    def _active(self) -> bool:
+        if self._disabled:
+            return False
+        if self._pass_active:
+            return True
+        # Inside CUDA-graph capture with recording on: capture the (gated) counting ops.
+        return self._cuda and self._recording and torch.cuda.is_current_stream_capturing()
+
+    def _resolve_layer(self, layer: int | None, hook: str) -> int:
+        if layer is None:
+            layer = self._layer
+            if layer is None:
+                raise RecorderStateError(
+                    f"{hook} called outside with_current_layer(); wrap the MoE layer in "
+                    "recorder.with_current_layer(i) or pass layer=i"
+                )
+            return layer
+        if not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"{hook}: layer {layer} is outside [0, num_layers={self.config.num_layers})")
+        return layer
+
+    def _check_tensor(self, name: str, tensor: object, ndim: int) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in _INT_DTYPES:
+            raise ValueError(f"{name} must be an integer tensor, got dtype {tensor.dtype}")
+        if tensor.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dimension(s), got shape {list(tensor.shape)}")
+        if tensor.device != self._device:
+            raise ValueError(f"{name} is on {tensor.device} but the recorder counts on {self._device}; configure device={tensor.device}")
+        return tensor
+
+    def on_select_experts(self, topk_ids: torch.Tensor, layer: int | None = None) -> None:
+        """Count the experts selected for each token.
+
+        Args:
+            topk_ids: ``[T, k]`` integer physical expert ids; ``-1`` is ignored,
+                other out-of-range ids count as invalid.
+            layer: MoE layer index; defaults to the one set by ``with_current_layer``.
+        """
+        if not self._active():
+            return
+        layer = self._resolve_layer(layer, "on_select_experts")
+        ids = self._check_tensor("topk_ids", topk_ids, 2)
+        if ids.shape[1] != self.config.top_k:
+            raise ValueError(f"topk_ids has {ids.shape[1]} columns but the recorder was configured with top_k={self.config.top_k}")
+        valid = self._counter.add_select(layer, ids)
+        tokens = ids.shape[0]
+        if tokens > self._pass_tokens:
+            self._pass_tokens = tokens
+        if self._token_stream is not None:
+            if tokens > self.config.max_tokens_per_pass:
+                raise ValueError(f"pass of {tokens} tokens exceeds max_tokens_per_pass={self.config.max_tokens_per_pass}; raise it in RecorderConfig")
+            self._token_stream.add_layer(layer, ids, valid)
+
+    def on_dispatch(
+        self,
+        send_counts: torch.Tensor,
+        recv_counts: torch.Tensor | None = None,
+        dropped: torch.Tensor | None = None,
+        layer: int | None = None,
+    ) -> None:
+        """Record what this rank's dispatch moves in the current layer.
+
+        Args:
+            send_counts: ``[R]`` token copies this rank sends to each EP rank.
+            recv_counts: ``[R]`` token copies this rank receives from each EP rank.
+            dropped: ``[]`` or ``[1]`` token copies dropped over expert capacity.
+            layer: MoE layer index; defaults to the one set by ``with_current_layer``.
+        """
+        if not self._active():
+            return
+        layer = self._resolve_layer(layer, "on_dispatch")
+        ep = self.config.ep_size
+        for name, tensor in (("send_counts", send_counts), ("recv_counts", recv_counts)):
+            if tensor is not None and self._check_tensor(name, tensor, 1).shape[0] != ep:
+                raise ValueError(f"{name} must have shape [ep_size={ep}], got {list(tensor.shape)}")
+        if dropped is not None:
+            self._check_tensor("dropped", dropped, dropped.dim() if isinstance(dropped, torch.Tensor) else 0)
+            if dropped.numel() != 1:
+                raise ValueError(f"dropped must hold one count, got shape {list(dropped.shape)}")
+        self._counter.add_dispatch(layer, send_counts, recv_counts, dropped)
+
+    # ------------------------------------------------------------------ pass end
+    def _end_pass(self, pass_id: int) -> None:
+        with self._lock:
+            counter, tokens, timestamp = self._counter, self._pass_tokens, time.time()
+            counter.fold()
+            if self._window is not None:
+                self._window.push(counter.current, pass_id, timestamp, tokens)
+            if self._pass_stream is not None:
+                self._pass_stream.push(counter.current, pass_id, timestamp, tokens)
+            if self._token_stream is not None:
+                self._token_stream.end_pass(pass_id)
+            counter.clear()
+            self._num_passes += 1
+            self._num_tokens += tokens
+            self._snapshots.publish(counter.totals, self._num_passes, self._num_tokens, timestamp)
+
+    def _discard_pass(self) -> None:
+        with self._lock:
+            self._counter.clear()
+            if self._token_stream is not None:
+                self._token_stream.pass_stage.fill_(-1)
+                self._token_stream.pass_tokens = 0
+
+    def _submit(self, job: StreamJob) -> None:
+        if self._segment is None:
+            job.done()
+            return
+        self._segment.submit(job)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start_record(self) -> None:
+        """Begin a fresh recording (counts, window and streams start empty)."""
+        with self._lock:
+            if self._recording:
+                raise RecorderStateError("already recording; call stop_record() first")
+            self._clear()
+            self._run_id = self._shared_run_id()
+            if self.config.mode != "stat":
+                self._open_segment()
+            self._started = True
+            self._recording = True
+            self._counter.gate.fill_(1)
+
+    def stop_record(self) -> None:
+        """Stop counting; what was recorded stays available to ``dump_record``."""
+        with self._lock:
+            if not self._recording:
+                raise RecorderStateError("not recording; call start_record() first")
+            self._recording = False
+            self._counter.gate.fill_(0)
+
+    def reset(self) -> None:
+        """Discard everything recorded; keeps recording if it was."""
+        with self._lock:
+            self._clear()
+            if self._recording and self.config.mode != "stat":
+                self._open_segment()
+
+    def _clear(self) -> None:
+        self._close_segment(discard=True)
+        self._counter.reset()
+        for part in (self._window, self._pass_stream, self._token_stream):
+            if part is not None:
+                part.reset()
+        self._snapshots.clear()
+        self._num_passes = 0
+        self._num_tokens = 0
+        self._errors = []
+
+    def _shared_run_id(self) -> str:
+        run_id = [uuid.uuid4().hex]
+        if _dist_world()[1] > 1:
+            dist.broadcast_object_list(run_id, src=0)
+        return run_id[0]
+
+    def _header(self, rank: int, world_size: int) -> TraceHeader:
+        cfg = self.config
+        return TraceHeader(
+            mode=cfg.mode,
+            id_space=self.id_space,
+            num_layers=cfg.num_layers,
+            num_physical_experts=cfg.num_physical_experts,
+            top_k=cfg.top_k,
+            ep_size=cfg.ep_size,
+            layer_ids=np.asarray(cfg.layer_ids),
+            physical_to_logical=cfg.physical_to_logical,  # type: ignore[arg-type]
+            model=cfg.model,
+            engine=cfg.engine,
+            run_id=self._run_id,
+            rank=rank,
+            world_size=world_size,
+            hidden_size=cfg.hidden_size or 0,
+            dtype_bytes=cfg.dtype_bytes,
+        )
+
+    def _open_segment(self) -> None:
+        directory = check_writable_dir(Path(self.config.output_dir))
+        rank, world = _dist_world()
+        path = directory / f".moetrace-segment-{os.getpid()}-{uuid.uuid4().hex[:8]}.h5"
+        self._segment = BackgroundTraceWriter(TraceWriter(path, self._header(rank, world)))
+
+    def _close_segment(self, discard: bool) -> TraceWriter | None:
+        segment, self._segment = self._segment, None
+        if segment is None:
+            return None
+        segment.close()
+        if discard:
+            segment.writer.abort()
+            return None
+        return segment.writer
+
+    # ------------------------------------------------------------------ dump
+    def _default_path(self) -> Path:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        return Path(self.config.output_dir) / f"moetrace-{self.config.mode}-{stamp}-{os.getpid()}.h5"
+
+    def dump_record(self, path: Path | str | None = None) -> Path:
+        """Write what was recorded to an HDF5 trace (atomically) and return its path.
+
+        ``stat`` mode under ``torch.distributed`` is collective: every rank must
+        call it; rank 0 writes one file with a rank axis and every rank returns
+        its path. Streaming modes write one file per rank (``-rank{r}`` suffix
+        when the world has several ranks). After a failure the recorded data is
+        intact and the dump can be retried.
+        """
+        with self._lock:
+            if not self._started:
+                raise RecorderStateError("nothing recorded yet: call start_record() before dump_record()")
+            target = Path(path) if path is not None else self._default_path()
+            if target.suffix != ".h5":
+                target = target.with_name(target.name + ".h5")
+            rank, world = _dist_world()
+            if self.config.mode == "stat":
+                written = self._dump_stat(target, rank, world)
+            else:
+                if world > 1:
+                    target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
+                written = self._dump_stream(target, rank, world)
+            self.last_dump_path = written
+            return written
+
+    def _gather(self, tensor: torch.Tensor, world: int) -> torch.Tensor:
+        if world == 1:
+            return tensor.unsqueeze(0)
+        parts = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.stack(parts)
+
+    def _dump_stat(self, target: Path, rank: int, world: int) -> Path:
+        assert self._window is not None
+        rows = self._gather(self._counter.totals, world).cpu().numpy()
+        order = torch.as_tensor(self._window.order(), dtype=torch.long)
+        w = self._window
+        slots = len(w.pass_id)
+        counts = torch.zeros_like(w.counts)
+        counts[: len(order)] = w.counts[order.to(self._device)]
+        meta = np.full((slots, 3), -1.0)
+        meta[: len(order)] = np.stack([w.pass_id, w.timestamp, w.num_tokens], axis=1)[order.numpy()]
+        passes = torch.tensor([self._num_passes, self._num_tokens], dtype=torch.int64, device=self._device)
+        all_counts = self._gather(counts, world).cpu().numpy()
+        all_meta = self._gather(torch.as_tensor(meta, dtype=torch.float64, device=self._device), world).cpu().numpy()
+        all_passes = self._gather(passes, world).cpu().numpy()
+        if rank != 0:
+            return target
+        filled = int((all_meta[:, :, 0] >= 0).sum(axis=1).max()) if all_meta.size else 0
+        writer = TraceWriter(target, self._header(rank=-1 if world > 1 else rank, world_size=world))
+        try:
+            self._write_totals(writer, rows, all_passes[:, 0], all_passes[:, 1])
+            writer.write("window/pass_id", all_meta[:, :filled, 0].astype(np.int64))
+            writer.write("window/timestamp", all_meta[:, :filled, 1])
+            writer.write("window/num_tokens", all_meta[:, :filled, 2].astype(np.int64))
+            writer.write("window/physical_count", all_counts[:, :filled], compress=True)
+            return writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def _write_totals(self, writer: TraceWriter, rows: np.ndarray, num_passes: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Write ``/stat`` from counter rows ``[R, L, C]``."""
+        lay = self._layout
+        physical = rows[:, :, : lay.num_experts]
+        writer.write("stat/physical_count", physical, compress=True)
+        writer.write("stat/logical_count", to_logical(physical, self.config.physical_to_logical), compress=True)  # type: ignore[arg-type]
+        writer.write("stat/invalid_ids", rows[:, :, lay.invalid])
+        writer.write("stat/send_count", rows[:, :, lay.send])
+        writer.write("stat/recv_count", rows[:, :, lay.recv])
+        writer.write("stat/dropped", rows[:, :, lay.dropped])
+        writer.write("stat/num_passes", np.asarray(num_passes, dtype=np.int64))
+        writer.write("stat/num_tokens", np.asarray(num_tokens, dtype=np.int64))
+
+    def _dump_stream(self, target: Path, rank: int, world: int) -> Path:
+        for stream in (self._pass_stream, self._token_stream):
+            if stream is not None:
+                stream.flush()
+        segment = self._segment
+        if segment is None:
+            raise RecorderStateError("no streaming segment is open (it was already dumped after stop_record); call start_record() to record again")
+        segment.drain()
+        if segment.error is not None:
+            error = segment.error
+            self._errors.append(f"streaming write failed: {error}")
+            raise TraceWriteError(f"the background trace writer failed earlier ({error}); the passes since then are lost, call reset() or start_record()") from error
+        segment.writer._file.flush()
+        writer = TraceWriter(target, self._header(rank, world))
+        try:
+            self._write_totals(writer, self._counter.totals.cpu().numpy()[None], np.array([self._num_passes]), np.array([self._num_tokens]))
+            self._copy_streamed(segment.writer, writer)
+            written = writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        # The segment's rows are now in a complete trace: start a new segment (or none after stop).
+        self._close_segment(discard=True)
+        if self._recording:
+            self._open_segment()
+        return written
+
+    def _copy_streamed(self, source: TraceWriter, dest: TraceWriter) -> None:
+        """Copy ``/passes`` or ``/tokens`` rows (compressed chunks as they are) into ``dest``."""
+        cfg = self.config
+        if self._pass_stream is not None:
+            lay, r = self._layout, cfg.ep_size
+            shapes = {
+                "pass_id": ((), np.int64), "timestamp": ((), np.float64), "num_tokens": ((), np.int64),
+                "physical_count": ((cfg.num_layers, lay.num_experts), np.int32),
+                "invalid_ids": ((cfg.num_layers,), np.int32),
+                "send_count": ((cfg.num_layers, r), np.int32), "recv_count": ((cfg.num_layers, r), np.int32),
+            }
+            group = "passes"
+        else:
+            assert self._token_stream is not None
+            shapes = {
+                "topk_ids": ((cfg.num_layers, cfg.top_k), self._token_stream.np_dtype),
+                "pass_id": ((), np.int64), "position": ((), np.int32),
+            }
+            group = "tokens"
+        for name, (row_shape, dtype) in shapes.items():
+            source.ensure_empty(f"{group}/{name}", row_shape, np.dtype(dtype))
+        dest._guard(lambda: source._file.copy(source._file[group], dest._file, name=group))
+
+    # ------------------------------------------------------------------ snapshot / status
+    def snapshot(self) -> RecorderSnapshot:
+        """The latest completed host copy of the totals; never waits for the device."""
+        cfg, lay = self.config, self._layout
+        with self._lock:
+            rows, (num_passes, num_tokens, timestamp) = self._snapshots.latest()
+            recording, last, errors = self._recording, self.last_dump_path, tuple(self._errors)
+        physical = rows[:, : lay.num_experts]
+        return RecorderSnapshot(
+            timestamp=timestamp,
+            recording=recording,
+            mode=cfg.mode,
+            id_space=self.id_space,
+            model=cfg.model,
+            engine=cfg.engine,
+            rank=cfg.ep_rank,
+            ep_size=cfg.ep_size,
+            top_k=cfg.top_k,
+            hidden_size=cfg.hidden_size or 0,
+            dtype_bytes=cfg.dtype_bytes,
+            layer_ids=np.asarray(cfg.layer_ids),
+            num_passes=num_passes,
+            num_tokens=num_tokens,
+            physical_count=physical,
+            logical_count=to_logical(physical, cfg.physical_to_logical),  # type: ignore[arg-type]
+            invalid_ids=rows[:, lay.invalid],
+            send_count=rows[:, lay.send],
+            recv_count=rows[:, lay.recv],
+            dropped=rows[:, lay.dropped],
+            last_dump_path=str(last) if last else None,
+            errors=errors,
+        )
+
+    def status(self) -> dict[str, object]:
+        """A JSON-ready summary for control endpoints."""
+        with self._lock:
+            segment_error = self._segment.error if self._segment is not None else None
+            errors = [*self._errors, *([f"streaming write failed: {segment_error}"] if segment_error else [])]
+            return {
+                "configured": True,
+                "recording": self._recording,
+                "mode": self.config.mode,
+                "passes": self._num_passes,
+                "tokens": self._num_tokens,
+                "last_dump_path": str(self.last_dump_path) if self.last_dump_path else None,
+                "output_dir": str(self.config.output_dir),
+                "errors": errors,
+            }
+
+
+class NoOpRecorder:
+    """The global default: every hook and context manager does nothing.
+
+    Lifecycle calls raise :class:`RecorderStateError` telling the user to
+    configure a real recorder first.
+    """
+
+    recording = False
+    mode = "none"
+    num_passes = 0
+    last_dump_path: Path | None = None
+
+    def with_forward_pass(self, forward_pass_id: int | None = None) -> contextlib.nullcontext[int]:
+        return contextlib.nullcontext(-1 if forward_pass_id is None else forward_pass_id)
+
+    def with_current_layer(self, layer_idx: int) -> contextlib.nullcontext[int]:
+        return contextlib.nullcontext(layer_idx)
+
+    def disable_this_region(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def on_select_experts(self, topk_ids: torch.Tensor, layer: int | None = None) -> None:
+        return None
+
+    def on_dispatch(self, send_counts: torch.Tensor, recv_counts: torch.Tensor | None = None, dropped: torch.Tensor | None = None, layer: int | None = None) -> None:
+        return None
+
+    def _unconfigured(self, what: str) -> RecorderStateError:
+        return RecorderStateError(f"{what}: no recorder is configured; call moetrace.configure(...) or set_recorder(...) first")
+
+    def start_record(self) -> None:
+        raise self._unconfigured("start_record")
+
+    def stop_record(self) -> None:
+        raise self._unconfigured("stop_record")
+
+    def dump_record(self, path: Path | str | None = None) -> Path:
+        raise self._unconfigured("dump_record")
+
+    def reset(self) -> None:
+        return None
+
+    def snapshot(self) -> RecorderSnapshot:
+        raise self._unconfigured("snapshot")
+
+    def status(self) -> dict[str, object]:
+        return {"configured": False, "recording": False, "mode": "none", "passes": 0, "tokens": 0, "last_dump_path": None, "output_dir": None, "errors": []}
+
+
+Recorder = ExpertDistributionRecorder | NoOpRecorder
+_global_recorder: Recorder = NoOpRecorder()
+
+
+def get_recorder() -> Recorder:
+    """The process-wide recorder (a :class:`NoOpRecorder` until one is set)."""
+    return _global_recorder
+
+
+def set_recorder(recorder: Recorder | None) -> Recorder:
+    """Install ``recorder`` as the process-wide recorder (``None`` restores the no-op); returns the previous one."""
+    global _global_recorder
+    previous = _global_recorder
+    _global_recorder = recorder if recorder is not None else NoOpRecorder()
+    return previous
+

@@ -1,0 +1,105 @@
+"""``RecorderSnapshot``: the host copy of a recorder's totals that exporters read.
+
+A snapshot is immutable plain numpy; building it never touches device tensors
+beyond the asynchronous copy the recorder made at the end of a pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .analysis import metrics
+from .dispatch import ep_ideal_bytes, exchanged_bytes
+
+__all__ = ["RecorderSnapshot"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RecorderSnapshot:
+    """Totals since ``start_record`` as seen by one rank.
+
+    Attributes:
+        timestamp: unix seconds when the underlying copy was taken.
+        recording: whether the recorder was recording then.
+        mode, id_space, model, engine: descriptive labels.
+        rank, ep_size: this process's EP rank and the EP world size.
+        layer_ids: model layer index of each MoE layer ``[L]``.
+        num_passes: forward passes recorded.
+        num_tokens: tokens recorded (sum of each pass's token count).
+        physical_count: ``[L, P]`` token copies per physical expert.
+        logical_count: ``[L, E]`` token copies per logical expert.
+        invalid_ids: ``[L]`` ids outside ``[0, P)`` other than -1.
+        send_count, recv_count: ``[L, R]`` token copies this rank sent to /
+            received from each EP rank (from ``on_dispatch``).
+        dropped: ``[L]`` token copies dropped over capacity.
+        hidden_size, dtype_bytes, top_k: for the byte figures (0 = unknown).
+        last_dump_path: the last file ``dump_record`` wrote, if any.
+        errors: background errors (e.g. a failed streaming write).
+    """
+
+    timestamp: float
+    recording: bool
+    mode: str
+    id_space: str
+    model: str
+    engine: str
+    rank: int
+    ep_size: int
+    top_k: int
+    hidden_size: int
+    dtype_bytes: int
+    layer_ids: np.ndarray
+    num_passes: int
+    num_tokens: int
+    physical_count: np.ndarray
+    logical_count: np.ndarray
+    invalid_ids: np.ndarray
+    send_count: np.ndarray
+    recv_count: np.ndarray
+    dropped: np.ndarray
+    last_dump_path: str | None = None
+    errors: tuple[str, ...] = ()
+
+    @property
+    def tokens_per_layer(self) -> np.ndarray:
+        """Token copies routed per layer ``[L]`` (sum over experts)."""
+        return self.physical_count.sum(axis=1)
+
+    @property
+    def rank_load(self) -> np.ndarray:
+        """``T[l, r]``: token copies routed to experts of EP rank ``r`` ``[L, R]``."""
+        return metrics.rank_load(self.physical_count, self.ep_size)
+
+    @property
+    def balancedness(self) -> float:
+        return metrics.balancedness(self.rank_load)
+
+    @property
+    def layer_balancedness(self) -> np.ndarray:
+        return metrics.layer_balancedness(self.rank_load)
+
+    @property
+    def layer_imbalance(self) -> np.ndarray:
+        return metrics.layer_imbalance(self.rank_load)
+
+    @property
+    def entropy_ratio(self) -> np.ndarray:
+        return metrics.entropy_ratio(self.logical_count)
+
+    @property
+    def dead_experts(self) -> np.ndarray:
+        return metrics.dead_experts(self.logical_count)
+
+    @property
+    def alltoall_bytes_ideal(self) -> np.ndarray:
+        """Ideal EP all-to-all bytes per layer ``[L]`` (``2·T·k·H·b``, T = copies / k); zeros when H is unknown."""
+        copies = self.tokens_per_layer
+        return np.array([ep_ideal_bytes(int(c) // max(self.top_k, 1), self.top_k, self.hidden_size, self.dtype_bytes) for c in copies], dtype=np.float64)
+
+    @property
+    def alltoall_bytes_actual(self) -> np.ndarray:
+        """Bytes this rank sent to other ranks per layer ``[L]`` (dispatch + combine); zeros when H is unknown."""
+        remote = self.send_count.sum(axis=1) - self.send_count[:, self.rank]
+        return np.array([exchanged_bytes(int(c), self.hidden_size, self.dtype_bytes) for c in remote], dtype=np.float64)

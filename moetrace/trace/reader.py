@@ -1,0 +1,254 @@
+"""Read moetrace HDF5 traces with typed accessors.
+
+``open_trace(path)`` checks that the file is a complete moetrace trace of a
+schema version this library understands, and raises :class:`TraceError`
+naming the file and the problem otherwise. Large datasets are read in chunks
+(``iter_passes``, ``iter_tokens``) so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .schema import COMPLETE_ATTR, REQUIRED_ATTRS, SCHEMA_NAME, SCHEMA_VERSION, TraceError
+
+__all__ = ["PassChunk", "TokenChunk", "Trace", "Window", "open_trace"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """The ``stat`` mode's time-ordered window, oldest pass first.
+
+    Attributes:
+        pass_id: ``[R, W]`` pass ids (``-1`` marks rows a rank did not fill).
+        timestamp: ``[R, W]`` unix seconds at pass end.
+        num_tokens: ``[R, W]`` tokens in each pass.
+        physical_count: ``[R, W, L, P]`` per-pass counts.
+    """
+
+    pass_id: np.ndarray
+    timestamp: np.ndarray
+    num_tokens: np.ndarray
+    physical_count: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class PassChunk:
+    """Consecutive rows of ``/passes`` (``N`` passes)."""
+
+    pass_id: np.ndarray  # [N]
+    timestamp: np.ndarray  # [N]
+    num_tokens: np.ndarray  # [N]
+    physical_count: np.ndarray  # [N, L, P]
+    invalid_ids: np.ndarray  # [N, L]
+    send_count: np.ndarray  # [N, L, R]
+    recv_count: np.ndarray  # [N, L, R]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenChunk:
+    """Consecutive rows of ``/tokens`` (``M`` tokens)."""
+
+    topk_ids: np.ndarray  # [M, L, k] physical ids, -1 = no routing
+    pass_id: np.ndarray  # [M]
+    position: np.ndarray  # [M] index of the token in its pass
+
+
+class Trace:
+    """An open moetrace trace. Use as a context manager or call :meth:`close`."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise TraceError(f"{self.path}: no such file")
+        try:
+            self._file = h5py.File(self.path, "r")
+        except OSError as exc:
+            raise TraceError(f"{self.path}: not an HDF5 file or truncated ({exc})") from exc
+        try:
+            self._validate()
+        except Exception:
+            self._file.close()
+            raise
+
+    def _validate(self) -> None:
+        attrs = self._file.attrs
+        if attrs.get("schema") != SCHEMA_NAME:
+            raise TraceError(f"{self.path}: not a moetrace trace (root attribute schema={attrs.get('schema')!r})")
+        version = int(attrs.get("schema_version", -1))
+        if version > SCHEMA_VERSION:
+            raise TraceError(
+                f"{self.path}: schema version {version} is newer than this moetrace understands "
+                f"({SCHEMA_VERSION}); upgrade moetrace"
+            )
+        if version < 1:
+            raise TraceError(f"{self.path}: invalid schema version {version}")
+        missing = [k for k in REQUIRED_ATTRS if k not in attrs]
+        if missing:
+            raise TraceError(f"{self.path}: missing root attributes {missing}")
+        if not bool(attrs.get(COMPLETE_ATTR, False)):
+            raise TraceError(f"{self.path}: trace is incomplete (its writer did not finish)")
+        for name in ("layers", "physical_to_logical"):
+            if name not in self._file:
+                raise TraceError(f"{self.path}: missing dataset /{name}")
+
+    # -- context manager ----------------------------------------------------------
+    def __enter__(self) -> Trace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    # -- attributes -----------------------------------------------------------------
+    @property
+    def attrs(self) -> dict[str, object]:
+        """Root attributes as plain Python values."""
+        out: dict[str, object] = {}
+        for key, value in self._file.attrs.items():
+            out[key] = value.item() if isinstance(value, np.generic) else value
+        return out
+
+    def _int(self, key: str) -> int:
+        return int(self._file.attrs[key])
+
+    @property
+    def mode(self) -> str:
+        return str(self._file.attrs["mode"])
+
+    @property
+    def id_space(self) -> str:
+        return str(self._file.attrs["id_space"])
+
+    @property
+    def num_layers(self) -> int:
+        return self._int("num_layers")
+
+    @property
+    def num_physical_experts(self) -> int:
+        return self._int("num_physical_experts")
+
+    @property
+    def num_logical_experts(self) -> int:
+        return self._int("num_logical_experts")
+
+    @property
+    def top_k(self) -> int:
+        return self._int("top_k")
+
+    @property
+    def ep_size(self) -> int:
+        return self._int("ep_size")
+
+    @property
+    def run_id(self) -> str:
+        return str(self._file.attrs["run_id"])
+
+    @property
+    def layers(self) -> np.ndarray:
+        """Model layer index of each MoE layer ``[L]``."""
+        return self._read("layers")
+
+    @property
+    def physical_to_logical(self) -> np.ndarray:
+        """Map ``[L, P]`` from physical slot to logical expert."""
+        return self._read("physical_to_logical")
+
+    def has(self, name: str) -> bool:
+        """Whether dataset or group ``name`` exists (e.g. ``"tokens/topk_ids"``)."""
+        return name in self._file
+
+    def _read(self, name: str) -> np.ndarray:
+        if name not in self._file:
+            raise TraceError(f"{self.path}: has no /{name} (mode {self.mode!r})")
+        try:
+            return np.asarray(self._file[name][()])
+        except OSError as exc:
+            raise TraceError(f"{self.path}: dataset /{name} is unreadable or truncated ({exc})") from exc
+
+    def num_rows(self, name: str) -> int:
+        """Rows along axis 0 of a streamed dataset (0 when absent)."""
+        return int(self._file[name].shape[0]) if name in self._file else 0
+
+    # -- stat -------------------------------------------------------------------------
+    def physical_count(self, per_rank: bool = False) -> np.ndarray:
+        """Total counts per physical expert: ``[L, P]`` summed over ranks, or ``[R, L, P]``."""
+        counts = self._read("stat/physical_count")
+        return counts if per_rank else counts.sum(axis=0)
+
+    def logical_count(self, per_rank: bool = False) -> np.ndarray:
+        """Total counts per logical expert: ``[L, E]`` summed over ranks, or ``[R, L, E]``."""
+        counts = self._read("stat/logical_count")
+        return counts if per_rank else counts.sum(axis=0)
+
+    def invalid_ids(self) -> np.ndarray:
+        """Out-of-range ids seen per rank and layer ``[R, L]``."""
+        return self._read("stat/invalid_ids")
+
+    def send_count(self) -> np.ndarray:
+        """Token copies each rank sent to each EP rank ``[R, L, R_ep]``."""
+        return self._read("stat/send_count")
+
+    def recv_count(self) -> np.ndarray:
+        """Token copies each rank received from each EP rank ``[R, L, R_ep]``."""
+        return self._read("stat/recv_count")
+
+    def dropped_tokens(self) -> np.ndarray:
+        """Token copies dropped over capacity per rank and layer ``[R, L]``."""
+        return self._read("stat/dropped")
+
+    def num_passes(self) -> np.ndarray:
+        """Forward passes recorded per rank ``[R]``."""
+        return self._read("stat/num_passes")
+
+    def num_tokens(self) -> np.ndarray:
+        """Tokens recorded per rank ``[R]``."""
+        return self._read("stat/num_tokens")
+
+    def window(self) -> Window:
+        """The ``stat`` mode's time-ordered window (oldest first)."""
+        return Window(
+            pass_id=self._read("window/pass_id"),
+            timestamp=self._read("window/timestamp"),
+            num_tokens=self._read("window/num_tokens"),
+            physical_count=self._read("window/physical_count"),
+        )
+
+    # -- streamed -----------------------------------------------------------------------
+    def iter_passes(self, chunk: int = 1024) -> Iterator[PassChunk]:
+        """``/passes`` in chunks of at most ``chunk`` passes (bounded memory)."""
+        names = ("pass_id", "timestamp", "num_tokens", "physical_count", "invalid_ids", "send_count", "recv_count")
+        for start in range(0, self.num_rows("passes/pass_id"), chunk):
+            yield PassChunk(**{n: self._slice(f"passes/{n}", start, chunk) for n in names})
+
+    def iter_tokens(self, chunk: int = 65536) -> Iterator[TokenChunk]:
+        """``/tokens`` in chunks of at most ``chunk`` tokens (bounded memory)."""
+        for start in range(0, self.num_rows("tokens/topk_ids"), chunk):
+            yield TokenChunk(
+                topk_ids=self._slice("tokens/topk_ids", start, chunk),
+                pass_id=self._slice("tokens/pass_id", start, chunk),
+                position=self._slice("tokens/position", start, chunk),
+            )
+
+    def _slice(self, name: str, start: int, count: int) -> np.ndarray:
+        try:
+            return np.asarray(self._file[name][start : start + count])
+        except (OSError, KeyError) as exc:
+            raise TraceError(f"{self.path}: dataset /{name} is unreadable or truncated ({exc})") from exc
+
+
+def open_trace(path: Path | str) -> Trace:
+    """Open and validate a moetrace trace.
+
+    Raises:
+        TraceError: the file is missing, not HDF5, not a moetrace trace,
+            incomplete, or of a newer schema version.
+    """
+    return Trace(path)

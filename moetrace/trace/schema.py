@@ -1,0 +1,48 @@
+"""HDF5 trace schema v1: names, attributes and the errors readers raise.
+
+``docs/trace-format.md`` documents every field; this module is the single
+place where the names live.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "COMPLETE_ATTR",
+    "REQUIRED_ATTRS",
+    "SCHEMA_NAME",
+    "SCHEMA_VERSION",
+    "TraceError",
+    "TraceWriteError",
+]
+
+SCHEMA_NAME = "moetrace"
+SCHEMA_VERSION = 1
+#: Root attribute set to True as the very last write before the atomic rename.
+COMPLETE_ATTR = "complete"
+#: Root attributes every v1 trace carries.
+REQUIRED_ATTRS = (
+    "schema",
+    "schema_version",
+    "moetrace_version",
+    "mode",
+    "id_space",
+    "num_layers",
+    "num_logical_experts",
+    "num_physical_experts",
+    "top_k",
+    "ep_size",
+    "model",
+    "engine",
+    "created_unix",
+    "run_id",
+    "rank",
+    "world_size",
+)
+
+
+class TraceError(ValueError):
+    """A file is not a readable moetrace trace; the message names file and problem."""
+
+
+class TraceWriteError(OSError):
+    """A trace could not be written; nothing that looks complete was left behind."""

@@ -1,0 +1,194 @@
+"""Atomic HDF5 trace writer (schema v1).
+
+A :class:`TraceWriter` writes to a hidden temporary file next to the target and
+renames it into place in :meth:`TraceWriter.commit`, after the root attribute
+``complete`` is set and the file is flushed to disk. A crash, a full disk or an
+exception at any earlier point leaves no file under the target name, and
+:meth:`TraceWriter.abort` removes the temporary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import uuid
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .. import __version__
+from .schema import COMPLETE_ATTR, SCHEMA_NAME, SCHEMA_VERSION, TraceWriteError
+
+__all__ = ["TraceHeader", "TraceWriter", "check_writable_dir", "token_id_dtype"]
+
+_COMPRESS = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
+
+
+def token_id_dtype(num_physical_experts: int) -> np.dtype:
+    """Smallest signed dtype holding ids ``-1 .. P-1``."""
+    return np.dtype(np.int16) if num_physical_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
+
+
+def check_writable_dir(directory: Path) -> Path:
+    """Create ``directory`` if needed and make sure a file can be written there.
+
+    Raises:
+        TraceWriteError: naming the directory and what to do.
+    """
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TraceWriteError(f"cannot create output directory {directory}: {exc.strerror or exc}; pass a writable output_dir") from exc
+    if not directory.is_dir():
+        raise TraceWriteError(f"output path {directory} exists and is not a directory; pass a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise TraceWriteError(f"output directory {directory} is not writable; pass a writable output_dir")
+    return directory
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceHeader:
+    """Root attributes and static datasets of a trace."""
+
+    mode: str
+    id_space: str
+    num_layers: int
+    num_physical_experts: int
+    top_k: int
+    ep_size: int
+    layer_ids: np.ndarray  # [L] int
+    physical_to_logical: np.ndarray  # [L, P] int
+    model: str = ""
+    engine: str = ""
+    run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    rank: int = 0
+    world_size: int = 1
+    hidden_size: int = 0
+    dtype_bytes: int = 0
+
+    @property
+    def num_logical_experts(self) -> int:
+        return int(np.max(self.physical_to_logical)) + 1
+
+
+class TraceWriter:
+    """Write one trace file atomically.
+
+    Args:
+        path: final file name; the parent directory must be writable.
+        header: root attributes and static datasets.
+    """
+
+    def __init__(self, path: Path | str, header: TraceHeader) -> None:
+        self.path = Path(path)
+        self.header = header
+        check_writable_dir(self.path.parent)
+        self._tmp = self.path.parent / f".{self.path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._file = h5py.File(self._tmp, "w", libver="latest")
+            self._write_header()
+        except Exception as exc:
+            self.abort()
+            raise TraceWriteError(f"cannot write trace {self.path}: {exc}") from exc
+
+    # -- header ---------------------------------------------------------------
+    def _write_header(self) -> None:
+        h, f = self.header, self._file
+        attrs = {
+            "schema": SCHEMA_NAME,
+            "schema_version": SCHEMA_VERSION,
+            "moetrace_version": __version__,
+            "mode": h.mode,
+            "id_space": h.id_space,
+            "num_layers": h.num_layers,
+            "num_logical_experts": h.num_logical_experts,
+            "num_physical_experts": h.num_physical_experts,
+            "top_k": h.top_k,
+            "ep_size": h.ep_size,
+            "model": h.model,
+            "engine": h.engine,
+            "created_unix": time.time(),
+            "run_id": h.run_id,
+            "rank": h.rank,
+            "world_size": h.world_size,
+            "hidden_size": h.hidden_size,
+            "dtype_bytes": h.dtype_bytes,
+            COMPLETE_ATTR: False,
+        }
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        f.create_dataset("layers", data=np.asarray(h.layer_ids, dtype=np.int32))
+        f.create_dataset("physical_to_logical", data=np.asarray(h.physical_to_logical, dtype=np.int32))
+
+    # -- whole datasets ---------------------------------------------------------
+    def write(self, name: str, data: np.ndarray, compress: bool = False) -> None:
+        """Write a complete dataset ``name`` (e.g. ``"stat/physical_count"``)."""
+        self._guard(lambda: self._file.create_dataset(name, data=data, **(_COMPRESS if compress and data.size > 1024 else {})))
+
+    # -- streamed datasets --------------------------------------------------------
+    def append(self, name: str, data: np.ndarray) -> None:
+        """Append rows to a dataset resizable along axis 0, creating it on first use."""
+        data = np.ascontiguousarray(data)
+
+        def do() -> None:
+            if name not in self._file:
+                chunk_rows = max(1, min(4096, (1 << 20) // max(1, data[0:1].nbytes)))
+                self._file.create_dataset(
+                    name,
+                    shape=(0, *data.shape[1:]),
+                    maxshape=(None, *data.shape[1:]),
+                    dtype=data.dtype,
+                    chunks=(chunk_rows, *data.shape[1:]),
+                    **_COMPRESS,
+                )
+            dset = self._file[name]
+            start = dset.shape[0]
+            dset.resize(start + data.shape[0], axis=0)
+            dset[start:] = data
+
+        self._guard(do)
+
+    def ensure_empty(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype) -> None:
+        """Create an empty resizable dataset if nothing was appended under ``name``."""
+        if name not in self._file:
+            self.append(name, np.zeros((0, *row_shape), dtype=dtype))
+
+    def set_attr(self, key: str, value: object) -> None:
+        self._guard(lambda: self._file.attrs.__setitem__(key, value))
+
+    def _guard(self, action) -> None:  # type: ignore[no-untyped-def]
+        try:
+            action()
+        except Exception as exc:
+            raise TraceWriteError(f"writing trace {self.path} failed: {exc}") from exc
+
+    # -- end ----------------------------------------------------------------------
+    def commit(self) -> Path:
+        """Mark complete, flush, fsync and rename into place; returns the final path."""
+        try:
+            self._file.attrs[COMPLETE_ATTR] = True
+            self._file.flush()
+            self._file.close()
+            with open(self._tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(self._tmp, self.path)
+        except Exception as exc:
+            self.abort()
+            raise TraceWriteError(f"finishing trace {self.path} failed: {exc}; nothing was left under that name") from exc
+        return self.path
+
+    def abort(self) -> None:
+        """Close and delete the temporary file; the target name is untouched."""
+        file = getattr(self, "_file", None)
+        if file is not None:
+            try:
+                file.close()
+            except Exception:  # noqa: BLE001 - already failing; the temp goes anyway
+                pass
+        try:
+            self._tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
