@@ -7,7 +7,7 @@ to look at a value twice. Errors say which field is wrong and what to pass.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import itertools
 from pathlib import Path
 from typing import Literal
 
@@ -135,7 +135,7 @@ class RecorderConfig:
         ids = tuple(int(i) for i in self.layer_ids)
         if len(ids) != num_layers:
             raise ValueError(f"layer_ids has {len(ids)} entries, expected num_layers={num_layers}")
-        if any(b <= a for a, b in zip(ids, ids[1:], strict=False)) or (ids and ids[0] < 0):
+        if any(b <= a for a, b in itertools.pairwise(ids)) or (ids and ids[0] < 0):
             raise ValueError(f"layer_ids must be non-negative and strictly increasing, got {list(ids)}")
         return ids
 

@@ -73,7 +73,7 @@ def _dist_world() -> tuple[int, int]:
 
 
 class _LayerScope:
-    __slots__ = ("_previous", "_recorder", "_layer")
+    __slots__ = ("_layer", "_previous", "_recorder")
 
     def __init__(self, recorder: ExpertDistributionRecorder, layer: int) -> None:
         self._recorder, self._layer = recorder, layer

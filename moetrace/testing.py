@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["HostSyncError", "assert_no_host_sync"]
@@ -99,6 +100,22 @@ class _NoHostSyncMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+_HOST_READS = {
+    torch.Tensor.tolist: "reads tensor values on the host (tolist)",
+    torch.Tensor.numpy: "exposes tensor values to the host (numpy)",
+}
+
+
+class _NoHostReadMode(TorchFunctionMode):
+    """Catches host reads that never reach the dispatcher on CPU tensors (tolist, numpy)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        reason = _HOST_READS.get(func)
+        if reason is not None:
+            raise HostSyncError(f"host-device synchronisation in a hot path: Tensor.{func.__name__}: {reason}")
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def assert_no_host_sync() -> Iterator[None]:
     """Fail with :class:`HostSyncError` if the block synchronises host and device.
@@ -111,5 +128,5 @@ def assert_no_host_sync() -> Iterator[None]:
     On a GPU, combine it with ``torch.cuda.set_sync_debug_mode("error")`` for
     the synchronisations that happen below the dispatcher.
     """
-    with _NoHostSyncMode():
+    with _NoHostReadMode(), _NoHostSyncMode():
         yield

@@ -79,7 +79,7 @@ class BackgroundTraceWriter:
                     for name, rows in job.build().items():
                         self.writer.append(name, rows)
                         self.rows_written[name] = self.rows_written.get(name, 0) + len(rows)
-            except BaseException as exc:  # noqa: BLE001 - reported to the recorder
+            except BaseException as exc:
                 self._error = exc
             finally:
                 job.done()

@@ -38,12 +38,12 @@ def check_writable_dir(directory: Path) -> Path:
         TraceWriteError: naming the directory and what to do.
     """
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise TraceWriteError(f"output path {directory} exists and is not a directory; pass a directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise TraceWriteError(f"cannot create output directory {directory}: {exc.strerror or exc}; pass a writable output_dir") from exc
-    if not directory.is_dir():
-        raise TraceWriteError(f"output path {directory} exists and is not a directory; pass a directory")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise TraceWriteError(f"output directory {directory} is not writable; pass a writable output_dir")
     return directory
@@ -186,7 +186,7 @@ class TraceWriter:
         if file is not None:
             try:
                 file.close()
-            except Exception:  # noqa: BLE001 - already failing; the temp goes anyway
+            except Exception:
                 pass
         try:
             self._tmp.unlink(missing_ok=True)

@@ -1,0 +1,128 @@
+"""Atomic dumps, unwritable paths, full disks, and readers refusing bad files."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from moetrace import ExpertDistributionRecorder, RecorderConfig
+from moetrace.trace import TraceError, TraceWriteError, open_trace
+from moetrace.trace.writer import TraceWriter
+from tests.recorder.helpers import random_passes, replay
+
+
+def recorded(tmp_path, mode="stat") -> ExpertDistributionRecorder:
+    rec = ExpertDistributionRecorder(RecorderConfig(num_layers=2, num_physical_experts=8, top_k=2, mode=mode, output_dir=tmp_path, stream_chunk_passes=4, stream_chunk_tokens=64, max_tokens_per_pass=16))
+    rec.start_record()
+    replay(rec, random_passes(np.random.default_rng(0), 9, 2, 8, 2, bad=False))
+    return rec
+
+
+def visible(directory) -> list[str]:
+    return sorted(p for p in os.listdir(directory) if not p.startswith("."))
+
+
+@pytest.mark.parametrize("mode", ["stat", "per_pass", "per_token"])
+def test_failure_mid_dump_leaves_nothing_and_retry_succeeds(tmp_path, monkeypatch, mode):
+    rec = recorded(tmp_path, mode)
+    before = rec.snapshot().physical_count.copy()
+    original = TraceWriter.write
+
+    def disk_full(self, name, data, compress=False):
+        if name == "stat/logical_count":
+            raise TraceWriteError(f"writing trace {self.path} failed: {os.strerror(errno.ENOSPC)}")
+        return original(self, name, data, compress)
+
+    monkeypatch.setattr(TraceWriter, "write", disk_full)
+    with pytest.raises(TraceWriteError, match="No space left"):
+        rec.dump_record(tmp_path / "out.h5")
+    assert visible(tmp_path) == []
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".out.h5")]  # temp removed
+    monkeypatch.setattr(TraceWriter, "write", original)
+    path = rec.dump_record(tmp_path / "out.h5")
+    with open_trace(path) as trace:
+        np.testing.assert_array_equal(trace.physical_count(), before)
+        if mode == "per_pass":
+            assert trace.num_rows("passes/pass_id") == 9
+        if mode == "per_token":
+            assert trace.num_rows("tokens/topk_ids") == rec.snapshot().num_tokens
+
+
+def test_streaming_writer_failure_is_reported(tmp_path, monkeypatch):
+    rec = ExpertDistributionRecorder(RecorderConfig(num_layers=1, num_physical_experts=4, top_k=1, mode="per_pass", output_dir=tmp_path, stream_chunk_passes=2))
+    rec.start_record()
+
+    def broken(self, name, rows):
+        raise TraceWriteError(f"writing trace {self.path} failed: {os.strerror(errno.ENOSPC)}")
+
+    monkeypatch.setattr(TraceWriter, "append", broken)
+    replay(rec, [[np.array([[1]])]] * 4)
+    rec._segment.drain()
+    assert any("No space left" in e for e in rec.status()["errors"])
+    with pytest.raises(TraceWriteError, match="background trace writer failed"):
+        rec.dump_record()
+    assert visible(tmp_path) == []
+
+
+def test_unwritable_output_paths(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rec = recorded(tmp_path)
+    with pytest.raises(TraceWriteError, match="cannot create output directory"):
+        rec.dump_record(blocker / "sub" / "t.h5")
+    streaming = ExpertDistributionRecorder(RecorderConfig(num_layers=1, num_physical_experts=4, top_k=1, mode="per_token", output_dir=blocker))
+    with pytest.raises(TraceWriteError, match="not a directory"):
+        streaming.start_record()
+    assert not streaming.recording
+
+
+def test_reader_refuses_bad_files(tmp_path):
+    good = recorded(tmp_path).dump_record(tmp_path / "good.h5")
+    missing = tmp_path / "missing.h5"
+    text = tmp_path / "text.h5"
+    text.write_text("hello")
+    truncated = tmp_path / "truncated.h5"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    foreign = tmp_path / "foreign.h5"
+    with h5py.File(foreign, "w") as f:
+        f["x"] = np.arange(3)
+    newer = tmp_path / "newer.h5"
+    newer.write_bytes(good.read_bytes())
+    with h5py.File(newer, "a") as f:
+        f.attrs["schema_version"] = 99
+    unfinished = tmp_path / "unfinished.h5"
+    unfinished.write_bytes(good.read_bytes())
+    with h5py.File(unfinished, "a") as f:
+        f.attrs["complete"] = False
+    cases = {
+        missing: "no such file",
+        text: "not an HDF5 file or truncated",
+        truncated: "truncated",
+        foreign: "not a moetrace trace",
+        newer: "schema version 99 is newer",
+        unfinished: "incomplete",
+    }
+    for path, message in cases.items():
+        with pytest.raises(TraceError, match=message) as info:
+            open_trace(path)
+        assert str(path) in str(info.value)
+    with open_trace(good) as trace, pytest.raises(TraceError, match="has no /tokens/topk_ids"):
+        trace._read("tokens/topk_ids")
+
+
+def test_trace_attributes_are_self_describing(tmp_path):
+    rec = ExpertDistributionRecorder(RecorderConfig(num_layers=2, num_physical_experts=8, top_k=2, ep_size=2, output_dir=tmp_path, model="tiny", engine="reference", layer_ids=(1, 3)))
+    rec.start_record()
+    with rec.with_forward_pass(), rec.with_current_layer(1):
+        rec.on_select_experts(torch.tensor([[1, 6]]))
+    with open_trace(rec.dump_record()) as trace:
+        attrs = trace.attrs
+    assert attrs["schema"] == "moetrace" and attrs["schema_version"] == 1
+    assert attrs["model"] == "tiny" and attrs["engine"] == "reference" and attrs["mode"] == "stat"
+    assert attrs["id_space"] == "logical" and attrs["ep_size"] == 2 and attrs["num_logical_experts"] == 8
+    assert attrs["complete"] is True or attrs["complete"] == 1
