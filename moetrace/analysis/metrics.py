@@ -12,6 +12,7 @@ __all__ = [
     "balancedness",
     "dead_experts",
     "entropy_ratio",
+    "js_divergence",
     "layer_balancedness",
     "layer_imbalance",
     "rank_load",
@@ -82,3 +83,24 @@ def entropy_ratio(counts: np.ndarray) -> np.ndarray:
 def dead_experts(counts: np.ndarray) -> np.ndarray:
     """Experts that received no token, per layer ``[L]``."""
     return (np.asarray(counts) == 0).sum(axis=1)
+
+
+def js_divergence(counts_a: np.ndarray, counts_b: np.ndarray) -> np.ndarray:
+    """Jensen-Shannon divergence (base 2, in ``[0, 1]``) between two count rows per layer ``[L]``.
+
+    ``counts_a`` and ``counts_b`` are ``[L, E]``; each row is normalised to a
+    distribution. A layer where either side is empty gives 0.0 (nothing to compare).
+    """
+    a = np.asarray(counts_a, dtype=np.float64)
+    b = np.asarray(counts_b, dtype=np.float64)
+    ta, tb = a.sum(axis=1, keepdims=True), b.sum(axis=1, keepdims=True)
+    p = np.divide(a, ta, out=np.zeros_like(a), where=ta > 0)
+    q = np.divide(b, tb, out=np.zeros_like(b), where=tb > 0)
+    m = 0.5 * (p + q)
+
+    def kl(x: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(x > 0, x * np.log2(np.where(x > 0, x, 1.0) / np.where(m > 0, m, 1.0)), 0.0).sum(axis=1)
+
+    js = 0.5 * kl(p) + 0.5 * kl(q)
+    return np.where((ta[:, 0] > 0) & (tb[:, 0] > 0), np.clip(js, 0.0, 1.0), 0.0)

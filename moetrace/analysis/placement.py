@@ -1,0 +1,298 @@
+"""Expert placement with replication: which GPU hosts which (replicated) expert.
+
+One public entry point, :func:`rebalance_experts`, in the vocabulary engines
+use (DeepSeek EPLB, SGLang, vLLM): ``phy2log [L, N]``, ``log2phy [L, E, X]``
+padded with ``-1``, ``logcnt [L, E]``.
+
+Algorithm (per MoE layer; every step starts from the greedy answer and only
+accepts strict improvements, so the result is never worse than greedy
+replicate-then-pack on the same loads):
+
+1. *Hierarchical* when ``num_groups % num_nodes == 0``: expert groups
+   (contiguous blocks of ``E / G`` experts) are packed onto nodes, ``G / M``
+   groups per node, so a group's traffic stays inside one node. Two node
+   assignments are tried: longest-first greedy packing, and the same refined by
+   pairwise swaps of groups between the heaviest node and the others. The
+   remaining steps run per node. *Global* otherwise: one node holding all
+   experts and GPUs.
+2. Replication: each extra physical slot goes to the expert with the highest
+   load per replica (``w / count``), which minimises the largest replica load.
+3. Packing: replicas are placed longest-first on the lightest GPU with a free
+   slot (``N / K`` slots per GPU), then refined by local search: swap a
+   replica on the most loaded GPU with a lighter replica elsewhere while that
+   lowers the larger of the two GPUs' loads. Each swap strictly lowers the sum
+   of squared loads, so the search ends.
+4. Of the candidate node assignments, each layer keeps the one with the
+   smallest peak GPU load.
+
+Predicted load assumes a logical expert's tokens split evenly over its
+replicas: GPU load ``= sum over its slots of w[e] / logcnt[e]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import metrics
+
+__all__ = [
+    "PlacementError",
+    "PlacementPlan",
+    "check_placement_args",
+    "log2phy_from_phy2log",
+    "predicted_gpu_load",
+    "rebalance_experts",
+]
+
+
+class PlacementError(ValueError):
+    """Placement inputs that cannot work; the message says which and what to pass."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementPlan:
+    """A placement of ``N`` physical expert slots over ``K`` GPUs.
+
+    Attributes:
+        phy2log: ``[L, N]`` logical expert held by physical slot ``p``; GPU
+            ``g`` owns slots ``[g * N / K, (g + 1) * N / K)``.
+        log2phy: ``[L, E, X]`` physical slots of each logical expert, padded
+            with ``-1`` (``X`` = the largest replica count).
+        logcnt: ``[L, E]`` replicas per logical expert (>= 1).
+        gpu_load: ``[L, K]`` predicted tokens per GPU.
+        hierarchical: whether groups were packed onto nodes first.
+    """
+
+    phy2log: np.ndarray
+    log2phy: np.ndarray
+    logcnt: np.ndarray
+    gpu_load: np.ndarray
+    hierarchical: bool
+
+    @property
+    def balancedness(self) -> float:
+        """Predicted overall balancedness over GPUs (``metrics.balancedness``)."""
+        return metrics.balancedness(self.gpu_load)
+
+    @property
+    def layer_balancedness(self) -> np.ndarray:
+        """Predicted balancedness per layer ``[L]``."""
+        return metrics.layer_balancedness(self.gpu_load)
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) <= 0:
+        raise PlacementError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_placement_args(
+    weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> np.ndarray:
+    """Validate placement inputs; returns ``weight`` as float64 ``[L, E]``.
+
+    Raises:
+        PlacementError: naming the inconsistent argument and what would work.
+    """
+    w = np.asarray(weight)
+    if w.ndim != 2 or w.shape[0] == 0 or w.shape[1] == 0:
+        raise PlacementError(f"weight must be a non-empty [layers, experts] matrix, got shape {list(w.shape)}")
+    if not (np.issubdtype(w.dtype, np.integer) or np.issubdtype(w.dtype, np.floating)):
+        raise PlacementError(f"weight must be numeric, got dtype {w.dtype}")
+    w = w.astype(np.float64)
+    if not np.isfinite(w).all() or (w < 0).any():
+        raise PlacementError("weight must hold finite, non-negative loads")
+    num_experts = w.shape[1]
+    replicas = _positive("replicas", num_replicas)
+    groups = _positive("groups", num_groups)
+    nodes = _positive("nodes", num_nodes)
+    gpus = _positive("gpus", num_gpus)
+    if replicas < num_experts:
+        raise PlacementError(f"replicas={replicas} is smaller than the {num_experts} experts; every expert needs a slot (pass --replicas >= {num_experts})")
+    if replicas % gpus:
+        raise PlacementError(f"replicas={replicas} is not divisible by gpus={gpus}; every GPU must hold the same number of expert slots")
+    if gpus % nodes:
+        raise PlacementError(f"gpus={gpus} is not divisible by nodes={nodes}; every node must have the same number of GPUs")
+    if num_experts % groups:
+        raise PlacementError(f"the {num_experts} experts cannot be split into groups={groups} equal groups; pass a divisor of {num_experts}")
+    return w
+
+
+def predicted_gpu_load(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Tokens per GPU ``[L, K]`` for loads ``weight [L, E]`` and a placement ``phy2log [L, N]``.
+
+    Each logical expert's load splits evenly over its replicas.
+    """
+    weight = np.asarray(weight, dtype=np.float64)
+    phy2log = np.asarray(phy2log, dtype=np.int64)
+    num_layers, num_experts = weight.shape
+    logcnt = np.zeros((num_layers, num_experts), dtype=np.int64)
+    np.add.at(logcnt, (np.arange(num_layers)[:, None], phy2log), 1)
+    per_replica = np.divide(weight, logcnt, out=np.zeros_like(weight), where=logcnt > 0)
+    slot_load = np.take_along_axis(per_replica, phy2log, axis=1)
+    return slot_load.reshape(num_layers, num_gpus, -1).sum(axis=2)
+
+
+def log2phy_from_phy2log(phy2log: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(log2phy [L, E, X] padded with -1, logcnt [L, E])`` from ``phy2log [L, N]``."""
+    phy2log = np.asarray(phy2log, dtype=np.int64)
+    num_layers, num_phy = phy2log.shape
+    logcnt = np.zeros((num_layers, num_experts), dtype=np.int64)
+    np.add.at(logcnt, (np.arange(num_layers)[:, None], phy2log), 1)
+    width = int(logcnt.max())
+    log2phy = np.full((num_layers, num_experts, width), -1, dtype=np.int64)
+    for layer in range(num_layers):
+        order = np.argsort(phy2log[layer], kind="stable")
+        experts = phy2log[layer, order]
+        starts = np.concatenate([[0], np.cumsum(logcnt[layer])[:-1]])
+        rank = np.arange(num_phy) - starts[experts]
+        log2phy[layer, experts, rank] = order
+    return log2phy, logcnt
+
+
+# ---------------------------------------------------------------------- building blocks
+def _replicate(weight: np.ndarray, num_slots: int) -> np.ndarray:
+    """Replica counts ``[X, n]`` giving ``num_slots`` slots per row to loads ``weight [X, n]``."""
+    rows, n = weight.shape
+    counts = np.ones((rows, n), dtype=np.int64)
+    index = np.arange(rows)
+    for _ in range(num_slots - n):
+        counts[index, np.argmax(weight / counts, axis=1)] += 1
+    return counts
+
+
+def _greedy_pack(weight: np.ndarray, num_packs: int) -> np.ndarray:
+    """Pack index ``[X, n]``: longest first onto the lightest pack with room (``n / packs`` each)."""
+    rows, n = weight.shape
+    capacity = n // num_packs
+    order = np.argsort(-weight, axis=1, kind="stable")
+    loads = np.zeros((rows, num_packs))
+    sizes = np.zeros((rows, num_packs), dtype=np.int64)
+    pack = np.empty((rows, n), dtype=np.int64)
+    index = np.arange(rows)
+    for step in range(n):
+        item = order[:, step]
+        target = np.argmin(np.where(sizes < capacity, loads, np.inf), axis=1)
+        pack[index, item] = target
+        loads[index, target] += weight[index, item]
+        sizes[index, target] += 1
+    return pack
+
+
+def _refine_pack(weight: np.ndarray, pack: np.ndarray, num_packs: int) -> np.ndarray:
+    """Swap-based local search on one row: lower the heaviest pack while that helps. Returns a new ``pack [n]``."""
+    pack = pack.copy()
+    loads = np.bincount(pack, weights=weight, minlength=num_packs)
+    tolerance = 1e-12 * max(float(loads.max()), 1.0)
+    for _ in range(4 * len(weight) + 16):
+        heavy = int(np.argmax(loads))
+        inside = pack == heavy
+        mine, others = np.flatnonzero(inside), np.flatnonzero(~inside)
+        if len(others) == 0:
+            break
+        delta = weight[mine][:, None] - weight[others][None, :]
+        peak = np.maximum(loads[heavy] - delta, loads[pack[others]][None, :] + delta)
+        peak[delta <= 0] = np.inf
+        best = int(np.argmin(peak))
+        i, j = divmod(best, len(others))
+        if not peak[i, j] < loads[heavy] - tolerance:
+            break
+        a, b = mine[i], others[j]
+        light = pack[b]
+        pack[a], pack[b] = light, heavy
+        loads[heavy] -= delta[i, j]
+        loads[light] += delta[i, j]
+    return pack
+
+
+def _pack(weight: np.ndarray, num_packs: int) -> np.ndarray:
+    """Greedy packing refined by local search, for every row of ``weight [X, n]``."""
+    pack = _greedy_pack(weight, num_packs)
+    if num_packs == 1 or weight.shape[1] == num_packs:
+        return pack
+    return np.stack([_refine_pack(weight[r], pack[r], num_packs) for r in range(weight.shape[0])])
+
+
+def _place_in_nodes(
+    weight: np.ndarray, node_of_group: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> np.ndarray:
+    """``phy2log [L, N]`` for a given group-to-node assignment ``node_of_group [L, G]``."""
+    num_layers, num_experts = weight.shape
+    group_size = num_experts // num_groups
+    experts_per_node = num_experts // num_nodes
+    slots_per_node = num_replicas // num_nodes
+    gpus_per_node = num_gpus // num_nodes
+    slots_per_gpu = num_replicas // num_gpus
+    # Logical experts of each node, ordered by group then position: [L, M, E/M].
+    group_order = np.argsort(node_of_group, axis=1, kind="stable")
+    node_experts = (group_order[:, :, None] * group_size + np.arange(group_size)).reshape(num_layers, num_nodes, experts_per_node)
+    node_weight = np.take_along_axis(weight, node_experts.reshape(num_layers, -1), axis=1).reshape(-1, experts_per_node)
+    counts = _replicate(node_weight, slots_per_node)  # [L*M, E/M]
+    replica_item = np.stack([np.repeat(np.arange(experts_per_node), c) for c in counts])  # [L*M, N/M]
+    replica_weight = np.take_along_axis(node_weight / counts, replica_item, axis=1)
+    gpu = _pack(replica_weight, gpus_per_node)  # local GPU of each replica
+    phy2log = np.empty((num_layers * num_nodes, slots_per_node), dtype=np.int64)
+    flat_experts = node_experts.reshape(-1, experts_per_node)
+    for row in range(num_layers * num_nodes):
+        order = np.argsort(gpu[row], kind="stable")  # slots grouped by GPU, N/K each
+        phy2log[row] = flat_experts[row, replica_item[row, order]]
+    assert slots_per_gpu * gpus_per_node == slots_per_node
+    return phy2log.reshape(num_layers, num_replicas)
+
+
+def rebalance_experts(
+    weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> PlacementPlan:
+    """Plan where each (replicated) expert lives so that GPU loads are balanced.
+
+    Args:
+        weight: ``[L, E]`` load of each logical expert per MoE layer (e.g. a
+            trace's ``logical_count``).
+        num_replicas: ``N`` physical expert slots in total, a multiple of
+            ``num_gpus`` and at least ``E``.
+        num_groups: ``G`` expert groups (contiguous blocks of ``E / G``
+            experts); ``E % G == 0``.
+        num_nodes: ``M`` server nodes (fast links inside a node).
+        num_gpus: ``K`` GPUs, a multiple of ``num_nodes``.
+
+    Returns:
+        A :class:`PlacementPlan` with ``phy2log [L, N]``, ``log2phy [L, E, X]``
+        (``-1`` padded), ``logcnt [L, E]`` and the predicted ``gpu_load [L, K]``.
+        Hierarchical (groups packed onto nodes) when ``G % M == 0``, global
+        otherwise.
+
+    Raises:
+        PlacementError: inconsistent sizes (see :func:`check_placement_args`).
+    """
+    w = check_placement_args(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    num_layers, num_experts = w.shape
+    hierarchical = num_groups % num_nodes == 0
+    groups, nodes = (num_groups, num_nodes) if hierarchical else (1, 1)
+    group_weight = w.reshape(num_layers, groups, -1).sum(axis=2)
+    greedy_nodes = _greedy_pack(group_weight, nodes)
+    candidates = [greedy_nodes]
+    if 1 < nodes < groups:
+        refined = _pack(group_weight, nodes)
+        if (refined != greedy_nodes).any():
+            candidates.append(refined)
+    best_plan = best_peak = None
+    for node_of_group in candidates:
+        phy2log = _place_in_nodes(w, node_of_group, num_replicas, groups, nodes, num_gpus)
+        peak = predicted_gpu_load(w, phy2log, num_gpus).max(axis=1)
+        if best_plan is None:
+            best_plan, best_peak = phy2log, peak
+        else:
+            better = peak < best_peak - 1e-9 * np.maximum(best_peak, 1.0)
+            best_plan[better] = phy2log[better]
+            best_peak = np.where(better, peak, best_peak)
+    assert best_plan is not None
+    log2phy, logcnt = log2phy_from_phy2log(best_plan, num_experts)
+    return PlacementPlan(
+        phy2log=best_plan,
+        log2phy=log2phy,
+        logcnt=logcnt,
+        gpu_load=predicted_gpu_load(w, best_plan, num_gpus),
+        hierarchical=hierarchical,
+    )

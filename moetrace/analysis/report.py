@@ -1,0 +1,298 @@
+"""``analyze_trace``: every balance figure of a trace in one streaming read.
+
+Totals come from ``/stat`` (every mode writes it). The time-ordered data
+(``/window``, ``/passes`` or ``/tokens``) is read once, a chunk at a time, to
+build the drift series and, for ``per_token`` traces, co-activation and
+cross-layer transitions. Memory is bounded by the chunk sizes and the
+``[L, E, E]`` result matrices, never by the trace length.
+
+``AnalysisReport.to_dict()`` gives the JSON document described in
+``docs/analysis.md`` (``schema = "moetrace.analysis"``, ``schema_version = 1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ..trace.reader import Trace, open_trace
+from . import metrics
+from .coactivation import (
+    CoactivationAccumulator,
+    mutual_information_bits,
+    top_pairs,
+    top_transitions,
+)
+from .drift import DriftSeries, WindowAccumulator
+from .source import count_records, iter_pass_blocks, select_layers, token_pass_block
+
+__all__ = ["REPORT_SCHEMA", "REPORT_SCHEMA_VERSION", "AnalysisReport", "analyze_trace", "progress_bar"]
+
+REPORT_SCHEMA = "moetrace.analysis"
+REPORT_SCHEMA_VERSION = 1
+#: Default number of drift windows when ``window`` is not given.
+DEFAULT_WINDOWS = 20
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool | None, total: int, description: str) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar on stderr; yields ``advance(n)``.
+
+    ``enabled=None`` shows it only when stderr is a terminal.
+    """
+    console = Console(file=sys.stderr)
+    show = console.is_terminal if enabled is None else enabled
+    if not show or total <= 0:
+        yield lambda n: None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+@dataclasses.dataclass
+class AnalysisReport:
+    """Balance, entropy, co-activation and drift figures of one trace.
+
+    Attributes:
+        path: the trace.
+        attrs: the trace's root attributes.
+        layer_ids: model layer ids ``[L]`` analysed.
+        physical_count: ``[L, P]`` token copies per physical expert (all ranks).
+        logical_count: ``[L, E]`` token copies per logical expert (all ranks).
+        ep_size: EP ranks ``R`` of the recorded layout.
+        num_passes: forward passes (largest count over recording ranks).
+        num_tokens: tokens (sum over recording ranks).
+        invalid_ids, dropped: totals over ranks and the selected layers.
+        top: how many hottest experts / pairs to list per layer.
+        coactivation: co-activation and transitions (``per_token`` traces only).
+        drift: per-window series (when the trace has time-ordered data).
+        notes: what could not be computed and why, or consistency warnings.
+    """
+
+    path: Path
+    attrs: dict[str, object]
+    layer_ids: np.ndarray
+    physical_count: np.ndarray
+    logical_count: np.ndarray
+    ep_size: int
+    num_passes: int
+    num_tokens: int
+    invalid_ids: int
+    dropped: int
+    top: int
+    coactivation: CoactivationAccumulator | None
+    drift: DriftSeries | None
+    notes: list[str]
+
+    # -- metrics (one definition each: moetrace.analysis.metrics) -------------------
+    @property
+    def rank_load(self) -> np.ndarray:
+        """``T[l, r]`` ``[L, R]``."""
+        return metrics.rank_load(self.physical_count, self.ep_size)
+
+    @property
+    def balancedness(self) -> float:
+        return metrics.balancedness(self.rank_load)
+
+    @property
+    def layer_balancedness(self) -> np.ndarray:
+        return metrics.layer_balancedness(self.rank_load)
+
+    @property
+    def layer_imbalance(self) -> np.ndarray:
+        return metrics.layer_imbalance(self.rank_load)
+
+    @property
+    def entropy_ratio(self) -> np.ndarray:
+        return metrics.entropy_ratio(self.logical_count)
+
+    @property
+    def dead_experts(self) -> np.ndarray:
+        return metrics.dead_experts(self.logical_count)
+
+    def hottest(self, layer: int) -> list[dict[str, float]]:
+        """The ``top`` busiest logical experts of compact layer ``layer``."""
+        counts = self.logical_count[layer]
+        total, mean = int(counts.sum()), counts.mean()
+        order = np.argsort(-counts, kind="stable")[: self.top]
+        return [
+            {"expert": int(e), "count": int(counts[e]), "share": counts[e] / total if total else 0.0, "load_ratio": counts[e] / mean if mean else 0.0}
+            for e in order
+        ]
+
+    # -- JSON ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, object]:
+        """The JSON document (``docs/analysis.md`` describes every field)."""
+        a = self.attrs
+        load = self.rank_load
+        layers = []
+        for i, layer in enumerate(self.layer_ids):
+            layers.append(
+                {
+                    "layer": int(layer),
+                    "assignments": int(self.logical_count[i].sum()),
+                    "balancedness": float(self.layer_balancedness[i]),
+                    "imbalance": float(self.layer_imbalance[i]),
+                    "entropy_ratio": float(self.entropy_ratio[i]),
+                    "dead_experts": [int(e) for e in np.flatnonzero(self.logical_count[i] == 0)],
+                    "hottest": self.hottest(i),
+                    "rank_load": [int(x) for x in load[i]],
+                }
+            )
+        rank_total = load.sum(axis=0)
+        return {
+            "schema": REPORT_SCHEMA,
+            "schema_version": REPORT_SCHEMA_VERSION,
+            "trace": {
+                "path": str(self.path),
+                **{k: a.get(k) for k in ("mode", "id_space", "model", "engine", "run_id", "rank", "world_size", "ep_size", "top_k", "num_logical_experts", "num_physical_experts", "num_layers")},
+            },
+            "layers": [int(x) for x in self.layer_ids],
+            "totals": {
+                "passes": self.num_passes,
+                "tokens": self.num_tokens,
+                "assignments": int(self.logical_count.sum()),
+                "invalid_ids": self.invalid_ids,
+                "dropped": self.dropped,
+            },
+            "overall": {
+                "balancedness": self.balancedness,
+                "max_layer_imbalance": float(self.layer_imbalance.max()),
+                "mean_entropy_ratio": float(self.entropy_ratio.mean()),
+                "dead_experts": int(self.dead_experts.sum()),
+            },
+            "per_layer": layers,
+            "ranks": {
+                "ep_size": self.ep_size,
+                "total_load": [int(x) for x in rank_total],
+                "hottest_rank": int(np.argmax(rank_total)),
+                "balancedness": metrics.balancedness(rank_total[None, :]),
+            },
+            "coactivation": self._coactivation_dict(),
+            "transitions": self._transitions_dict(),
+            "drift": self.drift.to_dict() if self.drift is not None and len(self.drift) else None,
+            "notes": list(self.notes),
+        }
+
+    def _coactivation_dict(self) -> dict[str, object] | None:
+        co = self.coactivation
+        if co is None:
+            return None
+        return {
+            "per_layer": [
+                {"layer": int(layer), "tokens": int(co.routed_tokens[i]), "top_pairs": top_pairs(co.coactivation[i], co.expert_tokens[i], int(co.routed_tokens[i]), self.top)}
+                for i, layer in enumerate(self.layer_ids)
+            ]
+        }
+
+    def _transitions_dict(self) -> list[dict[str, object]] | None:
+        co = self.coactivation
+        if co is None:
+            return None
+        out = []
+        for i in range(len(co.transitions)):
+            mi = mutual_information_bits(co.transitions[i])
+            num_experts = co.transitions.shape[1]
+            out.append(
+                {
+                    "from_layer": int(self.layer_ids[i]),
+                    "to_layer": int(self.layer_ids[i + 1]),
+                    "mutual_information_bits": mi,
+                    "normalized_mutual_information": mi / math.log2(num_experts) if num_experts > 1 else 0.0,
+                    "top": top_transitions(co.transitions[i], self.top),
+                }
+            )
+        return out
+
+
+def _default_window(trace: Trace, unit_count: int) -> int:
+    passes = unit_count if trace.mode != "per_token" else int(trace.num_passes().max(initial=0))
+    if trace.mode == "per_pass" and trace.attrs.get("rank") == -1:
+        passes = int(trace.num_passes().max(initial=0))
+    return max(1, math.ceil(passes / DEFAULT_WINDOWS))
+
+
+def analyze_trace(
+    path: Path | str,
+    *,
+    layers: Sequence[int] | None = None,
+    window: int | None = None,
+    top: int = 5,
+    progress: bool | None = False,
+    chunk_passes: int = 1024,
+    chunk_tokens: int = 65536,
+) -> AnalysisReport:
+    """Analyse a trace in one streaming read.
+
+    Args:
+        path: a moetrace HDF5 trace (any mode).
+        layers: model layer ids to analyse (default all).
+        window: passes per drift window (default: about 20 windows).
+        top: hottest experts / pairs / transitions listed per layer.
+        progress: show a rich progress bar on stderr (``None``: when a terminal).
+        chunk_passes, chunk_tokens: rows read at once (bound the memory).
+
+    Raises:
+        TraceError: the file is not a readable trace, or a layer is unknown.
+        ValueError: ``window`` or ``top`` is not positive.
+    """
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of passes, got {window}")
+    if top < 1:
+        raise ValueError(f"top must be positive, got {top}")
+    with open_trace(path) as trace:
+        index = select_layers(trace, layers)
+        layer_ids = trace.layers[index]
+        mapping = trace.physical_to_logical[index]
+        num_experts = trace.num_logical_experts
+        physical = trace.physical_count()[index].astype(np.int64)
+        logical = trace.logical_count()[index].astype(np.int64)
+        notes: list[str] = []
+        unit, records = count_records(trace)
+        passes_per_window = window or _default_window(trace, records)
+        windows = WindowAccumulator(passes_per_window, mapping, trace.ep_size, layer_ids)
+        coactivation = None
+        with progress_bar(progress, records, f"analyzing {trace.path.name} ({unit})") as advance:
+            if trace.mode == "per_token":
+                coactivation = CoactivationAccumulator(mapping, index, num_experts)
+                for chunk in trace.iter_tokens(chunk_tokens):
+                    windows.add(token_pass_block(chunk, index, trace.num_physical_experts))
+                    coactivation.add(chunk.topk_ids)
+                    advance(len(chunk.pass_id))
+            else:
+                for block in iter_pass_blocks(trace, index, chunk_passes):
+                    windows.add(block)
+                    advance(len(block.pass_id))
+                notes.append("co-activation and cross-layer transitions need a per_token trace")
+        drift = windows.finish()
+        if trace.mode != "stat" and records and not np.array_equal(windows.total, physical):
+            notes.append(f"/{'tokens' if trace.mode == 'per_token' else 'passes'} does not add up to /stat totals; the trace may have been edited or partly written")
+        if not records:
+            notes.append("no time-ordered data (empty window or stream): no drift series")
+        report = AnalysisReport(
+            path=trace.path,
+            attrs=trace.attrs,
+            layer_ids=np.asarray(layer_ids),
+            physical_count=physical,
+            logical_count=logical,
+            ep_size=trace.ep_size,
+            num_passes=int(trace.num_passes().max(initial=0)),
+            num_tokens=int(trace.num_tokens().sum()),
+            invalid_ids=int(trace.invalid_ids()[:, index].sum()),
+            dropped=int(trace.dropped_tokens()[:, index].sum()),
+            top=top,
+            coactivation=coactivation,
+            drift=drift if len(drift) else None,
+            notes=notes,
+        )
+    return report

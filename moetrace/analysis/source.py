@@ -1,0 +1,133 @@
+"""Streaming access to a trace's time-ordered data, in bounded memory.
+
+Every mode is turned into the same thing: consecutive blocks of per-pass
+counts (:class:`PassBlock`), read a chunk at a time:
+
+- ``stat``: rows of ``/window`` (the last ``W`` passes), summed over ranks,
+  sliced straight from HDF5;
+- ``per_pass``: rows of ``/passes`` via :meth:`Trace.iter_passes`;
+- ``per_token``: rows of ``/tokens`` via :meth:`Trace.iter_tokens`, counted
+  per pass with one ``bincount`` per chunk.
+
+A pass may span two blocks (or, in a merged trace, several rows with the same
+pass id, one per rank); consumers group consecutive equal pass ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import h5py
+import numpy as np
+
+from ..trace.reader import TokenChunk, Trace
+from ..trace.schema import TraceError
+
+__all__ = [
+    "PassBlock",
+    "count_records",
+    "iter_pass_blocks",
+    "select_layers",
+    "token_pass_block",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PassBlock:
+    """Per-pass counts for ``n`` consecutive rows.
+
+    Attributes:
+        pass_id: ``[n]`` pass ids (non-decreasing within a trace).
+        num_tokens: ``[n]`` tokens of each row.
+        physical_count: ``[n, L, P]`` token copies per selected layer and physical expert.
+    """
+
+    pass_id: np.ndarray
+    num_tokens: np.ndarray
+    physical_count: np.ndarray
+
+
+def select_layers(trace: Trace, layers: Sequence[int] | None) -> np.ndarray:
+    """Compact indices ``[L_sel]`` of the requested model layer ids (all when ``None``).
+
+    Raises:
+        TraceError: a requested layer is not in the trace's ``/layers``.
+    """
+    model_layers = [int(x) for x in trace.layers]
+    if layers is None:
+        return np.arange(len(model_layers))
+    missing = [x for x in layers if x not in model_layers]
+    if missing:
+        raise TraceError(f"{trace.path}: layers {missing} are not MoE layers of this trace (it has {model_layers})")
+    if not layers:
+        raise TraceError(f"{trace.path}: no layers selected")
+    return np.array(sorted({model_layers.index(x) for x in layers}), dtype=np.int64)
+
+
+def count_records(trace: Trace) -> tuple[str, int]:
+    """``(unit, count)`` of the time-ordered records a full read visits."""
+    if trace.mode == "per_token":
+        return "tokens", trace.num_rows("tokens/topk_ids")
+    if trace.mode == "per_pass":
+        return "passes", trace.num_rows("passes/pass_id")
+    if trace.has("window/pass_id"):
+        with h5py.File(trace.path, "r") as f:
+            return "passes", int(f["window/pass_id"].shape[1])
+    return "passes", 0
+
+
+def token_pass_block(chunk: TokenChunk, layer_index: np.ndarray, num_physical: int) -> PassBlock:
+    """Count a chunk of ``/tokens`` rows per pass: ``[n_passes_in_chunk, L_sel, P]``.
+
+    Ids below 0 (``-1`` no routing, ``-2`` invalid) are not counted.
+    """
+    ids = chunk.topk_ids[:, layer_index, :]
+    rows, num_layers, _ = ids.shape
+    if rows == 0:
+        return PassBlock(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, num_layers, num_physical), np.int64))
+    starts = np.flatnonzero(np.concatenate([[True], chunk.pass_id[1:] != chunk.pass_id[:-1]]))
+    segment = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, rows)))
+    key = (segment[:, None, None] * num_layers + np.arange(num_layers)[None, :, None]) * num_physical + ids
+    valid = ids >= 0
+    counts = np.bincount(key[valid], minlength=len(starts) * num_layers * num_physical)
+    return PassBlock(
+        pass_id=chunk.pass_id[starts].astype(np.int64),
+        num_tokens=np.diff(np.append(starts, rows)).astype(np.int64),
+        physical_count=counts.reshape(len(starts), num_layers, num_physical),
+    )
+
+
+def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterator[PassBlock]:
+    with h5py.File(trace.path, "r") as f:
+        if "window/pass_id" not in f:
+            return
+        pass_ids, tokens, counts = f["window/pass_id"], f["window/num_tokens"], f["window/physical_count"]
+        for start in range(0, pass_ids.shape[1], chunk):
+            try:
+                pid = np.asarray(pass_ids[:, start : start + chunk])
+                tok = np.asarray(tokens[:, start : start + chunk])
+                cnt = np.asarray(counts[:, start : start + chunk])
+            except OSError as exc:
+                raise TraceError(f"{trace.path}: /window is unreadable or truncated ({exc})") from exc
+            filled = pid.max(axis=0) >= 0  # a row is a pass when any rank filled it
+            yield PassBlock(
+                pass_id=pid.max(axis=0)[filled],
+                num_tokens=np.where(pid >= 0, tok, 0).sum(axis=0)[filled],
+                physical_count=cnt.sum(axis=0, dtype=np.int64)[filled][:, layer_index],
+            )
+
+
+def iter_pass_blocks(trace: Trace, layer_index: np.ndarray, chunk_passes: int = 1024) -> Iterator[PassBlock]:
+    """Per-pass counts of a ``stat`` (window) or ``per_pass`` trace, in blocks of ``chunk_passes`` rows."""
+    if trace.mode == "per_pass":
+        for part in trace.iter_passes(chunk_passes):
+            yield PassBlock(
+                pass_id=part.pass_id.astype(np.int64),
+                num_tokens=part.num_tokens.astype(np.int64),
+                physical_count=part.physical_count[:, layer_index].astype(np.int64),
+            )
+    elif trace.mode == "stat":
+        yield from _window_blocks(trace, layer_index, chunk_passes)
+    else:
+        raise TraceError(f"{trace.path}: iter_pass_blocks reads stat or per_pass traces; use token_pass_block for per_token")
