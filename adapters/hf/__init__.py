@@ -1,0 +1,254 @@
+"""Hugging Face transformers adapter: observe every MoE layer of a model with one call.
+
+::
+
+    from moetrace.adapters import hf
+    handle = hf.instrument(model)          # builds + installs a recorder from model.config
+    handle.recorder.start_record()
+    model.generate(**inputs)               # prefill and every decode step are passes
+    handle.recorder.dump_record("run.h5")
+    handle.uninstrument()                  # no hooks left, identical outputs
+
+Hooks (see :mod:`moetrace.adapters.hf.families`):
+
+- experts modules built by ``@use_experts_implementation`` (most families):
+  a forward pre-hook reads ``top_k_index [T, k]``, whatever experts
+  implementation (``eager``, ``grouped_mm``, ``batched_mm``, ...) runs;
+- DBRX, LongCat-Flash, Step-3.7: the same pre-hook on their experts module;
+- Llama 4, JetMoE: a forward hook on the router re-runs its ``topk``.
+
+The model's ``forward`` is wrapped so that each call is one
+``recorder.with_forward_pass()``. With a capturer, each hook also calls
+``capturer.capture(i, topk_ids)`` and each forward ends with
+``capturer.on_forward_end(out_cache_loc)``, where token ``t`` of batch row
+``b`` lives in KV slot ``b * capture_seq_len + t`` (see
+:meth:`HFInstrumentation.request_slots`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..base import (
+    AdapterError,
+    HookRegistry,
+    Instrumentation,
+    UnsupportedVersionError,
+    existing_instrumentation,
+    forward_pass_wrapper,
+    resolve_recorder,
+    unwinding,
+)
+from .families import moe_family_coverage
+from .layers import MoESite, find_moe_sites, model_top_k
+
+__all__ = [
+    "MIN_TRANSFORMERS",
+    "HFInstrumentation",
+    "MoESite",
+    "find_moe_sites",
+    "instrument",
+    "moe_family_coverage",
+]
+
+MIN_TRANSFORMERS = (5, 0)
+"""Oldest transformers whose MoE families use the shared experts machinery this adapter relies on."""
+
+Record = Callable[[torch.Tensor], None]
+
+
+def _check_version() -> None:
+    import transformers
+
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    if version < MIN_TRANSFORMERS:
+        raise UnsupportedVersionError(
+            f"transformers {transformers.__version__} is older than {'.'.join(map(str, MIN_TRANSFORMERS))}, "
+            "whose MoE families share the @use_experts_implementation experts modules this adapter hooks; "
+            "upgrade transformers (pip install 'moetrace[hf]')"
+        )
+
+
+class HFInstrumentation(Instrumentation):
+    """:class:`~moetrace.adapters.base.Instrumentation` of a transformers model.
+
+    Attributes:
+        sites: the hooked MoE modules, in compact layer order.
+        capture_seq_len: KV slots reserved per batch row for the capturer.
+    """
+
+    sites: tuple[MoESite, ...]
+    capture_seq_len: int
+
+    def request_slots(self, batch_size: int) -> torch.Tensor:
+        """The ``req_to_token [batch_size, capture_seq_len]`` table of the capturer's KV slots.
+
+        Pass it with ``req_pool_idx = batch row`` to
+        ``capturer.get_routed_experts(req_to_token, req_pool_idx, seq_len)``.
+        """
+        return torch.arange(batch_size * self.capture_seq_len, dtype=torch.int64).view(batch_size, self.capture_seq_len)
+
+
+def _recorder_hook(on_select: Callable[..., None], capture: Callable[..., None] | None, layer: int) -> Record:
+    if capture is None:
+
+        def record(topk_ids: torch.Tensor) -> None:
+            on_select(topk_ids, layer)
+
+    else:
+
+        def record(topk_ids: torch.Tensor) -> None:
+            on_select(topk_ids, layer)
+            capture(layer, topk_ids)
+
+    return record
+
+
+def _experts_pre_hook(record: Record) -> Callable[..., None]:
+    """Pre-hook for ``experts(hidden_states, top_k_index, top_k_weights)``."""
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        record(ids.reshape(-1, ids.shape[-1]))
+
+    return hook
+
+
+def _router_topk_hook(record: Record, top_k: int, logits_index: int, wanted: Callable[[], bool]) -> Callable[..., None]:
+    """Forward hook on a router returning a tuple with logits ``[T, E]`` at ``logits_index``."""
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if wanted():
+            logits = output[logits_index]
+            record(torch.topk(logits.reshape(-1, logits.shape[-1]), top_k, dim=-1).indices)
+
+    return hook
+
+
+def _cache_length(kwargs: dict[str, Any]) -> int:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+
+
+def _capture_wrapper(recorder: Any, capturer: Any, seq_len: int, mark_passes: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Forward wrapper: one recorder pass per call (``mark_passes``), then ``capturer.on_forward_end(out_cache_loc)``."""
+
+    def on_end(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], start: int) -> None:
+        ids = args[0] if args else kwargs.get("input_ids")
+        shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:2]
+        batch, length = int(shape[0]), int(shape[1])
+        if start + length > seq_len:
+            raise AdapterError(
+                f"sequence position {start + length} exceeds capture_seq_len={seq_len}; instrument with a larger capture_seq_len"
+            )
+        device = _capturer_device(capturer)
+        rows = torch.arange(batch, device=device).unsqueeze(1) * seq_len
+        cols = torch.arange(start, start + length, device=device).unsqueeze(0)
+        capturer.on_forward_end((rows + cols).reshape(-1))
+
+    def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
+        in_pass = forward_pass_wrapper(recorder)(forward) if mark_passes else forward
+
+        def forward_and_capture(*args: Any, **kwargs: Any) -> Any:
+            start = _cache_length(kwargs)
+            output = in_pass(*args, **kwargs)
+            on_end(output, args, kwargs, start)
+            return output
+
+        return forward_and_capture
+
+    return wrap
+
+
+def _capturer_device(capturer: Any) -> torch.device:
+    """Device of the capturer's buffers (``capturer.device`` or its config's), CPU if it says none."""
+    device = getattr(capturer, "device", None) or getattr(getattr(capturer, "config", None), "device", None)
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def instrument(
+    model: torch.nn.Module,
+    recorder: Any = None,
+    capturer: Any = None,
+    *,
+    top_k: int | None = None,
+    mark_passes: bool = True,
+    capture_seq_len: int | None = None,
+    **recorder_options: Any,
+) -> HFInstrumentation:
+    """Hook every MoE layer of a transformers ``model``.
+
+    Args:
+        model: a transformers model (``*ForCausalLM``, a base model, or any
+            module holding MoE layers).
+        recorder: the recorder to count into. ``None``: the global recorder
+            when one is configured and fits, else one is built from the
+            model's config (MoE layers, experts, top-k, layer ids) and
+            installed globally.
+        capturer: optional routed-experts capturer (``capture(layer, ids)``,
+            ``on_forward_end(out_cache_loc)``).
+        top_k: experts per token when the config does not say.
+        mark_passes: wrap ``model.forward`` in ``with_forward_pass`` (turn off
+            when you mark passes yourself).
+        capture_seq_len: KV slots per batch row for the capturer (default:
+            the config's ``max_position_embeddings``).
+        **recorder_options: other :class:`~moetrace.config.RecorderConfig`
+            fields for the recorder built here (``mode``, ``output_dir``, ...).
+
+    Returns:
+        The live :class:`HFInstrumentation`. Instrumenting an instrumented
+        model with the same (or no) recorder returns the existing handle.
+
+    Raises:
+        NoMoELayersError: the model has no MoE layer moetrace can observe.
+        AlreadyInstrumentedError: instrumented already with another recorder.
+        UnsupportedVersionError: transformers is too old.
+    """
+    _check_version()
+    live = existing_instrumentation(model, recorder, capturer)
+    if live is not None:
+        return live  # type: ignore[return-value]
+    sites = find_moe_sites(model)
+    k = top_k if top_k is not None else model_top_k(model, sites)
+    num_experts = max(site.num_experts for site in sites)
+    layer_ids = [site.layer_id for site in sites]
+    config = getattr(model, "config", None)
+    if recorder is None:
+        recorder_options.setdefault("engine", "hf")
+        recorder_options.setdefault("model", getattr(config, "name_or_path", "") or type(model).__name__)
+        text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+        hidden = getattr(text_config, "hidden_size", None)
+        if isinstance(hidden, int):
+            recorder_options.setdefault("hidden_size", hidden)
+    binding = resolve_recorder(recorder, len(sites), num_experts, k, layer_ids, **recorder_options)
+    rec = binding.recorder
+    seq_len = 0
+    if capturer is not None:
+        seq_len = capture_seq_len or int(getattr(getattr(config, "get_text_config", lambda: config)(), "max_position_embeddings", 0) or 0)
+        if seq_len <= 0:
+            raise ValueError("capture_seq_len must be given (the model config has no max_position_embeddings)")
+    hooks = HookRegistry()
+    with unwinding(hooks, binding):
+        capture = capturer.capture if capturer is not None else None
+        for site in sites:
+            record = _recorder_hook(rec.on_select_experts, capture, site.index)
+            if site.kind == "router-topk":
+                assert site.spec is not None
+                wanted = (lambda: True) if capturer is not None else (lambda: rec.recording)
+                hooks.forward_hook(site.module, _router_topk_hook(record, k, site.spec.logits_index, wanted))
+            else:
+                hooks.forward_pre_hook(site.module, _experts_pre_hook(record), with_kwargs=True)
+        if capturer is not None:
+            hooks.wrap_forward(model, _capture_wrapper(rec, capturer, seq_len, mark_passes))
+        elif mark_passes:
+            hooks.wrap_forward(model, forward_pass_wrapper(rec))
+        handle = HFInstrumentation(
+            model, rec, layer_ids, hooks, engine="hf", capturer=capturer,
+            details={"sites": {site.name: site.kind for site in sites}, "top_k": k, "num_experts": num_experts},
+        )
+    handle.sites = tuple(sites)
+    handle.capture_seq_len = seq_len
+    return handle

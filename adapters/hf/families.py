@@ -1,0 +1,182 @@
+"""Which transformers MoE families are observed how, and the explicit specs for those outside the shared machinery.
+
+Most MoE families in transformers build their experts module with the
+``@use_experts_implementation`` decorator (``transformers.integrations.moe``);
+every such module is called as ``experts(hidden_states [T, H], top_k_index
+[T, k], top_k_weights [T, k])`` and is found at run time by the forward
+function the decorator gives it (see :func:`is_experts_machinery`), never by
+class name.
+
+The few families outside it are listed here explicitly (:data:`EXPLICIT_SITES`):
+
+- ``experts-call``: an experts module with the same call convention but not
+  built by the decorator (DBRX, LongCat-Flash, Step-3.7): a forward pre-hook
+  reads ``top_k_index``.
+- ``router-topk``: the experts module never sees expert ids (Llama 4 passes
+  dense scores, JetMoE sorted token groups): a forward hook on the router
+  re-runs the router's own ``torch.topk`` on the logits it returns, which
+  gives the very ids the router selected.
+
+:func:`moe_family_coverage` scans the installed transformers and classifies
+every MoE family; :data:`UNSUPPORTED` and :data:`VIA_OTHER_FAMILY` name the
+families that are not observed and why.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "EXPLICIT_SITES",
+    "UNSUPPORTED",
+    "VIA_OTHER_FAMILY",
+    "SiteSpec",
+    "explicit_spec",
+    "is_experts_machinery",
+    "machinery_forward_code",
+    "moe_family_coverage",
+]
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    """How to observe one MoE module class outside the shared experts machinery.
+
+    Attributes:
+        family: transformers model directory (``"llama4"``).
+        class_name: the module class hooked.
+        kind: ``"experts-call"`` (pre-hook reads ``top_k_index``) or
+            ``"router-topk"`` (forward hook re-runs ``topk`` on the router logits).
+        num_experts: expert ids the module can see, from the module.
+        logits_index: for ``router-topk``, position of the logits ``[T, E]``
+            in the router's output tuple.
+        parent_class: for ``router-topk``, only routers that are the
+            ``.router`` child of a module of this class count (JetMoE's
+            attention experts use the same router class and are not MLP experts).
+    """
+
+    family: str
+    class_name: str
+    kind: str
+    num_experts: Callable[[torch.nn.Module], int]
+    logits_index: int = 0
+    parent_class: str | None = None
+
+    @property
+    def module_name(self) -> str:
+        return f"transformers.models.{self.family}.modeling_{self.family}"
+
+
+EXPLICIT_SITES: tuple[SiteSpec, ...] = (
+    SiteSpec("dbrx", "DbrxExperts", "experts-call", lambda m: m.num_experts),
+    # LongCat-Flash routes to n_routed_experts real experts plus zero-compute (identity) experts.
+    SiteSpec("longcat_flash", "LongcatFlashExperts", "experts-call", lambda m: m.total_experts),
+    SiteSpec("step3p7", "Step3p7Experts", "experts-call", lambda m: m.num_experts),
+    SiteSpec("llama4", "Llama4Router", "router-topk", lambda m: m.num_experts, logits_index=1),
+    SiteSpec("jetmoe", "JetMoeTopKGating", "router-topk", lambda m: m.num_experts, logits_index=4, parent_class="JetMoeMoE"),
+)
+
+UNSUPPORTED: dict[str, str] = {
+    "doge": "product-key retrieval experts (DogeCDMoE) pick from num_keys**2 embeddings, not a top-k router over expert modules",
+    "switch_transformers": "encoder-decoder with capacity-limited top-1 routing (dropped tokens); not implemented",
+    "nllb_moe": "encoder-decoder with capacity-limited top-2 routing (dropped tokens); not implemented",
+    "vitpose_backbone": "'experts' are per-dataset heads chosen by dataset index, not routed per token",
+}
+
+VIA_OTHER_FAMILY: dict[str, str] = {
+    "sarvam_moe": "configuration only; the model is built from glm4_moe modeling (experts machinery)",
+    "sarvam_mla": "configuration only; the model is built from deepseek_v3 modeling (experts machinery)",
+}
+
+
+def explicit_spec(module: torch.nn.Module) -> SiteSpec | None:
+    """The :data:`EXPLICIT_SITES` entry for ``module``'s class, if any."""
+    cls = type(module)
+    for spec in EXPLICIT_SITES:
+        if cls.__name__ == spec.class_name and cls.__module__ == spec.module_name:
+            return spec
+    return None
+
+
+@functools.cache
+def machinery_forward_code() -> Any:
+    """The code object of the ``forward`` that ``@use_experts_implementation`` installs on a class."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    class _Probe(torch.nn.Module):
+        def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+            return hidden_states
+
+    return use_experts_implementation(_Probe).forward.__code__
+
+
+def is_experts_machinery(module: torch.nn.Module) -> bool:
+    """True when ``module``'s class got its ``forward`` from ``@use_experts_implementation``.
+
+    The decorator wraps the class's own forward in a dispatcher (same code
+    object for every decorated class) and gives instances ``num_experts``
+    users and the ``has_gate`` / ``is_transposed`` flags.
+    """
+    forward = getattr(type(module), "forward", None)
+    return getattr(forward, "__code__", None) is machinery_forward_code() and hasattr(module, "num_experts")
+
+
+# ---------------------------------------------------------------------------- coverage scan
+
+_EXPERT_COUNT_FIELDS = re.compile(
+    r"^\s+(num_local_experts|n_routed_experts|moe_num_experts|num_experts|num_experts_per_tok|moe_topk|moe_k|top_k_experts)\b\s*[:=]",
+    re.MULTILINE,
+)
+
+
+def _decorated_with_machinery(path: Path) -> bool:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for deco in node.decorator_list:
+                target = deco.func if isinstance(deco, ast.Call) else deco
+                if isinstance(target, ast.Name) and target.id == "use_experts_implementation":
+                    return True
+    return False
+
+
+def moe_family_coverage() -> dict[str, str]:
+    """Classify every MoE family of the installed transformers.
+
+    A family (directory of ``transformers/models``) counts as MoE when its
+    configuration declares an expert count or per-token expert number. Each
+    gets one of: ``"experts"`` (a class decorated with
+    ``@use_experts_implementation`` in its modeling file), ``"experts-call"``
+    or ``"router-topk"`` (:data:`EXPLICIT_SITES`), ``"via-other-family"``,
+    ``"unsupported"``, or ``"unknown"`` (none of these: a family this adapter
+    has not been taught about).
+    """
+    import transformers.models
+
+    root = Path(transformers.models.__file__).parent
+    explicit = {spec.family: spec.kind for spec in EXPLICIT_SITES}
+    coverage: dict[str, str] = {}
+    for family_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("_")):
+        family = family_dir.name
+        configs = list(family_dir.glob("configuration_*.py"))
+        if not any(_EXPERT_COUNT_FIELDS.search(c.read_text(encoding="utf-8")) for c in configs):
+            continue
+        if any(_decorated_with_machinery(m) for m in family_dir.glob("modeling_*.py")):
+            coverage[family] = "experts"
+        elif family in explicit:
+            coverage[family] = explicit[family]
+        elif family in VIA_OTHER_FAMILY:
+            coverage[family] = "via-other-family"
+        elif family in UNSUPPORTED:
+            coverage[family] = "unsupported"
+        else:
+            coverage[family] = "unknown"
+    return coverage
