@@ -69,9 +69,19 @@ def capacity_keep_mask(topk_ids: torch.Tensor, num_experts: int, capacity: int) 
     """
     tokens, top_k = topk_ids.shape
     order = topk_ids.t().reshape(-1)  # [k*T], choice-major
-    one_hot = torch.nn.functional.one_hot(order, num_experts)  # [k*T, E]
-    position = (one_hot.cumsum(0) * one_hot).sum(1) - 1  # slot of each copy in its expert
+    position = slot_in_group(order, num_experts)
     return (position < capacity).reshape(top_k, tokens).t()
+
+
+def slot_in_group(ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Position of each entry of ``ids [M]`` among the earlier entries with the same id.
+
+    Ids outside ``[0, num_groups)`` (e.g. ``-1`` padding) get ``-1``. Fixed-shape
+    (one-hot by comparison, cumulative sum): no host sync, unlike ``F.one_hot``,
+    which validates its input on the host.
+    """
+    one_hot = (ids.unsqueeze(1) == torch.arange(num_groups, device=ids.device)).long()  # [M, G]
+    return (one_hot.cumsum(0) * one_hot).sum(1) - 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from ..dispatch import build_dispatch_layout, expert_capacity
+from ..dispatch import build_dispatch_layout, expert_capacity, slot_in_group
 from ..recorder import get_recorder
 from .experts import SwiGLUExperts
 from .moe import check_input, check_parts
@@ -191,11 +190,9 @@ class EPMoELayer(torch.nn.Module):
             valid = received_ids >= 0
             recorder.on_dispatch(layout.send_counts, valid.view(r, chunk).sum(1), layout.dropped)
         with phase(timer, index, "expert"):
-            safe_ids = torch.where(valid, received_ids, 0)
-            one_hot = F.one_hot(safe_ids, per_rank) * valid[:, None]
-            position = (one_hot.cumsum(0) * one_hot).sum(1) - 1
+            position = slot_in_group(received_ids, per_rank)
             expert_trash = per_rank * rows_per_expert
-            expert_slot = torch.where(valid, safe_ids * rows_per_expert + position, expert_trash)
+            expert_slot = torch.where(valid, received_ids * rows_per_expert + position, expert_trash)
             blocks = x.new_zeros((expert_trash + 1, hidden))
             blocks.index_copy_(0, expert_slot, received)
             computed = self.experts.batched(blocks[:expert_trash].view(per_rank, rows_per_expert, hidden))
