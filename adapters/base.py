@@ -280,25 +280,33 @@ def resolve_recorder(
     layer_ids: Sequence[int],
     *,
     install: bool = True,
+    defaults: dict[str, Any] | None = None,
     **options: Any,
 ) -> RecorderBinding:
     """Use ``recorder`` (checked against the geometry) or build one and install it globally.
 
-    When ``recorder`` is ``None`` and the process-wide recorder is a real one
-    that fits the geometry, that one is used (so ``moetrace.configure(...)``
-    followed by ``instrument(model)`` does what it says). Otherwise a new
-    recorder is built from the geometry and ``options`` and, with
-    ``install=True``, installed with :func:`moetrace.set_recorder`.
+    With ``recorder=None`` a new recorder is built from the geometry,
+    ``options`` (user-given :class:`~moetrace.config.RecorderConfig` fields)
+    and ``defaults`` (adapter-derived fields such as ``engine``, ``model``,
+    ``hidden_size``, overridden by ``options``) and, with ``install=True``,
+    installed with :func:`moetrace.set_recorder`; replacing a global recorder
+    that is recording is warned about (its data stays in that object).
     """
     if recorder is not None:
         if options:
             raise TypeError(f"recorder options {sorted(options)} were given together with a recorder; configure the recorder instead")
         return RecorderBinding(check_recorder(recorder, num_layers, num_experts, top_k), created=False, previous_global=None)
-    current = get_recorder()
-    if isinstance(current, ExpertDistributionRecorder) and not options:
-        return RecorderBinding(check_recorder(current, num_layers, num_experts, top_k), created=False, previous_global=None)
-    built = build_recorder(num_layers, num_experts, top_k, layer_ids, **options)
-    previous = set_recorder(built) if install else None
+    built = build_recorder(num_layers, num_experts, top_k, layer_ids, **{**(defaults or {}), **options})
+    if not install:
+        return RecorderBinding(built, created=True, previous_global=None)
+    previous = set_recorder(built)
+    if previous.recording:
+        warnings.warn(
+            "moetrace: instrument() installed a new global recorder while the previous one was recording; "
+            "pass recorder=moetrace.get_recorder() to keep counting into the configured one",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return RecorderBinding(built, created=True, previous_global=previous)
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "HFInstrumentation",
     "MoESite",
     "find_moe_sites",
+    "installed_version",
     "instrument",
     "moe_family_coverage",
 ]
@@ -60,13 +61,19 @@ MIN_TRANSFORMERS = (5, 0)
 Record = Callable[[torch.Tensor], None]
 
 
-def _check_version() -> None:
+def installed_version() -> str:
+    """The version string of the installed transformers."""
     import transformers
 
-    version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    return str(transformers.__version__)
+
+
+def _check_version() -> None:
+    installed = installed_version()
+    version = tuple(int(p) for p in installed.split(".")[:2] if p.isdigit())
     if version < MIN_TRANSFORMERS:
         raise UnsupportedVersionError(
-            f"transformers {transformers.__version__} is older than {'.'.join(map(str, MIN_TRANSFORMERS))}, "
+            f"transformers {installed} is older than {'.'.join(map(str, MIN_TRANSFORMERS))}, "
             "whose MoE families share the @use_experts_implementation experts modules this adapter hooks; "
             "upgrade transformers (pip install 'moetrace[hf]')"
         )
@@ -184,10 +191,10 @@ def instrument(
     Args:
         model: a transformers model (``*ForCausalLM``, a base model, or any
             module holding MoE layers).
-        recorder: the recorder to count into. ``None``: the global recorder
-            when one is configured and fits, else one is built from the
-            model's config (MoE layers, experts, top-k, layer ids) and
-            installed globally.
+        recorder: the recorder to count into. ``None``: one is built from the
+            model's config (MoE layers, experts, top-k, layer ids, hidden
+            size) and ``recorder_options``, and installed globally. Pass
+            ``moetrace.get_recorder()`` to use one configured beforehand.
         capturer: optional routed-experts capturer (``capture(layer, ids)``,
             ``on_forward_end(out_cache_loc)``).
         top_k: experts per token when the config does not say.
@@ -216,18 +223,15 @@ def instrument(
     num_experts = max(site.num_experts for site in sites)
     layer_ids = [site.layer_id for site in sites]
     config = getattr(model, "config", None)
-    if recorder is None:
-        recorder_options.setdefault("engine", "hf")
-        recorder_options.setdefault("model", getattr(config, "name_or_path", "") or type(model).__name__)
-        text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-        hidden = getattr(text_config, "hidden_size", None)
-        if isinstance(hidden, int):
-            recorder_options.setdefault("hidden_size", hidden)
-    binding = resolve_recorder(recorder, len(sites), num_experts, k, layer_ids, **recorder_options)
+    text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    defaults: dict[str, Any] = {"engine": "hf", "model": getattr(config, "name_or_path", "") or type(model).__name__}
+    if isinstance(getattr(text_config, "hidden_size", None), int):
+        defaults["hidden_size"] = text_config.hidden_size
+    binding = resolve_recorder(recorder, len(sites), num_experts, k, layer_ids, defaults=defaults, **recorder_options)
     rec = binding.recorder
     seq_len = 0
     if capturer is not None:
-        seq_len = capture_seq_len or int(getattr(getattr(config, "get_text_config", lambda: config)(), "max_position_embeddings", 0) or 0)
+        seq_len = capture_seq_len or int(getattr(text_config, "max_position_embeddings", 0) or 0)
         if seq_len <= 0:
             raise ValueError("capture_seq_len must be given (the model config has no max_position_embeddings)")
     hooks = HookRegistry()
