@@ -12,6 +12,7 @@ The module-level functions act on the process-wide recorder::
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,9 @@ from .recorder import (  # noqa: E402
 )
 from .snapshot import RecorderSnapshot  # noqa: E402
 
+if TYPE_CHECKING:
+    from .control import ControlServer
+
 __all__ = [
     "CaptureConfig",
     "ExpertDistributionRecorder",
@@ -36,6 +40,7 @@ __all__ = [
     "configure",
     "dump_record",
     "get_recorder",
+    "serve_control",
     "set_recorder",
     "start_record",
     "stop_record",
@@ -62,3 +67,13 @@ def stop_record() -> None:
 def dump_record(path: str | Path | None = None) -> Path:
     """``get_recorder().dump_record(path)``."""
     return get_recorder().dump_record(path)
+
+
+def serve_control(*args: object, **kwargs: object) -> ControlServer:
+    """Serve the HTTP control endpoint: see :func:`moetrace.control.serve_control`.
+
+    Imported on first use, so ``import moetrace`` stays free of HTTP and exporter modules.
+    """
+    from .control import serve_control as _serve_control
+
+    return _serve_control(*args, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,174 @@
+"""The exported metrics, defined once for every exporter.
+
+Each :class:`MetricSpec` names a metric for Prometheus and for OpenTelemetry,
+says what kind it is, which labels it carries and which
+:class:`~moetrace.snapshot.RecorderSnapshot` field or property gives its value.
+Values are never computed here: they come from the snapshot's properties,
+which call :mod:`moetrace.analysis.metrics` (the one definition of each
+formula).
+
+Label dimensions (``dims``) index the value array:
+
+- ``()``: one value per process;
+- ``("layer",)``: ``[L]``, labelled with the model layer id (``layer_ids[l]``);
+- ``("layer", "ep_rank")``: ``[L, R]``, second axis is the EP rank;
+- ``("layer", "expert")``: ``[L, E]``, second axis is the logical expert id.
+
+Every sample also carries ``rank``: the EP rank of the process that recorded it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from moetrace.snapshot import RecorderSnapshot
+
+__all__ = ["INFO", "METRICS", "PER_EXPERT", "InfoSpec", "MetricSpec", "info_labels", "markdown_table", "samples"]
+
+Value = Callable[[RecorderSnapshot], "float | int | np.ndarray"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric.
+
+    Attributes:
+        prom_name: Prometheus name as exposed (counters end in ``_total``).
+        otel_name: OpenTelemetry instrument name (``moetrace.*``).
+        kind: ``"counter"`` (monotonic within one recording) or ``"gauge"``.
+        unit: UCUM unit for OpenTelemetry (``{token}``, ``1``, ``s``, ``By``).
+        dims: label dimensions of the value array (see the module docstring).
+        help: one-line description.
+        formula: how the value is defined, for the docs.
+        value: reads the value from a snapshot.
+    """
+
+    prom_name: str
+    otel_name: str
+    kind: str
+    unit: str
+    dims: tuple[str, ...]
+    help: str
+    formula: str
+    value: Value
+
+
+@dataclasses.dataclass(frozen=True)
+class InfoSpec:
+    """The constant-1 metric whose labels describe the recorder."""
+
+    prom_name: str = "moetrace_info"
+    otel_name: str = "moetrace.info"
+    help: str = "Recorder description: model, engine, mode, id space, EP size (value is always 1)."
+    labels: tuple[str, ...] = ("model", "engine", "mode", "id_space", "ep_size")
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("moetrace_forward_passes_total", "moetrace.forward_passes", "counter", "{pass}", (),
+               "Forward passes recorded since start_record.", "`num_passes`",
+               lambda s: s.num_passes),
+    MetricSpec("moetrace_tokens_total", "moetrace.tokens", "counter", "{token}", (),
+               "Tokens recorded since start_record (sum of each pass's token count).", "`num_tokens`",
+               lambda s: s.num_tokens),
+    MetricSpec("moetrace_layer_routed_tokens_total", "moetrace.layer.routed_tokens", "counter", "{token}", ("layer",),
+               "Token copies (token x top-k slot) routed to any expert of the layer.",
+               "`tokens_per_layer` = Σ_e count[l, e]", lambda s: s.tokens_per_layer),
+    MetricSpec("moetrace_rank_routed_tokens_total", "moetrace.rank.routed_tokens", "counter", "{token}", ("layer", "ep_rank"),
+               "Token copies routed to the experts hosted by EP rank ep_rank (load T[l, r]).",
+               "`rank_load` T[l, r] = Σ_{e on r} count[l, e]", lambda s: s.rank_load),
+    MetricSpec("moetrace_balancedness", "moetrace.balancedness", "gauge", "1", (),
+               "Balancedness over all layers, Σ_l mean_r T / Σ_l max_r T (1 = perfect).",
+               "`balancedness` = Σ_l mean_r T[l,r] / Σ_l max_r T[l,r]", lambda s: s.balancedness),
+    MetricSpec("moetrace_layer_balancedness", "moetrace.layer.balancedness", "gauge", "1", ("layer",),
+               "Per-layer balancedness mean_r T / max_r T (1 = perfect).",
+               "`layer_balancedness` = mean_r T[l,r] / max_r T[l,r]", lambda s: s.layer_balancedness),
+    MetricSpec("moetrace_layer_imbalance", "moetrace.layer.imbalance", "gauge", "1", ("layer",),
+               "Per-layer imbalance max_r T / mean_r T (1 = perfect).",
+               "`layer_imbalance` = max_r T[l,r] / mean_r T[l,r]", lambda s: s.layer_imbalance),
+    MetricSpec("moetrace_layer_entropy_ratio", "moetrace.layer.entropy_ratio", "gauge", "1", ("layer",),
+               "Routing entropy over logical experts divided by log(E) (1 = uniform).",
+               "`entropy_ratio` = −Σ_e p log p / log E, p = count[l,e] / Σ_e count[l,e]",
+               lambda s: s.entropy_ratio),
+    MetricSpec("moetrace_layer_dead_experts", "moetrace.layer.dead_experts", "gauge", "{expert}", ("layer",),
+               "Logical experts that received no token since start_record.",
+               "`dead_experts` = #{e : count[l, e] = 0}", lambda s: s.dead_experts),
+    MetricSpec("moetrace_invalid_ids_total", "moetrace.invalid_ids", "counter", "{id}", ("layer",),
+               "Selected expert ids outside [0, P) other than the -1 padding id.", "`invalid_ids`",
+               lambda s: s.invalid_ids),
+    MetricSpec("moetrace_dropped_tokens_total", "moetrace.dropped_tokens", "counter", "{token}", ("layer",),
+               "Token copies dropped over expert capacity (reported by on_dispatch).", "`dropped`",
+               lambda s: s.dropped),
+    MetricSpec("moetrace_dispatch_sent_tokens_total", "moetrace.dispatch.sent_tokens", "counter", "{token}", ("layer", "ep_rank"),
+               "Token copies this rank sent to EP rank ep_rank (reported by on_dispatch).", "`send_count`",
+               lambda s: s.send_count),
+    MetricSpec("moetrace_dispatch_received_tokens_total", "moetrace.dispatch.received_tokens", "counter", "{token}", ("layer", "ep_rank"),
+               "Token copies this rank received from EP rank ep_rank (reported by on_dispatch).", "`recv_count`",
+               lambda s: s.recv_count),
+    MetricSpec("moetrace_alltoall_ideal_bytes_total", "moetrace.alltoall.ideal_bytes", "counter", "By", ("layer",),
+               "Ideal EP all-to-all volume, dispatch plus combine (0 when hidden_size is unknown).",
+               "`alltoall_bytes_ideal` = 2·T·k·H·b, T = routed copies / k", lambda s: s.alltoall_bytes_ideal),
+    MetricSpec("moetrace_alltoall_actual_bytes_total", "moetrace.alltoall.actual_bytes", "counter", "By", ("layer",),
+               "Bytes this rank sent to other EP ranks, dispatch plus combine (0 when hidden_size is unknown).",
+               "`alltoall_bytes_actual` = 2·(Σ_{r≠rank} send[l, r])·H·b", lambda s: s.alltoall_bytes_actual),
+    MetricSpec("moetrace_recording", "moetrace.recording", "gauge", "1", (),
+               "1 while the recorder counts, 0 when stopped.", "`recording`",
+               lambda s: int(s.recording)),
+    MetricSpec("moetrace_snapshot_timestamp_seconds", "moetrace.snapshot.timestamp", "gauge", "s", (),
+               "Unix time of the pass end whose totals the other metrics show.", "`timestamp`",
+               lambda s: s.timestamp),
+    MetricSpec("moetrace_errors", "moetrace.errors", "gauge", "{error}", (),
+               "Background errors the recorder holds (e.g. a failed streaming write); see GET /status.",
+               "`len(errors)`", lambda s: len(s.errors)),
+)
+"""Metrics every exporter emits."""
+
+PER_EXPERT = MetricSpec(
+    "moetrace_expert_routed_tokens_total", "moetrace.expert.routed_tokens", "counter", "{token}", ("layer", "expert"),
+    "Token copies routed to each logical expert (only with per_expert=True: L x E series).",
+    "`logical_count[l, e]`", lambda s: s.logical_count,
+)
+"""The per-expert metric, emitted only when asked (layers x experts series)."""
+
+INFO = InfoSpec()
+
+
+def _label_value(dim: str, index: int, layer_ids: np.ndarray) -> int:
+    return int(layer_ids[index]) if dim == "layer" else index
+
+
+def samples(spec: MetricSpec, snap: RecorderSnapshot) -> Iterator[tuple[dict[str, int], float | int]]:
+    """``(labels, value)`` for each series of ``spec`` in ``snap``; labels are ints, ``rank`` first."""
+    value = spec.value(snap)
+    if not spec.dims:
+        yield {"rank": snap.rank}, value  # type: ignore[misc]
+        return
+    array = np.asarray(value)
+    if array.ndim != len(spec.dims):
+        raise ValueError(f"{spec.prom_name}: value has shape {array.shape}, expected dims {spec.dims}")
+    as_int = array.dtype.kind in "iub"
+    for index in np.ndindex(*array.shape):
+        labels = {"rank": snap.rank}
+        labels.update({dim: _label_value(dim, i, snap.layer_ids) for dim, i in zip(spec.dims, index, strict=True)})
+        item = array[index]
+        yield labels, int(item) if as_int else float(item)
+
+
+def info_labels(snap: RecorderSnapshot) -> dict[str, str]:
+    """Label values of the info metric (plus ``rank``)."""
+    return {"rank": str(snap.rank), "model": snap.model, "engine": snap.engine, "mode": snap.mode,
+            "id_space": snap.id_space, "ep_size": str(snap.ep_size)}
+
+
+def markdown_table() -> str:
+    """The metric reference table of ``docs/observability.md``, generated from this catalog."""
+    rows = ["| Prometheus | OpenTelemetry | kind | unit | labels | definition |", "|---|---|---|---|---|---|"]
+    for spec in (*METRICS, PER_EXPERT):
+        labels = ", ".join(("rank", *spec.dims))
+        rows.append(f"| `{spec.prom_name}` | `{spec.otel_name}` | {spec.kind} | `{spec.unit}` | {labels} | "
+                    f"{spec.help} {spec.formula} |")
+    labels = ", ".join(("rank", *INFO.labels))
+    rows.append(f"| `{INFO.prom_name}` | `{INFO.otel_name}` | gauge (info) | `1` | {labels} | {INFO.help} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,155 @@
+"""Prometheus exporter: a custom collector that reads ``recorder.snapshot()`` at scrape time.
+
+Usage::
+
+    from moetrace.exporters import prometheus
+    server = prometheus.start_http_server(9400)          # private registry, global recorder
+    ...
+    server.close()
+
+or add the collector to an application's own registry::
+
+    prometheus.register(registry=my_registry)
+
+A scrape takes one snapshot (a host copy the recorder made at the end of the
+last pass; the device is never touched) and derives every metric from it, so
+its cost depends on layers x EP ranks (x experts with ``per_expert=True``),
+never on the number of recorded passes. The metric set is
+:data:`moetrace.exporters.catalog.METRICS`; every sample has a ``rank`` label
+(this process's EP rank): run one exporter per rank, each on its own port.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
+
+import prometheus_client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from moetrace.recorder import Recorder, RecorderStateError, get_recorder
+from moetrace.snapshot import RecorderSnapshot
+
+from .catalog import INFO, METRICS, PER_EXPERT, MetricSpec, info_labels, samples
+
+__all__ = ["MetricsServer", "MoetraceCollector", "register", "start_http_server"]
+
+
+
+def _family(spec: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
+    labels = ["rank", *spec.dims]
+    if spec.kind == "counter":
+        return CounterMetricFamily(spec.prom_name.removesuffix("_total"), spec.help, labels=labels)
+    return GaugeMetricFamily(spec.prom_name, spec.help, labels=labels)
+
+
+class MoetraceCollector(Collector):
+    """Yields moetrace's metrics from one snapshot per scrape.
+
+    Args:
+        recorder: the recorder to read; ``None`` looks up
+            :func:`moetrace.get_recorder` at every scrape (so a recorder
+            configured later is picked up). An unconfigured (no-op) recorder
+            yields no metrics.
+        per_expert: also emit ``moetrace_expert_routed_tokens_total``
+            (layers x experts series; off by default for cardinality).
+    """
+
+    def __init__(self, recorder: Recorder | None = None, per_expert: bool = False) -> None:
+        self._recorder = recorder
+        self._specs = (*METRICS, PER_EXPERT) if per_expert else METRICS
+
+    def _snapshot(self) -> RecorderSnapshot | None:
+        recorder = self._recorder if self._recorder is not None else get_recorder()
+        try:
+            return recorder.snapshot()
+        except RecorderStateError:  # no recorder configured yet
+            return None
+
+    def describe(self) -> Iterator[Metric]:
+        """The metric families (without samples), so registries can check for name clashes."""
+        yield from (_family(spec) for spec in self._specs)
+        yield InfoMetricFamily(INFO.prom_name.removesuffix("_info"), INFO.help, labels=["rank", *INFO.labels])
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        if snap is None:
+            return
+        for spec in self._specs:
+            family = _family(spec)
+            for labels, value in samples(spec, snap):
+                family.add_metric([str(v) for v in labels.values()], value)
+            yield family
+        info = InfoMetricFamily(INFO.prom_name.removesuffix("_info"), INFO.help)
+        info.add_metric([], info_labels(snap))
+        yield info
+
+
+def register(recorder: Recorder | None = None, registry: CollectorRegistry | None = None,
+             per_expert: bool = False) -> CollectorRegistry:
+    """Register a :class:`MoetraceCollector` on ``registry`` (a new private one when ``None``) and return it."""
+    registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+    registry.register(MoetraceCollector(recorder, per_expert=per_expert))
+    return registry
+
+
+@dataclasses.dataclass
+class MetricsServer:
+    """A running ``/metrics`` HTTP server; :meth:`close` stops it and frees the port."""
+
+    server: WSGIServer
+    thread: threading.Thread
+    registry: CollectorRegistry
+    host: str
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving, wait for the server thread and close the socket (idempotent)."""
+        if self.thread.is_alive():
+            self.server.shutdown()
+            self.thread.join()
+        self.server.server_close()
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_http_server(port: int, addr: str = "127.0.0.1", recorder: Recorder | None = None,
+                      registry: CollectorRegistry | None = None, per_expert: bool = False) -> MetricsServer:
+    """Serve moetrace's metrics over HTTP in a daemon thread.
+
+    Args:
+        port: TCP port; ``0`` picks a free one (read it from ``.port``).
+        addr: bind address; loopback by default. Bind ``0.0.0.0`` only on a
+            trusted network: the exposition is unauthenticated.
+        recorder: as for :class:`MoetraceCollector`.
+        registry: serve this registry after adding the collector to it; a
+            private one when ``None``.
+        per_expert: also emit per-expert series.
+
+    Returns:
+        a :class:`MetricsServer` with ``.port``, ``.url`` and ``.close()``.
+    """
+    registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+    collector = MoetraceCollector(recorder, per_expert=per_expert)
+    registry.register(collector)
+    try:
+        server, thread = prometheus_client.start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        registry.unregister(collector)
+        raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror}; pick another port or 0 for a free one") from exc
+    return MetricsServer(server, thread, registry, addr)
