@@ -19,10 +19,10 @@ Hooks (see :mod:`moetrace.adapters.hf.families`):
 
 The model's ``forward`` is wrapped so that each call is one
 ``recorder.with_forward_pass()``. With a capturer, each hook also calls
-``capturer.capture(i, topk_ids)`` and each forward ends with
-``capturer.on_forward_end(out_cache_loc)``, where token ``t`` of batch row
-``b`` lives in KV slot ``b * capture_seq_len + t`` (see
-:meth:`HFInstrumentation.request_slots`).
+``capturer.capture(model_layer_id, topk_ids)`` and each forward ends with
+``capturer.on_forward_end(out_cache_loc)``, where cache position ``t`` of
+batch row ``b`` lives in KV slot ``b * capture_seq_len + t``;
+:meth:`HFInstrumentation.routed_experts` reads one row back.
 """
 
 from __future__ import annotations
@@ -91,15 +91,24 @@ class HFInstrumentation(Instrumentation):
     capture_seq_len: int
 
     def request_slots(self, batch_size: int) -> torch.Tensor:
-        """The ``req_to_token [batch_size, capture_seq_len]`` table of the capturer's KV slots.
-
-        Pass it with ``req_pool_idx = batch row`` to
-        ``capturer.get_routed_experts(req_to_token, req_pool_idx, seq_len)``.
-        """
+        """The ``req_to_token [batch_size, capture_seq_len]`` table of the capturer's KV slots."""
         return torch.arange(batch_size * self.capture_seq_len, dtype=torch.int64).view(batch_size, self.capture_seq_len)
 
+    def routed_experts(self, row: int, seq_len: int, start: int = 0, batch_size: int | None = None) -> Any:
+        """Routed experts ``[seq_len - start, L_model, k]`` of batch row ``row`` (numpy, ``-1`` for dense layers).
 
-def _recorder_hook(on_select: Callable[..., None], capture: Callable[..., None] | None, layer: int) -> Record:
+        ``seq_len`` counts cache positions that went through a forward: with
+        ``generate``, prompt length + new tokens - 1 (the last sampled token is
+        never fed back). With left padding, the pad positions come first.
+        """
+        if self.capturer is None:
+            raise AdapterError("this instrumentation has no capturer; pass capturer= to instrument()")
+        rows = batch_size if batch_size is not None else row + 1
+        return self.capturer.get_routed_experts(self.request_slots(rows), row, seq_len, start)
+
+
+def _recorder_hook(on_select: Callable[..., None], capture: Callable[..., None] | None, layer: int, model_layer: int) -> Record:
+    """Count into compact MoE layer ``layer``; capture under model layer ``model_layer``."""
     if capture is None:
 
         def record(topk_ids: torch.Tensor) -> None:
@@ -109,7 +118,7 @@ def _recorder_hook(on_select: Callable[..., None], capture: Callable[..., None] 
 
         def record(topk_ids: torch.Tensor) -> None:
             on_select(topk_ids, layer)
-            capture(layer, topk_ids)
+            capture(model_layer, topk_ids)
 
     return record
 
@@ -141,28 +150,34 @@ def _cache_length(kwargs: dict[str, Any]) -> int:
 
 
 def _capture_wrapper(recorder: Any, capturer: Any, seq_len: int, mark_passes: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Forward wrapper: one recorder pass per call (``mark_passes``), then ``capturer.on_forward_end(out_cache_loc)``."""
+    """Forward wrapper: one recorder pass per call (``mark_passes``), then ``capturer.on_forward_end(out_cache_loc)``.
 
-    def on_end(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any], start: int) -> None:
+    Token ``t`` (cache position) of batch row ``b`` lives in KV slot
+    ``b * seq_len + t``; ``out_cache_loc [B * S]`` lists the pass's tokens in
+    the order the MoE layers see them (batch-major), built on the host.
+    """
+    num_slots = int(capturer.config.num_kv_slots)
+
+    def out_cache_loc(args: tuple[Any, ...], kwargs: dict[str, Any], start: int) -> torch.Tensor:
         ids = args[0] if args else kwargs.get("input_ids")
         shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:2]
         batch, length = int(shape[0]), int(shape[1])
-        if start + length > seq_len:
+        if start + length > seq_len or batch * seq_len > num_slots:
             raise AdapterError(
-                f"sequence position {start + length} exceeds capture_seq_len={seq_len}; instrument with a larger capture_seq_len"
+                f"this pass needs KV slots for {batch} rows x positions up to {start + length}, but capture_seq_len="
+                f"{seq_len} and the capturer has num_kv_slots={num_slots} (rows x capture_seq_len must fit); "
+                "instrument with a larger capture_seq_len or build the capturer with more num_kv_slots"
             )
-        device = _capturer_device(capturer)
-        rows = torch.arange(batch, device=device).unsqueeze(1) * seq_len
-        cols = torch.arange(start, start + length, device=device).unsqueeze(0)
-        capturer.on_forward_end((rows + cols).reshape(-1))
+        rows = torch.arange(batch).unsqueeze(1) * seq_len
+        return (rows + torch.arange(start, start + length).unsqueeze(0)).reshape(-1)
 
     def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
         in_pass = forward_pass_wrapper(recorder)(forward) if mark_passes else forward
 
         def forward_and_capture(*args: Any, **kwargs: Any) -> Any:
-            start = _cache_length(kwargs)
+            locs = out_cache_loc(args, kwargs, _cache_length(kwargs))
             output = in_pass(*args, **kwargs)
-            on_end(output, args, kwargs, start)
+            capturer.on_forward_end(locs)
             return output
 
         return forward_and_capture
@@ -170,10 +185,15 @@ def _capture_wrapper(recorder: Any, capturer: Any, seq_len: int, mark_passes: bo
     return wrap
 
 
-def _capturer_device(capturer: Any) -> torch.device:
-    """Device of the capturer's buffers (``capturer.device`` or its config's), CPU if it says none."""
-    device = getattr(capturer, "device", None) or getattr(getattr(capturer, "config", None), "device", None)
-    return torch.device(device) if device is not None else torch.device("cpu")
+def _check_capturer(capturer: Any, layer_ids: list[int], top_k: int) -> None:
+    cfg = getattr(capturer, "config", None)
+    if cfg is None or not hasattr(capturer, "capture") or not hasattr(capturer, "on_forward_end"):
+        raise TypeError(f"capturer must be a moetrace RoutedExpertsCapturer, got {type(capturer).__name__}")
+    if cfg.num_layers <= max(layer_ids) or cfg.top_k != top_k:
+        raise ValueError(
+            f"the capturer (num_layers={cfg.num_layers}, top_k={cfg.top_k}) does not fit this model: it needs "
+            f"num_layers > {max(layer_ids)} (model layer ids, dense layers included) and top_k={top_k}"
+        )
 
 
 def instrument(
@@ -231,14 +251,14 @@ def instrument(
     rec = binding.recorder
     seq_len = 0
     if capturer is not None:
-        seq_len = capture_seq_len or int(getattr(text_config, "max_position_embeddings", 0) or 0)
-        if seq_len <= 0:
-            raise ValueError("capture_seq_len must be given (the model config has no max_position_embeddings)")
+        _check_capturer(capturer, layer_ids, k)
+        slots = int(capturer.config.num_kv_slots)
+        seq_len = capture_seq_len or min(int(getattr(text_config, "max_position_embeddings", 0) or slots), slots)
     hooks = HookRegistry()
     with unwinding(hooks, binding):
         capture = capturer.capture if capturer is not None else None
         for site in sites:
-            record = _recorder_hook(rec.on_select_experts, capture, site.index)
+            record = _recorder_hook(rec.on_select_experts, capture, site.index, site.layer_id)
             if site.kind == "router-topk":
                 assert site.spec is not None
                 wanted = (lambda: True) if capturer is not None else (lambda: rec.recording)

@@ -21,6 +21,7 @@ from moetrace.adapters.hf.families import (
 )
 
 import moetrace
+from moetrace.capturer import RoutedExpertsCapturer
 from moetrace.testing import assert_no_host_sync
 from moetrace.trace.reader import open_trace
 
@@ -86,6 +87,46 @@ def test_per_token_trace_holds_each_tokens_experts(name: str, tmp_path) -> None:
             recorded = np.zeros_like(mask.numpy())
             np.put_along_axis(recorded, topk[rows][:, layer].astype(np.int64), True, axis=1)
             np.testing.assert_array_equal(recorded, mask.numpy(), err_msg=f"pass {p} layer {layer}")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "llama4", "dbrx"])
+def test_capturer_gives_each_sequences_experts(name: str) -> None:
+    family = FAMILIES[name]
+    model = family.build()
+    num_model_layers = model.config.get_text_config().num_hidden_layers if name != "dbrx" else model.config.n_layers
+    capturer = RoutedExpertsCapturer(num_model_layers, family.top_k, max_tokens_per_pass=64, num_kv_slots=2 * 16)
+    handle = hf.instrument(model, capturer=capturer, capture_seq_len=16)
+    handle.recorder.start_record()
+    batch, prompt, new = 2, 4, 3
+    with capture_routers(model, family) as routed:
+        _generate(model, _inputs(batch=batch, length=prompt), new=new)
+    assert handle.recorder.snapshot().num_passes == new
+    dense = [i for i in range(num_model_layers) if i not in family.layer_ids]
+    for row in range(batch):
+        got = handle.routed_experts(row, seq_len=prompt + new - 1, batch_size=batch)
+        assert got.shape == (prompt + new - 1, num_model_layers, family.top_k)
+        assert (got[:, dense] == -1).all()
+        # pass 0 holds rows (b, 0..prompt-1) batch-major; each decode pass one token per row
+        for position in range(prompt + new - 1):
+            p, token = (0, row * prompt + position) if position < prompt else (position - prompt + 1, row)
+            for compact, model_layer in enumerate(family.layer_ids):
+                mask = np.zeros(family.num_experts, dtype=bool)
+                mask[got[position, model_layer].astype(np.int64)] = True
+                np.testing.assert_array_equal(mask, routed.passes[p][compact][token].numpy())
+    with pytest.raises(moetrace.adapters.AlreadyInstrumentedError, match="capturer"):
+        hf.instrument(model, capturer=RoutedExpertsCapturer(num_model_layers, family.top_k, 64, 32))
+    handle.uninstrument()
+
+
+def test_capturer_that_does_not_fit_is_refused() -> None:
+    model = FAMILIES["deepseek_v3"].build()
+    with pytest.raises(ValueError, match=r"num_layers > 2"):
+        hf.instrument(model, capturer=RoutedExpertsCapturer(2, 2, 64, 32))
+    handle = hf.instrument(model, capturer=RoutedExpertsCapturer(3, 2, 64, 32), capture_seq_len=16)
+    with pytest.raises(moetrace.adapters.AdapterError, match="capture_seq_len"), torch.no_grad():
+        model(_inputs(batch=3, length=4))
+    handle.uninstrument()
+    assert hook_counts(model) == 0
 
 
 @pytest.mark.parametrize("name", NAMES)
