@@ -6,9 +6,30 @@ import typer
 
 import moetrace
 
+from . import analysis, control, traces
+
 __all__ = ["app", "main"]
 
-app = typer.Typer(name="moetrace", help="Observability and tracing for Mixture-of-Experts runtimes.", no_args_is_help=True)
+app = typer.Typer(
+    name="moetrace",
+    help="Observability and tracing for Mixture-of-Experts runtimes.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+# Offline analysis of traces.
+app.command("analyze")(analysis.analyze)
+app.command("plot")(analysis.plot)
+app.command("placement")(analysis.placement)
+# Producing and examining trace files.
+app.command("convert")(traces.convert)
+app.command("merge")(traces.merge)
+app.command("inspect")(traces.inspect)
+# Driving a running process.
+app.command("start")(control.start)
+app.command("stop")(control.stop)
+app.command("dump")(control.dump)
+app.command("status")(control.status)
 
 
 def _version_callback(value: bool) -> None:

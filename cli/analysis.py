@@ -1,0 +1,190 @@
+"""``moetrace analyze``, ``plot`` and ``placement``: offline analysis of a trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moetrace.analysis import metrics
+from moetrace.analysis.placement import predicted_gpu_load, rebalance_experts
+from moetrace.analysis.placement_baseline import greedy_rebalance
+from moetrace.analysis.plots import PLOT_KINDS, plot_report
+from moetrace.analysis.report import AnalysisReport, analyze_trace
+from moetrace.analysis.source import select_layers
+from moetrace.trace.reader import open_trace
+
+from .errors import CommandError, guarded
+from .options import existing_file, output_path, parse_layers, stdout_console
+
+__all__ = ["analyze", "placement", "plot"]
+
+LAYERS_HELP = "Model layer ids to analyse, e.g. '0,7,12-15' (default: all)."
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def _print_report(report: AnalysisReport, console: Console) -> None:
+    d = report.to_dict()
+    t, totals, overall = d["trace"], d["totals"], d["overall"]
+    console.print(
+        f"[bold]{report.path}[/bold]  mode={t['mode']} model={t['model'] or '-'} engine={t['engine'] or '-'} "
+        f"ranks(ep)={t['ep_size']} experts={t['num_logical_experts']} top_k={t['top_k']}"
+    )
+    console.print(
+        f"passes={totals['passes']} tokens={totals['tokens']} assignments={totals['assignments']} "
+        f"invalid_ids={totals['invalid_ids']} dropped={totals['dropped']}"
+    )
+    console.print(
+        f"[bold]balancedness {_fmt(overall['balancedness'])}[/bold]  max layer imbalance {_fmt(overall['max_layer_imbalance'])}  "
+        f"mean entropy ratio {_fmt(overall['mean_entropy_ratio'])}  dead experts {overall['dead_experts']}"
+    )
+    table = Table(title="Per layer", title_justify="left")
+    for col in ("layer", "assignments", "balancedness", "imbalance", "entropy", "dead", "hottest (expert: x mean)"):
+        table.add_column(col, justify="right" if col != "hottest (expert: x mean)" else "left")
+    for row in d["per_layer"]:
+        hot = ", ".join(f"{h['expert']}: {h['load_ratio']:.2f}" for h in row["hottest"])
+        table.add_row(str(row["layer"]), str(row["assignments"]), _fmt(row["balancedness"]), _fmt(row["imbalance"]), _fmt(row["entropy_ratio"]), str(len(row["dead_experts"])), hot)
+    console.print(table)
+    ranks = d["ranks"]
+    rank_table = Table(title=f"Per EP rank (all layers; hottest rank {ranks['hottest_rank']})", title_justify="left")
+    rank_table.add_column("rank", justify="right")
+    rank_table.add_column("token copies", justify="right")
+    rank_table.add_column("x mean", justify="right")
+    mean = float(np.mean(ranks["total_load"])) or 1.0
+    for r, load in enumerate(ranks["total_load"]):
+        rank_table.add_row(str(r), str(load), f"{load / mean:.2f}")
+    console.print(rank_table)
+    if d["coactivation"] is not None:
+        co = Table(title="Co-activation: top expert pairs (lift = observed / independent)", title_justify="left")
+        co.add_column("layer", justify="right")
+        co.add_column("pairs (a+b: count, lift)")
+        for row in d["coactivation"]["per_layer"]:
+            co.add_row(str(row["layer"]), ", ".join(f"{p['a']}+{p['b']}: {p['count']}, {p['lift']:.2f}" for p in row["top_pairs"]))
+        console.print(co)
+    if d["transitions"]:
+        tr = Table(title="Cross-layer transitions (same top-k slot)", title_justify="left")
+        for col in ("from", "to", "MI bits", "NMI", "top a->b (share)"):
+            tr.add_column(col, justify="right" if col != "top a->b (share)" else "left")
+        for row in d["transitions"]:
+            top = ", ".join(f"{x['a']}->{x['b']} ({x['share']:.3f})" for x in row["top"])
+            tr.add_row(str(row["from_layer"]), str(row["to_layer"]), _fmt(row["mutual_information_bits"]), _fmt(row["normalized_mutual_information"]), top)
+        console.print(tr)
+    drift = d["drift"]
+    if drift is not None:
+        js = "n/a (one window)" if drift["mean_js"] is None else f"mean {drift['mean_js']:.4f}, max {drift['max_js']:.4f}"
+        console.print(
+            f"drift: {drift['num_windows']} windows of {drift['passes_per_window']} passes; JS divergence between successive windows {js}; "
+            f"window balancedness min {_fmt(drift['balancedness_min'])} mean {_fmt(drift['balancedness_mean'])} max {_fmt(drift['balancedness_max'])}"
+        )
+    for note in d["notes"]:
+        console.print(f"note: {note}")
+
+
+@guarded
+def analyze(
+    trace: Annotated[Path, typer.Argument(help="A moetrace HDF5 trace.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report (schema in docs/analysis.md) instead of tables.")] = False,
+    layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
+    window: Annotated[int | None, typer.Option("--window", min=1, help="Passes per drift window (default: about 20 windows).")] = None,
+    top: Annotated[int, typer.Option("--top", min=1, help="Hottest experts, pairs and transitions listed per layer.")] = 5,
+    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
+) -> None:
+    """Balance, entropy, dead/hot experts, per-rank load, co-activation, transitions and drift of a trace."""
+    report = analyze_trace(existing_file(trace), layers=parse_layers(layers), window=window, top=top, progress=progress)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        _print_report(report, stdout_console())
+
+
+@guarded
+def plot(
+    trace: Annotated[Path, typer.Argument(help="A moetrace HDF5 trace.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="PNG file to write.")],
+    kind: Annotated[str, typer.Option("--kind", help=f"One of: {', '.join(PLOT_KINDS)}.")] = "heatmap",
+    layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
+    layer: Annotated[int | None, typer.Option("--layer", help="Model layer id of the co-activation matrix (default: first analysed).")] = None,
+    window: Annotated[int | None, typer.Option("--window", min=1, help="Passes per window for the timeline.")] = None,
+    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
+) -> None:
+    """Draw a PNG: layer x expert heatmap, per-rank load, balance/drift timeline or co-activation matrix."""
+    if kind not in PLOT_KINDS:
+        raise CommandError(f"--kind {kind!r}: choose one of {', '.join(PLOT_KINDS)}")
+    output_path(out)
+    report = analyze_trace(existing_file(trace), layers=parse_layers(layers), window=window, progress=progress)
+    written = plot_report(report, out, kind=kind, layer=layer)
+    typer.echo(f"wrote {written} ({written.stat().st_size} bytes)")
+
+
+@guarded
+def placement(
+    trace: Annotated[Path, typer.Argument(help="A moetrace HDF5 trace whose logical counts are the loads.")],
+    replicas: Annotated[int, typer.Option("--replicas", help="Physical expert slots N in total (>= experts, multiple of --gpus).")],
+    groups: Annotated[int, typer.Option("--groups", help="Expert groups G (divides the expert count).")],
+    nodes: Annotated[int, typer.Option("--nodes", help="Server nodes M.")],
+    gpus: Annotated[int, typer.Option("--gpus", help="GPUs K (multiple of --nodes).")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the plan (phy2log, log2phy, logcnt, figures) as JSON.")] = None,
+    layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
+) -> None:
+    """Plan expert placement with replication; print predicted balancedness before / greedy / after."""
+    if out is not None:
+        output_path(out)
+    with open_trace(existing_file(trace)) as tr:
+        index = select_layers(tr, parse_layers(layers))
+        layer_ids = [int(x) for x in tr.layers[index]]
+        weight = tr.logical_count()[index]
+        physical = tr.physical_count()[index]
+        attrs = tr.attrs
+    plan = rebalance_experts(weight, replicas, groups, nodes, gpus)
+    greedy_load = predicted_gpu_load(weight, greedy_rebalance(weight, replicas, groups, nodes, gpus), gpus)
+    before_load = metrics.rank_load(physical, gpus) if physical.shape[1] % gpus == 0 else None
+    figures = {
+        "before": metrics.balancedness(before_load) if before_load is not None else None,
+        "greedy": metrics.balancedness(greedy_load),
+        "after": plan.balancedness,
+    }
+    per_layer = {
+        "before": metrics.layer_balancedness(before_load).tolist() if before_load is not None else None,
+        "greedy": metrics.layer_balancedness(greedy_load).tolist(),
+        "after": plan.layer_balancedness.tolist(),
+    }
+    console = stdout_console()
+    table = Table(title=f"Placement: {replicas} slots, {groups} groups, {nodes} nodes, {gpus} GPUs ({'hierarchical' if plan.hierarchical else 'global'})", title_justify="left")
+    for col in ("layer", "before", "greedy", "after", "max replicas"):
+        table.add_column(col, justify="right")
+    for i, layer in enumerate(layer_ids):
+        before = "-" if per_layer["before"] is None else _fmt(per_layer["before"][i])
+        table.add_row(str(layer), before, _fmt(per_layer["greedy"][i]), _fmt(per_layer["after"][i]), str(int(plan.logcnt[i].max())))
+    table.add_row("all", "-" if figures["before"] is None else _fmt(figures["before"]), _fmt(figures["greedy"]), _fmt(figures["after"]), str(plan.log2phy.shape[2]), style="bold")
+    console.print(table)
+    if figures["before"] is None:
+        console.print(f"note: 'before' needs the recorded {physical.shape[1]} physical experts to split evenly over {gpus} GPUs")
+    if out is not None:
+        document = {
+            "schema": "moetrace.placement",
+            "schema_version": 1,
+            "trace": str(trace),
+            "run_id": attrs.get("run_id"),
+            "layers": layer_ids,
+            "num_replicas": replicas,
+            "num_groups": groups,
+            "num_nodes": nodes,
+            "num_gpus": gpus,
+            "hierarchical": plan.hierarchical,
+            "balancedness": figures,
+            "layer_balancedness": per_layer,
+            "phy2log": plan.phy2log.tolist(),
+            "log2phy": plan.log2phy.tolist(),
+            "logcnt": plan.logcnt.tolist(),
+            "gpu_load": plan.gpu_load.tolist(),
+        }
+        out.write_text(json.dumps(document))
+        console.print(f"wrote {out}")

@@ -1,0 +1,57 @@
+"""One error path for every command: one clear line on stderr, no traceback.
+
+Exit codes: 0 success, 1 the operation failed at run time (server refused or
+unreachable, write failed), 2 bad usage or bad input (missing file, not a
+trace, truncated, newer schema, inconsistent options).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+import typer
+
+from moetrace.trace.schema import TraceError, TraceWriteError
+
+__all__ = ["EXIT_FAILED", "EXIT_INPUT", "CommandError", "guarded", "say_error"]
+
+EXIT_FAILED = 1
+EXIT_INPUT = 2
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class CommandError(Exception):
+    """An expected failure: ``message`` goes to stderr, ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int = EXIT_INPUT) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def say_error(message: str) -> None:
+    """Print ``moetrace: error: <message>`` as a single line on stderr."""
+    typer.echo(f"moetrace: error: {' '.join(str(message).split())}", err=True)
+
+
+def guarded(command: Callable[P, R]) -> Callable[P, R]:
+    """Turn expected exceptions into one stderr line and an exit code."""
+
+    @functools.wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return command(*args, **kwargs)
+        except CommandError as exc:
+            say_error(str(exc))
+            raise typer.Exit(exc.code) from None
+        except TraceWriteError as exc:
+            say_error(str(exc))
+            raise typer.Exit(EXIT_FAILED) from None
+        except (TraceError, ValueError, FileNotFoundError, IsADirectoryError) as exc:
+            say_error(str(exc))
+            raise typer.Exit(EXIT_INPUT) from None
+
+    return wrapper

@@ -1,0 +1,115 @@
+"""``moetrace convert``, ``merge`` and ``inspect``: produce and examine trace files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import h5py
+import numpy as np
+import typer
+from rich.table import Table
+
+from moetrace.trace.convert import convert_jsonl, convert_sglang
+from moetrace.trace.merge import merge_traces
+from moetrace.trace.reader import open_trace
+
+from .errors import guarded
+from .options import existing_file, output_path, stdout_console
+
+__all__ = ["convert", "inspect", "merge"]
+
+
+@guarded
+def convert(
+    src: Annotated[Path, typer.Argument(help="SGLang expert-distribution dump (.pt) or JSON-lines routing log.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Trace file to write (.h5).")],
+    top_k: Annotated[int | None, typer.Option("--top-k", min=1, help="Experts per token (needed for SGLang stat/per_pass dumps).")] = None,
+    ep_size: Annotated[int, typer.Option("--ep-size", min=1, help="EP ranks the physical experts were split over (SGLang).")] = 1,
+    world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="Ranks in the run (SGLang per-rank dumps; needed to merge them).")] = None,
+    num_experts: Annotated[int | None, typer.Option("--num-experts", min=1, help="Experts per layer (JSON lines; default max id + 1).")] = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Run id to record (give per-rank conversions the same one to merge them).")] = None,
+    model: Annotated[str, typer.Option("--model", help="Model name to record.")] = "",
+) -> None:
+    """Convert an SGLang .pt dump (stat, per_pass, per_token) or a JSON-lines routing log into a trace."""
+    existing_file(src, "source")
+    output_path(out)
+    if src.suffix == ".pt":
+        written = convert_sglang(src, out, top_k=top_k, ep_size=ep_size, run_id=run_id, world_size=world_size, model=model)
+    else:
+        written = convert_jsonl(src, out, num_experts=num_experts, run_id=run_id, model=model)
+    with open_trace(written) as trace:
+        typer.echo(f"wrote {written}: mode={trace.mode} layers={trace.num_layers} experts={trace.num_logical_experts} top_k={trace.top_k}")
+
+
+@guarded
+def merge(
+    traces: Annotated[list[Path], typer.Argument(help="Per-rank traces of one run (rank 0..W-1).")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Merged trace to write (.h5).")],
+) -> None:
+    """Join per-rank traces of one run into one trace (copied, rank axis / rank column; see docs/cli.md)."""
+    for path in traces:
+        existing_file(path)
+    output_path(out)
+    written = merge_traces(traces, out)
+    typer.echo(f"wrote {written}: {len(traces)} ranks")
+
+
+def _datasets(path: Path) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+
+    def visit(name: str, obj: object) -> None:
+        if isinstance(obj, h5py.Dataset):
+            filters = [f for f in ("compression", "shuffle") if getattr(obj, f)]
+            rows.append(
+                {
+                    "name": f"/{name}",
+                    "shape": list(obj.shape),
+                    "dtype": str(obj.dtype),
+                    "bytes": int(obj.size * obj.dtype.itemsize),
+                    "stored_bytes": int(obj.id.get_storage_size()),
+                    "chunks": list(obj.chunks) if obj.chunks else None,
+                    "filters": [str(obj.compression) if f == "compression" else f for f in filters],
+                }
+            )
+
+    with h5py.File(path, "r") as f:
+        f.visititems(visit)
+    return rows
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value
+
+
+@guarded
+def inspect(
+    trace: Annotated[Path, typer.Argument(help="A moetrace HDF5 trace.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Schema, root attributes, datasets (shape, dtype, size raw / on disk) of a trace."""
+    with open_trace(existing_file(trace)) as tr:
+        attrs = {k: _plain(v) for k, v in sorted(tr.attrs.items())}
+    datasets = _datasets(trace)
+    if as_json:
+        typer.echo(json.dumps({"path": str(trace), "file_bytes": trace.stat().st_size, "attrs": attrs, "datasets": datasets}, indent=2))
+        return
+    console = stdout_console()
+    console.print(f"[bold]{trace}[/bold]  {attrs.get('schema')} v{attrs.get('schema_version')}  {trace.stat().st_size} bytes on disk")
+    table = Table(title="Root attributes", title_justify="left")
+    table.add_column("attribute")
+    table.add_column("value")
+    for key, value in attrs.items():
+        table.add_row(key, str(value))
+    console.print(table)
+    ds = Table(title="Datasets", title_justify="left")
+    for col in ("name", "shape", "dtype", "raw bytes", "stored bytes", "filters"):
+        ds.add_column(col, justify="right" if "bytes" in col else "left")
+    for row in datasets:
+        ds.add_row(str(row["name"]), str(tuple(row["shape"])), str(row["dtype"]), str(row["bytes"]), str(row["stored_bytes"]), ",".join(row["filters"]) or "-")  # type: ignore[arg-type]
+    console.print(ds)

@@ -1,0 +1,123 @@
+"""PNG plots of an :class:`~moetrace.analysis.report.AnalysisReport` (headless, Agg).
+
+Figures are built with :class:`matplotlib.figure.Figure` and the Agg canvas
+directly, so plotting never touches pyplot's global state or needs a display.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from .report import AnalysisReport
+
+__all__ = ["PLOT_KINDS", "plot_report"]
+
+PLOT_KINDS = ("heatmap", "ranks", "timeline", "coactivation")
+
+
+def _title(report: AnalysisReport, what: str) -> str:
+    model = report.attrs.get("model") or report.path.name
+    return f"{what} — {model} ({report.attrs.get('mode')}, {report.num_tokens} tokens)"
+
+
+def _heatmap(report: AnalysisReport, fig: Figure) -> None:
+    counts = report.logical_count.astype(np.float64)
+    mean = counts.mean(axis=1, keepdims=True)
+    ratio = np.divide(counts, mean, out=np.zeros_like(counts), where=mean > 0)
+    ax = fig.add_subplot()
+    image = ax.imshow(ratio, aspect="auto", cmap="magma", interpolation="nearest")
+    ax.set_xlabel("logical expert")
+    ax.set_ylabel("MoE layer (model index)")
+    ax.set_yticks(range(len(report.layer_ids)), [str(x) for x in report.layer_ids])
+    fig.colorbar(image, ax=ax, label="tokens / layer mean (1 = even)")
+    ax.set_title(_title(report, "Expert load"))
+
+
+def _ranks(report: AnalysisReport, fig: Figure) -> None:
+    load = report.rank_load
+    total = load.sum(axis=0)
+    top, bottom = fig.subplots(2, 1)
+    ranks = np.arange(load.shape[1])
+    top.bar(ranks, total, color="tab:blue")
+    top.axhline(total.mean(), color="black", linestyle="--", label=f"mean {total.mean():.0f}")
+    top.set_xlabel("EP rank")
+    top.set_ylabel("token copies (all layers)")
+    top.set_xticks(ranks)
+    top.legend(loc="upper right")
+    top.set_title(_title(report, f"Per-rank load (balancedness {report.balancedness:.3f})"))
+    layers = np.arange(len(report.layer_ids))
+    bottom.bar(layers, report.layer_balancedness, color="tab:green")
+    bottom.set_ylim(0, 1.05)
+    bottom.set_xticks(layers, [str(x) for x in report.layer_ids])
+    bottom.set_xlabel("MoE layer (model index)")
+    bottom.set_ylabel("balancedness (mean/max)")
+
+
+def _timeline(report: AnalysisReport, fig: Figure) -> None:
+    drift = report.drift
+    if drift is None:
+        raise ValueError(f"{report.path}: no time-ordered data (empty window or stream); the timeline needs passes")
+    ax = fig.add_subplot()
+    x = drift.first_pass
+    ax.plot(x, drift.balancedness, marker="o", color="tab:blue", label="balancedness")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel(f"first pass of window ({drift.passes_per_window} passes per window)")
+    ax.set_ylabel("balancedness (mean/max over ranks)", color="tab:blue")
+    js_axis = ax.twinx()
+    js_axis.plot(x[1:], drift.js_mean[1:], marker="s", color="tab:red", label="JS divergence from previous window")
+    js_axis.set_ylabel("JS divergence (bits, mean over layers)", color="tab:red")
+    js_axis.set_ylim(bottom=0)
+    lines = ax.get_legend_handles_labels()
+    more = js_axis.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="lower left")
+    ax.set_title(_title(report, "Balance and drift over time"))
+
+
+def _coactivation(report: AnalysisReport, fig: Figure, layer: int | None) -> None:
+    co = report.coactivation
+    if co is None:
+        raise ValueError(f"{report.path}: co-activation needs a per_token trace (this one is {report.attrs.get('mode')})")
+    ids = [int(x) for x in report.layer_ids]
+    layer = ids[0] if layer is None else layer
+    if layer not in ids:
+        raise ValueError(f"layer {layer} was not analysed (layers: {ids})")
+    matrix = co.coactivation[ids.index(layer)]
+    ax = fig.add_subplot()
+    image = ax.imshow(matrix, cmap="viridis", interpolation="nearest")
+    ax.set_xlabel("logical expert")
+    ax.set_ylabel("logical expert")
+    fig.colorbar(image, ax=ax, label="tokens choosing both")
+    ax.set_title(_title(report, f"Co-activation, layer {layer}"))
+
+
+def plot_report(report: AnalysisReport, path: Path | str, kind: str = "heatmap", layer: int | None = None) -> Path:
+    """Draw one plot of ``report`` into the PNG ``path``.
+
+    Args:
+        kind: ``heatmap`` (layer x expert load), ``ranks`` (per-rank load and
+            per-layer balancedness), ``timeline`` (balancedness and drift per
+            window), ``coactivation`` (expert x expert matrix of one layer).
+        layer: model layer id for ``coactivation`` (default the first analysed).
+
+    Raises:
+        ValueError: unknown kind, or the trace lacks what the kind needs.
+    """
+    if kind not in PLOT_KINDS:
+        raise ValueError(f"unknown plot kind {kind!r}; choose one of {', '.join(PLOT_KINDS)}")
+    fig = Figure(figsize=(10, 7 if kind == "ranks" else 6), layout="constrained")
+    FigureCanvasAgg(fig)
+    if kind == "heatmap":
+        _heatmap(report, fig)
+    elif kind == "ranks":
+        _ranks(report, fig)
+    elif kind == "timeline":
+        _timeline(report, fig)
+    else:
+        _coactivation(report, fig, layer)
+    path = Path(path)
+    fig.savefig(path, dpi=100, format="png")
+    return path

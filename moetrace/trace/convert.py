@@ -1,0 +1,334 @@
+"""Convert other tools' routing records into moetrace traces.
+
+Sources:
+
+- **SGLang expert-distribution dumps** (``.pt``, written by
+  ``/dump_expert_distribution_record``), loaded with
+  ``torch.load(weights_only=True)`` so no arbitrary object is ever unpickled:
+
+  - ``stat`` mode: ``{"rank", "logical_count": [L, E] or [S, L, E], ...}``
+    becomes a ``stat`` trace (logical id space, ``/stat`` only: SGLang keeps
+    its per-step rows in a ring buffer without their order, so no ``/window``).
+  - ``per_pass`` mode: ``{"records": [{"forward_pass_id", "rank",
+    "global_physical_count": [L, P], ...}], "last_physical_to_logical_map":
+    [L, P]}`` becomes a ``per_pass`` trace (``timestamp`` = NaN: SGLang does
+    not record it).
+  - ``per_token`` mode: the same with ``"topk_ids_of_layer": [L, T, 8]`` per
+    record becomes a ``per_token`` trace (``position`` = index in the pass).
+
+  SGLang dumps do not say ``top_k`` for ``stat``/``per_pass``: pass it.
+
+- **JSON-lines routing logs**: one object per line and layer,
+  ``{"layer": 3, "topk_ids": [5, 9], "pass_id": 0, "position": 12}``
+  (``pass_id``/``forward_pass_id``, ``request_id``/``rid`` and
+  ``position``/``token_index`` optional). A token is identified by its pass (or
+  request) and position; without ``position`` the n-th line of a layer within
+  a pass is token n. The result is a ``per_token`` trace whose layers are the
+  distinct ``layer`` values. Tokens are written in first-seen order and memory
+  stays bounded when each token's lines are near each other in the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .schema import TraceError
+from .writer import TraceHeader, TraceWriter, token_id_dtype
+
+__all__ = ["convert", "convert_jsonl", "convert_sglang"]
+
+_CHUNK = 65536
+_RECORDS_PER_CHUNK = 1024
+
+
+# ----------------------------------------------------------------------------- shared
+def _header(mode: str, mapping: np.ndarray, top_k: int, ep_size: int, layer_ids: np.ndarray, rank: int, run_id: str | None, model: str, engine: str, world_size: int | None = None) -> TraceHeader:
+    world = world_size or rank + 1
+    if not 0 <= rank < world:
+        raise TraceError(f"rank {rank} is outside world_size={world}; pass --world-size larger than every rank")
+    num_physical = mapping.shape[1]
+    if num_physical % ep_size:
+        raise TraceError(f"{num_physical} physical experts cannot be split over ep_size={ep_size}; pass an ep size that divides it")
+    identity = (mapping == np.arange(num_physical)).all()
+    extra = {"run_id": run_id} if run_id else {}
+    return TraceHeader(
+        mode=mode, id_space="logical" if identity else "physical", num_layers=mapping.shape[0],
+        num_physical_experts=num_physical, top_k=top_k, ep_size=ep_size, layer_ids=layer_ids,
+        physical_to_logical=mapping, model=model, engine=engine, rank=rank, world_size=world, **extra,
+    )
+
+
+def _write_stat(writer: TraceWriter, physical: np.ndarray, invalid: np.ndarray, passes: int, tokens: int) -> None:
+    """``/stat`` for one rank from ``physical [L, P]`` and ``invalid [L]``."""
+    from ..analysis.metrics import to_logical
+
+    h = writer.header
+    num_layers, ep = h.num_layers, h.ep_size
+    writer.write("stat/physical_count", physical[None].astype(np.int64))
+    writer.write("stat/logical_count", to_logical(physical, h.physical_to_logical)[None].astype(np.int64))
+    writer.write("stat/invalid_ids", invalid[None].astype(np.int64))
+    writer.write("stat/send_count", np.zeros((1, num_layers, ep), np.int64))
+    writer.write("stat/recv_count", np.zeros((1, num_layers, ep), np.int64))
+    writer.write("stat/dropped", np.zeros((1, num_layers), np.int64))
+    writer.write("stat/num_passes", np.array([passes], np.int64))
+    writer.write("stat/num_tokens", np.array([tokens], np.int64))
+
+
+def _append_tokens(writer: TraceWriter, topk: np.ndarray, pass_id: np.ndarray, position: np.ndarray, totals: np.ndarray, invalid: np.ndarray) -> None:
+    """Append token rows (ids ``>= P`` stored as -2) and add them to ``totals [L, P]`` / ``invalid [L]``."""
+    num_physical = totals.shape[1]
+    bad = (topk >= num_physical) | (topk < -1)
+    invalid += bad.sum(axis=(0, 2))
+    ids = np.where(bad, -2, topk).astype(token_id_dtype(num_physical))
+    ok = ids >= 0
+    layer = np.broadcast_to(np.arange(totals.shape[0])[None, :, None], ids.shape)
+    totals += np.bincount((layer * num_physical + ids)[ok], minlength=totals.size).reshape(totals.shape)
+    writer.append("tokens/topk_ids", ids)
+    writer.append("tokens/pass_id", pass_id.astype(np.int64))
+    writer.append("tokens/position", position.astype(np.int32))
+
+
+@contextlib.contextmanager
+def _writing(out: Path | str, header: TraceHeader) -> Iterator[TraceWriter]:
+    """A :class:`TraceWriter` whose temporary file is removed if the body fails."""
+    writer = TraceWriter(out, header)
+    try:
+        yield writer
+    except BaseException:
+        writer.abort()
+        raise
+
+
+# ----------------------------------------------------------------------------- SGLang
+def _tensor(obj: object, what: str, src: Path) -> np.ndarray:
+    if not isinstance(obj, torch.Tensor):
+        raise TraceError(f"{src}: {what} is not a tensor ({type(obj).__name__}); not an SGLang expert-distribution dump")
+    return obj.detach().cpu().numpy()
+
+
+def convert_sglang(src: Path | str, out: Path | str, *, top_k: int | None = None, ep_size: int = 1, run_id: str | None = None, world_size: int | None = None, model: str = "") -> Path:
+    """Convert an SGLang expert-distribution dump (``.pt``) into a trace at ``out``.
+
+    Per-rank dumps of one run become mergeable (``merge_traces``) when they are
+    converted with the same ``run_id`` and ``world_size``.
+
+    Raises:
+        TraceError: not a readable SGLang dump, or ``top_k`` is needed and missing.
+    """
+    src = Path(src)
+    if not src.is_file():
+        raise TraceError(f"{src}: no such file")
+    try:
+        data = torch.load(src, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TraceError(f"{src}: cannot load as a weights-only torch file ({first})") from exc
+    if not isinstance(data, dict):
+        raise TraceError(f"{src}: expected a dict, found {type(data).__name__}; not an SGLang expert-distribution dump")
+    if "logical_count" in data:
+        return _sglang_stat(src, data, out, top_k, ep_size, run_id, world_size, model)
+    if isinstance(data.get("records"), list) and "last_physical_to_logical_map" in data:
+        return _sglang_records(src, data, out, top_k, ep_size, run_id, world_size, model)
+    raise TraceError(f"{src}: has neither 'logical_count' (stat) nor 'records' (per_pass/per_token); not an SGLang expert-distribution dump")
+
+
+def _need_top_k(top_k: int | None, src: Path, mode: str) -> int:
+    if top_k is None or top_k < 1:
+        raise TraceError(f"{src}: SGLang {mode} dumps do not record top_k; pass --top-k (the model's experts per token)")
+    return int(top_k)
+
+
+def _sglang_stat(src: Path, data: dict, out: Path | str, top_k: int | None, ep_size: int, run_id: str | None, world_size: int | None, model: str) -> Path:
+    k = _need_top_k(top_k, src, "stat")
+    counts = _tensor(data["logical_count"], "logical_count", src).astype(np.int64)
+    if counts.ndim == 2:
+        counts = counts[None]
+    if counts.ndim != 3:
+        raise TraceError(f"{src}: logical_count has shape {list(counts.shape)}, expected [L, E] or [steps, L, E]")
+    steps = int((counts.sum(axis=(1, 2)) > 0).sum())
+    total = counts.sum(axis=0)
+    num_layers, num_experts = total.shape
+    mapping = np.tile(np.arange(num_experts), (num_layers, 1))
+    rank = int(data.get("rank", 0) or 0)
+    with _writing(out, _header("stat", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)) as writer:
+        _write_stat(writer, total, np.zeros(num_layers, np.int64), steps, int(total.sum(axis=1).max()) // k)
+        return writer.commit()
+
+
+def _sglang_records(src: Path, data: dict, out: Path | str, top_k: int | None, ep_size: int, run_id: str | None, world_size: int | None, model: str) -> Path:
+    mapping = _tensor(data["last_physical_to_logical_map"], "last_physical_to_logical_map", src).astype(np.int64)
+    if mapping.ndim != 2:
+        raise TraceError(f"{src}: last_physical_to_logical_map has shape {list(mapping.shape)}, expected [L, P]")
+    if not all(isinstance(r, dict) for r in data["records"]):
+        raise TraceError(f"{src}: 'records' must be a list of dicts; not an SGLang expert-distribution dump")
+    records = sorted(data["records"], key=lambda r: int(r.get("forward_pass_id", 0)))
+    per_token = bool(records) and "topk_ids_of_layer" in records[0]
+    ranks = {int(r.get("rank", 0)) for r in records} or {0}
+    if len(ranks) > 1:
+        raise TraceError(f"{src}: records from several ranks {sorted(ranks)}; SGLang writes one file per rank")
+    rank = ranks.pop()
+    num_layers, num_physical = mapping.shape
+    if per_token:
+        widths = [_tensor(r["topk_ids_of_layer"], "topk_ids_of_layer", src) for r in records]
+        used = max((int((w >= 0).any(axis=(0, 1)).sum()) for w in widths), default=1)
+        k = int(top_k) if top_k else max(used, 1)
+        header = _header("per_token", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)
+        with _writing(out, header) as writer:
+            totals, invalid, tokens = np.zeros((num_layers, num_physical), np.int64), np.zeros(num_layers, np.int64), 0
+            writer.ensure_empty("tokens/topk_ids", (num_layers, k), token_id_dtype(num_physical))
+            for record, ids in zip(records, widths, strict=True):
+                rows = np.ascontiguousarray(ids.transpose(1, 0, 2)[:, :, :k])  # [T, L, k]
+                tokens += len(rows)
+                pid = np.full(len(rows), int(record.get("forward_pass_id", 0)), np.int64)
+                _append_tokens(writer, rows, pid, np.arange(len(rows)), totals, invalid)
+            writer.ensure_empty("tokens/pass_id", (), np.dtype(np.int64))
+            writer.ensure_empty("tokens/position", (), np.dtype(np.int32))
+            _write_stat(writer, totals, invalid, len(records), tokens)
+            return writer.commit()
+    k = _need_top_k(top_k, src, "per_pass")
+    header = _header("per_pass", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)
+    with _writing(out, header) as writer:
+        totals, tokens = np.zeros((num_layers, num_physical), np.int64), 0
+        for start in range(0, len(records), _RECORDS_PER_CHUNK):
+            part = records[start : start + _RECORDS_PER_CHUNK]
+            counts = np.stack([_tensor(r["global_physical_count"], "global_physical_count", src) for r in part]).astype(np.int32)
+            if counts.shape[1:] != (num_layers, num_physical):
+                raise TraceError(f"{src}: global_physical_count has shape {list(counts.shape[1:])}, expected [{num_layers}, {num_physical}]")
+            per_pass_tokens = counts.sum(axis=2).max(axis=1) // k
+            tokens += int(per_pass_tokens.sum())
+            totals += counts.sum(axis=0)
+            n = len(part)
+            writer.append("passes/pass_id", np.array([int(r.get("forward_pass_id", 0)) for r in part], np.int64))
+            writer.append("passes/timestamp", np.full(n, math.nan))
+            writer.append("passes/num_tokens", per_pass_tokens.astype(np.int64))
+            writer.append("passes/physical_count", counts)
+            writer.append("passes/invalid_ids", np.zeros((n, num_layers), np.int32))
+            writer.append("passes/send_count", np.zeros((n, num_layers, ep_size), np.int32))
+            writer.append("passes/recv_count", np.zeros((n, num_layers, ep_size), np.int32))
+        _write_stat(writer, totals, np.zeros(num_layers, np.int64), len(records), tokens)
+        return writer.commit()
+
+
+# ----------------------------------------------------------------------------- JSON lines
+def _lines(src: Path) -> Iterator[tuple[int, dict]]:
+    with src.open("r", encoding="utf-8") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{src}:{number}: not valid JSON ({exc.msg}); expected one routing record per line") from exc
+            if not isinstance(obj, dict) or "layer" not in obj or not isinstance(obj.get("topk_ids"), list):
+                raise TraceError(f'{src}:{number}: expected an object with "layer" and a "topk_ids" list')
+            yield number, obj
+
+
+def _group(obj: dict) -> object:
+    for key in ("pass_id", "forward_pass_id", "request_id", "rid"):
+        if key in obj:
+            return obj[key]
+    return None
+
+
+def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None = None, run_id: str | None = None, model: str = "", chunk: int = _CHUNK) -> Path:
+    """Convert a JSON-lines routing log into a ``per_token`` trace at ``out`` (format in the module docstring).
+
+    Raises:
+        TraceError: naming the file and line of the first malformed record.
+    """
+    src = Path(src)
+    if not src.is_file():
+        raise TraceError(f"{src}: no such file")
+    layers: set[int] = set()
+    max_id, top_k, count = -1, 1, 0
+    for number, obj in _lines(src):
+        try:
+            ids = [int(x) for x in obj["topk_ids"]]
+            layers.add(int(obj["layer"]))
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"{src}:{number}: layer and topk_ids must be integers") from exc
+        max_id = max([max_id, *ids])
+        top_k = max(top_k, len(ids))
+        count += 1
+    if not count:
+        raise TraceError(f"{src}: no routing records")
+    experts = int(num_experts) if num_experts else max_id + 1
+    if experts < 1:
+        raise TraceError(f"{src}: no expert ids >= 0; pass --num-experts")
+    layer_ids = np.array(sorted(layers))
+    compact = {int(x): i for i, x in enumerate(layer_ids)}
+    num_layers = len(layer_ids)
+    mapping = np.tile(np.arange(experts), (num_layers, 1))
+    writer = TraceWriter(out, _header("per_token", mapping, top_k, 1, layer_ids, 0, run_id, model, "jsonl"))
+    totals, invalid = np.zeros((num_layers, experts), np.int64), np.zeros(num_layers, np.int64)
+    pending: OrderedDict[tuple[object, int], tuple[np.ndarray, int, int]] = OrderedDict()
+    flushed: set[tuple[object, int]] = set()
+    seen_in_group: dict[tuple[object, int], int] = {}
+    pass_index: dict[object, int] = {}
+    pass_ids: set[int] = set()
+    state = {"tokens": 0}
+
+    def flush(keep: int) -> None:
+        rows, pids, positions = [], [], []
+        while len(pending) > keep:
+            key, (row, pid, pos) = pending.popitem(last=False)
+            flushed.add(key)
+            rows.append(row)
+            pids.append(pid)
+            positions.append(pos)
+        if rows:
+            state["tokens"] += len(rows)
+            _append_tokens(writer, np.stack(rows), np.array(pids), np.array(positions), totals, invalid)
+
+    try:
+        for number, obj in _lines(src):
+            group = _group(obj)
+            layer = compact[int(obj["layer"])]
+            if "position" in obj or "token_index" in obj:
+                position = int(obj.get("position", obj.get("token_index")))
+            else:
+                position = seen_in_group.get((group, layer), 0)
+                seen_in_group[(group, layer)] = position + 1
+            key = (group, position)
+            if key in flushed:
+                raise TraceError(f"{src}:{number}: token {key} appears again more than {chunk} tokens after its first line; group the log by pass or token")
+            if key not in pending:
+                pid = group if isinstance(group, int) else pass_index.setdefault(group, len(pass_index))
+                pass_ids.add(int(pid))
+                pending[key] = (np.full((num_layers, top_k), -1, np.int64), int(pid), position)
+            row = pending[key][0]
+            if (row[layer] != -1).any():
+                raise TraceError(f"{src}:{number}: token {key} has two records for layer {obj['layer']}")
+            ids = [int(x) for x in obj["topk_ids"]]
+            row[layer, : len(ids)] = ids
+            if len(pending) >= 2 * chunk:
+                flush(chunk)
+        flush(0)
+        writer.ensure_empty("tokens/topk_ids", (num_layers, top_k), token_id_dtype(experts))
+        writer.ensure_empty("tokens/pass_id", (), np.dtype(np.int64))
+        writer.ensure_empty("tokens/position", (), np.dtype(np.int32))
+        _write_stat(writer, totals, invalid, len(pass_ids), state["tokens"])
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.commit()
+
+
+def convert(src: Path | str, out: Path | str, **options: object) -> Path:
+    """Convert ``src`` by kind: ``.pt`` = SGLang dump, anything else = JSON-lines log."""
+    src = Path(src)
+    if src.suffix == ".pt":
+        allowed = {k: v for k, v in options.items() if k in ("top_k", "ep_size", "run_id", "world_size", "model")}
+        return convert_sglang(src, out, **allowed)  # type: ignore[arg-type]
+    allowed = {k: v for k, v in options.items() if k in ("num_experts", "run_id", "model")}
+    return convert_jsonl(src, out, **allowed)  # type: ignore[arg-type]
+

@@ -1,0 +1,190 @@
+"""Join per-rank traces of one recording into a single trace with a rank axis.
+
+The recorder's streaming modes write one file per rank (``-rank{r}``), each
+with root attributes ``rank=r``, ``world_size`` and a shared ``run_id``.
+:func:`merge_traces` checks that the inputs are exactly ranks ``0..W-1`` of
+one run with identical shapes, then **copies** (no HDF5 virtual datasets, so
+the result stays valid when the inputs move or are deleted) into one trace:
+
+- root attributes of rank 0, with ``rank = -1`` (gathered), ``world_size = W``,
+  the same ``run_id`` and ``merged_from`` (JSON list of the input file names);
+- ``/stat/*``: each input's single rank row stacked in rank order ``[W, ...]``;
+- ``/window/*`` (``stat`` mode): stacked ``[W, Wmax, ...]``, shorter windows
+  padded with ``pass_id = -1`` and zero counts;
+- ``/passes/*`` or ``/tokens/*``: every row of every rank, ordered by
+  ``(pass_id, rank)`` (a k-way merge; each rank's pass ids must be
+  non-decreasing), plus a ``rank`` column ``[N]`` (int32) naming the source rank.
+
+Memory is bounded by ``chunk_rows`` rows per input.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .reader import open_trace
+from .schema import TraceError
+from .writer import TraceHeader, TraceWriter
+
+__all__ = ["merge_traces"]
+
+_SAME_ATTRS = ("mode", "id_space", "num_layers", "num_logical_experts", "num_physical_experts", "top_k", "ep_size", "world_size", "hidden_size", "dtype_bytes")
+_STREAM_GROUP = {"per_pass": "passes", "per_token": "tokens"}
+_WINDOW_FILL = {"pass_id": -1, "timestamp": 0.0, "num_tokens": 0, "physical_count": 0}
+
+
+def _check_inputs(paths: Sequence[Path]) -> tuple[list[Path], dict[str, object], np.ndarray, np.ndarray]:
+    """Inputs sorted by rank, rank 0's attributes, its layers and map; raises TraceError on any mismatch."""
+    if not paths:
+        raise TraceError("merge needs at least one per-rank trace")
+    infos = []
+    for path in paths:
+        with open_trace(path) as trace:
+            infos.append((Path(path), trace.attrs, trace.layers, trace.physical_to_logical))
+    first_path, first, layers, mapping = infos[0]
+    for path, attrs, lay, mp in infos:
+        if int(attrs["rank"]) < 0:
+            raise TraceError(f"{path}: already holds every rank (rank=-1); merge joins per-rank traces")
+        if attrs["run_id"] != first["run_id"]:
+            raise TraceError(f"{path}: run_id {attrs['run_id']} differs from {first_path}'s {first['run_id']}; traces of different runs cannot be merged")
+        for key in _SAME_ATTRS:
+            if attrs.get(key) != first.get(key):
+                raise TraceError(f"{path}: {key}={attrs.get(key)!r} differs from {first_path}'s {first.get(key)!r}; cannot merge")
+        if not (np.array_equal(lay, layers) and np.array_equal(mp, mapping)):
+            raise TraceError(f"{path}: /layers or /physical_to_logical differs from {first_path}'s; cannot merge")
+    ranks = sorted(int(attrs["rank"]) for _, attrs, _, _ in infos)
+    world = int(first["world_size"])
+    if ranks != list(range(world)):
+        raise TraceError(f"merge needs ranks 0..{world - 1} exactly once each (world_size={world}), got ranks {ranks}")
+    ordered = [p for p, _ in sorted(((p, int(a["rank"])) for p, a, _, _ in infos), key=lambda x: x[1])]
+    return ordered, first, layers, mapping
+
+
+class _Cursor:
+    """Buffered rows of one rank's streamed group, read ``chunk`` rows at a time."""
+
+    def __init__(self, file: h5py.File, group: str, names: list[str], rank: int, chunk: int) -> None:
+        self.file, self.group, self.names, self.rank, self.chunk = file, group, names, rank, chunk
+        self.rows = file[f"{group}/pass_id"].shape[0]
+        self.next = 0
+        self.buffer: dict[str, np.ndarray] = {n: file[f"{group}/{n}"][0:0] for n in names}
+        self.last_pass = -(1 << 62)
+
+    def refill(self) -> None:
+        if len(self.buffer["pass_id"]) or self.next >= self.rows:
+            return
+        stop = min(self.next + self.chunk, self.rows)
+        try:
+            self.buffer = {n: np.asarray(self.file[f"{self.group}/{n}"][self.next : stop]) for n in self.names}
+        except OSError as exc:
+            raise TraceError(f"{self.file.filename}: /{self.group} is unreadable or truncated ({exc})") from exc
+        pid = self.buffer["pass_id"]
+        if len(pid) and (pid[0] < self.last_pass or (np.diff(pid) < 0).any()):
+            raise TraceError(f"{self.file.filename}: pass ids in /{self.group} are not in order; cannot merge by time")
+        self.last_pass = int(pid[-1])
+        self.next = stop
+
+    @property
+    def done(self) -> bool:
+        return self.next >= self.rows and not len(self.buffer["pass_id"])
+
+    def take_until(self, bound: int) -> dict[str, np.ndarray]:
+        cut = int(np.searchsorted(self.buffer["pass_id"], bound, side="right"))
+        out = {n: a[:cut] for n, a in self.buffer.items()}
+        self.buffer = {n: a[cut:] for n, a in self.buffer.items()}
+        return out
+
+
+def _merge_stream(files: list[h5py.File], group: str, writer: TraceWriter, chunk: int) -> None:
+    names = sorted(files[0][group].keys())
+    for f in files[1:]:
+        if sorted(f[group].keys()) != names or any(f[f"{group}/{n}"].shape[1:] != files[0][f"{group}/{n}"].shape[1:] for n in names):
+            raise TraceError(f"{f.filename}: /{group} datasets differ in names or shapes from {files[0].filename}'s; cannot merge")
+    cursors = [_Cursor(f, group, names, rank, chunk) for rank, f in enumerate(files)]
+    for name in names:
+        ds = files[0][f"{group}/{name}"]
+        writer.ensure_empty(f"{group}/{name}", ds.shape[1:], ds.dtype)
+    writer.ensure_empty(f"{group}/rank", (), np.dtype(np.int32))
+    while True:
+        for c in cursors:
+            c.refill()
+        live = [c for c in cursors if not c.done]
+        if not live:
+            return
+        bound = min(int(c.buffer["pass_id"][-1]) for c in live)
+        parts = [(c.rank, c.take_until(bound)) for c in live]
+        pid = np.concatenate([p["pass_id"] for _, p in parts])
+        order = np.argsort(pid, kind="stable")  # ties keep rank order
+        for name in names:
+            writer.append(f"{group}/{name}", np.concatenate([p[name] for _, p in parts])[order])
+        ranks = np.concatenate([np.full(len(p["pass_id"]), r, dtype=np.int32) for r, p in parts])
+        writer.append(f"{group}/rank", ranks[order])
+
+
+def _stack_static(files: list[h5py.File], group: str, writer: TraceWriter) -> None:
+    """``/stat`` (and ``/window``) rows of every rank, stacked on axis 0 in rank order."""
+    if group not in files[0]:
+        return
+    for name in sorted(files[0][group].keys()):
+        key = f"{group}/{name}"
+        for f in files:
+            if key not in f or f[key].shape[2:] != files[0][key].shape[2:] or f[key].shape[0] != 1:
+                raise TraceError(f"{f.filename}: /{key} is missing or shaped differently from {files[0].filename}'s; cannot merge")
+        widths = [f[key].shape[1] if f[key].ndim > 1 else 0 for f in files]
+        for f in files:
+            rows = np.asarray(f[key][()])
+            if group == "window" and rows.shape[1] < max(widths):
+                pad = np.full((1, max(widths) - rows.shape[1], *rows.shape[2:]), _WINDOW_FILL[name], dtype=rows.dtype)
+                rows = np.concatenate([rows, pad], axis=1)
+            elif group != "window" and f[key].shape != files[0][key].shape:
+                raise TraceError(f"{f.filename}: /{key} has shape {f[key].shape}, {files[0].filename} has {files[0][key].shape}; cannot merge")
+            writer.append(key, rows)
+
+
+def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int = 65536) -> Path:
+    """Merge per-rank traces of one run into ``out`` (copying; see the module docstring).
+
+    Raises:
+        TraceError: an input is unreadable, from another run, of another
+            shape or mode, ranks are missing or repeated, or rows are out of order.
+        TraceWriteError: ``out`` could not be written (nothing is left under that name).
+    """
+    ordered, attrs, layers, mapping = _check_inputs([Path(p) for p in paths])
+    header = TraceHeader(
+        mode=str(attrs["mode"]),
+        id_space=str(attrs["id_space"]),
+        num_layers=int(attrs["num_layers"]),
+        num_physical_experts=int(attrs["num_physical_experts"]),
+        top_k=int(attrs["top_k"]),
+        ep_size=int(attrs["ep_size"]),
+        layer_ids=layers,
+        physical_to_logical=mapping,
+        model=str(attrs["model"]),
+        engine=str(attrs["engine"]),
+        run_id=str(attrs["run_id"]),
+        rank=-1,
+        world_size=len(ordered),
+        hidden_size=int(attrs.get("hidden_size", 0)),
+        dtype_bytes=int(attrs.get("dtype_bytes", 0)),
+    )
+    files = [h5py.File(p, "r") for p in ordered]
+    writer = TraceWriter(out, header)
+    try:
+        _stack_static(files, "stat", writer)
+        _stack_static(files, "window", writer)
+        group = _STREAM_GROUP.get(header.mode)
+        if group is not None and group in files[0]:
+            _merge_stream(files, group, writer, chunk_rows)
+        writer.set_attr("merged_from", json.dumps([p.name for p in ordered]))
+        return writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        for f in files:
+            f.close()
