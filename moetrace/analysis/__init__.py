@@ -1,1 +1,27 @@
-"""Offline analysis of moetrace traces."""
+"""Offline analysis of moetrace traces.
+
+``metrics`` holds the one definition of each balance figure. The rest is
+imported lazily (``moetrace.analysis.analyze_trace`` etc.) so that importing
+the recorder does not pull in rich or matplotlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["AnalysisReport", "PlacementPlan", "analyze_trace", "plot_report", "rebalance_experts"]
+
+_LAZY = {
+    "AnalysisReport": "report",
+    "analyze_trace": "report",
+    "PlacementPlan": "placement",
+    "rebalance_experts": "placement",
+    "plot_report": "plots",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

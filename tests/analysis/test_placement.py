@@ -1,0 +1,116 @@
+"""Placement: invariants, never worse than greedy replicate-then-pack, clear input errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moetrace.analysis.placement import PlacementError, predicted_gpu_load, rebalance_experts
+from moetrace.analysis.placement_baseline import greedy_rebalance
+
+from .helpers import olmoe
+
+
+def olmoe_weight() -> np.ndarray:
+    """18 real layers: 6 domains x 3 MoE layers, 64 experts."""
+    return np.concatenate([np.asarray(v, dtype=np.float64) for v in olmoe()["expert_counts"].values()])
+
+
+def check_plan(plan, weight, replicas, groups, nodes, gpus):
+    num_layers, num_experts = weight.shape
+    assert plan.phy2log.shape == (num_layers, replicas)
+    assert plan.logcnt.shape == (num_layers, num_experts)
+    assert (plan.logcnt >= 1).all() and (plan.logcnt.sum(axis=1) == replicas).all()
+    width = plan.log2phy.shape[2]
+    assert plan.log2phy.shape == (num_layers, num_experts, width) and width == plan.logcnt.max()
+    for layer in range(num_layers):
+        np.testing.assert_array_equal(np.bincount(plan.phy2log[layer], minlength=num_experts), plan.logcnt[layer])
+        for e in range(num_experts):
+            slots = plan.log2phy[layer, e]
+            real = slots[slots >= 0]
+            assert len(real) == plan.logcnt[layer, e] and (slots[len(real):] == -1).all()
+            assert (plan.phy2log[layer, real] == e).all()
+    if groups % nodes == 0:
+        # Hierarchical: every replica of a group's experts sits on the group's one node.
+        slots_per_node = replicas // nodes
+        group_size = num_experts // groups
+        for layer in range(num_layers):
+            node_of_slot = np.arange(replicas) // slots_per_node
+            for g in range(groups):
+                members = (plan.phy2log[layer] // group_size) == g
+                assert len(set(node_of_slot[members].tolist())) == 1
+    # Predicted load from the definition: each expert's load split over its replicas.
+    manual = np.zeros((num_layers, gpus))
+    per_gpu = replicas // gpus
+    for layer in range(num_layers):
+        for p, e in enumerate(plan.phy2log[layer]):
+            manual[layer, p // per_gpu] += weight[layer, e] / plan.logcnt[layer, e]
+    np.testing.assert_allclose(plan.gpu_load, manual, rtol=1e-12)
+
+
+CONFIGS = [(r, 8, 2, 8) for r in (64, 72, 80, 96, 128)] + [(r, 4, 1, 8) for r in (64, 72, 80, 96, 128)] + [(72, 8, 3, 24), (96, 8, 3, 24)]
+
+
+@pytest.mark.parametrize(("replicas", "groups", "nodes", "gpus"), CONFIGS)
+def test_olmoe_at_least_as_good_as_greedy(replicas, groups, nodes, gpus):
+    weight = olmoe_weight()
+    plan = rebalance_experts(weight, replicas, groups, nodes, gpus)
+    check_plan(plan, weight, replicas, groups, nodes, gpus)
+    greedy = predicted_gpu_load(weight, greedy_rebalance(weight, replicas, groups, nodes, gpus), gpus)
+    mean = greedy.mean(axis=1)
+    # Per layer (same total, so compare peaks) and overall.
+    assert (plan.gpu_load.max(axis=1) <= greedy.max(axis=1) * (1 + 1e-12)).all()
+    assert plan.balancedness >= (mean.sum() / greedy.max(axis=1).sum()) - 1e-12
+    assert plan.hierarchical == (groups % nodes == 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_skewed_loads_never_worse_than_greedy(seed):
+    rng = np.random.default_rng(seed)
+    weight = np.floor(rng.lognormal(0, 1.5, size=(4, 32)) * 100)
+    weight[:, rng.integers(0, 32, 3)] = 0  # some dead experts
+    for replicas, groups, nodes, gpus in [(32, 4, 2, 4), (40, 4, 2, 8), (48, 8, 4, 8), (36, 3, 2, 4)]:
+        if 32 % groups:
+            continue
+        plan = rebalance_experts(weight, replicas, groups, nodes, gpus)
+        check_plan(plan, weight, replicas, groups, nodes, gpus)
+        greedy = predicted_gpu_load(weight, greedy_rebalance(weight, replicas, groups, nodes, gpus), gpus)
+        assert (plan.gpu_load.max(axis=1) <= greedy.max(axis=1) * (1 + 1e-12)).all()
+
+
+def test_more_replicas_help_and_uniform_is_perfect():
+    weight = olmoe_weight()[:3]
+    figures = [rebalance_experts(weight, n, 1, 1, 8).balancedness for n in (64, 128, 256)]
+    assert figures[0] < figures[2]
+    flat = rebalance_experts(np.full((2, 16), 10.0), 16, 4, 2, 4)
+    assert flat.balancedness == pytest.approx(1.0)
+    empty = rebalance_experts(np.zeros((1, 8)), 8, 1, 1, 2)
+    assert empty.balancedness == 1.0 and (empty.logcnt == 1).all()
+
+
+def test_deepseek_v3_sizes():
+    rng = np.random.default_rng(0)
+    weight = rng.lognormal(0, 1.0, size=(61, 256)) * 1000
+    plan = rebalance_experts(weight, 288, 8, 4, 32)
+    assert plan.phy2log.shape == (61, 288) and plan.gpu_load.shape == (61, 32)
+    greedy = predicted_gpu_load(weight, greedy_rebalance(weight, 288, 8, 4, 32), 32)
+    assert (plan.gpu_load.max(axis=1) <= greedy.max(axis=1) * (1 + 1e-12)).all()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((np.ones((2, 8)), 6, 1, 1, 2), "smaller than the 8 experts"),
+        ((np.ones((2, 8)), 10, 1, 1, 4), "not divisible by gpus=4"),
+        ((np.ones((2, 8)), 8, 1, 3, 4), "gpus=4 is not divisible by nodes=3"),
+        ((np.ones((2, 8)), 8, 3, 1, 4), "groups=3"),
+        ((np.ones(8), 8, 1, 1, 4), "matrix"),
+        ((-np.ones((2, 8)), 8, 1, 1, 4), "non-negative"),
+        ((np.full((2, 8), np.nan), 8, 1, 1, 4), "finite"),
+        ((np.ones((2, 8)), 0, 1, 1, 4), "replicas must be a positive integer"),
+        ((np.ones((2, 8)), 8, 1, 1, 2.0), "gpus must be a positive integer"),
+    ],
+)
+def test_invalid_inputs_name_the_problem(args, message):
+    with pytest.raises(PlacementError, match=message):
+        rebalance_experts(*args)
