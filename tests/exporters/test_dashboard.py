@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import torch
 from moetrace.exporters import prometheus
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from moetrace import ExpertDistributionRecorder
 from tests.exporters import dashboard
-from tests.exporters.workload import config, dense_model, forward
+from tests.exporters.workload import serve, serving_loop
 
 
 def emitted_sample_names(tmp_path) -> set[str]:
-    rec = ExpertDistributionRecorder(config(tmp_path))
+    loop, rec = serving_loop(tmp_path)
     rec.start_record()
-    forward(rec, dense_model(), 16, torch.Generator().manual_seed(0))
+    serve(loop, 4)
     text = generate_latest(prometheus.register(rec, per_expert=True)).decode()
     return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import moetrace
 from moetrace import ExpertDistributionRecorder
 from moetrace.testing import assert_no_host_sync
-from tests.exporters.workload import LAYER_IDS, config, route_pass, routers
+from tests.exporters.workload import MODEL, rank_config, route_pass, routers
 
 
 def parse(text: str) -> dict[str, dict[frozenset, float]]:
@@ -36,7 +36,7 @@ def expected(spec, snap) -> dict[frozenset, float]:
 
 @pytest.fixture
 def recorded(tmp_path):
-    rec = ExpertDistributionRecorder(config(tmp_path, ep_size=4, ep_rank=2))
+    rec = ExpertDistributionRecorder(rank_config(tmp_path, ep_size=4, ep_rank=2))
     layer_routers, gen = routers(), torch.Generator().manual_seed(0)
     rec.start_record()
     for _ in range(6):
@@ -50,14 +50,14 @@ def test_scrape_equals_snapshot(recorded):
     for spec in (*METRICS, PER_EXPERT):
         assert scraped[spec.prom_name] == pytest.approx(expected(spec, snap), rel=1e-15), spec.prom_name
     (info,) = scraped[INFO.prom_name]
-    assert dict(info) == {"rank": "2", "model": "reference-olmoe-fitted", "engine": "moetrace.reference", "mode": "stat",
+    assert dict(info) == {"rank": "2", "model": MODEL, "engine": "moetrace.reference", "mode": "stat",
                           "id_space": "logical", "ep_size": "4"}
     # headline numbers, independently of the catalog
     assert scraped["moetrace_forward_passes_total"] == {frozenset({("rank", "2")}): 6.0}
     assert scraped["moetrace_tokens_total"][frozenset({("rank", "2")})] == 240
     layers = {dict(k)["layer"] for k in scraped["moetrace_layer_imbalance"]}
-    assert layers == {str(i) for i in LAYER_IDS}
-    assert len(scraped["moetrace_rank_routed_tokens_total"]) == len(LAYER_IDS) * 4
+    assert layers == {"1", "2", "3"}  # model layer ids, not compact indices
+    assert len(scraped["moetrace_rank_routed_tokens_total"]) == 3 * 4
     assert 0 < scraped["moetrace_balancedness"][frozenset({("rank", "2")})] < 1  # OLMoE-fitted routing is skewed
     assert sum(scraped["moetrace_dropped_tokens_total"].values()) == snap.dropped.sum() > 0  # capacity_factor=1
 
@@ -71,7 +71,7 @@ def test_per_expert_series_only_when_asked(recorded):
 def test_global_recorder_looked_up_per_scrape(tmp_path):
     registry = prometheus.register()  # recorder=None
     assert generate_latest(registry) == b""  # no-op recorder: nothing to report
-    rec = moetrace.configure(**{f: getattr(config(tmp_path), f) for f in ("num_layers", "num_physical_experts", "top_k", "layer_ids")})
+    rec = moetrace.configure(num_layers=2, num_physical_experts=4, top_k=1)
     rec.start_record()
     scraped = parse(generate_latest(registry).decode())
     assert scraped["moetrace_recording"] == {frozenset({("rank", "0")}): 1.0}
@@ -131,7 +131,7 @@ def test_scrapes_alongside_sync_free_hooks(recorded):
         with assert_no_host_sync():
             for topk in ids:
                 with recorded.with_forward_pass():
-                    for layer in range(len(LAYER_IDS)):
+                    for layer in range(3):
                         with recorded.with_current_layer(layer):
                             recorded.on_select_experts(topk)
     finally:

@@ -1,10 +1,13 @@
 """Workloads for exporter and control tests: the reference MoE runtime with OLMoE-fitted routing.
 
-``dense_model`` stacks dense reference ``MoELayer`` s whose routers carry a
-per-expert bias fitted to the real OLMoE-1B-7B counts (layers 0, 7, 15), so
-the load is skewed the way a real model's is. ``ep_worker`` runs the sharded
-``EPMoELayer`` on one rank of a ``torch.distributed`` (gloo) job with its own
-Prometheus exporter, as an operator would run one exporter per rank.
+:func:`serving_loop` builds the reference model (:class:`ReferenceMoEModel`,
+MoE layers 1..3 after a dense layer 0, routers biased to the real OLMoE-1B-7B
+expert counts so the load is skewed like a real model's, expert capacity 1.0
+so tokens get dropped) behind its continuous-batching :class:`ServingLoop`.
+:func:`ep_worker` runs the same model sharded over ``torch.distributed``
+(gloo) ranks, each rank with its own Prometheus exporter, as an operator runs
+one exporter per rank. :func:`route_pass` stands one process in for one rank
+of a larger EP group (real routers and dispatch layout, no all-to-all).
 """
 
 from __future__ import annotations
@@ -14,53 +17,74 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from moetrace.exporters import prometheus
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig, RecorderSnapshot
 from moetrace.dispatch import build_dispatch_layout, expert_capacity
-from moetrace.reference.ep import EPMoELayer
-from moetrace.reference.experts import SwiGLUExperts
-from moetrace.reference.moe import MoELayer
-from moetrace.reference.router import TopKRouter, olmoe_bias
+from moetrace.reference import (
+    EPSpec,
+    ModelConfig,
+    ReferenceMoEModel,
+    Request,
+    ServingLoop,
+    TopKRouter,
+    olmoe_bias,
+)
 
-LAYER_IDS = (0, 7, 15)  # the OLMoE layers the counts were recorded at
-HIDDEN = 32
-INTERMEDIATE = 48
-
-
-def config(tmp: Path, *, num_experts: int = 16, top_k: int = 2, ep_size: int = 1, ep_rank: int = 0, **kw) -> RecorderConfig:
-    """A recorder config matching the reference model built by :func:`dense_model` / :func:`ep_worker`."""
-    return RecorderConfig(num_layers=len(LAYER_IDS), num_physical_experts=num_experts, top_k=top_k, ep_size=ep_size,
-                          ep_rank=ep_rank, layer_ids=LAYER_IDS, hidden_size=HIDDEN, dtype_bytes=4,
-                          model="reference-olmoe-fitted", engine="moetrace.reference", output_dir=tmp, **kw)
+MODEL = "reference-olmoe-fitted"
+NUM_EXPERTS = 16
 
 
-def _router(index: int, num_experts: int, top_k: int) -> TopKRouter:
-    return TopKRouter(HIDDEN, num_experts, top_k, bias=3.0 * olmoe_bias(num_experts, layer=index), seed=index)
+def model_config() -> ModelConfig:
+    """4 layers (layer 0 dense, MoE layers 1, 2, 3), 16 experts, top-2, OLMoE-fitted router bias."""
+    bias = 3.0 * olmoe_bias(NUM_EXPERTS, layer=0)
+    return ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=4, num_experts=NUM_EXPERTS,
+                       top_k=2, dense_layers=(0,), router_bias=tuple(bias.tolist()), capacity_factor=1.0)
 
 
-def dense_model(num_experts: int = 16, top_k: int = 2, capacity_factor: float | None = 1.0) -> list[MoELayer]:
-    """Three dense reference MoE layers (``moe_index`` 0..2, model layers 0, 7, 15)."""
-    return [
-        MoELayer(_router(i, num_experts, top_k), SwiGLUExperts(HIDDEN, INTERMEDIATE, num_experts, seed=i),
-                 capacity_factor=capacity_factor, moe_index=i, layer_id=layer_id)
-        for i, layer_id in enumerate(LAYER_IDS)
-    ]
+def requests(count: int, seed: int = 0, prefix: str = "r") -> list[Request]:
+    """``count`` generation requests arriving two per loop step."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        prompt_len = int(torch.randint(4, 24, (), generator=gen))
+        out.append(Request(f"{prefix}{i}", torch.randint(0, 128, (prompt_len,), generator=gen).tolist(),
+                           max_new_tokens=int(torch.randint(1, 12, (), generator=gen)), arrival_step=i // 2))
+    return out
 
 
-def forward(recorder: ExpertDistributionRecorder, layers: list, tokens: int, generator: torch.Generator) -> torch.Tensor:
-    """One forward pass of ``tokens`` random hidden states through ``layers``, reported to ``recorder``."""
-    x = torch.randn(tokens, HIDDEN, generator=generator)
-    with recorder.with_forward_pass():
-        for layer in layers:
-            x = x + layer(x, recorder)
-    return x
+def serving_loop(tmp: Path, ep: EPSpec | None = None, **recorder_fields) -> tuple[ServingLoop, ExpertDistributionRecorder]:
+    """The reference model behind a serving loop, reporting to a new recorder (``output_dir=tmp``)."""
+    model = ReferenceMoEModel(model_config(), ep=ep)
+    recorder = ExpertDistributionRecorder(model.recorder_config(output_dir=tmp, model=MODEL, **recorder_fields))
+    loop = ServingLoop(model, max_running=8, max_tokens_per_pass=64, num_kv_slots=2048, capture=False, recorder=recorder)
+    return loop, recorder
 
 
-def routers(num_experts: int = 16, top_k: int = 2) -> list[TopKRouter]:
-    """The routers of :func:`dense_model` alone, for a single-process view of one EP rank."""
-    return [_router(i, num_experts, top_k) for i in range(len(LAYER_IDS))]
+def serve(loop: ServingLoop, count: int, seed: int = 0) -> int:
+    """Serve ``count`` requests to completion; returns the passes run."""
+    return sum(p.forward_pass_id is not None for p in _steps(loop, requests(count, seed)))
+
+
+def _steps(loop: ServingLoop, reqs: list[Request]):
+    loop.submit(reqs)
+    yield from loop.steps()
+
+
+# ---------------------------------------------------------------------- one process as one EP rank
+def rank_config(tmp: Path, ep_size: int, ep_rank: int) -> RecorderConfig:
+    """Recorder config for :func:`route_pass`: three MoE layers (model layers 1..3) of the model above."""
+    c = model_config()
+    return RecorderConfig(num_layers=3, num_physical_experts=c.num_experts, top_k=c.top_k, ep_size=ep_size,
+                          ep_rank=ep_rank, layer_ids=c.moe_layer_ids, hidden_size=c.hidden_size, dtype_bytes=4,
+                          model=MODEL, engine="moetrace.reference", output_dir=tmp)
+
+
+def routers() -> list[TopKRouter]:
+    """OLMoE-biased reference routers, one per MoE layer (layer ``i`` fitted to OLMoE layer ``i``)."""
+    c = model_config()
+    return [TopKRouter(c.hidden_size, c.num_experts, c.top_k, bias=3.0 * olmoe_bias(c.num_experts, layer=i), seed=i)
+            for i in range(3)]
 
 
 def route_pass(recorder: ExpertDistributionRecorder, layer_routers: list[TopKRouter], tokens: int,
@@ -72,7 +96,7 @@ def route_pass(recorder: ExpertDistributionRecorder, layer_routers: list[TopKRou
     the all-to-all, so a single process can stand for one rank of ``ep_size``.
     """
     cfg = recorder.config
-    x = torch.randn(tokens, HIDDEN, generator=generator)
+    x = torch.randn(tokens, model_config().hidden_size, generator=generator)
     with recorder.with_forward_pass():
         for index, router in enumerate(layer_routers):
             with recorder.with_current_layer(index):
@@ -83,6 +107,7 @@ def route_pass(recorder: ExpertDistributionRecorder, layer_routers: list[TopKRou
                 recorder.on_dispatch(layout.send_counts, None, layout.dropped)
 
 
+# ---------------------------------------------------------------------- real EP ranks
 def snapshot_json(snap: RecorderSnapshot) -> dict[str, object]:
     """The snapshot's numbers as JSON (for results crossing a process boundary)."""
     return {
@@ -94,33 +119,23 @@ def snapshot_json(snap: RecorderSnapshot) -> dict[str, object]:
     }
 
 
-def ep_worker(rank: int, world_size: int, ports: list[int], tmp: str, num_experts: int, tokens: int) -> int:
-    """One EP rank: serve its own exporter on ``ports[rank]``, run passes until ``tmp/stop`` appears.
+def ep_worker(rank: int, world_size: int, ports: list[int], tmp: str) -> int:
+    """One EP rank: serve its own exporter on ``ports[rank]`` and requests until ``tmp/stop`` appears.
 
-    Rank 0 watches for the stop file and broadcasts the decision, so every rank
-    runs the same number of passes (the all-to-alls are collective). After
-    stopping, each rank writes ``rank{r}.json`` (its snapshot) and keeps
-    serving until ``tmp/done`` appears, so Prometheus can scrape the final values.
+    Rank 0 watches for the stop file and stops the loop (all ranks stop at the
+    same step). Then each rank writes ``rank{r}.json`` (its snapshot) and keeps
+    its exporter up until ``tmp/done`` appears, so Prometheus can scrape the
+    final values. Returns the passes recorded.
     """
     out = Path(tmp)
-    recorder = ExpertDistributionRecorder(config(out, num_experts=num_experts, ep_size=world_size, ep_rank=rank))
-    per_rank = num_experts // world_size
-    layers = [
-        EPMoELayer(_router(i, num_experts, 2), SwiGLUExperts(HIDDEN, INTERMEDIATE, per_rank, first=rank * per_rank, seed=i),
-                   ep_size=world_size, ep_rank=rank, mode="exact", capacity_factor=1.0, moe_index=i, layer_id=layer_id)
-        for i, layer_id in enumerate(LAYER_IDS)
-    ]
-    generator = torch.Generator().manual_seed(1000 + rank)
+    loop, recorder = serving_loop(out, ep=EPSpec(world_size, rank))
     server = prometheus.start_http_server(ports[rank], recorder=recorder)
     try:
         recorder.start_record()
-        stop = torch.zeros(1, dtype=torch.int64)
         deadline = time.monotonic() + 120
-        while not stop.item():
-            forward(recorder, layers, tokens, generator)
-            time.sleep(0.005)
-            stop.fill_(int((out / "stop").exists() or time.monotonic() > deadline))
-            dist.broadcast(stop, src=0)
+        for _ in _steps(loop, requests(2000, seed=rank, prefix=f"rank{rank}-")):
+            if rank == 0 and ((out / "stop").exists() or time.monotonic() > deadline):
+                loop.stop()
         recorder.stop_record()
         (out / f"rank{rank}.json").write_text(json.dumps(snapshot_json(recorder.snapshot())))
         while not (out / "done").exists() and time.monotonic() < deadline:
