@@ -1,1 +1,60 @@
-"""Reference MoE runtime."""
+"""Reference MoE runtime: the embedded engine that moetrace's demo and tests run.
+
+- :class:`TopKRouter` (with :func:`zipf_bias` / :func:`olmoe_bias` skew),
+  :class:`SwiGLUExperts`, the dense oracle :class:`MoELayer`;
+- :func:`build_dispatch_layout` / :class:`DispatchLayout` (re-exported from
+  :mod:`moetrace.dispatch`) and :class:`EPMoELayer`, whose experts are really
+  sharded over ``torch.distributed`` ranks (``exact`` or ``padded`` exchange);
+- :class:`ReferenceMoEModel` (dense layers interleaved, dense or EP),
+  :func:`launch` for multi-rank runs;
+- :class:`ServingLoop` (continuous batching with :class:`KVSlotAllocator`,
+  :class:`ReqToTokenPool` and routed-experts capture).
+
+Every MoE layer reports to the recorder; see docs/reference-runtime.md.
+"""
+
+from ..dispatch import DispatchLayout, build_dispatch_layout
+from .ep import EXCHANGE_MODES, EPMoELayer
+from .experts import SwiGLUExperts
+from .kv import KVSlotAllocator, ReqToTokenPool, SlotError
+from .launcher import WorkerError, default_backend, free_port, launch, timed_steps
+from .model import EPSpec, ForwardBatch, KVCache, ModelConfig, ReferenceMoEModel, Segment
+from .moe import MoELayer
+from .router import OLMOE_COUNTS_PATH, TopKRouter, fitted_bias, olmoe_bias, zipf_bias
+from .serving import Progress, Request, RequestResult, ServingLoop, routed_positions
+from .timing import PHASES, PhaseTimer
+
+__all__ = [
+    "EXCHANGE_MODES",
+    "OLMOE_COUNTS_PATH",
+    "PHASES",
+    "DispatchLayout",
+    "EPMoELayer",
+    "EPSpec",
+    "ForwardBatch",
+    "KVCache",
+    "KVSlotAllocator",
+    "MoELayer",
+    "ModelConfig",
+    "PhaseTimer",
+    "Progress",
+    "ReferenceMoEModel",
+    "ReqToTokenPool",
+    "Request",
+    "RequestResult",
+    "Segment",
+    "ServingLoop",
+    "SlotError",
+    "SwiGLUExperts",
+    "TopKRouter",
+    "WorkerError",
+    "build_dispatch_layout",
+    "default_backend",
+    "fitted_bias",
+    "free_port",
+    "launch",
+    "olmoe_bias",
+    "routed_positions",
+    "timed_steps",
+    "zipf_bias",
+]
