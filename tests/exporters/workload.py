@@ -53,11 +53,14 @@ def requests(count: int, seed: int = 0, prefix: str = "r") -> list[Request]:
     return out
 
 
-def serving_loop(tmp: Path, ep: EPSpec | None = None, **recorder_fields) -> tuple[ServingLoop, ExpertDistributionRecorder]:
-    """The reference model behind a serving loop, reporting to a new recorder (``output_dir=tmp``)."""
+def serving_loop(tmp: Path, ep: EPSpec | None = None, capture: bool = False, **recorder_fields) -> tuple[ServingLoop, ExpertDistributionRecorder]:
+    """The reference model behind a serving loop, reporting to a new recorder (``output_dir=tmp``).
+
+    ``capture`` keeps a routed-experts capturer (for ``return_routed_experts`` requests).
+    """
     model = ReferenceMoEModel(model_config(), ep=ep)
     recorder = ExpertDistributionRecorder(model.recorder_config(output_dir=tmp, model=MODEL, **recorder_fields))
-    loop = ServingLoop(model, max_running=8, max_tokens_per_pass=64, num_kv_slots=2048, capture=False, recorder=recorder)
+    loop = ServingLoop(model, max_running=8, max_tokens_per_pass=64, num_kv_slots=2048, capture=capture, recorder=recorder)
     return loop, recorder
 
 
