@@ -49,7 +49,7 @@ def requests(count: int, seed: int = 0, prefix: str = "r") -> list[Request]:
     for i in range(count):
         prompt_len = int(torch.randint(4, 24, (), generator=gen))
         out.append(Request(f"{prefix}{i}", torch.randint(0, 128, (prompt_len,), generator=gen).tolist(),
-                           max_new_tokens=int(torch.randint(1, 12, (), generator=gen)), arrival_step=i // 2))
+                           max_new_tokens=int(torch.randint(1, 6, (), generator=gen)), arrival_step=i // 2))
     return out
 
 
