@@ -1,0 +1,275 @@
+"""The ``vllm.general_plugins`` entry point: instrument the model inside vLLM's worker processes.
+
+vLLM calls :func:`register` in every process it starts (front end, engine
+core, workers), possibly several times. With ``MOETRACE_ENABLED=1`` it
+patches vLLM's model loaders once per process; every MoE model loaded there
+afterwards is instrumented with a recorder configured from the environment:
+
+=========================  ==========  ===============================================
+variable                   default     meaning
+=========================  ==========  ===============================================
+``MOETRACE_ENABLED``       unset       ``1`` turns the plugin on (anything else: off)
+``MOETRACE_MODE``          ``stat``    recorder mode: ``stat``, ``per_pass``, ``per_token``
+``MOETRACE_OUTPUT_DIR``    ``.``       where dumps (and control endpoint files) go
+``MOETRACE_WINDOW``        ``1000``    passes kept in the ``stat`` window
+``MOETRACE_AUTOSTART``     ``1``       start recording once the engine has warmed up
+``MOETRACE_DUMP_ON_EXIT``  ``1``       dump what was recorded when the worker exits
+``MOETRACE_CONTROL_PORT``  unset       serve the HTTP control endpoint on this port
+                                       (plus the worker's local rank; ``0``: a free port)
+``MOETRACE_CONTROL_HOST``  127.0.0.1   control endpoint bind address
+``MOETRACE_CONTROL_TOKEN`` unset       bearer token the control endpoint requires
+=========================  ==========  ===============================================
+
+Warm-up and profiling passes are not recorded: recording starts after the
+worker's ``compile_or_warm_up_model`` returns. With a control endpoint, each
+worker writes ``moetrace-control-<pid>.json`` (its URL, pid, rank) into the
+output directory, so that ``port=0`` can be found.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import logging
+import multiprocessing.util
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moetrace.config import MODES
+from moetrace.recorder import RecorderStateError
+
+from ..base import Instrumentation, NoMoELayersError
+from .layers import check_vllm_version
+
+__all__ = ["PluginSettings", "WorkerSession", "current_session", "register"]
+
+log = logging.getLogger("moetrace.vllm")
+
+_MARK = "__moetrace_plugin__"
+
+
+def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean; use 1 or 0")
+
+
+def _int(environ: Mapping[str, str], name: str, default: int | None, low: int) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < low:
+        raise ValueError(f"{name}={value} must be >= {low}")
+    return value
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The plugin's configuration, read from ``MOETRACE_*`` environment variables (table above)."""
+
+    enabled: bool = False
+    mode: str = "stat"
+    output_dir: Path = Path(".")
+    window: int = 1000
+    autostart: bool = True
+    dump_on_exit: bool = True
+    control_port: int | None = None
+    control_host: str = "127.0.0.1"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PluginSettings:
+        """Parse the environment; raises ``ValueError`` naming the variable that is wrong."""
+        env = os.environ if environ is None else environ
+        if not _flag(env, "MOETRACE_ENABLED", False):
+            return cls()
+        mode = env.get("MOETRACE_MODE") or "stat"
+        if mode not in MODES:
+            raise ValueError(f"MOETRACE_MODE={mode!r} is not one of {MODES}")
+        return cls(
+            enabled=True,
+            mode=mode,
+            output_dir=Path(env.get("MOETRACE_OUTPUT_DIR") or "."),
+            window=_int(env, "MOETRACE_WINDOW", 1000, 1) or 1000,
+            autostart=_flag(env, "MOETRACE_AUTOSTART", True),
+            dump_on_exit=_flag(env, "MOETRACE_DUMP_ON_EXIT", True),
+            control_port=_int(env, "MOETRACE_CONTROL_PORT", None, 0),
+            control_host=env.get("MOETRACE_CONTROL_HOST") or "127.0.0.1",
+        )
+
+
+class WorkerSession:
+    """What the plugin does in one worker process: instrument, start, serve, dump on exit."""
+
+    def __init__(self, settings: PluginSettings) -> None:
+        self.settings = settings
+        self.handle: Instrumentation | None = None
+        self.control: Any = None
+        self.control_file: Path | None = None
+        self.dump_path: Path | None = None
+        self._exited = False
+
+    def on_model_loaded(self, model: Any, vllm_config: Any) -> None:
+        """Instrument ``model`` (the first MoE model of this process; later ones are skipped)."""
+        if self.handle is not None:
+            if self.handle.target is not model:
+                log.warning("moetrace: another MoE model was loaded in this process (%s); only the first one is recorded", type(model).__name__)
+            return
+        from . import instrument_model
+
+        try:
+            self.handle = instrument_model(
+                model, vllm_config, mode=self.settings.mode, output_dir=self.settings.output_dir, window=self.settings.window,
+            )
+        except NoMoELayersError as exc:
+            log.info("moetrace: %s; not instrumented", exc)
+            return
+        except Exception:
+            log.exception("moetrace: could not instrument the model; vLLM runs on without moetrace")
+            return
+        log.info("moetrace: instrumented %s (%s)", type(model).__name__, self.handle)
+        _patch_worker_warm_up(vllm_config, self.on_engine_ready)
+        if self.settings.control_port is not None:
+            self._serve_control(vllm_config)
+        if self.settings.dump_on_exit:
+            atexit.register(self.on_exit)
+            # vLLM's engine-core and worker processes are multiprocessing children, which
+            # leave through os._exit (no atexit) after running multiprocessing's finalizers.
+            multiprocessing.util.Finalize(None, self.on_exit, exitpriority=100)
+
+    def on_engine_ready(self) -> None:
+        """Warm-up is over: start recording (``MOETRACE_AUTOSTART``)."""
+        if self.handle is None or not self.settings.autostart or self.handle.recorder.recording:
+            return
+        self.handle.recorder.start_record()
+        log.info("moetrace: recording (%s mode)", self.settings.mode)
+
+    def _serve_control(self, vllm_config: Any) -> None:
+        from moetrace.control import serve_control
+
+        assert self.handle is not None and self.settings.control_port is not None
+        rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0) if vllm_config is not None else 0
+        port = self.settings.control_port + rank if self.settings.control_port else 0
+        try:
+            self.control = serve_control(self.handle.recorder, port=port, host=self.settings.control_host)
+        except OSError:
+            log.exception("moetrace: could not serve the control endpoint; recording goes on without it")
+            return
+        self.settings.output_dir.mkdir(parents=True, exist_ok=True)
+        path = self.settings.output_dir / f"moetrace-control-{os.getpid()}.json"
+        path.write_text(json.dumps({"url": self.control.url, "pid": os.getpid(), "rank": rank}))
+        self.control_file = path
+        log.info("moetrace: control endpoint at %s", self.control.url)
+
+    def on_exit(self) -> None:
+        """Dump what was recorded (once), close the control endpoint."""
+        if self._exited:
+            return
+        self._exited = True
+        if self.control is not None:
+            self.control.close()
+            if self.control_file is not None:
+                self.control_file.unlink(missing_ok=True)
+        if self.handle is None or not self.settings.dump_on_exit:
+            return
+        recorder = self.handle.recorder
+        try:
+            if recorder.recording:
+                recorder.stop_record()
+            self.dump_path = recorder.dump_record()
+        except RecorderStateError:
+            return  # never started (or a streaming dump already taken after stop): nothing new to write
+        except Exception:
+            log.exception("moetrace: the dump on exit failed")
+            return
+        log.info("moetrace: routing trace written to %s", self.dump_path)
+
+
+_session: WorkerSession | None = None
+
+
+def current_session() -> WorkerSession | None:
+    """This process's plugin session (``None`` unless the plugin is enabled and registered)."""
+    return _session
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group (idempotent; no-op unless ``MOETRACE_ENABLED=1``)."""
+    global _session
+    if _session is not None:
+        return
+    settings = PluginSettings.from_env()
+    if not settings.enabled:
+        return
+    check_vllm_version()
+    _session = WorkerSession(settings)
+    _patch_loaders(_session.on_model_loaded)
+
+
+def _class_tree(base: type) -> list[type]:
+    seen, stack = [], [base]
+    while stack:
+        cls = stack.pop()
+        if cls not in seen:
+            seen.append(cls)
+            stack.extend(cls.__subclasses__())
+    return seen
+
+
+def _patch_loaders(on_loaded: Callable[[Any, Any], None]) -> None:
+    """Wrap ``load_model`` of vLLM's model loaders so that ``on_loaded(model, vllm_config)`` sees each model."""
+    import vllm.model_executor.model_loader  # noqa: F401  (imports every built-in loader)
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    for cls in _class_tree(BaseModelLoader):
+        original = cls.__dict__.get("load_model")
+        if original is not None and not getattr(original, _MARK, False):
+            cls.load_model = _wrap_load(original, on_loaded)
+
+
+def _wrap_load(original: Callable[..., Any], on_loaded: Callable[[Any, Any], None]) -> Callable[..., Any]:
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        model = original(self, *args, **kwargs)
+        on_loaded(model, kwargs.get("vllm_config", args[0] if args else None))
+        return model
+
+    return _marked(functools.update_wrapper(load_model, original))
+
+
+def _patch_worker_warm_up(vllm_config: Any, on_ready: Callable[[], None]) -> None:
+    """Run ``on_ready()`` after the worker class's ``compile_or_warm_up_model`` returns."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    worker_cls = getattr(getattr(vllm_config, "parallel_config", None), "worker_cls", None)
+    cls = resolve_obj_by_qualname(worker_cls) if isinstance(worker_cls, str) else worker_cls
+    original = getattr(cls, "compile_or_warm_up_model", None)
+    if original is None:
+        log.warning("moetrace: cannot tell when the worker %r has warmed up; recording starts now", worker_cls)
+        on_ready()
+        return
+    if getattr(original, _MARK, False):
+        return
+
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        on_ready()
+        return result
+
+    cls.compile_or_warm_up_model = _marked(functools.update_wrapper(compile_or_warm_up_model, original))
+
+
+def _marked(function: Callable[..., Any]) -> Callable[..., Any]:
+    setattr(function, _MARK, True)
+    return function

@@ -1,0 +1,55 @@
+"""Start and stop a real vLLM engine on a tiny checkpoint (CPU, eager, bf16, offline)."""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .checkpoints import prompt
+
+__all__ = ["GENERATION", "PROMPTS", "sampling_params", "start_llm", "stop_llm"]
+
+PROMPTS = [prompt(3, 7, 1, 9, 4), prompt(12, 5, 8), prompt(20, 21, 22, 23, 24, 25, 26)]
+"""Three prompts of 5, 3 and 7 tokens."""
+
+GENERATION = dict(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+def start_llm(checkpoint: Path, env: Mapping[str, str]) -> Any:
+    """``vllm.LLM`` on ``checkpoint`` with ``env`` set while the engine starts (then restored)."""
+    import vllm
+    import vllm.envs
+
+    saved = {name: os.environ.get(name) for name in (*env, "HF_HUB_OFFLINE")}
+    os.environ.update({"HF_HUB_OFFLINE": "1", **env})
+    vllm.envs.disable_envs_cache()  # an earlier in-process engine froze the env it read
+    try:
+        return vllm.LLM(
+            model=str(checkpoint), enforce_eager=True, dtype="bfloat16", max_model_len=256, seed=0,
+            kv_cache_memory_bytes=64 << 20,
+        )
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def stop_llm(llm: Any) -> None:
+    """Shut the engine down (its processes exit) and free the process-wide state an in-process engine set up."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def sampling_params() -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(**GENERATION)
