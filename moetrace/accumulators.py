@@ -6,9 +6,11 @@ All buffers are allocated once, at construction, and sized from the
 ``torch.where``, ``scatter_add_`` and slice copies. Pass-end methods run on the
 host thread between passes, still without reading device values.
 
-Column layout of a per-layer counter row (width ``C = P + 2 + 2R``):
-``[0, P)`` expert counts, ``P`` invalid ids, ``[P+1, P+1+R)`` send counts,
-``[P+1+R, P+1+2R)`` receive counts, ``P+1+2R`` dropped copies.
+Column layout of a per-layer counter row (width ``C = P + 3 + 2R``):
+``0`` padding ids (-1), ``[1, P+1)`` expert counts, ``P+1`` invalid ids,
+``[P+2, P+2+R)`` send counts, ``[P+2+R, P+2+2R)`` receive counts,
+``P+2+2R`` dropped copies. Counting id ``i`` is then one ``scatter_add_`` at
+column ``clamp(i + 1, 0, P + 1)``, with negative invalid ids moved to ``P+1``.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ class CounterLayout:
     def __init__(self, num_physical_experts: int, ep_size: int) -> None:
         p, r = num_physical_experts, ep_size
         self.num_experts = p
-        self.invalid = p
-        self.send = slice(p + 1, p + 1 + r)
-        self.recv = slice(p + 1 + r, p + 1 + 2 * r)
-        self.dropped = p + 1 + 2 * r
-        self.width = p + 2 + 2 * r
+        self.padding = 0
+        self.experts = slice(1, p + 1)
+        self.invalid = p + 1
+        self.send = slice(p + 2, p + 2 + r)
+        self.recv = slice(p + 2 + r, p + 2 + 2 * r)
+        self.dropped = p + 2 + 2 * r
+        self.width = p + 3 + 2 * r
 
 
 def _event_after_copy(device: torch.device) -> torch.cuda.Event | None:
@@ -51,30 +55,49 @@ def _event_after_copy(device: torch.device) -> torch.cuda.Event | None:
 class PassCounter:
     """Counts of the current pass ``current [L, C]`` and running ``totals [L, C]`` (int64).
 
-    ``gate`` is a device scalar (1 = count, 0 = ignore): hooks multiply by it so
-    a CUDA graph captured with recording on can be switched off without
-    re-capture.
+    ``ones`` is a static buffer of 1 (recording) or 0 (stopped) used as the
+    ``scatter_add_`` source: a CUDA graph captured with recording on can be
+    switched off and on without re-capture. ``index``/``negative`` are
+    scratch buffers so a hook allocates nothing for passes up to
+    ``max_tokens_per_pass`` tokens (larger passes fall back to temporaries).
     """
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout) -> None:
         self.layout = layout
         shape = (config.num_layers, layout.width)
-        self.current = torch.zeros(shape, dtype=torch.int64, device=config.device)
-        self.totals = torch.zeros(shape, dtype=torch.int64, device=config.device)
-        self.gate = torch.ones((), dtype=torch.int64, device=config.device)
+        device = config.device
+        scratch = config.max_tokens_per_pass * config.top_k
+        self.current = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.totals = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.ones = torch.zeros(scratch, dtype=torch.int64, device=device)
+        self.gate = self.ones[:1]
+        self.index = torch.empty(scratch, dtype=torch.int64, device=device)
+        self.negative = torch.empty(scratch, dtype=torch.bool, device=device)
+
+    def set_gate(self, on: bool) -> None:
+        """Switch counting on or off (also inside captured CUDA graphs)."""
+        self.ones.fill_(1 if on else 0)
 
     def add_select(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Count ``topk_ids [T, k]`` into layer ``layer``; returns the validity mask ``[T, k]``.
+        """Count ``topk_ids [T, k]`` into layer ``layer``; returns the column index ``[T*k]``.
 
-        Ids in ``[0, P)`` count for their expert, ``-1`` counts nowhere, any
-        other id counts in the invalid column.
+        Ids in ``[0, P)`` count for their expert, ``-1`` in the padding column,
+        any other id in the invalid column. Column ``c`` holds id ``c - 1``.
         """
-        p = self.layout.num_experts
-        valid = (topk_ids >= 0) & (topk_ids < p)
-        index = torch.where(valid, topk_ids, p).reshape(-1).long()
-        weight = (topk_ids != -1).reshape(-1) * self.gate
-        self.current[layer].scatter_add_(0, index, weight)
-        return valid
+        flat = topk_ids.reshape(-1)
+        n = flat.shape[0]
+        top = self.layout.invalid
+        if n <= self.index.shape[0]:
+            index, negative, ones = self.index[:n], self.negative[:n], self.ones[:n]
+            torch.add(flat, 1, out=index)
+            torch.lt(index, 0, out=negative)
+        else:
+            index = flat.long() + 1
+            negative = index < 0
+            ones = self.gate.expand(n)
+        index.clamp_(max=top).masked_fill_(negative, top)
+        self.current[layer].scatter_add_(0, index, ones)
+        return index
 
     def add_dispatch(
         self,
@@ -85,11 +108,11 @@ class PassCounter:
     ) -> None:
         """Add ``send_counts [R]``, ``recv_counts [R]`` and ``dropped []`` to layer ``layer``."""
         row = self.current[layer]
-        row[self.layout.send].add_(send_counts * self.gate)
+        row[self.layout.send].addcmul_(send_counts, self.gate)
         if recv_counts is not None:
-            row[self.layout.recv].add_(recv_counts * self.gate)
+            row[self.layout.recv].addcmul_(recv_counts, self.gate)
         if dropped is not None:
-            row[self.layout.dropped].add_((dropped * self.gate).reshape(()))
+            row[self.layout.dropped].addcmul_(dropped.reshape(()), self.gate.reshape(()))
 
     def fold(self) -> None:
         """Pass end: add the pass into the totals (the pass stays readable until :meth:`clear`)."""
@@ -117,7 +140,7 @@ class StatWindow:
     def push(self, current: torch.Tensor, pass_id: int, timestamp: float, num_tokens: int) -> None:
         """Store one pass's ``current[:, :P]`` in the oldest slot."""
         slot = self.pushed % len(self.pass_id)
-        self.counts[slot].copy_(current[:, : self.counts.shape[2]])
+        self.counts[slot].copy_(current[:, 1 : self.counts.shape[2] + 1])
         self.pass_id[slot], self.timestamp[slot], self.num_tokens[slot] = pass_id, timestamp, num_tokens
         self.pushed += 1
 
@@ -172,7 +195,7 @@ class PassStream:
                 "passes/pass_id": meta[:, 0].astype(np.int64),
                 "passes/timestamp": meta[:, 1],
                 "passes/num_tokens": meta[:, 2].astype(np.int64),
-                "passes/physical_count": rows[:, :, : layout.num_experts].copy(),
+                "passes/physical_count": rows[:, :, layout.experts].copy(),
                 "passes/invalid_ids": rows[:, :, layout.invalid].copy(),
                 "passes/send_count": rows[:, :, layout.send].copy(),
                 "passes/recv_count": rows[:, :, layout.recv].copy(),
@@ -209,10 +232,15 @@ class TokenStream:
         self.pass_tokens = 0
         self.submit = submit
 
-    def add_layer(self, layer: int, topk_ids: torch.Tensor, valid: torch.Tensor) -> None:
-        """Stage ``topk_ids [T, k]``; invalid ids (not -1, not in range) are stored as -2."""
-        tokens = topk_ids.shape[0]
-        self.pass_stage[:tokens, layer].copy_(torch.where(valid | (topk_ids == -1), topk_ids, -2))
+    def add_layer(self, layer: int, index: torch.Tensor, invalid_column: int) -> None:
+        """Stage one layer from the counter's column index ``[T*k]`` (id + 1; invalid -> ``invalid_column``).
+
+        Stored ids: the expert id, -1 for padding, -2 for an invalid id.
+        """
+        tokens = index.shape[0] // self.pass_stage.shape[2]
+        stage = self.pass_stage[:tokens, layer]
+        stage.copy_(index.view(tokens, -1))
+        stage.sub_(1).masked_fill_(stage == invalid_column - 1, -2)
         self.pass_tokens = max(self.pass_tokens, tokens)
 
     def end_pass(self, pass_id: int) -> None:

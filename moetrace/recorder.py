@@ -24,11 +24,14 @@ before any ``start``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
 import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,6 +55,7 @@ __all__ = [
     "set_recorder",
 ]
 
+_log = logging.getLogger("moetrace")
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -146,7 +150,7 @@ class ExpertDistributionRecorder:
         self._cuda = self._device.type == "cuda"
         self._layout = CounterLayout(cfg.num_physical_experts, cfg.ep_size)
         self._counter = PassCounter(cfg, self._layout)
-        self._counter.gate.fill_(0)
+        self._counter.set_gate(False)
         self._window = StatWindow(cfg) if cfg.mode == "stat" else None
         self._pass_stream = PassStream(cfg, self._layout, self._submit) if cfg.mode == "per_pass" else None
         self._token_stream = TokenStream(cfg, self._submit) if cfg.mode == "per_token" else None
@@ -162,6 +166,7 @@ class ExpertDistributionRecorder:
         self._disabled = 0
         self._num_passes = 0
         self._num_tokens = 0
+        self._dumped_passes = 0
         self._run_id = uuid.uuid4().hex
         self._segment: BackgroundTraceWriter | None = None
         self.last_dump_path: Path | None = None
@@ -276,14 +281,14 @@ class ExpertDistributionRecorder:
         ids = self._check_tensor("topk_ids", topk_ids, 2)
         if ids.shape[1] != self.config.top_k:
             raise ValueError(f"topk_ids has {ids.shape[1]} columns but the recorder was configured with top_k={self.config.top_k}")
-        valid = self._counter.add_select(layer, ids)
         tokens = ids.shape[0]
+        if self._token_stream is not None and tokens > self.config.max_tokens_per_pass:
+            raise ValueError(f"pass of {tokens} tokens exceeds max_tokens_per_pass={self.config.max_tokens_per_pass}; raise it in RecorderConfig")
+        index = self._counter.add_select(layer, ids)
         if tokens > self._pass_tokens:
             self._pass_tokens = tokens
         if self._token_stream is not None:
-            if tokens > self.config.max_tokens_per_pass:
-                raise ValueError(f"pass of {tokens} tokens exceeds max_tokens_per_pass={self.config.max_tokens_per_pass}; raise it in RecorderConfig")
-            self._token_stream.add_layer(layer, ids, valid)
+            self._token_stream.add_layer(layer, index, self._layout.invalid)
 
     def on_dispatch(
         self,
@@ -354,7 +359,7 @@ class ExpertDistributionRecorder:
                 self._open_segment()
             self._started = True
             self._recording = True
-            self._counter.gate.fill_(1)
+            self._counter.set_gate(True)
 
     def stop_record(self) -> None:
         """Stop counting; what was recorded stays available to ``dump_record``."""
@@ -362,7 +367,7 @@ class ExpertDistributionRecorder:
             if not self._recording:
                 raise RecorderStateError("not recording; call start_record() first")
             self._recording = False
-            self._counter.gate.fill_(0)
+            self._counter.set_gate(False)
 
     def reset(self) -> None:
         """Discard everything recorded; keeps recording if it was."""
@@ -380,6 +385,7 @@ class ExpertDistributionRecorder:
         self._snapshots.clear()
         self._num_passes = 0
         self._num_tokens = 0
+        self._dumped_passes = 0
         self._errors = []
 
     def _shared_run_id(self) -> str:
@@ -413,9 +419,11 @@ class ExpertDistributionRecorder:
         rank, world = _dist_world()
         path = directory / f".moetrace-segment-{os.getpid()}-{uuid.uuid4().hex[:8]}.h5"
         self._segment = BackgroundTraceWriter(TraceWriter(path, self._header(rank, world)))
+        _OPEN_SEGMENTS.add(self)
 
     def _close_segment(self, discard: bool) -> TraceWriter | None:
         segment, self._segment = self._segment, None
+        _OPEN_SEGMENTS.discard(self)
         if segment is None:
             return None
         segment.close()
@@ -493,7 +501,7 @@ class ExpertDistributionRecorder:
     def _write_totals(self, writer: TraceWriter, rows: np.ndarray, num_passes: np.ndarray, num_tokens: np.ndarray) -> None:
         """Write ``/stat`` from counter rows ``[R, L, C]``."""
         lay = self._layout
-        physical = rows[:, :, : lay.num_experts]
+        physical = rows[:, :, lay.experts]
         writer.write("stat/physical_count", physical, compress=True)
         writer.write("stat/logical_count", to_logical(physical, self.config.physical_to_logical), compress=True)  # type: ignore[arg-type]
         writer.write("stat/invalid_ids", rows[:, :, lay.invalid])
@@ -524,6 +532,7 @@ class ExpertDistributionRecorder:
         except BaseException:
             writer.abort()
             raise
+        self._dumped_passes = self._num_passes
         # The segment's rows are now in a complete trace: start a new segment (or none after stop).
         self._close_segment(discard=True)
         if self._recording:
@@ -560,7 +569,7 @@ class ExpertDistributionRecorder:
         with self._lock:
             rows, (num_passes, num_tokens, timestamp) = self._snapshots.latest()
             recording, last, errors = self._recording, self.last_dump_path, tuple(self._errors)
-        physical = rows[:, : lay.num_experts]
+        physical = rows[:, lay.experts]
         return RecorderSnapshot(
             timestamp=timestamp,
             recording=recording,
@@ -601,6 +610,21 @@ class ExpertDistributionRecorder:
                 "output_dir": str(self.config.output_dir),
                 "errors": errors,
             }
+
+
+_OPEN_SEGMENTS: weakref.WeakSet[ExpertDistributionRecorder] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_segments_at_exit() -> None:
+    """Stop writer threads before the interpreter tears HDF5 down (a daemon thread
+    frozen inside h5py would deadlock the exit); undumped streamed rows are discarded."""
+    for recorder in list(_OPEN_SEGMENTS):
+        with recorder._lock:
+            undumped = recorder._num_passes - recorder._dumped_passes
+            if undumped:
+                _log.warning("moetrace: %d recorded passes were never dumped (call dump_record() before exit)", undumped)
+            recorder._close_segment(discard=True)
 
 
 class NoOpRecorder:

@@ -1,0 +1,101 @@
+"""Recorder overhead: a grouped MoE layer forward, plain vs with the recorder in each mode.
+
+Run: ``.venv/bin/python benchmarks/recorder_overhead.py [--quick]``
+
+Workloads (issue 2): prefill-like (4096 tokens) and decode-like (8 tokens),
+hidden 1024, 64 experts, top-8. "plain" makes no recorder call at all;
+"noop" calls the hooks on the default no-op recorder; the three modes record
+every pass. Variants are interleaved round by round in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import interleaved, write_results
+
+from moetrace import ExpertDistributionRecorder, NoOpRecorder, RecorderConfig
+from moetrace.reference.experts import SwiGLUExperts
+from moetrace.reference.router import TopKRouter
+
+HIDDEN, EXPERTS, TOP_K = 1024, 64, 8
+
+
+class GroupedMoE:
+    """Route, sort copies by expert, run experts on contiguous groups, combine.
+
+    ``forward(x [T, H], recorder)`` -> ``[T, H]``; ``recorder=None`` makes no hook call.
+    """
+
+    def __init__(self, intermediate: int) -> None:
+        self.router = TopKRouter(HIDDEN, EXPERTS, TOP_K, seed=1)
+        self.experts = SwiGLUExperts(HIDDEN, intermediate, EXPERTS, seed=2)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, recorder: ExpertDistributionRecorder | NoOpRecorder | None) -> torch.Tensor:
+        ids, weights = self.router(x)
+        if recorder is not None:
+            recorder.on_select_experts(ids, layer=0)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        sizes = torch.bincount(flat, minlength=EXPERTS).tolist()
+        token = order // TOP_K
+        y = self.experts.grouped(x[token], sizes) * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
+def run(tokens: int, rounds: int, intermediate: int, out_dir: Path) -> dict[str, float]:
+    layer = GroupedMoE(intermediate)
+    x = torch.randn(tokens, HIDDEN)
+    recorders: dict[str, ExpertDistributionRecorder | NoOpRecorder | None] = {"plain": None, "noop": NoOpRecorder()}
+    for mode in ("stat", "per_pass", "per_token"):
+        rec = ExpertDistributionRecorder(RecorderConfig(num_layers=1, num_physical_experts=EXPERTS, top_k=TOP_K, mode=mode, output_dir=out_dir, max_tokens_per_pass=max(tokens, 8), stream_chunk_tokens=max(65536, tokens)))
+        rec.start_record()
+        recorders[mode] = rec
+
+    def variant(rec):  # type: ignore[no-untyped-def]
+        if rec is None:
+            return lambda: layer.forward(x, None)
+
+        def call() -> torch.Tensor:
+            with rec.with_forward_pass():
+                return layer.forward(x, rec)
+
+        return call
+
+    times = interleaved({name: variant(rec) for name, rec in recorders.items()}, rounds=rounds, inner=1 if tokens > 64 else 20)
+    for rec in recorders.values():
+        if isinstance(rec, ExpertDistributionRecorder):
+            rec.stop_record()
+            rec.reset()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and a smaller expert FFN")
+    args = parser.parse_args()
+    rounds = 5 if args.quick else 15
+    intermediate = 128 if args.quick else 256
+    results: dict[str, object] = {"hidden": HIDDEN, "experts": EXPERTS, "top_k": TOP_K, "intermediate": intermediate, "rounds": rounds}
+    print(f"recorder overhead (hidden {HIDDEN}, {EXPERTS} experts, top-{TOP_K}, FFN {intermediate}); median of {rounds} interleaved rounds")
+    print(f"{'workload':<22}{'variant':<11}{'ms/forward':>12}{'vs plain':>10}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for workload, tokens in (("prefill (4096 tokens)", 4096), ("decode (8 tokens)", 8)):
+            times = run(tokens, rounds, intermediate, Path(tmp))
+            base = times["plain"]
+            results[workload] = {name: {"ms": t * 1e3, "ratio": t / base} for name, t in times.items()}
+            for name, t in times.items():
+                print(f"{workload:<22}{name:<11}{t * 1e3:>12.3f}{t / base:>10.3f}")
+    print(f"wrote {write_results('recorder_overhead', results)}")
+
+
+if __name__ == "__main__":
+    main()
