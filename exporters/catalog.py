@@ -78,7 +78,7 @@ METRICS: tuple[MetricSpec, ...] = (
                "`tokens_per_layer` = Σ_e count[l, e]", lambda s: s.tokens_per_layer),
     MetricSpec("moetrace_rank_routed_tokens_total", "moetrace.rank.routed_tokens", "counter", "{token}", ("layer", "ep_rank"),
                "Token copies routed to the experts hosted by EP rank ep_rank (load T[l, r]).",
-               "`rank_load` T[l, r] = Σ_{e on r} count[l, e]", lambda s: s.rank_load),
+               "`rank_load` T[l, r] = Σ_{p on r} physical_count[l, p]; rank r hosts p ∈ [r·P/R, (r+1)·P/R)", lambda s: s.rank_load),
     MetricSpec("moetrace_balancedness", "moetrace.balancedness", "gauge", "1", (),
                "Balancedness over all layers, Σ_l mean_r T / Σ_l max_r T (1 = perfect).",
                "`balancedness` = Σ_l mean_r T[l,r] / Σ_l max_r T[l,r]", lambda s: s.balancedness),
@@ -164,11 +164,12 @@ def info_labels(snap: RecorderSnapshot) -> dict[str, str]:
 
 def markdown_table() -> str:
     """The metric reference table of ``docs/observability.md``, generated from this catalog."""
-    rows = ["| Prometheus | OpenTelemetry | kind | unit | labels | definition |", "|---|---|---|---|---|---|"]
+    rows = ["| Prometheus | OpenTelemetry | kind | unit | labels | meaning | formula (`RecorderSnapshot`) |",
+            "|---|---|---|---|---|---|---|"]
     for spec in (*METRICS, PER_EXPERT):
         labels = ", ".join(("rank", *spec.dims))
         rows.append(f"| `{spec.prom_name}` | `{spec.otel_name}` | {spec.kind} | `{spec.unit}` | {labels} | "
-                    f"{spec.help} {spec.formula} |")
+                    f"{spec.help} | {spec.formula} |")
     labels = ", ".join(("rank", *INFO.labels))
-    rows.append(f"| `{INFO.prom_name}` | `{INFO.otel_name}` | gauge (info) | `1` | {labels} | {INFO.help} |")
+    rows.append(f"| `{INFO.prom_name}` | `{INFO.otel_name}` | gauge (info) | `1` | {labels} | {INFO.help} | constant 1 |")
     return "\n".join(rows) + "\n"

@@ -1,0 +1,25 @@
+"""docs/observability.md carries the metric reference table generated from the catalog."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moetrace.exporters.catalog import INFO, METRICS, PER_EXPERT, markdown_table
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
+
+
+def test_metric_table_matches_catalog():
+    text = DOC.read_text()
+    assert markdown_table() in text, "regenerate the table: python -c 'from moetrace.exporters.catalog import markdown_table; print(markdown_table())'"
+    for spec in (*METRICS, PER_EXPERT, INFO):
+        assert f"`{spec.prom_name}`" in text and f"`{spec.otel_name}`" in text
+
+
+def test_metric_names_follow_conventions():
+    for spec in (*METRICS, PER_EXPERT):
+        assert spec.prom_name.startswith("moetrace_") and ":" not in spec.prom_name
+        assert spec.prom_name.endswith("_total") == (spec.kind == "counter"), spec.prom_name
+        assert spec.otel_name.startswith("moetrace.") and spec.unit in ("{pass}", "{token}", "{id}", "{expert}", "{error}", "1", "s", "By")
+    names = [s.prom_name for s in METRICS]
+    assert len(names) == len(set(names))
