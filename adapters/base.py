@@ -124,13 +124,23 @@ class HookRegistry:
         self._push(f"forward wrapper on {type(module).__name__}", undo)
 
     def patch(self, owner: Any, name: str, value: Any) -> Any:
-        """``setattr(owner, name, value)``; returns the previous value, restored by :meth:`remove_all`."""
-        original = getattr(owner, name)
+        """``setattr(owner, name, value)``; returns the previous raw value, restored by :meth:`remove_all`.
+
+        The raw attribute is read from ``owner.__dict__`` (so a class's
+        ``staticmethod``/``classmethod`` wrapper is put back as it was); an
+        attribute the owner only inherited is deleted again on removal.
+        """
+        own = vars(owner)
+        had_own = name in own
+        original = own[name] if had_own else getattr(owner, name)
 
         def undo() -> str | None:
-            if getattr(owner, name, None) is not value:
+            if vars(owner).get(name) is not value:
                 return f"{_name(owner)}.{name} was replaced by someone else after moetrace patched it; left as is"
-            setattr(owner, name, original)
+            if had_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
             return None
 
         setattr(owner, name, value)
@@ -320,7 +330,8 @@ class Instrumentation:
 
     Attributes:
         target: what was instrumented (a model, an engine module, ...).
-        recorder: the recorder the hooks count into.
+        recorder: the recorder the hooks count into (``None`` until the engine
+            builds its model, for adapters that attach before that: SGLang).
         layer_ids: model layer index of each recorded MoE layer ``[L]``
             (compact MoE layer ``i`` is model layer ``layer_ids[i]``).
         capturer: the per-request capturer fed by the hooks, or ``None``.
@@ -331,7 +342,7 @@ class Instrumentation:
     def __init__(
         self,
         target: Any,
-        recorder: ExpertDistributionRecorder,
+        recorder: ExpertDistributionRecorder | None,
         layer_ids: Sequence[int],
         hooks: HookRegistry,
         *,

@@ -17,7 +17,7 @@ import torch
 from ..base import AdapterError, NoMoELayersError
 from .families import UNSUPPORTED, SiteSpec, explicit_spec, is_experts_machinery
 
-__all__ = ["MoESite", "find_moe_sites", "model_top_k"]
+__all__ = ["MoESite", "config_top_k", "find_moe_sites", "model_top_k"]
 
 # Names transformers configurations use for "experts per token".
 _TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_top_k", "moe_k", "top_k_experts", "top_k")
@@ -115,37 +115,40 @@ def find_moe_sites(model: torch.nn.Module) -> list[MoESite]:
     return sites
 
 
-def model_top_k(model: torch.nn.Module, sites: Sequence[MoESite]) -> int:
-    """Experts per token, from the router modules or the model's configuration.
-
-    Raises:
-        AdapterError: when no configuration field gives one value.
-    """
-    values = {int(site.module.top_k) for site in sites if isinstance(getattr(site.module, "top_k", None), int)}
-    configs = []
-    config = getattr(model, "config", None)
-    while config is not None and config not in configs:
+def config_top_k(config: object) -> int | None:
+    """Experts per token from a transformers configuration (text and MoE sub-configs searched), or ``None``."""
+    configs: list[object] = []
+    while config is not None and all(config is not c for c in configs):
         configs.append(config)
         config = config.get_text_config() if hasattr(config, "get_text_config") else None
     for config in list(configs):
         for sub in ("ffn_config", "moe_config"):
             if getattr(config, sub, None) is not None:
                 configs.append(getattr(config, sub))
+    for config in configs:
+        for field in _TOP_K_FIELDS:
+            value = getattr(config, field, None)
+            if isinstance(value, (list, tuple)) and value and len(set(value)) == 1:
+                value = value[0]
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def model_top_k(model: torch.nn.Module, sites: Sequence[MoESite]) -> int:
+    """Experts per token, from the router modules or the model's configuration.
+
+    Raises:
+        AdapterError: when neither gives one value.
+    """
+    values = {int(site.module.top_k) for site in sites if isinstance(getattr(site.module, "top_k", None), int)}
     if not values:
-        for config in configs:
-            for field in _TOP_K_FIELDS:
-                value = getattr(config, field, None)
-                if isinstance(value, (list, tuple)) and value and len(set(value)) == 1:
-                    value = value[0]
-                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                    values.add(value)
-                    break
-            if values:
-                break
+        from_config = config_top_k(getattr(model, "config", None))
+        values = {from_config} if from_config is not None else set()
     if len(values) != 1:
         found = sorted(values) if values else "none"
         raise AdapterError(
-            f"cannot tell how many experts each token is routed to (found {found} in the model's "
+            f"cannot tell how many experts each token is routed to (found {found} in the routers and the "
             f"configuration fields {list(_TOP_K_FIELDS)}); pass top_k=<k> to instrument()"
         )
     return values.pop()
