@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moetrace import ExpertDistributionRecorder
+from moetrace.capturer import RoutedExpertsCapturer
 from moetrace.reference import EPSpec, ModelConfig, ReferenceMoEModel, zipf_bias
 from moetrace.testing import assert_no_host_sync
 
@@ -72,9 +73,11 @@ def test_global_recorder_is_looked_up_at_forward_time():
 def test_padded_model_forward_has_no_host_sync():
     model = ReferenceMoEModel(CONFIG, ep=EPSpec(1, 0, "padded", max_tokens=64))
     recorder = ExpertDistributionRecorder(model.recorder_config())
+    capturer = RoutedExpertsCapturer(CONFIG.num_layers, CONFIG.top_k, 64, 128)
     recorder.start_record()
     with torch.inference_mode(), assert_no_host_sync():
-        model(_ids(), recorder=recorder)
+        model(_ids(), recorder=recorder, capturer=capturer)
+    assert recorder.snapshot().num_passes == 1
 
 
 def test_phase_timer_records_when_enabled():
