@@ -41,6 +41,7 @@ import os
 import socket
 import threading
 import time
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,9 @@ _DRAIN_BYTES = 16 << 20  # unread request bodies up to this size are discarded b
 _DRAIN_SECONDS = 2.0
 
 
-
 class _HTTPError(Exception):
+    """An error reply: status code, message for the JSON body, extra headers."""
+
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers or {}
@@ -116,15 +118,24 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, payload: object, headers: dict[str, str] | None = None) -> None:
         self._send(status, json.dumps(payload).encode(), "application/json", headers)
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """Errors raised by ``http.server`` itself (bad request line, header overflow): JSON too."""
+        self.close_connection = True
+        text = message or HTTPStatus(code).phrase
+        self._json(code, {"error": f"{text}: {explain}" if explain else text})
+
     def _drain(self) -> None:
         """Discard an unread request body (bounded), so the client can read the error reply.
 
         Closing a socket with unread input resets the connection, and the
-        client would see a broken pipe instead of, e.g., the 413.
+        client would see a broken pipe instead of, e.g., the 413. Bodies
+        declared larger than ``_DRAIN_BYTES`` are not read at all.
         """
         try:
-            remaining = min(int(self.headers.get("Content-Length", 0)), _DRAIN_BYTES)
+            remaining = int(self.headers.get("Content-Length", 0))
         except ValueError:
+            return
+        if remaining > _DRAIN_BYTES:
             return
         deadline = time.monotonic() + _DRAIN_SECONDS
         self.connection.settimeout(_DRAIN_SECONDS)

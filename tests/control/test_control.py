@@ -184,6 +184,8 @@ def test_malformed_and_oversized_bodies(served):
     assert raw_request(server, head + b"Content-Length: -5\r\n\r\n")[0] == 400
     assert raw_request(server, head + b"Content-Length: ten\r\n\r\n")[0] == 400
     assert raw_request(server, head + b"Transfer-Encoding: chunked\r\n\r\n", b"5\r\nhello\r\n0\r\n\r\n")[0] == 400
+    status, body = raw_request(server, b"M-SEARCH /status HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status == 501 and "Unsupported method" in body["error"]  # http.server's own errors are JSON too
     status, body = raw_request(server, head + b"Content-Length: 100\r\n\r\n", b'{"name": ', shutdown_write=True)
     assert status == 400 and "ended after 9 of 100 bytes" in body["error"]
     assert rec.recording and call(server, "GET", "/status")[2]["last_dump_path"] is None
