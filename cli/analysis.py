@@ -22,7 +22,7 @@ from moetrace.trace.reader import open_trace
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, parse_layers, stdout_console
 
-__all__ = ["analyze", "placement", "plot"]
+__all__ = ["analyze", "placement", "plot", "print_report"]
 
 LAYERS_HELP = "Model layer ids to analyse, e.g. '0,7,12-15' (default: all)."
 
@@ -31,7 +31,7 @@ def _fmt(x: float) -> str:
     return f"{x:.3f}"
 
 
-def _print_report(report: AnalysisReport, console: Console) -> None:
+def print_report(report: AnalysisReport, console: Console) -> None:
     d = report.to_dict()
     t, totals, overall = d["trace"], d["totals"], d["overall"]
     console.print(
@@ -102,7 +102,7 @@ def analyze(
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        _print_report(report, stdout_console())
+        print_report(report, stdout_console())
 
 
 @guarded

@@ -6,7 +6,7 @@ import typer
 
 import moetrace
 
-from . import analysis, control, traces
+from . import analysis, control, demo, traces
 
 __all__ = ["app", "main"]
 
@@ -25,6 +25,8 @@ app.command("placement")(analysis.placement)
 app.command("convert")(traces.convert)
 app.command("merge")(traces.merge)
 app.command("inspect")(traces.inspect)
+# The whole job end to end on the reference runtime.
+app.command("demo")(demo.demo)
 # Driving a running process.
 app.command("start")(control.start)
 app.command("stop")(control.stop)

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-from .config import CaptureConfig, RecorderConfig  # noqa: E402
-from .recorder import (  # noqa: E402
+from .config import CaptureConfig, RecorderConfig
+from .recorder import (
     ExpertDistributionRecorder,
     NoOpRecorder,
     RecorderStateError,
     get_recorder,
     set_recorder,
 )
-from .snapshot import RecorderSnapshot  # noqa: E402
+from .snapshot import RecorderSnapshot
 
 if TYPE_CHECKING:
     from .control import ControlServer

@@ -237,9 +237,10 @@ class TokenStream:
 
         Stored ids: the expert id, -1 for padding, -2 for an invalid id.
         """
-        tokens = index.shape[0] // self.pass_stage.shape[2]
+        top_k = self.pass_stage.shape[2]
+        tokens = index.shape[0] // top_k
         stage = self.pass_stage[:tokens, layer]
-        stage.copy_(index.view(tokens, -1))
+        stage.copy_(index.view(tokens, top_k))
         stage.sub_(1).masked_fill_(stage == invalid_column - 1, -2)
         self.pass_tokens = max(self.pass_tokens, tokens)
 

@@ -1,0 +1,282 @@
+"""``moetrace demo``: the whole job end to end on the reference runtime.
+
+Serves a batch of mixed-length requests through the reference MoE model on
+``--ranks`` expert-parallel gloo ranks with a skewed router, with the recorder
+on (``per_token`` mode, which keeps the ``stat`` totals too) and per-request
+routed-experts capture on. While it runs, every rank serves a Prometheus
+endpoint and a control endpoint on loopback. Afterwards the per-rank traces are
+merged into ``<out>/trace.h5`` and analysed: ``report.json``, ``heatmap.png``,
+the analysis table, one request's routed experts, bytes exchanged, and a
+placement plan with its predicted balancedness gain.
+
+Ctrl-C stops serving on every rank at the next step; what was recorded so far
+is dumped and merged into a valid trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from moetrace.analysis import metrics
+from moetrace.analysis.placement import rebalance_experts
+from moetrace.analysis.plots import plot_report
+from moetrace.analysis.report import analyze_trace
+from moetrace.dispatch import ep_ideal_bytes, ep_padded_bytes, exchanged_bytes, tp_bytes
+from moetrace.trace.merge import merge_traces
+from moetrace.trace.reader import open_trace
+
+from .analysis import print_report
+from .errors import CommandError, guarded
+
+__all__ = ["DemoSettings", "demo", "run_demo"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSettings:
+    """What the demo serves and where it writes."""
+
+    ranks: int = 2
+    requests: int = 64
+    layers: int = 4
+    experts: int = 16
+    top_k: int = 2
+    skew: float = 1.2
+    out: Path = Path("moetrace-demo")
+    serve: bool = True
+    seed: int = 0
+
+
+def _requests(settings: DemoSettings, rank: int, vocab: int) -> list[Any]:
+    """This rank's share of the demo's requests: mixed lengths, staggered arrivals, some prefill-only."""
+    from moetrace.reference import Request
+
+    rng = np.random.default_rng(settings.seed)
+    out = []
+    for i in range(settings.requests):
+        prompt_len = int(rng.integers(4, 48))
+        new_tokens = 0 if i % 9 == 4 else int(rng.integers(2, 12))
+        prompt = rng.integers(0, vocab, size=prompt_len).tolist()
+        if i % settings.ranks == rank:
+            out.append(Request(rid=f"req-{i}", prompt=prompt, max_new_tokens=new_tokens, arrival_step=i // 4, return_routed_experts=True))
+    return out
+
+
+def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, events: Any) -> dict[str, Any]:
+    """One EP rank: model, recorder, endpoints, serving loop, dump. Runs in a spawned process."""
+    from moetrace.exporters.prometheus import start_http_server
+
+    import moetrace
+    from moetrace.capturer import encode_routed_experts
+    from moetrace.control import serve_control
+    from moetrace.reference import EPSpec, ModelConfig, ReferenceMoEModel, ServingLoop, zipf_bias
+
+    config = ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=settings.layers + 1,
+        num_experts=settings.experts,
+        top_k=settings.top_k,
+        dense_layers=(0,),  # a dense first layer, as in DeepSeek: MoE layer ids start at 1
+        router_bias=tuple(zipf_bias(settings.experts, settings.skew, seed=settings.seed + 1).tolist()),
+        seed=settings.seed,
+    )
+    model = ReferenceMoEModel(config, ep=EPSpec(ep_size=world, ep_rank=rank, mode="exact"))
+    rank_dir = settings.out / "ranks"
+    recorder = moetrace.ExpertDistributionRecorder(
+        model.recorder_config(mode="per_token", output_dir=rank_dir, model="reference-demo", max_tokens_per_pass=64, stream_chunk_tokens=4096)
+    )
+    moetrace.set_recorder(recorder)
+    loop = ServingLoop(model, max_running=8, max_tokens_per_pass=64, chunk_size=32, num_kv_slots=2048, max_len=128)
+    servers: list[Any] = []
+    if settings.serve:
+        servers = [start_http_server(0, recorder=recorder), serve_control(recorder)]
+        events.put(("urls", rank, servers[0].url, servers[1].url))
+    loop.submit(_requests(settings, rank, config.vocab_size))
+    signal.signal(signal.SIGINT, lambda *_: loop.stop())
+    recorder.start_record()
+    results = []
+    try:
+        for progress in loop.steps():
+            results.extend(progress.new_results)
+            if progress.new_results:
+                with finished.get_lock():
+                    finished.value += len(progress.new_results)
+    finally:
+        recorder.stop_record()
+        dumped = recorder.dump_record(rank_dir / "trace.h5")
+        for server in servers:
+            server.close()
+    complete = [r for r in results if r.routed_experts is not None and r.finish_reason == "length"]
+    example = max(complete, key=lambda r: len(r.output_ids), default=None)
+    return {
+        "trace": str(dumped),
+        "served": len(results),
+        "stopped": sum(r.finish_reason == "stopped" for r in results),
+        "example": None if example is None else {
+            "rid": example.rid,
+            "prompt_len": example.prompt_len,
+            "output_len": len(example.output_ids),
+            "forward_pass_ids": example.forward_pass_ids,
+            "routed_experts": encode_routed_experts(example.routed_experts),
+        },
+        "moe_layer_ids": list(model.moe_layer_ids),
+    }
+
+
+def _bytes_table(trace_path: Path) -> tuple[Table, dict[str, float]]:
+    """All-to-all bytes over the run: TP, ideal EP, padded EP and what the exact exchange sent."""
+    with open_trace(trace_path) as trace:
+        attrs = trace.attrs
+        hidden, width = int(attrs["hidden_size"]), int(attrs["dtype_bytes"])
+        k, ranks = trace.top_k, trace.ep_size
+        tokens = int(trace.num_tokens().sum())
+        send = trace.send_count()  # [Rf, L, R]
+        layers = trace.num_layers
+    remote = sum(int(send[r].sum() - send[r, :, r].sum()) for r in range(send.shape[0]))
+    figures = {
+        "tp_all_reduce": float(tp_bytes(tokens, hidden, width) * layers),
+        "ep_ideal": float(ep_ideal_bytes(tokens, k, hidden, width) * layers),
+        "ep_padded": float(ep_padded_bytes(tokens, k, hidden, width, ranks) * layers),
+        "ep_exact_sent": float(exchanged_bytes(remote, hidden, width)),
+    }
+    table = Table(title=f"All-to-all bytes over {tokens} tokens x {layers} MoE layers (H={hidden}, {width} B/elem, k={k}, R={ranks})", title_justify="left")
+    table.add_column("exchange")
+    table.add_column("bytes", justify="right")
+    table.add_column("x ideal EP", justify="right")
+    labels = {"tp_all_reduce": "TP all-reduce 2·T·H·b", "ep_ideal": "EP ideal 2·T·k·H·b", "ep_padded": "EP padded 2·R·T·k·H·b", "ep_exact_sent": "EP exact, sent to other ranks"}
+    for key, label in labels.items():
+        table.add_row(label, f"{figures[key]:,.0f}", f"{figures[key] / figures['ep_ideal']:.2f}" if figures["ep_ideal"] else "-")
+    return table, figures
+
+
+def _placement(trace_path: Path, gpus: int) -> tuple[dict[str, Any], str]:
+    """A placement with one redundant slot per GPU on the recorded loads; predicted balancedness before/after."""
+    with open_trace(trace_path) as trace:
+        weight = trace.logical_count()
+        physical = trace.physical_count()
+    experts = weight.shape[1]
+    replicas = experts + gpus
+    plan = rebalance_experts(weight, replicas, 1, 1, gpus)
+    before = metrics.balancedness(metrics.rank_load(physical, gpus))
+    summary = {
+        "num_replicas": replicas,
+        "num_gpus": gpus,
+        "balancedness_before": before,
+        "balancedness_after": plan.balancedness,
+        "phy2log": plan.phy2log.tolist(),
+        "logcnt": plan.logcnt.tolist(),
+    }
+    line = (
+        f"placement plan: {replicas} slots ({experts} experts + {gpus} replicas) on {gpus} GPUs -> predicted balancedness "
+        f"{before:.3f} -> {plan.balancedness:.3f} ({(plan.balancedness / before - 1) * 100:+.1f}%); hottest experts replicated: "
+        f"{sorted(int(e) for e in np.argsort(-weight.sum(axis=0))[:gpus])}"
+    )
+    return summary, line
+
+
+def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
+    """Run the demo; returns a summary (paths and figures). Raises on failure."""
+    import torch.multiprocessing as mp
+
+    from moetrace.capturer import decode_routed_experts
+    from moetrace.reference import launch
+
+    started = time.perf_counter()
+    out = settings.out
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in (out / "ranks").glob("trace-rank*.h5"):
+        stale.unlink()
+    ctx = mp.get_context("spawn")
+    finished, events = ctx.Value("i", 0), ctx.Queue()
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["ranks"] = launch(_serve_rank, settings.ranks, settings, finished, events, backend="gloo", timeout=600)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=target, name="moetrace-demo-launch", daemon=True)
+    worker.start()
+    interrupted = False
+    console.print(f"serving {settings.requests} requests on {settings.ranks} EP ranks (gloo), {settings.layers} MoE layers x {settings.experts} experts, top-{settings.top_k}, Zipf skew {settings.skew}")
+    with Progress(TextColumn("requests served"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False) as bar:
+        task = bar.add_task("serve", total=settings.requests)
+        while worker.is_alive():
+            try:
+                while True:
+                    _, rank, metrics_url, control_url = events.get_nowait()
+                    bar.console.print(f"rank {rank}: Prometheus {metrics_url}   control {control_url}/status")
+            except queue.Empty:
+                pass
+            try:
+                bar.update(task, completed=finished.value)
+                worker.join(timeout=0.2)
+            except KeyboardInterrupt:
+                if interrupted:
+                    raise
+                interrupted = True
+                bar.console.print("interrupted: stopping every rank at the next step and keeping what was recorded (Ctrl-C again to abort)")
+        bar.update(task, completed=finished.value)
+    if "error" in outcome:
+        raise outcome["error"]
+    ranks = outcome["ranks"]
+    trace = merge_traces([r["trace"] for r in ranks], out / "trace.h5")
+    report = analyze_trace(trace)
+    document = report.to_dict()
+    bytes_table, byte_figures = _bytes_table(trace)
+    placement, placement_line = _placement(trace, settings.ranks)
+    document["demo"] = {"bytes": byte_figures, "placement": {k: v for k, v in placement.items() if k not in ("phy2log", "logcnt")}, "interrupted": interrupted}
+    (out / "report.json").write_text(json.dumps(document, indent=2))
+    (out / "placement.json").write_text(json.dumps(placement))
+    heatmap = plot_report(report, out / "heatmap.png", kind="heatmap")
+    print_report(report, console)
+    console.print(bytes_table)
+    example = next((r["example"] for r in ranks if r["example"] is not None), None)
+    if example is not None:
+        experts = decode_routed_experts(example["routed_experts"])
+        moe_columns = [i for i in range(experts.shape[1]) if (experts[:, i] >= 0).any()]
+        console.print(
+            f"request {example['rid']}: {example['prompt_len']} prompt + {example['output_len']} generated tokens, "
+            f"routed experts {list(experts.shape)} (positions x layers x k; wire {example['routed_experts']['dtype']}, "
+            f"{len(example['routed_experts']['data'])} base64 chars), passes {example['forward_pass_ids'][:6]}..."
+        )
+        for pos in range(min(4, experts.shape[0])):
+            console.print(f"  position {pos}: " + "  ".join(f"L{layer}={experts[pos, layer].tolist()}" for layer in moe_columns))
+    console.print(placement_line)
+    served = sum(r["served"] for r in ranks)
+    console.print(f"wrote {trace}, {heatmap}, {out / 'report.json'} ({served} requests served{', interrupted' if interrupted else ''}) in {time.perf_counter() - started:.1f} s")
+    return {"trace": trace, "heatmap": heatmap, "report": out / "report.json", "served": served, "interrupted": interrupted}
+
+
+@guarded
+def demo(
+    ranks: Annotated[int, typer.Option("--ranks", min=1, help="Expert-parallel ranks (processes on gloo).")] = 2,
+    requests: Annotated[int, typer.Option("--requests", min=1, help="Requests to serve.")] = 64,
+    layers: Annotated[int, typer.Option("--layers", min=1, help="MoE layers (a dense first layer is added).")] = 4,
+    experts: Annotated[int, typer.Option("--experts", min=1, help="Experts per MoE layer (a multiple of --ranks).")] = 16,
+    top_k: Annotated[int, typer.Option("--top-k", min=1, help="Experts per token.")] = 2,
+    skew: Annotated[float, typer.Option("--skew", min=0.0, help="Zipf exponent of the router's per-expert bias (0 = no skew).")] = 1.2,
+    out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("moetrace-demo"),
+    serve: Annotated[bool, typer.Option("--serve/--no-serve", help="Serve Prometheus and control endpoints on loopback while running.")] = True,
+) -> None:
+    """Serve requests through the reference runtime with moetrace on, then analyse what was recorded."""
+    if experts % ranks:
+        raise CommandError(f"--experts {experts} must be a multiple of --ranks {ranks}")
+    if top_k > experts:
+        raise CommandError(f"--top-k {top_k} exceeds --experts {experts}")
+    run_demo(DemoSettings(ranks=ranks, requests=requests, layers=layers, experts=experts, top_k=top_k, skew=skew, out=out, serve=serve), Console())
