@@ -44,9 +44,12 @@ class CoactivationAccumulator:
         self.expert_tokens = np.zeros((num_layers, e), dtype=np.int64)  # tokens choosing e (once per token)
         self.routed_tokens = np.zeros(num_layers, dtype=np.int64)  # tokens with >= 1 valid choice
         self._map = np.asarray(self.physical_to_logical, dtype=np.int64)
+        self._identity = bool((self._map == np.arange(self._map.shape[1])).all())
 
     def _logical(self, topk_ids: np.ndarray) -> np.ndarray:
         ids = topk_ids[:, self.layer_index, :].astype(np.int64)
+        if self._identity:
+            return np.where(ids >= 0, ids, -1)  # -2 (invalid) reads as "none"
         layers = np.arange(ids.shape[1])[None, :, None]
         logical = self._map[layers, np.clip(ids, 0, self._map.shape[1] - 1)]
         return np.where(ids >= 0, logical, -1)
@@ -64,26 +67,32 @@ class CoactivationAccumulator:
         layer = np.arange(num_layers)[None, :]
         valid = lg >= 0
         self.routed_tokens += valid.any(axis=2).sum(axis=0)
-        # Tokens per expert, counting an expert once per token even if two replicas were chosen.
+        # An expert counts once per token even if two of its replicas were chosen.
         first = valid.copy()
         for i in range(1, top_k):
             first[:, :, i] &= (lg[:, :, :i] != lg[:, :, i : i + 1]).all(axis=2)
-        self.expert_tokens += np.bincount((layer[:, :, None] * e + lg)[first], minlength=num_layers * e).reshape(num_layers, e)
+        spare = num_layers * e * e  # one extra bin collects what is not counted
+        self.expert_tokens += _count(np.where(first, layer[:, :, None] * e + lg, num_layers * e), num_layers * e).reshape(num_layers, e)
         keys = []
         for i in range(top_k):
             for j in range(i + 1, top_k):
                 a, b = lg[:, :, i], lg[:, :, j]
-                ok = first[:, :, i] & first[:, :, j]  # distinct experts, each counted once
                 lo, hi = np.minimum(a, b), np.maximum(a, b)
-                keys.append(((layer * e + lo) * e + hi)[ok])
+                keys.append(np.where(first[:, :, i] & first[:, :, j], (layer * e + lo) * e + hi, spare))
         if keys:
-            pairs = np.bincount(np.concatenate(keys), minlength=num_layers * e * e).reshape(num_layers, e, e)
+            pairs = _count(np.stack(keys), spare).reshape(num_layers, e, e)
             self.coactivation += pairs + pairs.transpose(0, 2, 1)
         if num_layers > 1:
             a, b = lg[:, :-1, :], lg[:, 1:, :]
-            ok = (a >= 0) & (b >= 0)
             hop = np.arange(num_layers - 1)[None, :, None]
-            self.transitions += np.bincount(((hop * e + a) * e + b)[ok], minlength=(num_layers - 1) * e * e).reshape(num_layers - 1, e, e)
+            hops = (num_layers - 1) * e * e
+            key = np.where((a >= 0) & (b >= 0), (hop * e + a) * e + b, hops)
+            self.transitions += _count(key, hops).reshape(num_layers - 1, e, e)
+
+
+def _count(keys: np.ndarray, bins: int) -> np.ndarray:
+    """``bincount`` of ``keys`` in ``[0, bins]``, dropping the spare bin ``bins``."""
+    return np.bincount(keys.ravel(), minlength=bins + 1)[:bins]
 
 
 def top_pairs(coactivation: np.ndarray, expert_tokens: np.ndarray, tokens: int, n: int) -> list[dict[str, float]]:

@@ -88,9 +88,11 @@ def token_pass_block(chunk: TokenChunk, layer_index: np.ndarray, num_physical: i
         return PassBlock(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, num_layers, num_physical), np.int64))
     starts = np.flatnonzero(np.concatenate([[True], chunk.pass_id[1:] != chunk.pass_id[:-1]]))
     segment = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, rows)))
-    key = (segment[:, None, None] * num_layers + np.arange(num_layers)[None, :, None]) * num_physical + ids
-    valid = ids >= 0
-    counts = np.bincount(key[valid], minlength=len(starts) * num_layers * num_physical)
+    bins = len(starts) * num_layers * num_physical
+    base = (segment[:, None] * num_layers + np.arange(num_layers)[None, :]) * num_physical  # [M, L]
+    key = base[:, :, None] + ids
+    key[ids < 0] = bins  # one spare bin collects the ids that are not counted
+    counts = np.bincount(key.ravel(), minlength=bins + 1)[:bins]
     return PassBlock(
         pass_id=chunk.pass_id[starts].astype(np.int64),
         num_tokens=np.diff(np.append(starts, rows)).astype(np.int64),

@@ -75,26 +75,33 @@ class _Cursor:
         self.buffer: dict[str, np.ndarray] = {n: file[f"{group}/{n}"][0:0] for n in names}
         self.last_pass = -(1 << 62)
 
-    def refill(self) -> None:
-        if len(self.buffer["pass_id"]) or self.next >= self.rows:
+    def refill(self, grow: bool = False) -> None:
+        """Read the next chunk when the buffer is empty (or, with ``grow``, append it)."""
+        if (len(self.buffer["pass_id"]) and not grow) or self.next >= self.rows:
             return
         stop = min(self.next + self.chunk, self.rows)
         try:
-            self.buffer = {n: np.asarray(self.file[f"{self.group}/{n}"][self.next : stop]) for n in self.names}
+            rows = {n: np.asarray(self.file[f"{self.group}/{n}"][self.next : stop]) for n in self.names}
         except OSError as exc:
             raise TraceError(f"{self.file.filename}: /{self.group} is unreadable or truncated ({exc})") from exc
-        pid = self.buffer["pass_id"]
+        pid = rows["pass_id"]
         if len(pid) and (pid[0] < self.last_pass or (np.diff(pid) < 0).any()):
             raise TraceError(f"{self.file.filename}: pass ids in /{self.group} are not in order; cannot merge by time")
+        self.buffer = {n: np.concatenate([self.buffer[n], rows[n]]) for n in self.names}
         self.last_pass = int(pid[-1])
         self.next = stop
+
+    @property
+    def more(self) -> bool:
+        """Rows remain unread in the file."""
+        return self.next < self.rows
 
     @property
     def done(self) -> bool:
         return self.next >= self.rows and not len(self.buffer["pass_id"])
 
-    def take_until(self, bound: int) -> dict[str, np.ndarray]:
-        cut = int(np.searchsorted(self.buffer["pass_id"], bound, side="right"))
+    def take_until(self, bound: int, inclusive: bool) -> dict[str, np.ndarray]:
+        cut = int(np.searchsorted(self.buffer["pass_id"], bound, side="right" if inclusive else "left"))
         out = {n: a[:cut] for n, a in self.buffer.items()}
         self.buffer = {n: a[cut:] for n, a in self.buffer.items()}
         return out
@@ -117,7 +124,13 @@ def _merge_stream(files: list[h5py.File], group: str, writer: TraceWriter, chunk
         if not live:
             return
         bound = min(int(c.buffer["pass_id"][-1]) for c in live)
-        parts = [(c.rank, c.take_until(bound)) for c in live]
+        # A rank whose buffer ends at `bound` may hold more rows of that pass in its next chunk.
+        unfinished = [c for c in live if int(c.buffer["pass_id"][-1]) == bound and c.more]
+        if unfinished and all(int(c.buffer["pass_id"][0]) >= bound for c in live):
+            for c in unfinished:
+                c.refill(grow=True)
+            continue
+        parts = [(c.rank, c.take_until(bound, inclusive=not unfinished)) for c in live]
         pid = np.concatenate([p["pass_id"] for _, p in parts])
         order = np.argsort(pid, kind="stable")  # ties keep rank order
         for name in names:

@@ -73,11 +73,11 @@ def oracle_figures(counts: np.ndarray, ep_size: int) -> dict[str, np.ndarray | f
     """Balance figures written out from DESIGN.md's definitions, without moetrace.analysis.metrics."""
     num_layers, num_experts = counts.shape
     per_rank = num_experts // ep_size
-    load = np.array([[counts[l, r * per_rank : (r + 1) * per_rank].sum() for r in range(ep_size)] for l in range(num_layers)], dtype=np.float64)
+    load = np.array([[counts[layer, r * per_rank : (r + 1) * per_rank].sum() for r in range(ep_size)] for layer in range(num_layers)], dtype=np.float64)
     means, peaks = load.mean(axis=1), load.max(axis=1)
     entropy = []
-    for l in range(num_layers):
-        p = counts[l] / counts[l].sum()
+    for layer in range(num_layers):
+        p = counts[layer] / counts[layer].sum()
         entropy.append(-sum(x * np.log(x) for x in p if x > 0) / np.log(num_experts))
     return {
         "load": load,
@@ -135,6 +135,6 @@ def olmoe_token_passes(domain: str, scale: int, tokens_per_pass: int, seed: int 
         rng.shuffle(ids)
         layers.append(ids[: tokens * 8].reshape(tokens, 8))
     ids = np.stack(layers, axis=1)  # [T, 3, 8]
-    exact = np.stack([np.bincount(ids[:, l].reshape(-1), minlength=64) for l in range(3)])
+    exact = np.stack([np.bincount(ids[:, layer].reshape(-1), minlength=64) for layer in range(3)])
     passes = [ids[s : s + tokens_per_pass] for s in range(0, tokens, tokens_per_pass)]
     return exact, passes

@@ -11,7 +11,16 @@ import pytest
 from moetrace.analysis import analyze_trace
 from moetrace.trace import TraceError
 
-from .helpers import js_bits, olmoe, olmoe_token_passes, oracle_counts, oracle_figures, random_passes, record, write_stat_trace
+from .helpers import (
+    js_bits,
+    olmoe,
+    olmoe_token_passes,
+    oracle_counts,
+    oracle_figures,
+    random_passes,
+    record,
+    write_stat_trace,
+)
 
 DOMAINS = ["arxiv", "book", "c4", "github", "wikipedia", "tulu"]
 
@@ -107,7 +116,7 @@ def test_random_trace_every_mode_matches_numpy(tmp_path, mode):
         if previous is None:
             assert got["js_from_previous"] is None
         else:
-            js = [js_bits(previous[l], wc[l]) for l in range(3)]
+            js = [js_bits(previous[layer], wc[layer]) for layer in range(3)]
             assert got["js_from_previous"] == pytest.approx(np.mean(js), rel=1e-9, abs=1e-12)
             assert got["js_max_layer"]["layer"] == (2, 5, 9)[int(np.argmax(js))]
         previous = wc
