@@ -128,7 +128,7 @@ def _experts_pre_hook(record: Record) -> Callable[..., None]:
 
     def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
-        record(ids.reshape(-1, ids.shape[-1]))
+        record(ids if ids.dim() == 2 else ids.reshape(-1, ids.shape[-1]))
 
     return hook
 
