@@ -8,15 +8,16 @@ import struct
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import h5py
 import numpy as np
 import pytest
+from moetrace.cli import reference
+from moetrace.cli.app import app
 from typer.testing import CliRunner
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
-from moetrace.cli import reference
-from moetrace.cli.app import app
 from moetrace.control import serve_control
 from moetrace.trace import open_trace
 
@@ -189,7 +190,7 @@ def test_control_commands_against_moetrace_endpoint(tmp_path):
 class FakeSGLang(BaseHTTPRequestHandler):
     """A stand-in for SGLang's HTTP server (its three expert-distribution routes and /server_info)."""
 
-    calls: list[tuple[str, str, str | None]] = []
+    calls: ClassVar[list[tuple[str, str, str | None]]] = []
 
     def log_message(self, *args: object) -> None:
         pass
