@@ -37,7 +37,7 @@ from moetrace.reference.timing import PHASES, PhaseTimer
 
 WORKLOADS: dict[str, dict[str, int]] = {
     "seed": {"batch": 4, "seq": 16, "hidden": 512, "intermediate": 1024, "experts": 8, "top_k": 2, "ranks": 2},
-    "large": {"batch": 8, "seq": 128, "hidden": 1024, "intermediate": 2048, "experts": 16, "top_k": 2, "ranks": 2},
+    "large": {"batch": 8, "seq": 64, "hidden": 1024, "intermediate": 2048, "experts": 8, "top_k": 2, "ranks": 2},
 }
 
 
