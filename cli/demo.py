@@ -203,12 +203,15 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     finished, events = ctx.Value("i", 0), ctx.Queue()
     outcome: dict[str, Any] = {}
+    done = threading.Event()
 
     def target() -> None:
         try:
             outcome["ranks"] = launch(_serve_rank, settings.ranks, settings, finished, events, backend="gloo", timeout=600)
-        except BaseException as exc:
+        except BaseException as exc:  # re-raised in the main thread
             outcome["error"] = exc
+        finally:
+            done.set()
 
     worker = threading.Thread(target=target, name="moetrace-demo-launch", daemon=True)
     worker.start()
@@ -216,22 +219,25 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
     console.print(f"serving {settings.requests} requests on {settings.ranks} EP ranks (gloo), {settings.layers} MoE layers x {settings.experts} experts, top-{settings.top_k}, Zipf skew {settings.skew}")
     with Progress(TextColumn("requests served"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False) as bar:
         task = bar.add_task("serve", total=settings.requests)
-        while worker.is_alive():
+        # Wait on an Event, not Thread.join: a KeyboardInterrupt inside join() can leave
+        # the thread reported dead while it still runs (CPython gh-90882).
+        while not done.is_set():
             try:
                 while True:
                     _, rank, metrics_url, control_url = events.get_nowait()
-                    bar.console.print(f"rank {rank}: Prometheus {metrics_url}   control {control_url}/status")
+                    bar.console.print(f"rank {rank}: Prometheus {metrics_url}   control {control_url}/status", soft_wrap=True)
             except queue.Empty:
                 pass
             try:
                 bar.update(task, completed=finished.value)
-                worker.join(timeout=0.2)
+                done.wait(timeout=0.2)
             except KeyboardInterrupt:
                 if interrupted:
                     raise
                 interrupted = True
                 bar.console.print("interrupted: stopping every rank at the next step and keeping what was recorded (Ctrl-C again to abort)")
         bar.update(task, completed=finished.value)
+    worker.join()
     if "error" in outcome:
         raise outcome["error"]
     ranks = outcome["ranks"]

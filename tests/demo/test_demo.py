@@ -63,7 +63,7 @@ def test_demo_ctrl_c_keeps_a_valid_trace(tmp_path):
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
-        if "control http" in line and sum("control http" in x for x in lines) == 2:
+        if sum("Prometheus http" in x for x in lines) == 2:  # both ranks are serving
             time.sleep(2.0)
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
             break
