@@ -230,8 +230,8 @@ class ServingLoop:
         with torch.inference_mode():
             while True:
                 self._admit()
-                batch, segments = self._schedule()
-                tokens = batch.input_ids.numel() if batch is not None else 0
+                batch, plan, locs = self._schedule()
+                tokens = batch.input_ids.numel()
                 any_tokens, any_pending, stop = self._agree(tokens > 0, bool(self._waiting or self._running), self._stop)
                 if stop:
                     yield self._progress(None, tokens, self._stop_all())
@@ -243,7 +243,7 @@ class ServingLoop:
                 if any_tokens:
                     pass_id = self._next_pass_id
                     self._next_pass_id += 1
-                    done = self._forward(batch, segments, pass_id)
+                    done = self._forward(batch, plan, locs, pass_id)
                 self._step += 1
                 yield self._progress(pass_id, tokens, done)
 
@@ -266,7 +266,8 @@ class ServingLoop:
             self._reserved += needed
             self._running.append(_Live(req, self.pool.alloc(), list(req.prompt)))
 
-    def _schedule(self) -> tuple[ForwardBatch | None, list[tuple[_Live, int]]]:
+    def _schedule(self) -> tuple[ForwardBatch, list[tuple[_Live, int]], list[int]]:
+        """The next pass: batch, ``(request, new tokens)`` plan and the tokens' KV slots (host)."""
         budget = self.max_tokens_per_pass
         plan: list[tuple[_Live, int]] = []
         decoding = [live for live in self._running if live.computed >= len(live.request.prompt)]
@@ -282,7 +283,7 @@ class ServingLoop:
             budget -= n
         if not plan:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-            return ForwardBatch(empty, empty, [], self.pool.req_to_token), plan
+            return ForwardBatch(empty, empty, [], self.pool.req_to_token), plan, []
         ids: list[int] = []
         locs: list[int] = []
         segments = []
@@ -300,14 +301,14 @@ class ServingLoop:
             segments,
             self.pool.req_to_token,
         )
-        self._locs_host = torch.tensor(locs, dtype=torch.int64)
-        return batch, plan
+        return batch, plan, locs
 
-    def _forward(self, batch: ForwardBatch | None, plan: list[tuple[_Live, int]], pass_id: int) -> list[RequestResult]:
-        assert batch is not None
-        logits = self.model.forward_batch(batch, self.cache, recorder=self.recorder, capturer=self.capturer, forward_pass_id=pass_id)
-        if self.capturer is not None:
-            self.capturer.on_forward_end(self._locs_host if plan else [])
+    def _forward(self, batch: ForwardBatch, plan: list[tuple[_Live, int]], locs: list[int], pass_id: int) -> list[RequestResult]:
+        # Capture only passes that carry a request asking for its routed experts.
+        capturer = self.capturer if any(live.request.return_routed_experts for live, _ in plan) else None
+        logits = self.model.forward_batch(batch, self.cache, recorder=self.recorder, capturer=capturer, forward_pass_id=pass_id)
+        if capturer is not None:
+            capturer.on_forward_end(locs)
         sampled = logits.argmax(-1).tolist() if plan else []
         done = []
         for (live, n), token in zip(plan, sampled, strict=True):
