@@ -230,7 +230,7 @@ def analyze_trace(
     top: int = 5,
     progress: bool | None = False,
     chunk_passes: int = 1024,
-    chunk_tokens: int = 65536,
+    chunk_tokens: int = 32768,
 ) -> AnalysisReport:
     """Analyse a trace in one streaming read.
 

@@ -89,8 +89,9 @@ def token_pass_block(chunk: TokenChunk, layer_index: np.ndarray, num_physical: i
     starts = np.flatnonzero(np.concatenate([[True], chunk.pass_id[1:] != chunk.pass_id[:-1]]))
     segment = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, rows)))
     bins = len(starts) * num_layers * num_physical
-    base = (segment[:, None] * num_layers + np.arange(num_layers)[None, :]) * num_physical  # [M, L]
-    key = base[:, :, None] + ids
+    dtype = np.int32 if bins < np.iinfo(np.int32).max else np.int64
+    base = ((segment[:, None] * num_layers + np.arange(num_layers)[None, :]) * num_physical).astype(dtype)  # [M, L]
+    key = base[:, :, None] + ids.astype(dtype)
     key[ids < 0] = bins  # one spare bin collects the ids that are not counted
     counts = np.bincount(key.ravel(), minlength=bins + 1)[:bins]
     return PassBlock(
