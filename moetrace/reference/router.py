@@ -8,6 +8,7 @@ matches observed counts (e.g. the real OLMoE counts via :func:`olmoe_bias`).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,14 @@ from .init import seeded_normal
 
 __all__ = ["OLMOE_COUNTS_PATH", "TopKRouter", "fitted_bias", "olmoe_bias", "zipf_bias"]
 
-OLMOE_COUNTS_PATH = Path("/work/shared/data/olmoe-routing/olmoe_expert_counts.json")
+#: The real OLMoE counts shipped beside the repository (``../shared/data``); override with
+#: ``MOETRACE_OLMOE_COUNTS`` when the repository is laid out differently.
+OLMOE_COUNTS_PATH = Path(
+    os.environ.get(
+        "MOETRACE_OLMOE_COUNTS",
+        Path(__file__).resolve().parents[2].parent / "shared" / "data" / "olmoe-routing" / "olmoe_expert_counts.json",
+    )
+)
 
 
 def zipf_bias(num_experts: int, s: float = 1.0, seed: int | None = None) -> torch.Tensor:
