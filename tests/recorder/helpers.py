@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from moetrace.recorder import ExpertDistributionRecorder
-
-OLMOE_COUNTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "olmoe-routing" / "olmoe_expert_counts.json"
+from moetrace.reference.router import OLMOE_COUNTS_PATH
 
 
 def numpy_counts(passes: list[list[np.ndarray]], num_experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -62,7 +60,7 @@ def olmoe_token_stream(domain: str, tokens_per_pass: int, scale: int, seed: int 
     that many assignments, shuffled, and cut into tokens of 8 distinct-slot
     ids. Returns the exact expected counts ``[3, 64]`` and the passes.
     """
-    data = json.loads(OLMOE_COUNTS.read_text())
+    data = json.loads(OLMOE_COUNTS_PATH.read_text())
     rng = np.random.default_rng(seed)
     counts = np.rint(np.asarray(data["expert_counts"][domain], dtype=np.float64) / scale).astype(np.int64)
     top_k = data["top_k"]
