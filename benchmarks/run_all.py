@@ -1,0 +1,135 @@
+"""``make bench``: run every benchmark, then write the summary table of docs/benchmarks.md.
+
+Each benchmark is its own script (run in its own process, one after another so they do
+not compete for cores) and writes ``benchmarks/results/<name>.json``. The headline
+figures of those files are then written between the summary markers of
+``docs/benchmarks.md``; the per-benchmark sections below the summary explain each one.
+
+Run: ``.venv/bin/python benchmarks/run_all.py [--quick] [--only NAME ...] [--summary-only]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DOCS = HERE.parent / "docs" / "benchmarks.md"
+START, END = "<!-- summary:start -->", "<!-- summary:end -->"
+
+Row = tuple[str, str, str]
+
+
+def _recorder(d: dict) -> list[Row]:
+    rows = []
+    for workload in ("prefill (4096 tokens)", "decode (8 tokens)"):
+        for variant in ("noop", "stat", "per_pass", "per_token"):
+            rows.append(("recorder overhead", f"{workload}, {variant} / plain", f"{d[workload][variant]['ratio']:.3f}"))
+    return rows
+
+
+def _adapter(d: dict) -> list[Row]:
+    r = d["results"]
+    return [("adapter overhead (HF Mixtral)", f"{w}, {v} / plain", f"{r[w][v]['ratio_to_plain']:.3f} (hooks {r[w][v]['hook_us_per_forward']:.0f} us/forward)")
+            for w in ("prefill", "decode") for v in ("moetrace", "moewatch")]
+
+
+def _capture(d: dict) -> list[Row]:
+    return [("capture overhead", "serving tokens/s, capture on / off (CPU time)", f"{d['cpu']['throughput_ratio_on_off']:.3f}"),
+            ("capture overhead", "serving tokens/s, capture on / off (wall)", f"{d['wall']['throughput_ratio_on_off']:.3f}")]
+
+
+def _ep(d: dict) -> list[Row]:
+    rows = []
+    for w in d["workloads"]:
+        s = w["seconds_per_pass"]
+        rows.append(("EP bench", f"{w['workload']} (T={w['tokens']}, H={w['hidden']}): EP exact 2 ranks vs dense 1 thread", f"{s['dense_1t'] / s['exact']:.2f}x throughput"))
+        rows.append(("EP bench", f"{w['workload']}: EP padded vs dense 1 thread", f"{s['dense_1t'] / s['padded']:.2f}x throughput"))
+    return rows
+
+
+def _dump(d: dict) -> list[Row]:
+    return [("dump throughput", f"{name}: moetrace vs numpy.save", f"{r['moetrace_mb_s']:.0f} vs {r['numpy_mb_s']:.0f} MB/s ({r['file_mb']:.1f} MB file for {r['raw_mb']:.1f} MB raw)")
+            for name, r in d.items() if isinstance(r, dict) and "moetrace_mb_s" in r]
+
+
+def _analysis(d: dict) -> list[Row]:
+    return [("analysis throughput", f"{mode}: streaming vs one-shot numpy", f"{r['streaming_records_per_s']:,.0f} vs {r['one_shot_records_per_s']:,.0f} {r['unit']}/s, peak memory {r['streaming_peak_bytes'] / 2**20:.0f} vs {r['one_shot_peak_bytes'] / 2**20:.0f} MiB")
+            for mode, r in d["throughput"].items()]
+
+
+def _scrape(d: dict) -> list[Row]:
+    rows = []
+    low, high = d["passes"]
+    for path, r in d["results"].items():
+        rows.append(("scrape cost", f"{path}: latency at {high:,} / {low:,} recorded passes", f"{r['ratio']:.2f} ({r[f'ms_{low}']:.1f} -> {r[f'ms_{high}']:.1f} ms)"))
+    return rows
+
+
+#: name -> (script arguments in full / quick runs, headline extractor)
+BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] = {
+    "recorder_overhead": ([], ["--quick"], _recorder),
+    "adapter_overhead": ([], ["--rounds", "4"], _adapter),
+    "capture_overhead": ([], ["--rounds", "4"], _capture),
+    "ep_bench": (["--compare"], ["--compare", "--workload", "seed"], _ep),
+    "dump_throughput": ([], ["--quick"], _dump),
+    "analysis_throughput": ([], ["--quick"], _analysis),
+    "scrape_cost": ([], ["--quick"], _scrape),
+}
+
+
+def summary_table() -> str:
+    """Markdown table of the headline figure of every results file present."""
+    lines = ["| benchmark | figure | value |", "|---|---|---:|"]
+    for name, (_, _, extract) in BENCHMARKS.items():
+        path = HERE / "results" / f"{name}.json"
+        if not path.exists():
+            lines.append(f"| {name} | not run yet | - |")
+            continue
+        try:
+            rows = extract(json.loads(path.read_text()))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            rows = [(name, f"results file not understood ({exc!r})", "-")]
+        lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def write_summary() -> None:
+    text = DOCS.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"{DOCS} lacks the {START} / {END} markers")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    DOCS.write_text(f"{head}{START}\n{summary_table()}\n{END}{tail}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller, shorter runs")
+    parser.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), help="run only these")
+    parser.add_argument("--summary-only", action="store_true", help="only rewrite the summary from existing results")
+    args = parser.parse_args()
+    failed = []
+    if not args.summary_only:
+        for name, (full, quick, _) in BENCHMARKS.items():
+            if args.only and name not in args.only:
+                continue
+            command = [sys.executable, str(HERE / f"{name}.py"), *(quick if args.quick else full)]
+            print(f"== {name}: {' '.join(command[1:])}", flush=True)
+            start = time.perf_counter()
+            if subprocess.run(command, check=False).returncode != 0:
+                failed.append(name)
+            print(f"== {name}: {time.perf_counter() - start:.0f} s", flush=True)
+    write_summary()
+    print(f"summary written to {DOCS}")
+    if failed:
+        raise SystemExit(f"benchmarks failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
