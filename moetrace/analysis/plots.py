@@ -108,7 +108,7 @@ def plot_report(report: AnalysisReport, path: Path | str, kind: str = "heatmap",
     """
     if kind not in PLOT_KINDS:
         raise ValueError(f"unknown plot kind {kind!r}; choose one of {', '.join(PLOT_KINDS)}")
-    fig = Figure(figsize=(10, 7 if kind == "ranks" else 6), layout="constrained")
+    fig = Figure(figsize={"ranks": (10, 7), "coactivation": (8, 7)}.get(kind, (10, 6)), layout="constrained")
     FigureCanvasAgg(fig)
     if kind == "heatmap":
         _heatmap(report, fig)

@@ -114,7 +114,7 @@ def test_plot_writes_png(traces, tmp_path, kind):
     result = invoke("plot", traces["token"], "-o", out, "--kind", kind, "--window", "4", "--layer", "4", "--no-progress")
     assert result.exit_code == 0, result.stderr
     width, height = png_size(out)
-    assert (width, height) == ((1000, 700) if kind == "ranks" else (1000, 600))
+    assert (width, height) == {"ranks": (1000, 700), "coactivation": (800, 700)}.get(kind, (1000, 600))
     assert out.stat().st_size > 10_000  # a drawn figure, not an empty canvas
 
 
