@@ -104,6 +104,7 @@ def launch(
         proc.start()
     values: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
+    failed = True
     try:
         while len(values) < world_size:
             try:
@@ -119,9 +120,11 @@ def launch(
             if not ok:
                 raise WorkerError(rank, value)
             values[rank] = value
+        failed = False
     finally:
+        # After a failure the other ranks may wait forever in a collective: end them at once.
         for proc in procs:
-            proc.join(timeout=5.0)
+            proc.join(timeout=0.1 if failed else 30.0)
             if proc.is_alive():
                 proc.terminate()
                 proc.join()

@@ -74,7 +74,9 @@ def test_token_convention(model):
         Request("one", prompt, 1, return_routed_experts=True),
         Request("four", prompt, 4, return_routed_experts=True),
         Request("turn-2", prompt, 4, return_routed_experts=True, routed_experts_start_len=len(prompt)),
+        Request("not-asked", prompt, 4),
     ])}
+    assert out["not-asked"].routed_experts is None and out["not-asked"].output_ids == out["four"].output_ids
     assert out["prefill-only"].routed_experts.shape[0] == len(prompt) and out["prefill-only"].output_ids == []
     assert out["one"].routed_experts.shape[0] == len(prompt) and len(out["one"].output_ids) == 1
     assert out["four"].routed_experts.shape[0] == len(prompt) + 3

@@ -72,6 +72,8 @@ def _ep_worker(rank: int, world: int) -> dict:
                 "send_matrix": torch.stack(sends).tolist(), "recv_matrix": torch.stack(recvs).tolist(),
                 "expert_bytes": layer.experts.parameter_bytes(), "dense_bytes": oracle.experts.parameter_bytes(),
             }
+        if world > 2:
+            continue  # whole-model checks on 1 and 2 ranks keep the 4-rank spawn short
         ids = torch.randint(0, MODEL.vocab_size, (2, 6 + rank), generator=torch.Generator().manual_seed(rank))
         with torch.inference_mode():
             ep_model = ReferenceMoEModel(MODEL, ep=EPSpec(world, rank, mode, max_tokens=32))
@@ -100,6 +102,7 @@ def test_ep_equals_oracle_and_evidence_is_consistent(world):
             sent, received = r["send_matrix"], r["recv_matrix"]
             assert all(sent[a][b] == received[b][a] for a in range(world) for b in range(world)), where
             assert r["expert_bytes"] * world == r["dense_bytes"], where
+        assert len(res["model"]) == (2 if world <= 2 else 0)
         for mode, diff in res["model"].items():
             assert diff <= 1e-5, f"model world={world} rank={rank} mode={mode}"
 
