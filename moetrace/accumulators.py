@@ -211,10 +211,11 @@ class PassStream:
 class TokenStream:
     """``per_token`` mode: every token's ``[L, k]`` ids, staged per pass then per chunk.
 
-    ``pass_stage [max_tokens, L, k]`` collects one pass layer by layer (layers a
-    pass never reached stay -1); at pass end its rows move into ``chunk
-    [chunk_tokens, L, k]``, which goes to the writer when the next pass would
-    not fit.
+    ``pass_stage [max_tokens, L, k]`` collects one pass layer by layer; at pass
+    end its rows move into ``chunk [chunk_tokens, L, k]``, which goes to the
+    writer when the next pass would not fit. ``layer_tokens`` (host ints) tracks
+    how many rows each layer wrote, so only rows a layer did not reach in this
+    pass are set to -1 at pass end, not the whole stage.
     """
 
     def __init__(self, config: RecorderConfig, submit: Submit) -> None:
@@ -230,6 +231,7 @@ class TokenStream:
         self.position = np.zeros(config.stream_chunk_tokens, dtype=np.int32)
         self.filled = 0
         self.pass_tokens = 0
+        self.layer_tokens = [0] * config.num_layers
         self.submit = submit
 
     def add_layer(self, layer: int, index: torch.Tensor, invalid_column: int) -> None:
@@ -243,6 +245,14 @@ class TokenStream:
         stage.copy_(index.view(tokens, top_k))
         stage.sub_(1).masked_fill_(stage == invalid_column - 1, -2)
         self.pass_tokens = max(self.pass_tokens, tokens)
+        self.layer_tokens[layer] = tokens
+
+    def _pad_unreached(self) -> None:
+        """Set to -1 the rows of this pass that a layer did not write."""
+        for layer, written in enumerate(self.layer_tokens):
+            if written < self.pass_tokens:
+                self.pass_stage[written : self.pass_tokens, layer].fill_(-1)
+            self.layer_tokens[layer] = 0
 
     def end_pass(self, pass_id: int) -> None:
         tokens = self.pass_tokens
@@ -250,8 +260,8 @@ class TokenStream:
             return
         if self.filled + tokens > len(self.pass_id):
             self.flush()
+        self._pad_unreached()
         self.chunk[self.filled : self.filled + tokens].copy_(self.pass_stage[:tokens])
-        self.pass_stage[:tokens].fill_(-1)
         self.pass_id[self.filled : self.filled + tokens] = pass_id
         self.position[self.filled : self.filled + tokens] = np.arange(tokens, dtype=np.int32)
         self.filled += tokens
@@ -272,8 +282,12 @@ class TokenStream:
         self.submit(StreamJob(event=event, build=build, done=lambda: self.pool.release(host)))
         self.filled = 0
 
-    def reset(self) -> None:
-        self.pass_stage.fill_(-1)
-        self.filled = 0
+    def discard_pass(self) -> None:
+        """Forget the current pass (its rows are overwritten or padded by the next one)."""
         self.pass_tokens = 0
+        self.layer_tokens = [0] * len(self.layer_tokens)
+
+    def reset(self) -> None:
+        self.discard_pass()
+        self.filled = 0
 

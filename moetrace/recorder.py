@@ -338,8 +338,7 @@ class ExpertDistributionRecorder:
         with self._lock:
             self._counter.clear()
             if self._token_stream is not None:
-                self._token_stream.pass_stage.fill_(-1)
-                self._token_stream.pass_tokens = 0
+                self._token_stream.discard_pass()
 
     def _submit(self, job: StreamJob) -> None:
         if self._segment is None:

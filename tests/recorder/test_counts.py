@@ -139,3 +139,19 @@ def test_exception_in_forward_discards_partial_pass(tmp_path):
     with open_trace(rec.dump_record()) as trace:
         ids = next(trace.iter_tokens()).topk_ids
         np.testing.assert_array_equal(ids, [[[4, 5, 6, 7]] * 3])
+
+
+def test_per_token_layers_not_reached_read_minus_one(tmp_path):
+    rec = make(tmp_path, "per_token")
+    rec.start_record()
+    with rec.with_forward_pass():  # every layer, 5 tokens
+        for layer in range(3):
+            rec.on_select_experts(torch.full((5, 4), layer + 1), layer=layer)
+    with rec.with_forward_pass():  # layer 0 sees 4 tokens, layer 1 only 2, layer 2 none
+        rec.on_select_experts(torch.full((4, 4), 7), layer=0)
+        rec.on_select_experts(torch.full((2, 4), 8), layer=1)
+    with open_trace(rec.dump_record()) as trace:
+        ids = next(trace.iter_tokens()).topk_ids
+    assert ids.shape == (9, 3, 4)
+    np.testing.assert_array_equal(ids[:5, :, 0], [[1, 2, 3]] * 5)
+    np.testing.assert_array_equal(ids[5:, :, 0], [[7, 8, -1], [7, 8, -1], [7, -1, -1], [7, -1, -1]])
