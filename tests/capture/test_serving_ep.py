@@ -31,6 +31,16 @@ def _serve(rank: int, world: int) -> dict:
         loop = ServingLoop(model, **LOOP)
         results = loop.run(_share(rank))
         out[mode] = {"results": results, "passes": loop._next_pass_id}
+    # stop() on rank 1 alone ends both ranks at the same step, everything freed
+    loop = ServingLoop(ReferenceMoEModel(CONFIG, ep=EPSpec(world, rank)), **LOOP)
+    loop.submit(_share(0))  # both ranks busy
+    steps = 0
+    for progress in loop.steps():
+        steps += 1
+        if rank == 1 and progress.forward_pass_id == 2:
+            loop.stop()
+    out["stop"] = {"steps": steps, "passes": loop._next_pass_id, "free": loop.allocator.available == LOOP["num_kv_slots"],
+                   "stopped": sum(r.finish_reason == "stopped" for r in progress.new_results)}
     return out
 
 
@@ -38,6 +48,8 @@ def _serve(rank: int, world: int) -> dict:
 def test_ep_serving_loop_matches_dense():
     per_rank = launch(_serve, 2, backend="gloo", threads_per_rank=1)
     dense = {r.rid: r for r in ServingLoop(ReferenceMoEModel(CONFIG), **LOOP).run(_requests())}
+    stop = [per_rank[rank]["stop"] for rank in (0, 1)]
+    assert stop[0] == stop[1] and stop[0]["passes"] == 3 and stop[0]["free"] and stop[0]["stopped"] > 0
     for mode in ("exact", "padded"):
         assert per_rank[0][mode]["passes"] == per_rank[1][mode]["passes"]  # lockstep
         served = [r for rank in (0, 1) for r in per_rank[rank][mode]["results"]]
