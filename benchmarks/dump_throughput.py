@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     window, tokens = (64, 65536) if args.quick else (256, 262144)
     with tempfile.TemporaryDirectory() as tmp:
-        results = {"stat_dump": stat_dump(Path(tmp), window), "per_token_stream_and_dump": token_stream(Path(tmp), tokens)}
+        results = {"stat_dump": stat_dump(Path(tmp), window), "per_token_record_stream_dump": token_stream(Path(tmp), tokens)}
     print(f"{'what':<28}{'raw MB':>9}{'file MB':>9}{'moetrace MB/s':>15}{'numpy.save MB/s':>17}{'moetrace/numpy':>16}")
     for name, r in results.items():
         print(f"{name:<28}{r['raw_mb']:>9.1f}{r['file_mb']:>9.1f}{r['moetrace_mb_s']:>15.1f}{r['numpy_mb_s']:>17.1f}{r['ratio']:>16.2f}")
