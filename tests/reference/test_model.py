@@ -63,7 +63,8 @@ def test_global_recorder_is_looked_up_at_forward_time():
     import moetrace
 
     model = ReferenceMoEModel(CONFIG)
-    recorder = moetrace.configure(**vars(model.recorder_config()) | {"physical_to_logical": None})
+    recorder = ExpertDistributionRecorder(model.recorder_config())
+    moetrace.set_recorder(recorder)  # installed after the model was built
     recorder.start_record()
     with torch.inference_mode():
         model(_ids())
