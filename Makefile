@@ -35,7 +35,9 @@ test: $(STAMP)
 test-vllm: $(VLLM_STAMP)
 	MOETRACE_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
+# The adapter benchmark compares against moewatch from PyPI (the `bench` extra).
 bench: $(STAMP)
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,hf,bench]'
 	$(BIN)/python benchmarks/run_all.py
 
 lint: $(STAMP)
