@@ -54,7 +54,7 @@ def progress_bar(enabled: bool | None, total: int, description: str) -> Iterator
         yield lambda n: None
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
+    with Progress(*columns, console=console, transient=console.is_terminal) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n: progress.advance(task, n)
 

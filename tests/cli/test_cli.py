@@ -88,6 +88,15 @@ def test_analyze_table_and_json(traces):
     assert result.stderr == ""
 
 
+def test_progress_bar_goes_to_stderr(traces):
+    result = invoke("analyze", traces["token"], "--json", "--progress")
+    assert result.exit_code == 0, result.stderr
+    assert "analyzing" in result.stderr and "tokens" in result.stderr
+    json.loads(result.stdout)  # stdout stays clean JSON
+    quiet = invoke("analyze", traces["token"], "--json")  # not a terminal: no bar by default
+    assert quiet.stderr == ""
+
+
 @pytest.mark.parametrize("command", ["analyze", "plot", "placement", "inspect"])
 @pytest.mark.parametrize("kind", ["missing", "text", "truncated", "newer", "foreign"])
 def test_bad_trace_inputs(tmp_path, bad_files, command, kind):
