@@ -9,13 +9,12 @@ import numpy as np
 import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
+from moetrace.reference.router import OLMOE_COUNTS_PATH
 from moetrace.trace import TraceHeader, TraceWriter
-
-OLMOE_JSON = Path(__file__).resolve().parents[3] / "shared" / "data" / "olmoe-routing" / "olmoe_expert_counts.json"
 
 
 def olmoe() -> dict:
-    return json.loads(OLMOE_JSON.read_text())
+    return json.loads(OLMOE_COUNTS_PATH.read_text())
 
 
 def random_passes(rng: np.random.Generator, num_passes: int, num_layers: int, num_experts: int, top_k: int, skew: float = 1.5, max_tokens: int = 16) -> list[np.ndarray]:
