@@ -39,11 +39,15 @@ def start_llm(checkpoint: Path, env: Mapping[str, str]) -> Any:
                 os.environ[name] = value
 
 
-def stop_llm(llm: Any) -> None:
-    """Shut the engine down (its processes exit) and free the process-wide state an in-process engine set up."""
+def stop_llm(llm: Any, timeout: float = 120.0) -> None:
+    """Shut the engine down and free the process-wide state an in-process engine set up.
+
+    ``timeout``: how long an engine-core process may take to exit before vLLM
+    kills it (a loaded CI machine needs more than vLLM's default 5 s).
+    """
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    llm.llm_engine.engine_core.shutdown()
+    llm.llm_engine.engine_core.shutdown(timeout=timeout)
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
