@@ -5,7 +5,10 @@ Run: ``.venv/bin/python benchmarks/recorder_overhead.py [--quick]``
 Workloads (issue 2): prefill-like (4096 tokens) and decode-like (8 tokens),
 hidden 1024, 64 experts, top-8. "plain" makes no recorder call at all;
 "noop" calls the hooks on the default no-op recorder; the three modes record
-every pass. Variants are interleaved round by round in one process.
+every pass. Variants are interleaved round by round in one process. The
+"<mode> hooks" rows time the hooks alone on the same ids (no layer compute) and
+give them as a share of the plain forward: on a shared machine that is the
+robust figure, the end-to-end ratios carry the machine's noise.
 """
 
 from __future__ import annotations
@@ -71,6 +74,19 @@ def run(tokens: int, rounds: int, intermediate: int, out_dir: Path) -> dict[str,
         return call
 
     times = interleaved({name: variant(rec) for name, rec in recorders.items()}, rounds=rounds, inner=1 if tokens > 64 else 20)
+    # The hooks alone (same ids, no layer compute): a low-noise figure of what recording adds.
+    with torch.no_grad():
+        ids = layer.router(x)[0]
+
+    def hooks_only(rec):  # type: ignore[no-untyped-def]
+        def call() -> None:
+            with rec.with_forward_pass():
+                rec.on_select_experts(ids, layer=0)
+
+        return call
+
+    hook_times = interleaved({name: hooks_only(rec) for name, rec in recorders.items() if rec is not None}, rounds=rounds, inner=200)
+    times.update({f"{name} hooks": t for name, t in hook_times.items()})
     for rec in recorders.values():
         if isinstance(rec, ExpertDistributionRecorder):
             rec.stop_record()
@@ -86,14 +102,15 @@ def main() -> None:
     intermediate = 128 if args.quick else 256
     results: dict[str, object] = {"hidden": HIDDEN, "experts": EXPERTS, "top_k": TOP_K, "intermediate": intermediate, "rounds": rounds}
     print(f"recorder overhead (hidden {HIDDEN}, {EXPERTS} experts, top-{TOP_K}, FFN {intermediate}); median of {rounds} interleaved rounds")
-    print(f"{'workload':<22}{'variant':<11}{'ms/forward':>12}{'vs plain':>10}")
+    print(f"{'workload':<22}{'variant':<16}{'ms/forward':>12}{'vs plain':>10}")
+    print("('<mode> hooks' rows: with_forward_pass + on_select_experts alone, as a share of the plain forward)")
     with tempfile.TemporaryDirectory() as tmp:
         for workload, tokens in (("prefill (4096 tokens)", 4096), ("decode (8 tokens)", 8)):
             times = run(tokens, rounds, intermediate, Path(tmp))
             base = times["plain"]
             results[workload] = {name: {"ms": t * 1e3, "ratio": t / base} for name, t in times.items()}
             for name, t in times.items():
-                print(f"{workload:<22}{name:<11}{t * 1e3:>12.3f}{t / base:>10.3f}")
+                print(f"{workload:<22}{name:<16}{t * 1e3:>12.4f}{t / base:>10.4f}")
     print(f"wrote {write_results('recorder_overhead', results)}")
 
 
