@@ -17,7 +17,7 @@ __all__ = ["RecorderSnapshot"]
 
 
 @dataclasses.dataclass(frozen=True)
-class RecorderSnapshot:
+class RecorderSnapshot(metrics.LoadMetrics):
     """Totals since ``start_record`` as seen by one rank.
 
     Attributes:
@@ -66,31 +66,6 @@ class RecorderSnapshot:
     def tokens_per_layer(self) -> np.ndarray:
         """Token copies routed per layer ``[L]`` (sum over experts)."""
         return self.physical_count.sum(axis=1)
-
-    @property
-    def rank_load(self) -> np.ndarray:
-        """``T[l, r]``: token copies routed to experts of EP rank ``r`` ``[L, R]``."""
-        return metrics.rank_load(self.physical_count, self.ep_size)
-
-    @property
-    def balancedness(self) -> float:
-        return metrics.balancedness(self.rank_load)
-
-    @property
-    def layer_balancedness(self) -> np.ndarray:
-        return metrics.layer_balancedness(self.rank_load)
-
-    @property
-    def layer_imbalance(self) -> np.ndarray:
-        return metrics.layer_imbalance(self.rank_load)
-
-    @property
-    def entropy_ratio(self) -> np.ndarray:
-        return metrics.entropy_ratio(self.logical_count)
-
-    @property
-    def dead_experts(self) -> np.ndarray:
-        return metrics.dead_experts(self.logical_count)
 
     @property
     def alltoall_bytes_ideal(self) -> np.ndarray:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
+    "LoadMetrics",
     "balancedness",
     "dead_experts",
     "entropy_ratio",
@@ -104,3 +105,41 @@ def js_divergence(counts_a: np.ndarray, counts_b: np.ndarray) -> np.ndarray:
 
     js = 0.5 * kl(p) + 0.5 * kl(q)
     return np.where((ta[:, 0] > 0) & (tb[:, 0] > 0), np.clip(js, 0.0, 1.0), 0.0)
+
+
+class LoadMetrics:
+    """Balance figures as properties of anything with counts: a mixin.
+
+    The class using it provides ``physical_count [L, P]``, ``logical_count
+    [L, E]`` and ``ep_size``; per-rank load comes from physical counts, per-expert
+    figures from logical counts.
+    """
+
+    physical_count: np.ndarray
+    logical_count: np.ndarray
+    ep_size: int
+
+    @property
+    def rank_load(self) -> np.ndarray:
+        """``T[l, r]``: token copies routed to experts of EP rank ``r`` ``[L, R]``."""
+        return rank_load(self.physical_count, self.ep_size)
+
+    @property
+    def balancedness(self) -> float:
+        return balancedness(self.rank_load)
+
+    @property
+    def layer_balancedness(self) -> np.ndarray:
+        return layer_balancedness(self.rank_load)
+
+    @property
+    def layer_imbalance(self) -> np.ndarray:
+        return layer_imbalance(self.rank_load)
+
+    @property
+    def entropy_ratio(self) -> np.ndarray:
+        return entropy_ratio(self.logical_count)
+
+    @property
+    def dead_experts(self) -> np.ndarray:
+        return dead_experts(self.logical_count)

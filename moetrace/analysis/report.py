@@ -60,7 +60,7 @@ def progress_bar(enabled: bool | None, total: int, description: str) -> Iterator
 
 
 @dataclasses.dataclass
-class AnalysisReport:
+class AnalysisReport(metrics.LoadMetrics):
     """Balance, entropy, co-activation and drift figures of one trace.
 
     Attributes:
@@ -93,32 +93,6 @@ class AnalysisReport:
     coactivation: CoactivationAccumulator | None
     drift: DriftSeries | None
     notes: list[str]
-
-    # -- metrics (one definition each: moetrace.analysis.metrics) -------------------
-    @property
-    def rank_load(self) -> np.ndarray:
-        """``T[l, r]`` ``[L, R]``."""
-        return metrics.rank_load(self.physical_count, self.ep_size)
-
-    @property
-    def balancedness(self) -> float:
-        return metrics.balancedness(self.rank_load)
-
-    @property
-    def layer_balancedness(self) -> np.ndarray:
-        return metrics.layer_balancedness(self.rank_load)
-
-    @property
-    def layer_imbalance(self) -> np.ndarray:
-        return metrics.layer_imbalance(self.rank_load)
-
-    @property
-    def entropy_ratio(self) -> np.ndarray:
-        return metrics.entropy_ratio(self.logical_count)
-
-    @property
-    def dead_experts(self) -> np.ndarray:
-        return metrics.dead_experts(self.logical_count)
 
     def hottest(self, layer: int) -> list[dict[str, float]]:
         """The ``top`` busiest logical experts of compact layer ``layer``."""
