@@ -186,24 +186,6 @@ class RouterTap:
         self.downstream = capture_fn
 
 
-def _set_instance_attribute(hooks: HookRegistry, owner: Any, name: str, value: Any, what: str) -> None:
-    """``owner.name = value`` on the instance; the undo restores the instance dict exactly."""
-    had_own = name in owner.__dict__
-    previous = owner.__dict__.get(name)
-
-    def undo() -> str | None:
-        if owner.__dict__.get(name) is not value:
-            return f"{what} was replaced by someone else after moetrace installed it; left as is"
-        if had_own:
-            setattr(owner, name, previous)
-        else:
-            delattr(owner, name)
-        return None
-
-    setattr(owner, name, value)
-    hooks.on_remove(what, undo)
-
-
 def install_tap(hooks: HookRegistry, layer: VLLMMoELayer, record: Record) -> None:
     """Make ``record(topk_ids [T, k])`` run for every routing decision of ``layer``."""
     router = layer.runner.router
@@ -219,7 +201,7 @@ def install_tap(hooks: HookRegistry, layer: VLLMMoELayer, record: Record) -> Non
 
         router.capture_fn = tap
         hooks.on_remove(f"capture_fn tap on {layer.name}", undo_capture)
-        _set_instance_attribute(hooks, router, "set_capture_fn", tap.set_downstream, f"{kind}.set_capture_fn of {layer.name}")
+        hooks.patch(router, "set_capture_fn", tap.set_downstream)
         return
     select = router.select_experts
 
@@ -229,4 +211,4 @@ def install_tap(hooks: HookRegistry, layer: VLLMMoELayer, record: Record) -> Non
         record(ids)
         return weights, ids
 
-    _set_instance_attribute(hooks, router, "select_experts", select_experts, f"{kind}.select_experts of {layer.name}")
+    hooks.patch(router, "select_experts", select_experts)
