@@ -6,11 +6,11 @@ All buffers are allocated once, at construction, and sized from the
 ``torch.where``, ``scatter_add_`` and slice copies. Pass-end methods run on the
 host thread between passes, still without reading device values.
 
-Column layout of a per-layer counter row (width ``C = P + 3 + 2R``):
-``0`` padding ids (-1), ``[1, P+1)`` expert counts, ``P+1`` invalid ids,
-``[P+2, P+2+R)`` send counts, ``[P+2+R, P+2+2R)`` receive counts,
-``P+2+2R`` dropped copies. Counting id ``i`` is then one ``scatter_add_`` at
-column ``clamp(i + 1, 0, P + 1)``, with negative invalid ids moved to ``P+1``.
+Column layout of a per-layer counter row (width ``C = P + 4 + 2R``):
+``0`` invalid ids below -1, ``1`` padding ids (-1), ``[2, P+2)`` expert counts,
+``P+2`` invalid ids ``>= P``, ``[P+3, P+3+R)`` send counts, ``[P+3+R, P+3+2R)``
+receive counts, ``P+3+2R`` dropped copies. Counting id ``i`` is then three ops:
+column ``clamp(i + 2, 0, P + 2)`` and one ``scatter_add_``.
 """
 
 from __future__ import annotations
@@ -35,13 +35,18 @@ class CounterLayout:
     def __init__(self, num_physical_experts: int, ep_size: int) -> None:
         p, r = num_physical_experts, ep_size
         self.num_experts = p
-        self.padding = 0
-        self.experts = slice(1, p + 1)
-        self.invalid = p + 1
-        self.send = slice(p + 2, p + 2 + r)
-        self.recv = slice(p + 2 + r, p + 2 + 2 * r)
-        self.dropped = p + 2 + 2 * r
-        self.width = p + 3 + 2 * r
+        self.below = 0
+        self.padding = 1
+        self.experts = slice(2, p + 2)
+        self.above = p + 2
+        self.send = slice(p + 3, p + 3 + r)
+        self.recv = slice(p + 3 + r, p + 3 + 2 * r)
+        self.dropped = p + 3 + 2 * r
+        self.width = p + 4 + 2 * r
+
+    def invalid(self, rows: np.ndarray) -> np.ndarray:
+        """Invalid ids (below -1 or ``>= P``) of counter rows ``[..., C]`` -> ``[...]``."""
+        return rows[..., self.below] + rows[..., self.above]
 
 
 def _event_after_copy(device: torch.device) -> torch.cuda.Event | None:
@@ -57,9 +62,9 @@ class PassCounter:
 
     ``ones`` is a static buffer of 1 (recording) or 0 (stopped) used as the
     ``scatter_add_`` source: a CUDA graph captured with recording on can be
-    switched off and on without re-capture. ``index``/``negative`` are
-    scratch buffers so a hook allocates nothing for passes up to
-    ``max_tokens_per_pass`` tokens (larger passes fall back to temporaries).
+    switched off and on without re-capture. ``index`` is a scratch buffer so a
+    hook allocates nothing for passes up to ``max_tokens_per_pass`` tokens
+    (larger passes fall back to a temporary).
     """
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout) -> None:
@@ -72,7 +77,6 @@ class PassCounter:
         self.ones = torch.zeros(scratch, dtype=torch.int64, device=device)
         self.gate = self.ones[:1]
         self.index = torch.empty(scratch, dtype=torch.int64, device=device)
-        self.negative = torch.empty(scratch, dtype=torch.bool, device=device)
 
     def set_gate(self, on: bool) -> None:
         """Switch counting on or off (also inside captured CUDA graphs)."""
@@ -82,20 +86,17 @@ class PassCounter:
         """Count ``topk_ids [T, k]`` into layer ``layer``; returns the column index ``[T*k]``.
 
         Ids in ``[0, P)`` count for their expert, ``-1`` in the padding column,
-        any other id in the invalid column. Column ``c`` holds id ``c - 1``.
+        any other id in one of the two invalid columns. Column ``c`` holds id
+        ``c - 2`` (clamped at both ends).
         """
         flat = topk_ids.reshape(-1)
         n = flat.shape[0]
-        top = self.layout.invalid
         if n <= self.index.shape[0]:
-            index, negative, ones = self.index[:n], self.negative[:n], self.ones[:n]
-            torch.add(flat, 1, out=index)
-            torch.lt(index, 0, out=negative)
+            index, ones = self.index[:n], self.ones[:n]
+            torch.add(flat, 2, out=index)
         else:
-            index = flat.long() + 1
-            negative = index < 0
-            ones = self.gate.expand(n)
-        index.clamp_(max=top).masked_fill_(negative, top)
+            index, ones = flat.long() + 2, self.gate.expand(n)
+        index.clamp_(0, self.layout.above)
         self.current[layer].scatter_add_(0, index, ones)
         return index
 
@@ -129,8 +130,9 @@ class PassCounter:
 class StatWindow:
     """Ring of the last ``W`` passes' expert counts ``[W, L, P]`` (int32) plus host metadata."""
 
-    def __init__(self, config: RecorderConfig) -> None:
+    def __init__(self, config: RecorderConfig, layout: CounterLayout) -> None:
         w = config.window
+        self.experts = layout.experts
         self.counts = torch.zeros((w, config.num_layers, config.num_physical_experts), dtype=torch.int32, device=config.device)
         self.pass_id = np.full(w, -1, dtype=np.int64)
         self.timestamp = np.zeros(w, dtype=np.float64)
@@ -140,7 +142,7 @@ class StatWindow:
     def push(self, current: torch.Tensor, pass_id: int, timestamp: float, num_tokens: int) -> None:
         """Store one pass's ``current[:, :P]`` in the oldest slot."""
         slot = self.pushed % len(self.pass_id)
-        self.counts[slot].copy_(current[:, 1 : self.counts.shape[2] + 1])
+        self.counts[slot].copy_(current[:, self.experts])
         self.pass_id[slot], self.timestamp[slot], self.num_tokens[slot] = pass_id, timestamp, num_tokens
         self.pushed += 1
 
@@ -196,7 +198,7 @@ class PassStream:
                 "passes/timestamp": meta[:, 1],
                 "passes/num_tokens": meta[:, 2].astype(np.int64),
                 "passes/physical_count": rows[:, :, layout.experts].copy(),
-                "passes/invalid_ids": rows[:, :, layout.invalid].copy(),
+                "passes/invalid_ids": layout.invalid(rows),
                 "passes/send_count": rows[:, :, layout.send].copy(),
                 "passes/recv_count": rows[:, :, layout.recv].copy(),
             }
@@ -223,7 +225,7 @@ class TokenStream:
         dtype = torch.int16 if self.np_dtype == np.int16 else torch.int32
         row = (config.num_layers, config.top_k)
         self.device = config.device
-        self.max_tokens = config.max_tokens_per_pass
+        self.num_experts = config.num_physical_experts
         self.pass_stage = torch.full((config.max_tokens_per_pass, *row), -1, dtype=dtype, device=config.device)
         self.chunk = torch.full((config.stream_chunk_tokens, *row), -1, dtype=dtype, device=config.device)
         self.pool = HostBufferPool(tuple(self.chunk.shape), dtype, count=2, pin=config.device.type == "cuda")
@@ -234,8 +236,8 @@ class TokenStream:
         self.layer_tokens = [0] * config.num_layers
         self.submit = submit
 
-    def add_layer(self, layer: int, index: torch.Tensor, invalid_column: int) -> None:
-        """Stage one layer from the counter's column index ``[T*k]`` (id + 1; invalid -> ``invalid_column``).
+    def add_layer(self, layer: int, index: torch.Tensor) -> None:
+        """Stage one layer from the counter's column index ``[T*k]`` (``clamp(id + 2, 0, P + 2)``).
 
         Stored ids: the expert id, -1 for padding, -2 for an invalid id.
         """
@@ -243,7 +245,7 @@ class TokenStream:
         tokens = index.shape[0] // top_k
         stage = self.pass_stage[:tokens, layer]
         stage.copy_(index.view(tokens, top_k))
-        stage.sub_(1).masked_fill_(stage == invalid_column - 1, -2)
+        stage.sub_(2).masked_fill_(stage == self.num_experts, -2)
         self.pass_tokens = max(self.pass_tokens, tokens)
         self.layer_tokens[layer] = tokens
 

@@ -151,7 +151,7 @@ class ExpertDistributionRecorder:
         self._layout = CounterLayout(cfg.num_physical_experts, cfg.ep_size)
         self._counter = PassCounter(cfg, self._layout)
         self._counter.set_gate(False)
-        self._window = StatWindow(cfg) if cfg.mode == "stat" else None
+        self._window = StatWindow(cfg, self._layout) if cfg.mode == "stat" else None
         self._pass_stream = PassStream(cfg, self._layout, self._submit) if cfg.mode == "per_pass" else None
         self._token_stream = TokenStream(cfg, self._submit) if cfg.mode == "per_token" else None
         self._snapshots = _SnapshotChannel((cfg.num_layers, self._layout.width), self._device)
@@ -288,7 +288,7 @@ class ExpertDistributionRecorder:
         if tokens > self._pass_tokens:
             self._pass_tokens = tokens
         if self._token_stream is not None:
-            self._token_stream.add_layer(layer, index, self._layout.invalid)
+            self._token_stream.add_layer(layer, index)
 
     def on_dispatch(
         self,
@@ -503,7 +503,7 @@ class ExpertDistributionRecorder:
         physical = rows[:, :, lay.experts]
         writer.write("stat/physical_count", physical, compress=True)
         writer.write("stat/logical_count", to_logical(physical, self.config.physical_to_logical), compress=True)  # type: ignore[arg-type]
-        writer.write("stat/invalid_ids", rows[:, :, lay.invalid])
+        writer.write("stat/invalid_ids", lay.invalid(rows))
         writer.write("stat/send_count", rows[:, :, lay.send])
         writer.write("stat/recv_count", rows[:, :, lay.recv])
         writer.write("stat/dropped", rows[:, :, lay.dropped])
@@ -586,7 +586,7 @@ class ExpertDistributionRecorder:
             num_tokens=num_tokens,
             physical_count=physical,
             logical_count=to_logical(physical, cfg.physical_to_logical),  # type: ignore[arg-type]
-            invalid_ids=rows[:, lay.invalid],
+            invalid_ids=lay.invalid(rows),
             send_count=rows[:, lay.send],
             recv_count=rows[:, lay.recv],
             dropped=rows[:, lay.dropped],
