@@ -66,7 +66,7 @@ class RecorderConfig:
     output_dir: Path | str = "."
     layer_ids: tuple[int, ...] | None = None
     max_tokens_per_pass: int = 8192
-    stream_chunk_passes: int = 64
+    stream_chunk_passes: int = 256
     stream_chunk_tokens: int = 65536
     hidden_size: int | None = None
     dtype_bytes: int = 2
