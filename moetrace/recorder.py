@@ -167,6 +167,8 @@ class ExpertDistributionRecorder:
         self._num_passes = 0
         self._num_tokens = 0
         self._dumped_passes = 0
+        self._dumped_tokens = 0
+        self._dumped_rows = np.zeros((cfg.num_layers, self._layout.width), dtype=np.int64)
         self._run_id = uuid.uuid4().hex
         self._segment: BackgroundTraceWriter | None = None
         self.last_dump_path: Path | None = None
@@ -186,6 +188,11 @@ class ExpertDistributionRecorder:
     def num_passes(self) -> int:
         """Forward passes recorded since ``start_record``."""
         return self._num_passes
+
+    @property
+    def undumped_passes(self) -> int:
+        """Passes recorded since the last dump (since ``start_record`` before any dump)."""
+        return self._num_passes - self._dumped_passes
 
     @property
     def id_space(self) -> str:
@@ -385,6 +392,8 @@ class ExpertDistributionRecorder:
         self._num_passes = 0
         self._num_tokens = 0
         self._dumped_passes = 0
+        self._dumped_tokens = 0
+        self._dumped_rows[:] = 0
         self._errors = []
 
     def _shared_run_id(self) -> str:
@@ -442,8 +451,10 @@ class ExpertDistributionRecorder:
         ``stat`` mode under ``torch.distributed`` is collective: every rank must
         call it; rank 0 writes one file with a rank axis and every rank returns
         its path. Streaming modes write one file per rank (``-rank{r}`` suffix
-        when the world has several ranks). After a failure the recorded data is
-        intact and the dump can be retried.
+        when the world has several ranks) holding the passes since the previous
+        dump (its ``/stat`` covers the same passes), so a long run can be dumped
+        in segments. After a failure the recorded data is intact and the dump
+        can be retried.
         """
         with self._lock:
             if not self._started:
@@ -454,6 +465,7 @@ class ExpertDistributionRecorder:
             rank, world = _dist_world()
             if self.config.mode == "stat":
                 written = self._dump_stat(target, rank, world)
+                self._dumped_passes = self._num_passes  # stat dumps are cumulative: every pass is in this one
             else:
                 if world > 1:
                     target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
@@ -523,15 +535,17 @@ class ExpertDistributionRecorder:
             self._errors.append(f"streaming write failed: {error}")
             raise TraceWriteError(f"the background trace writer failed earlier ({error}); the passes since then are lost, call reset() or start_record()") from error
         segment.writer._file.flush()
+        # A streaming dump holds the passes since the previous dump: its /stat covers the same passes.
+        rows = self._counter.totals.cpu().numpy().copy()  # a copy: on CPU .numpy() shares the live buffer
         writer = TraceWriter(target, self._header(rank, world))
         try:
-            self._write_totals(writer, self._counter.totals.cpu().numpy()[None], np.array([self._num_passes]), np.array([self._num_tokens]))
+            self._write_totals(writer, (rows - self._dumped_rows)[None], np.array([self._num_passes - self._dumped_passes]), np.array([self._num_tokens - self._dumped_tokens]))
             self._copy_streamed(segment.writer, writer)
             written = writer.commit()
         except BaseException:
             writer.abort()
             raise
-        self._dumped_passes = self._num_passes
+        self._dumped_rows, self._dumped_passes, self._dumped_tokens = rows, self._num_passes, self._num_tokens
         # The segment's rows are now in a complete trace: start a new segment (or none after stop).
         self._close_segment(discard=True)
         if self._recording:
@@ -620,7 +634,7 @@ def _close_segments_at_exit() -> None:
     frozen inside h5py would deadlock the exit); undumped streamed rows are discarded."""
     for recorder in list(_OPEN_SEGMENTS):
         with recorder._lock:
-            undumped = recorder._num_passes - recorder._dumped_passes
+            undumped = recorder.undumped_passes
             if undumped:
                 _log.warning("moetrace: %d recorded passes were never dumped (call dump_record() before exit)", undumped)
             recorder._close_segment(discard=True)

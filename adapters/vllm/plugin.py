@@ -188,9 +188,11 @@ class WorkerSession:
         try:
             if recorder.recording:
                 recorder.stop_record()
+            if not recorder.undumped_passes:
+                return  # nothing recorded since the last dump (a streaming dump is a segment)
             self.dump_path = recorder.dump_record()
         except RecorderStateError:
-            return  # never started (or a streaming dump already taken after stop): nothing new to write
+            return  # never started: nothing to write
         except Exception:
             log.exception("moetrace: the dump on exit failed")
             return

@@ -164,3 +164,24 @@ def test_noop_default_and_module_api(tmp_path):
     moetrace.stop_record()
     with open_trace(moetrace.dump_record()) as trace:
         assert trace.physical_count().tolist() == [[1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("mode", ["per_pass", "per_token"])
+def test_streaming_dumps_are_consecutive_self_consistent_segments(tmp_path, mode):
+    rec = make(tmp_path, mode=mode, stream_chunk_passes=2, max_tokens_per_pass=4, stream_chunk_tokens=8)
+    rec.start_record()
+    for _ in range(3):
+        one_pass(rec, ((0, 1),))
+    first = rec.dump_record(tmp_path / "first.h5")
+    for _ in range(2):
+        one_pass(rec, ((2, 3), (4, 5)))
+    rec.stop_record()
+    second = rec.dump_record(tmp_path / "second.h5")
+    group = "passes/pass_id" if mode == "per_pass" else "tokens/pass_id"
+    with open_trace(first) as a, open_trace(second) as b:
+        assert a.num_passes().tolist() == [3] and b.num_passes().tolist() == [2]
+        assert a.num_tokens().tolist() == [3] and b.num_tokens().tolist() == [4]
+        assert a.physical_count()[0].tolist() == [3, 3, 0, 0, 0, 0, 0, 0]
+        assert b.physical_count()[0].tolist() == [0, 0, 2, 2, 2, 2, 0, 0]
+        assert a.num_rows(group) == 3 and b.num_rows(group) == (2 if mode == "per_pass" else 4)
+    assert rec.snapshot().num_passes == 5  # live totals stay cumulative since start_record
