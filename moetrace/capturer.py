@@ -90,9 +90,11 @@ class RoutedExpertsCapturer:
         self.device = device
         self._cuda = device.type == "cuda"
         shape = (cfg.max_tokens_per_pass, cfg.num_layers, cfg.top_k)
-        self._device_buf = torch.full(shape, -1, dtype=dtype, device=device)
-        self._host = torch.full((cfg.num_kv_slots, cfg.num_layers, cfg.top_k), -1, dtype=dtype, pin_memory=self._cuda)
-        self._staging = [torch.full(shape, -1, dtype=dtype, pin_memory=self._cuda) for _ in range(staging)]
+        # Normal tensors even when built under torch.inference_mode(), so they can be updated outside it.
+        with torch.inference_mode(False):
+            self._device_buf = torch.full(shape, -1, dtype=dtype, device=device)
+            self._host = torch.full((cfg.num_kv_slots, cfg.num_layers, cfg.top_k), -1, dtype=dtype, pin_memory=self._cuda)
+            self._staging = [torch.full(shape, -1, dtype=dtype, pin_memory=self._cuda) for _ in range(staging)]
         self._pending: list[_Staged | None] = [None] * staging
         self._slot_pass = np.full(cfg.num_kv_slots, -1, dtype=np.int64)  # capture seq that last wrote a slot
         self._seq = 0  # passes ended so far

@@ -149,12 +149,15 @@ class ExpertDistributionRecorder:
         self._device: torch.device = cfg.device  # type: ignore[assignment]
         self._cuda = self._device.type == "cuda"
         self._layout = CounterLayout(cfg.num_physical_experts, cfg.ep_size)
-        self._counter = PassCounter(cfg, self._layout)
-        self._counter.set_gate(False)
-        self._window = StatWindow(cfg, self._layout) if cfg.mode == "stat" else None
-        self._pass_stream = PassStream(cfg, self._layout, self._submit) if cfg.mode == "per_pass" else None
-        self._token_stream = TokenStream(cfg, self._submit) if cfg.mode == "per_token" else None
-        self._snapshots = _SnapshotChannel((cfg.num_layers, self._layout.width), self._device)
+        # Buffers are normal tensors even when built under torch.inference_mode() (as engines
+        # often do), so lifecycle calls outside it can update them in place.
+        with torch.inference_mode(False):
+            self._counter = PassCounter(cfg, self._layout)
+            self._counter.set_gate(False)
+            self._window = StatWindow(cfg, self._layout) if cfg.mode == "stat" else None
+            self._pass_stream = PassStream(cfg, self._layout, self._submit) if cfg.mode == "per_pass" else None
+            self._token_stream = TokenStream(cfg, self._submit) if cfg.mode == "per_token" else None
+            self._snapshots = _SnapshotChannel((cfg.num_layers, self._layout.width), self._device)
         self._lock = threading.RLock()
         self._recording = False
         self._started = False

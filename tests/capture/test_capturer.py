@@ -128,3 +128,12 @@ def test_memory_is_bounded_by_construction():
         allocator.free(slots)
         pool.free(idx)
     assert cap.nbytes() == size
+
+
+def test_capturer_built_under_inference_mode_works_outside_it():
+    with torch.inference_mode():
+        capturer = RoutedExpertsCapturer(2, 2, 8, 16, "cpu")
+    capturer.capture(0, torch.tensor([[1, 2], [3, 4]]))
+    capturer.on_forward_end(torch.tensor([5, 6]))
+    pool = torch.tensor([[5, 6]])
+    np.testing.assert_array_equal(capturer.get_routed_experts(pool, 0, 2)[:, 0], [[1, 2], [3, 4]])

@@ -185,3 +185,18 @@ def test_streaming_dumps_are_consecutive_self_consistent_segments(tmp_path, mode
         assert b.physical_count()[0].tolist() == [0, 0, 2, 2, 2, 2, 0, 0]
         assert a.num_rows(group) == 3 and b.num_rows(group) == (2 if mode == "per_pass" else 4)
     assert rec.snapshot().num_passes == 5  # live totals stay cumulative since start_record
+
+
+def test_recorder_built_under_inference_mode_works_outside_it(tmp_path):
+    with torch.inference_mode():
+        rec = make(tmp_path, mode="per_token")
+    rec.start_record()
+    with torch.inference_mode():
+        one_pass(rec)
+    one_pass(rec)
+    rec.stop_record()
+    rec.reset()
+    rec.start_record()
+    one_pass(rec)
+    with open_trace(rec.dump_record()) as trace:
+        assert trace.num_rows("tokens/topk_ids") == 1
