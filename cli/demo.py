@@ -34,7 +34,13 @@ from moetrace.analysis import metrics
 from moetrace.analysis.placement import rebalance_experts
 from moetrace.analysis.plots import plot_report
 from moetrace.analysis.report import analyze_trace
-from moetrace.dispatch import ep_ideal_bytes, ep_padded_bytes, exchanged_bytes, tp_bytes
+from moetrace.dispatch import (
+    ep_ideal_bytes,
+    ep_padded_bytes,
+    exchanged_bytes,
+    remote_copies,
+    tp_bytes,
+)
 from moetrace.trace.merge import merge_traces
 from moetrace.trace.reader import open_trace
 
@@ -146,7 +152,7 @@ def _bytes_table(trace_path: Path) -> tuple[Table, dict[str, float]]:
         tokens = int(trace.num_tokens().sum())
         send = trace.send_count()  # [Rf, L, R]
         layers = trace.num_layers
-    remote = sum(int(send[r].sum() - send[r, :, r].sum()) for r in range(send.shape[0]))
+    remote = sum(int(remote_copies(send[r], r).sum()) for r in range(send.shape[0]))  # file row r = EP rank r
     figures = {
         "tp_all_reduce": float(tp_bytes(tokens, hidden, width) * layers),
         "ep_ideal": float(ep_ideal_bytes(tokens, k, hidden, width) * layers),

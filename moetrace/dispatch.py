@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "ep_padded_bytes",
     "exchanged_bytes",
     "expert_capacity",
+    "remote_copies",
     "tp_bytes",
 ]
 
@@ -198,3 +200,13 @@ def build_dispatch_layout(
         num_experts=num_experts,
         ep_size=ep_size,
     )
+
+
+def remote_copies(send_count: np.ndarray, rank: int) -> np.ndarray:
+    """Token copies a rank sent to *other* ranks: ``send_count [..., R]`` -> ``[...]``.
+
+    ``send_count[..., s]`` is what ``rank`` sent to rank ``s``; the copies it
+    keeps for itself never cross the network.
+    """
+    send_count = np.asarray(send_count)
+    return send_count.sum(axis=-1) - send_count[..., rank]

@@ -537,7 +537,7 @@ class ExpertDistributionRecorder:
             error = segment.error
             self._errors.append(f"streaming write failed: {error}")
             raise TraceWriteError(f"the background trace writer failed earlier ({error}); the passes since then are lost, call reset() or start_record()") from error
-        segment.writer._file.flush()
+        segment.writer.flush()
         # A streaming dump holds the passes since the previous dump: its /stat covers the same passes.
         rows = self._counter.totals.cpu().numpy().copy()  # a copy: on CPU .numpy() shares the live buffer
         writer = TraceWriter(target, self._header(rank, world))
@@ -576,7 +576,7 @@ class ExpertDistributionRecorder:
             group = "tokens"
         for name, (row_shape, dtype) in shapes.items():
             source.ensure_empty(f"{group}/{name}", row_shape, np.dtype(dtype))
-        dest._guard(lambda: source._file.copy(source._file[group], dest._file, name=group))
+        dest.copy_group(source, group)
 
     # ------------------------------------------------------------------ snapshot / status
     def snapshot(self) -> RecorderSnapshot:

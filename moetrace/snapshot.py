@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 
 from .analysis import metrics
-from .dispatch import ep_ideal_bytes, exchanged_bytes
+from .dispatch import ep_ideal_bytes, exchanged_bytes, remote_copies
 
 __all__ = ["RecorderSnapshot"]
 
@@ -76,5 +76,5 @@ class RecorderSnapshot(metrics.LoadMetrics):
     @property
     def alltoall_bytes_actual(self) -> np.ndarray:
         """Bytes this rank sent to other ranks per layer ``[L]`` (dispatch + combine); zeros when H is unknown."""
-        remote = self.send_count.sum(axis=1) - self.send_count[:, self.rank]
+        remote = remote_copies(self.send_count, self.rank)
         return np.array([exchanged_bytes(int(c), self.hidden_size, self.dtype_bytes) for c in remote], dtype=np.float64)

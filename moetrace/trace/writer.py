@@ -156,6 +156,14 @@ class TraceWriter:
         if name not in self._file:
             self.append(name, np.zeros((0, *row_shape), dtype=dtype))
 
+    def copy_group(self, source: TraceWriter, group: str) -> None:
+        """Copy ``group`` of another open trace into this one (compressed chunks as they are)."""
+        self._guard(lambda: source._file.copy(source._file[group], self._file, name=group))
+
+    def flush(self) -> None:
+        """Push what was written so far to the file (it stays open and incomplete)."""
+        self._guard(self._file.flush)
+
     def set_attr(self, key: str, value: object) -> None:
         self._guard(lambda: self._file.attrs.__setitem__(key, value))
 
