@@ -20,7 +20,6 @@ Writes ``benchmarks/results/analysis_throughput.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from harness import interleaved, write_results
 from moetrace.analysis import analyze_trace, metrics
 from moetrace.analysis.placement import predicted_gpu_load, rebalance_experts
 from moetrace.analysis.placement_baseline import greedy_rebalance
-from moetrace.reference.router import OLMOE_COUNTS_PATH
+from moetrace.data import olmoe_counts
 from moetrace.trace import TraceHeader, TraceWriter
 
 LAYERS, EXPERTS, TOP_K, EP = 16, 64, 8, 8
@@ -191,7 +190,7 @@ def placement(rounds: int) -> dict[str, object]:
     plan = rebalance_experts(weight, *args)
     greedy = metrics.balancedness(predicted_gpu_load(weight, greedy_rebalance(weight, *args), 32))
     dsv3 = {"shape": "61 layers x 256 experts, 288 slots, 8 groups, 4 nodes, 32 GPUs", "loads": "lognormal(0, 1)", "moetrace_s": times["moetrace"], "greedy_s": times["greedy"], "balancedness_moetrace": plan.balancedness, "balancedness_greedy": greedy}
-    data = json.loads(OLMOE_COUNTS_PATH.read_text())
+    data = olmoe_counts()
     olmoe = np.concatenate([np.asarray(v, dtype=np.float64) for v in data["expert_counts"].values()])  # 18 x 64
     table = []
     for groups, nodes, gpus in ((8, 2, 8), (4, 1, 8), (8, 1, 16)):

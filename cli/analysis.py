@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moetrace.analysis import metrics
+from moetrace import metrics
 from moetrace.analysis.placement import predicted_gpu_load, rebalance_experts
 from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.analysis.plots import PLOT_KINDS, plot_report

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moetrace.analysis import metrics
+from moetrace import metrics
 from moetrace.analysis.placement import rebalance_experts
 from moetrace.analysis.plots import plot_report
 from moetrace.analysis.report import analyze_trace

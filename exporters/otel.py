@@ -36,7 +36,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Instrument, MeterProvider, Observation
 from opentelemetry.trace import Span, TracerProvider
 
-from moetrace import __version__
+from moetrace._version import __version__
 from moetrace.recorder import Recorder, RecorderStateError, get_recorder
 from moetrace.snapshot import RecorderSnapshot
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .config import CaptureConfig, RecorderConfig
 from .recorder import (
     ExpertDistributionRecorder,
@@ -25,11 +24,13 @@ from .recorder import (
     set_recorder,
 )
 from .snapshot import RecorderSnapshot
+from .timing import PHASES
 
 if TYPE_CHECKING:
     from .control import ControlServer
 
 __all__ = [
+    "PHASES",
     "CaptureConfig",
     "ExpertDistributionRecorder",
     "NoOpRecorder",

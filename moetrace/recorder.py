@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -40,9 +41,10 @@ import torch
 import torch.distributed as dist
 
 from .accumulators import CounterLayout, PassCounter, PassStream, StatWindow, TokenStream
-from .analysis.metrics import to_logical
 from .config import RecorderConfig
+from .ids import to_logical
 from .snapshot import RecorderSnapshot
+from .timing import HISTOGRAM_EDGES, PHASES, PassTiming, TimingCaptureError, TimingRows, TimingStats, make_clock, row_fields
 from .trace.schema import TraceWriteError
 from .trace.stream import BackgroundTraceWriter, StreamJob
 from .trace.writer import TraceHeader, TraceWriter, check_writable_dir
@@ -57,6 +59,8 @@ __all__ = [
 
 _log = logging.getLogger("moetrace")
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
+_UNTIMED = contextlib.nullcontext()
 
 
 class RecorderStateError(RuntimeError):
@@ -85,10 +89,16 @@ class _LayerScope:
     def __enter__(self) -> int:
         self._previous = self._recorder._layer
         self._recorder._layer = self._layer
+        clock = self._recorder._live_clock
+        if clock is not None:
+            clock.layer_scopes[self._layer].__enter__()
         return self._layer
 
     def __exit__(self, *exc: object) -> None:
         self._recorder._layer = self._previous
+        clock = self._recorder._live_clock
+        if clock is not None:
+            clock.layer_scopes[self._layer].__exit__()
 
 
 class _SnapshotChannel:
@@ -158,6 +168,12 @@ class ExpertDistributionRecorder:
             self._pass_stream = PassStream(cfg, self._layout, self._submit) if cfg.mode == "per_pass" else None
             self._token_stream = TokenStream(cfg, self._submit) if cfg.mode == "per_token" else None
             self._snapshots = _SnapshotChannel((cfg.num_layers, self._layout.width), self._device)
+        # Phase timing (host-side): the clock, aggregates over all passes and per-pass rows.
+        self._clock = make_clock(cfg.num_layers, self._device, cfg.timing_ring) if cfg.timing else None
+        self._live_clock = None  # the clock while a timed pass runs, else None
+        self._timing_stats = TimingStats(cfg.num_layers)
+        self._timing_rows = TimingRows(cfg.num_layers, cfg.window if cfg.mode == "stat" else cfg.stream_chunk_passes)
+        self._dumped_timing: dict[str, np.ndarray] | None = None
         self._lock = threading.RLock()
         self._recording = False
         self._started = False
@@ -216,6 +232,8 @@ class ExpertDistributionRecorder:
         self._in_pass = True
         self._pass_active = self._recording
         self._pass_tokens = 0
+        if self._pass_active and self._clock is not None:
+            self._begin_timing()
         ok = False
         try:
             yield pass_id
@@ -228,12 +246,43 @@ class ExpertDistributionRecorder:
                     self._discard_pass()
             self._in_pass = False
             self._pass_active = False
+            self._live_clock = None
+
+    def _begin_timing(self) -> None:
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            raise TimingCaptureError(
+                "phase timing cannot run inside CUDA-graph capture (timed CUDA events are not capturable); "
+                "use RecorderConfig(timing=False) for a captured model, or capture outside with_forward_pass"
+            )
+        assert self._clock is not None
+        self._clock.begin_pass()
+        self._live_clock = self._clock
 
     def with_current_layer(self, layer_idx: int) -> _LayerScope:
         """Set the MoE layer (compact index ``0..L-1``) that hooks in the block count into."""
         if not 0 <= layer_idx < self.config.num_layers:
             raise ValueError(f"layer index {layer_idx} is outside [0, num_layers={self.config.num_layers})")
         return _LayerScope(self, layer_idx)
+
+    def with_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Time phase ``name`` (one of :data:`moetrace.PHASES`) of the current layer.
+
+        Use inside ``with_current_layer``. A shared null context (nothing
+        timed, nothing allocated) unless ``RecorderConfig(timing=True)`` and a
+        pass is being recorded. Phases are timed with ``perf_counter_ns`` on
+        CPU and CUDA events on a GPU (see :mod:`moetrace.timing`).
+        """
+        clock = self._live_clock
+        try:
+            phase = _PHASE_INDEX[name]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown phase {name!r}; use one of {PHASES}") from None
+        if clock is None or self._disabled:
+            return _UNTIMED
+        layer = self._layer
+        if layer is None:
+            raise RecorderStateError(f"with_phase({name!r}) called outside with_current_layer(); wrap the MoE layer in recorder.with_current_layer(i)")
+        return clock.scopes[layer][phase]
 
     @contextlib.contextmanager
     def disable_this_region(self) -> Iterator[None]:
@@ -330,7 +379,10 @@ class ExpertDistributionRecorder:
 
     # ------------------------------------------------------------------ pass end
     def _end_pass(self, pass_id: int) -> None:
+        timings = self._clock.end_pass(pass_id) if self._live_clock is not None else ()  # type: ignore[union-attr]
         with self._lock:
+            for timing in timings:
+                self._add_timing(timing)
             counter, tokens, timestamp = self._counter, self._pass_tokens, time.time()
             counter.fold()
             if self._window is not None:
@@ -344,7 +396,31 @@ class ExpertDistributionRecorder:
             self._num_tokens += tokens
             self._snapshots.publish(counter.totals, self._num_passes, self._num_tokens, timestamp)
 
+    def _add_timing(self, timing: PassTiming) -> None:
+        """Fold one resolved pass's timing into the aggregates and rows (streaming: hand full blocks over)."""
+        self._timing_stats.add(timing)
+        self._timing_stats.dropped_passes = self._clock.dropped_passes if self._clock is not None else 0
+        self._timing_rows.push(timing)
+        if self.config.mode != "stat" and self._timing_rows.pushed == self._timing_rows.capacity:
+            self._flush_timing_rows()
+
+    def _flush_timing_rows(self) -> None:
+        """Streaming modes: submit the staged ``/timing`` rows to the segment writer."""
+        if not self._timing_rows.pushed:
+            return
+        rows = {f"timing/{name}": array for name, array in self._timing_rows.ordered().items()}
+        self._timing_rows.reset()
+        self._submit(StreamJob(event=None, build=lambda: rows, done=lambda: None))
+
+    def _resolve_timing(self) -> None:
+        """Dump time: fold the passes whose CUDA events were still in flight (waits for them)."""
+        if self._clock is not None:
+            for timing in self._clock.flush():
+                self._add_timing(timing)
+
     def _discard_pass(self) -> None:
+        if self._clock is not None:
+            self._clock.discard_pass()
         with self._lock:
             self._counter.clear()
             if self._token_stream is not None:
@@ -392,6 +468,11 @@ class ExpertDistributionRecorder:
             if part is not None:
                 part.reset()
         self._snapshots.clear()
+        if self._clock is not None:
+            self._clock.reset()
+        self._timing_stats.reset()
+        self._timing_rows.reset()
+        self._dumped_timing = None
         self._num_passes = 0
         self._num_tokens = 0
         self._dumped_passes = 0
@@ -483,8 +564,48 @@ class ExpertDistributionRecorder:
         dist.all_gather(parts, tensor.contiguous())
         return torch.stack(parts)
 
+    def _gather_timing(self, world: int, rows: bool) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]] | None:
+        """Every rank's timing aggregates (and window rows when ``rows``), rank order; ``None`` when timing is off."""
+        if self._clock is None:
+            return None
+        self._resolve_timing()
+        mine = (self._timing_since_dump(), self._timing_rows.ordered() if rows else None)
+        if world == 1:
+            return [mine]
+        gathered: list[object] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        return gathered  # type: ignore[return-value]
+
+    def _timing_since_dump(self) -> dict[str, np.ndarray]:
+        """Aggregates since the previous streaming dump (additive fields; maxima are since start_record)."""
+        current = self._timing_stats.arrays()
+        if self._dumped_timing is None:
+            return current
+        for name in ("phase_seconds_sum", "phase_count", "phase_histogram", "step_seconds_sum", "step_count", "step_histogram"):
+            current[name] = current[name] - self._dumped_timing[name]
+        return current
+
+    def _write_timing(self, writer: TraceWriter, parts: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]] | None) -> None:
+        """Root ``timing_*`` attributes, ``/stat`` timing aggregates ``[R, ...]`` and (gathered window) ``/timing`` rows."""
+        if parts is None:
+            return
+        assert self._clock is not None
+        writer.set_attr("timing_phases", json.dumps(list(PHASES)))
+        writer.set_attr("timing_clock", self._clock.kind)
+        writer.set_attr("timing_histogram_edges", HISTOGRAM_EDGES)
+        for name in parts[0][0]:
+            writer.write(f"stat/{name}", np.stack([np.asarray(stats[name]) for stats, _ in parts]))
+        if parts[0][1] is None:
+            return
+        rows = {name: np.concatenate([r[name] for _, r in parts]) for name in parts[0][1]}  # type: ignore[index]
+        rows["rank"] = np.concatenate([np.full(len(r["pass_id"]), i, dtype=np.int32) for i, (_, r) in enumerate(parts)])  # type: ignore[index]
+        order = np.lexsort((rows["rank"], rows["pass_id"]))
+        for name, array in rows.items():
+            writer.write(f"timing/{name}", array[order])
+
     def _dump_stat(self, target: Path, rank: int, world: int) -> Path:
         assert self._window is not None
+        timing = self._gather_timing(world, rows=True)
         rows = self._gather(self._counter.totals, world).cpu().numpy()
         order = torch.as_tensor(self._window.order(), dtype=torch.long)
         w = self._window
@@ -507,6 +628,7 @@ class ExpertDistributionRecorder:
             writer.write("window/timestamp", all_meta[:, :filled, 1])
             writer.write("window/num_tokens", all_meta[:, :filled, 2].astype(np.int64))
             writer.write("window/physical_count", all_counts[:, :filled], compress=True)
+            self._write_timing(writer, timing)
             return writer.commit()
         except BaseException:
             writer.abort()
@@ -526,6 +648,8 @@ class ExpertDistributionRecorder:
         writer.write("stat/num_tokens", np.asarray(num_tokens, dtype=np.int64))
 
     def _dump_stream(self, target: Path, rank: int, world: int) -> Path:
+        timing = self._gather_timing(1, rows=False)
+        self._flush_timing_rows()
         for stream in (self._pass_stream, self._token_stream):
             if stream is not None:
                 stream.flush()
@@ -544,11 +668,13 @@ class ExpertDistributionRecorder:
         try:
             self._write_totals(writer, (rows - self._dumped_rows)[None], np.array([self._num_passes - self._dumped_passes]), np.array([self._num_tokens - self._dumped_tokens]))
             self._copy_streamed(segment.writer, writer)
+            self._write_timing(writer, timing)
             written = writer.commit()
         except BaseException:
             writer.abort()
             raise
         self._dumped_rows, self._dumped_passes, self._dumped_tokens = rows, self._num_passes, self._num_tokens
+        self._dumped_timing = self._timing_stats.arrays() if self._clock is not None else None
         # The segment's rows are now in a complete trace: start a new segment (or none after stop).
         self._close_segment(discard=True)
         if self._recording:
@@ -577,6 +703,10 @@ class ExpertDistributionRecorder:
         for name, (row_shape, dtype) in shapes.items():
             source.ensure_empty(f"{group}/{name}", row_shape, np.dtype(dtype))
         dest.copy_group(source, group)
+        if self._clock is not None:
+            for name, (row_shape, dtype) in row_fields(cfg.num_layers).items():
+                source.ensure_empty(f"timing/{name}", row_shape, dtype)
+            dest.copy_group(source, "timing")
 
     # ------------------------------------------------------------------ snapshot / status
     def snapshot(self) -> RecorderSnapshot:

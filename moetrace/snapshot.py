@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from .analysis import metrics
+from . import metrics
 from .dispatch import ep_ideal_bytes, exchanged_bytes, remote_copies
 
 __all__ = ["RecorderSnapshot"]

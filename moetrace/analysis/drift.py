@@ -13,7 +13,8 @@ import dataclasses
 
 import numpy as np
 
-from . import metrics
+from .. import metrics
+from ..ids import to_logical
 from .source import PassBlock
 
 __all__ = ["DriftSeries", "WindowAccumulator"]
@@ -132,7 +133,7 @@ class WindowAccumulator:
     def _close(self) -> None:
         if self._window < 0:
             return
-        logical = metrics.to_logical(self._sum, self._map)
+        logical = to_logical(self._sum, self._map)
         balance = metrics.balancedness(metrics.rank_load(self._sum, self._ep))
         if self._previous is None:
             js_mean, js_max, js_layer = float("nan"), float("nan"), -1

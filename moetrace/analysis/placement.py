@@ -35,7 +35,7 @@ import dataclasses
 
 import numpy as np
 
-from . import metrics
+from .. import metrics
 
 __all__ = [
     "PlacementError",

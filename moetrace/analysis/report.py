@@ -23,8 +23,8 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from .. import metrics
 from ..trace.reader import Trace, open_trace
-from . import metrics
 from .coactivation import (
     CoactivationAccumulator,
     mutual_information_bits,

@@ -20,13 +20,12 @@ from .kv import KVSlotAllocator, ReqToTokenPool, SlotError
 from .launcher import WorkerError, default_backend, free_port, launch, timed_steps
 from .model import EPSpec, ForwardBatch, KVCache, ModelConfig, ReferenceMoEModel, Segment
 from .moe import MoELayer
-from .router import OLMOE_COUNTS_PATH, TopKRouter, fitted_bias, olmoe_bias, zipf_bias
+from .router import TopKRouter, fitted_bias, olmoe_bias, zipf_bias
 from .serving import Progress, Request, RequestResult, ServingLoop, routed_positions
 from .timing import PHASES, PhaseTimer
 
 __all__ = [
     "EXCHANGE_MODES",
-    "OLMOE_COUNTS_PATH",
     "PHASES",
     "DispatchLayout",
     "EPMoELayer",

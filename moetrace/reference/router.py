@@ -2,30 +2,19 @@
 
 A bias ``b[e]`` added to every token's logits shifts expert ``e``'s share of
 the routing: :func:`zipf_bias` gives a Zipf-like skew, :func:`fitted_bias`
-matches observed counts (e.g. the real OLMoE counts via :func:`olmoe_bias`).
+matches observed counts (e.g. the real OLMoE counts, shipped as package data, via
+:func:`olmoe_bias`).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import numpy as np
 import torch
 
+from ..data import olmoe_counts
 from .init import seeded_normal
 
-__all__ = ["OLMOE_COUNTS_PATH", "TopKRouter", "fitted_bias", "olmoe_bias", "zipf_bias"]
-
-#: The real OLMoE counts shipped beside the repository (``../shared/data``); override with
-#: ``MOETRACE_OLMOE_COUNTS`` when the repository is laid out differently.
-OLMOE_COUNTS_PATH = Path(
-    os.environ.get(
-        "MOETRACE_OLMOE_COUNTS",
-        Path(__file__).resolve().parents[2].parent / "shared" / "data" / "olmoe-routing" / "olmoe_expert_counts.json",
-    )
-)
+__all__ = ["TopKRouter", "fitted_bias", "olmoe_bias", "zipf_bias"]
 
 
 def zipf_bias(num_experts: int, s: float = 1.0, seed: int | None = None) -> torch.Tensor:
@@ -60,7 +49,6 @@ def olmoe_bias(
     num_experts: int = 64,
     layer: int = 0,
     domain: str = "arxiv",
-    path: Path | str = OLMOE_COUNTS_PATH,
 ) -> torch.Tensor:
     """Bias ``[num_experts]`` fitted to the real OLMoE-1B-7B expert counts.
 
@@ -69,9 +57,10 @@ def olmoe_bias(
             ``64 / num_experts`` OLMoE experts are pooled into one).
         layer: index into the recorded layers (0, 1, 2 = OLMoE layers 0, 7, 15).
         domain: one of the recorded domains (arxiv, book, c4, github, wikipedia, tulu).
-        path: the counts file (``olmoe_expert_counts.json``).
+
+    The counts ship with moetrace as package data (:func:`moetrace.data.olmoe_counts`).
     """
-    data = json.loads(Path(path).read_text())
+    data = olmoe_counts()
     if domain not in data["expert_counts"]:
         raise ValueError(f"unknown domain {domain!r}; choose one of {sorted(data['expert_counts'])}")
     layers = data["expert_counts"][domain]

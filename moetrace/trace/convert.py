@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..ids import to_logical
 from .schema import TraceError
 from .writer import TraceHeader, TraceWriter, token_id_dtype
 
@@ -68,7 +69,6 @@ def _header(mode: str, mapping: np.ndarray, top_k: int, ep_size: int, layer_ids:
 
 def _write_stat(writer: TraceWriter, physical: np.ndarray, invalid: np.ndarray, passes: int, tokens: int) -> None:
     """``/stat`` for one rank from ``physical [L, P]`` and ``invalid [L]``."""
-    from ..analysis.metrics import to_logical
 
     h = writer.header
     num_layers, ep = h.num_layers, h.ep_size

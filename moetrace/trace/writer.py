@@ -18,7 +18,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
 from .schema import COMPLETE_ATTR, SCHEMA_NAME, SCHEMA_VERSION, TraceWriteError
 
 __all__ = ["TraceHeader", "TraceWriter", "check_writable_dir", "token_id_dtype"]

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
-from moetrace.reference.router import OLMOE_COUNTS_PATH
+from moetrace.data import olmoe_counts as olmoe
 from moetrace.trace import TraceHeader, TraceWriter
-
-
-def olmoe() -> dict:
-    return json.loads(OLMOE_COUNTS_PATH.read_text())
 
 
 def random_passes(rng: np.random.Generator, num_passes: int, num_layers: int, num_experts: int, top_k: int, skew: float = 1.5, max_tokens: int = 16) -> list[np.ndarray]:
@@ -69,7 +64,7 @@ def oracle_counts(passes: list[np.ndarray], num_experts: int) -> np.ndarray:
 
 
 def oracle_figures(counts: np.ndarray, ep_size: int) -> dict[str, np.ndarray | float]:
-    """Balance figures written out from DESIGN.md's definitions, without moetrace.analysis.metrics."""
+    """Balance figures written out from DESIGN.md's definitions, without moetrace.metrics."""
     num_layers, num_experts = counts.shape
     per_rank = num_experts // ep_size
     load = np.array([[counts[layer, r * per_rank : (r + 1) * per_rank].sum() for r in range(ep_size)] for layer in range(num_layers)], dtype=np.float64)

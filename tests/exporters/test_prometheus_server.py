@@ -16,7 +16,7 @@ import pytest
 from moetrace.exporters import prometheus
 from moetrace.exporters.catalog import INFO, METRICS, PER_EXPERT, samples
 
-from moetrace.analysis import metrics
+from moetrace import metrics
 from moetrace.reference import launch
 from moetrace.trace import open_trace
 from tests.exporters import dashboard

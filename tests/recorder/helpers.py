@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+from moetrace.data import olmoe_counts
 from moetrace.recorder import ExpertDistributionRecorder
-from moetrace.reference.router import OLMOE_COUNTS_PATH
 
 
 def numpy_counts(passes: list[list[np.ndarray]], num_experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -60,7 +59,7 @@ def olmoe_token_stream(domain: str, tokens_per_pass: int, scale: int, seed: int 
     that many assignments, shuffled, and cut into tokens of 8 distinct-slot
     ids. Returns the exact expected counts ``[3, 64]`` and the passes.
     """
-    data = json.loads(OLMOE_COUNTS_PATH.read_text())
+    data = olmoe_counts()
     rng = np.random.default_rng(seed)
     counts = np.rint(np.asarray(data["expert_counts"][domain], dtype=np.float64) / scale).astype(np.int64)
     top_k = data["top_k"]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
-from moetrace.reference import OLMOE_COUNTS_PATH, TopKRouter, fitted_bias, olmoe_bias, zipf_bias
+from moetrace.data import olmoe_counts
+from moetrace.reference import TopKRouter, fitted_bias, olmoe_bias, zipf_bias
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -42,7 +41,7 @@ def test_zipf_bias_seeded_permutation():
 
 def test_olmoe_fitted_bias_follows_real_counts():
     bias = olmoe_bias(64, layer=1, domain="github")
-    real = np.asarray(json.loads(OLMOE_COUNTS_PATH.read_text())["expert_counts"]["github"][1])
+    real = np.asarray(olmoe_counts()["expert_counts"]["github"][1])
     counts = _realised(bias, top_k=8, tokens=8192)
     assert _spearman(counts, real) > 0.8
     hot = np.argsort(real)[-8:]

@@ -1,4 +1,4 @@
-"""Balance metrics: one definition each, shared by analysis, exporters and docs.
+"""Balance metrics: one definition each, shared by the snapshot, analysis, exporters and docs.
 
 Shapes: ``counts`` is ``[L, E]`` (layers x experts), ``load`` is ``[L, R]``
 (layers x EP ranks). Everything is plain numpy on the host.
@@ -17,24 +17,7 @@ __all__ = [
     "layer_balancedness",
     "layer_imbalance",
     "rank_load",
-    "to_logical",
 ]
-
-
-def to_logical(counts: np.ndarray, physical_to_logical: np.ndarray) -> np.ndarray:
-    """Fold physical-expert counts ``[..., L, P]`` into logical-expert counts ``[..., L, E]``.
-
-    ``physical_to_logical`` is ``[L, P]``; ``E = max + 1``.
-    """
-    counts = np.asarray(counts)
-    mapping = np.asarray(physical_to_logical, dtype=np.int64)
-    num_layers, num_physical = mapping.shape
-    num_logical = int(mapping.max()) + 1
-    flat = counts.reshape(-1, num_layers, num_physical)
-    out = np.zeros((flat.shape[0], num_layers, num_logical), dtype=np.int64)
-    for layer in range(num_layers):
-        np.add.at(out[:, layer, :], (slice(None), mapping[layer]), flat[:, layer, :])
-    return out.reshape(*counts.shape[:-1], num_logical)
 
 
 def rank_load(counts: np.ndarray, ep_size: int) -> np.ndarray:
