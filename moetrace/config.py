@@ -52,6 +52,10 @@ class RecorderConfig:
         dtype_bytes: bytes per activation element ``b``.
         model: model name written into traces and metrics.
         engine: engine name written into traces and metrics.
+        timing: time the phases bracketed by ``with_phase`` (and each layer
+            and pass); off by default, and then free.
+        timing_ring: passes whose CUDA timing events may be in flight at
+            once (CUDA only; a pass finding every slot busy is not timed).
     """
 
     num_layers: int
@@ -72,6 +76,8 @@ class RecorderConfig:
     dtype_bytes: int = 2
     model: str = ""
     engine: str = ""
+    timing: bool = False
+    timing_ring: int = 4
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -90,7 +96,9 @@ class RecorderConfig:
             raise ValueError(f"ep_rank={self.ep_rank} is outside [0, ep_size={ep_size})")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("window", "max_tokens_per_pass", "stream_chunk_passes", "stream_chunk_tokens", "dtype_bytes"):
+        if not isinstance(self.timing, bool):
+            raise ValueError(f"timing must be True or False, got {self.timing!r}")
+        for name in ("window", "max_tokens_per_pass", "stream_chunk_passes", "stream_chunk_tokens", "dtype_bytes", "timing_ring"):
             set_(self, name, _positive_int(name, getattr(self, name)))
         if self.stream_chunk_tokens < self.max_tokens_per_pass:
             raise ValueError(

@@ -44,7 +44,16 @@ from .accumulators import CounterLayout, PassCounter, PassStream, StatWindow, To
 from .config import RecorderConfig
 from .ids import to_logical
 from .snapshot import RecorderSnapshot
-from .timing import HISTOGRAM_EDGES, PHASES, PassTiming, TimingCaptureError, TimingRows, TimingStats, make_clock, row_fields
+from .timing import (
+    HISTOGRAM_EDGES,
+    PHASES,
+    PassTiming,
+    TimingCaptureError,
+    TimingRows,
+    TimingStats,
+    make_clock,
+    row_fields,
+)
 from .trace.schema import TraceWriteError
 from .trace.stream import BackgroundTraceWriter, StreamJob
 from .trace.writer import TraceHeader, TraceWriter, check_writable_dir
@@ -715,6 +724,7 @@ class ExpertDistributionRecorder:
         with self._lock:
             rows, (num_passes, num_tokens, timestamp) = self._snapshots.latest()
             recording, last, errors = self._recording, self.last_dump_path, tuple(self._errors)
+            timing = self._timing_stats.arrays() if self._clock is not None else None
         physical = rows[:, lay.experts]
         return RecorderSnapshot(
             timestamp=timestamp,
@@ -739,6 +749,7 @@ class ExpertDistributionRecorder:
             dropped=rows[:, lay.dropped],
             last_dump_path=str(last) if last else None,
             errors=errors,
+            timing=timing,
         )
 
     def status(self) -> dict[str, object]:

@@ -37,6 +37,8 @@ class RecorderSnapshot(metrics.LoadMetrics):
         hidden_size, dtype_bytes, top_k: for the byte figures (0 = unknown).
         last_dump_path: the last file ``dump_record`` wrote, if any.
         errors: background errors (e.g. a failed streaming write).
+        timing: phase-timing aggregates since ``start_record``
+            (:meth:`moetrace.timing.TimingStats.arrays`), ``None`` when timing is off.
     """
 
     timestamp: float
@@ -61,6 +63,29 @@ class RecorderSnapshot(metrics.LoadMetrics):
     dropped: np.ndarray
     last_dump_path: str | None = None
     errors: tuple[str, ...] = ()
+    timing: dict[str, np.ndarray] | None = None
+
+    @property
+    def phase_histogram(self) -> np.ndarray:
+        """Per-pass phase durations ``[F, B]`` in the fixed buckets of ``moetrace.timing.HISTOGRAM_EDGES``, all layers pooled."""
+        if self.timing is None:
+            return np.zeros((0, 0), dtype=np.int64)
+        return self.timing["phase_histogram"].sum(axis=0)
+
+    @property
+    def phase_seconds_sum(self) -> np.ndarray:
+        """Seconds spent in each phase ``[F]`` over all layers and passes."""
+        return np.zeros(0) if self.timing is None else self.timing["phase_seconds_sum"].sum(axis=0)
+
+    @property
+    def step_seconds_sum(self) -> float:
+        """Seconds of timed forward passes (0 without timing)."""
+        return 0.0 if self.timing is None else float(self.timing["step_seconds_sum"])
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        """Largest per-pass peak of device memory allocated (NaN on CPU or without timing)."""
+        return float("nan") if self.timing is None else float(self.timing["peak_memory_bytes"])
 
     @property
     def tokens_per_layer(self) -> np.ndarray:

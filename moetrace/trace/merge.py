@@ -13,7 +13,8 @@ the result stays valid when the inputs move or are deleted) into one trace:
   padded with ``pass_id = -1`` and zero counts;
 - ``/passes/*`` or ``/tokens/*``: every row of every rank, ordered by
   ``(pass_id, rank)`` (a k-way merge; each rank's pass ids must be
-  non-decreasing), plus a ``rank`` column ``[N]`` (int32) naming the source rank.
+  non-decreasing), plus a ``rank`` column ``[N]`` (int32) naming the source rank;
+- ``/timing/*`` (phase timing, any mode) the same way, and rank 0's ``timing_*`` root attributes.
 
 Memory is bounded by ``chunk_rows`` rows per input.
 """
@@ -193,6 +194,11 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
         group = _STREAM_GROUP.get(header.mode)
         if group is not None and group in files[0]:
             _merge_stream(files, group, writer, chunk_rows)
+        if "timing" in files[0]:
+            _merge_stream(files, "timing", writer, chunk_rows)
+        for key, value in files[0].attrs.items():
+            if key.startswith("timing_"):
+                writer.set_attr(key, value)
         writer.set_attr("merged_from", json.dumps([p.name for p in ordered]))
         return writer.commit()
     except BaseException:

@@ -221,6 +221,32 @@ class Trace:
             physical_count=self._read("window/physical_count"),
         )
 
+    # -- timing (schema v2) ------------------------------------------------------------
+    @property
+    def has_timing(self) -> bool:
+        """Whether the trace holds phase timing (recorded with ``RecorderConfig(timing=True)``)."""
+        return "timing_phases" in self._file.attrs
+
+    def timing_stat(self) -> dict[str, np.ndarray]:
+        """Timing aggregates per rank: ``phase_seconds_sum [R, L, F]``, ``phase_histogram [R, L, F, B]``, ... (see docs/trace-format.md)."""
+        if not self.has_timing:
+            raise TraceError(f"{self.path}: holds no phase timing (record with RecorderConfig(timing=True))")
+        names = ("phase_seconds_sum", "phase_seconds_max", "phase_count", "phase_histogram", "step_seconds_sum",
+                 "step_seconds_max", "step_count", "step_histogram", "peak_memory_bytes", "timing_dropped_passes")
+        out = {name: self._read(f"stat/{name}") for name in names}
+        out["histogram_edges"] = np.asarray(self._file.attrs["timing_histogram_edges"])
+        return out
+
+    def timing_rows(self) -> dict[str, np.ndarray]:
+        """Every ``/timing`` row (one per pass and rank), with a ``rank [N]`` column even in a per-rank file."""
+        if not self.has_timing:
+            raise TraceError(f"{self.path}: holds no phase timing (record with RecorderConfig(timing=True))")
+        rows = {name: self._read(f"timing/{name}") for name in self._file["timing"]} if "timing" in self._file else {}
+        if "rank" not in rows:
+            rank = max(int(self._file.attrs["rank"]), 0)
+            rows["rank"] = np.full(len(rows.get("pass_id", ())), rank, dtype=np.int32)
+        return rows
+
     # -- streamed -----------------------------------------------------------------------
     def iter_passes(self, chunk: int = 1024) -> Iterator[PassChunk]:
         """``/passes`` in chunks of at most ``chunk`` passes (bounded memory)."""

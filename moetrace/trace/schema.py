@@ -1,4 +1,4 @@
-"""HDF5 trace schema v1: names, attributes and the errors readers raise.
+"""HDF5 trace schema (version 2; version 1 traces stay readable): names, attributes and the errors readers raise.
 
 ``docs/trace-format.md`` documents every field; this module is the single
 place where the names live.
@@ -16,10 +16,12 @@ __all__ = [
 ]
 
 SCHEMA_NAME = "moetrace"
-SCHEMA_VERSION = 1
+#: Version 2 added phase timing (root ``timing_*`` attributes, ``/stat`` timing aggregates,
+#: the ``/timing`` group); version 1 traces have none of it and read as before.
+SCHEMA_VERSION = 2
 #: Root attribute set to True as the very last write before the atomic rename.
 COMPLETE_ATTR = "complete"
-#: Root attributes every v1 trace carries.
+#: Root attributes every trace (v1 and v2) carries.
 REQUIRED_ATTRS = (
     "schema",
     "schema_version",
