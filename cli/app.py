@@ -6,7 +6,7 @@ import typer
 
 import moetrace
 
-from . import analysis, control, demo, traces
+from . import analysis, control, demo, diff, traces
 
 __all__ = ["app", "main"]
 
@@ -21,6 +21,7 @@ app = typer.Typer(
 app.command("analyze")(analysis.analyze)
 app.command("plot")(analysis.plot)
 app.command("placement")(analysis.placement)
+app.command("diff")(diff.diff)
 # Producing and examining trace files.
 app.command("convert")(traces.convert)
 app.command("merge")(traces.merge)
