@@ -31,9 +31,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import write_results
 
+from moetrace import PHASES, ExpertDistributionRecorder, RecorderConfig
 from moetrace.dispatch import ep_ideal_bytes, ep_padded_bytes, exchanged_bytes, tp_bytes
 from moetrace.reference import EPMoELayer, MoELayer, SwiGLUExperts, TopKRouter, launch, timed_steps
-from moetrace.reference.timing import PHASES, PhaseTimer
 
 WORKLOADS: dict[str, dict[str, int]] = {
     "seed": {"batch": 4, "seq": 16, "hidden": 512, "intermediate": 1024, "experts": 8, "top_k": 2, "ranks": 2},
@@ -68,12 +68,12 @@ def _worker(rank: int, world: int, w: dict[str, int], rounds: int, iters: int, c
                 times["dense"].append(timed_steps(lambda: dense(x_all), warmup=2, iters=iters, barrier=False))
                 torch.set_num_threads(1)
             dist.barrier()
-        timer = PhaseTimer(1)
-        layers["exact"].timer = timer
-        timer.enabled = True
+        timed = ExpertDistributionRecorder(RecorderConfig(num_layers=1, num_physical_experts=e, top_k=k, ep_size=world, ep_rank=rank, timing=True))
+        timed.start_record()
         for _ in range(iters):
-            layers["exact"](x)
-        phases = timer.summary()["seconds"][0] / iters
+            with timed.with_forward_pass():
+                layers["exact"](x, recorder=timed)
+        phases = timed.snapshot().timing["phase_seconds_sum"][0] / iters  # type: ignore[index]
         outputs = {mode: layer(x) for mode, layer in layers.items()}
         layout = layers["exact"].last_layout
         gathered = {}

@@ -805,6 +805,9 @@ class NoOpRecorder:
     def disable_this_region(self) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
+    def with_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return _UNTIMED
+
     def on_select_experts(self, topk_ids: torch.Tensor, layer: int | None = None) -> None:
         return None
 

@@ -22,11 +22,9 @@ from .model import EPSpec, ForwardBatch, KVCache, ModelConfig, ReferenceMoEModel
 from .moe import MoELayer
 from .router import TopKRouter, fitted_bias, olmoe_bias, zipf_bias
 from .serving import Progress, Request, RequestResult, ServingLoop, routed_positions
-from .timing import PHASES, PhaseTimer
 
 __all__ = [
     "EXCHANGE_MODES",
-    "PHASES",
     "DispatchLayout",
     "EPMoELayer",
     "EPSpec",
@@ -35,7 +33,6 @@ __all__ = [
     "KVSlotAllocator",
     "MoELayer",
     "ModelConfig",
-    "PhaseTimer",
     "Progress",
     "ReferenceMoEModel",
     "ReqToTokenPool",

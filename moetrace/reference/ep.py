@@ -27,6 +27,7 @@ reported to the recorder.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -37,7 +38,6 @@ from ..recorder import get_recorder
 from .experts import SwiGLUExperts
 from .moe import check_input, check_parts
 from .router import TopKRouter
-from .timing import PhaseTimer, phase
 
 __all__ = ["EXCHANGE_MODES", "EPMoELayer"]
 
@@ -59,6 +59,12 @@ class EPMoELayer(torch.nn.Module):
         capacity_factor: optional per-expert capacity (tokens over it are dropped).
         moe_index: compact MoE layer index given to the recorder.
         layer_id: model layer index given to a capturer.
+
+    Phases are bracketed with ``recorder.with_phase``: ``route`` (router,
+    dispatch layout, recording the choice), ``dispatch`` (count exchange,
+    token all-to-all), ``expert`` (local experts) and ``combine`` (reverse
+    all-to-all, weighted sum). ``expert_delay_s`` sleeps inside ``expert``
+    on this rank (to inject a straggler in demos and tests).
     """
 
     def __init__(
@@ -105,7 +111,7 @@ class EPMoELayer(torch.nn.Module):
         self.max_tokens = max_tokens
         self.capacity_factor = capacity_factor
         self.moe_index, self.layer_id = moe_index, layer_id
-        self.timer: PhaseTimer | None = None
+        self.expert_delay_s = 0.0
         self.last_layout = None
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None = None, in_splits: list[int] | None = None) -> None:
@@ -113,6 +119,11 @@ class EPMoELayer(torch.nn.Module):
             dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
         else:
             out.copy_(inp)
+
+    def _delay(self) -> None:
+        """Injected straggling: sleep ``expert_delay_s`` (0 = none)."""
+        if self.expert_delay_s:
+            time.sleep(self.expert_delay_s)
 
     def _capacity(self, tokens: int) -> int | None:
         if self.capacity_factor is None:
@@ -128,22 +139,21 @@ class EPMoELayer(torch.nn.Module):
         if self.mode == "padded" and x.shape[0] > self.max_tokens:  # type: ignore[operator]
             raise ValueError(f"batch of {x.shape[0]} tokens exceeds max_tokens={self.max_tokens} of the padded exchange")
         recorder = get_recorder() if recorder is None else recorder
-        timer, index = self.timer, self.moe_index
-        with recorder.with_current_layer(index):
-            with phase(timer, index, "route"):
+        with recorder.with_current_layer(self.moe_index):
+            with recorder.with_phase("route"):
                 ids, weights = self.router(x)
                 layout = build_dispatch_layout(ids, weights, self.num_experts, self.ep_size, self._capacity(x.shape[0]))
-            self.last_layout = layout
-            recorder.on_select_experts(ids)
-            if capturer is not None:
-                capturer.capture(self.layer_id, ids)
+                self.last_layout = layout
+                recorder.on_select_experts(ids)
+                if capturer is not None:
+                    capturer.capture(self.layer_id, ids)
             if self.mode == "exact":
                 return self._forward_exact(x, layout, recorder)
             return self._forward_padded(x, layout, recorder)
 
     def _forward_exact(self, x: torch.Tensor, layout: Any, recorder: Any) -> torch.Tensor:
-        timer, index, r, per_rank = self.timer, self.moe_index, self.ep_size, self.experts_per_rank
-        with phase(timer, index, "dispatch"):
+        r, per_rank = self.ep_size, self.experts_per_rank
+        with recorder.with_phase("dispatch"):
             send_matrix = layout.kept_counts.view(r, per_rank)
             recv_matrix = torch.empty_like(send_matrix)
             self._all_to_all(recv_matrix, send_matrix)  # [source rank, local expert] counts
@@ -156,7 +166,8 @@ class EPMoELayer(torch.nn.Module):
             token_indices = layout.token_indices[:sent]
             received = x.new_empty((sum(recv_splits), x.shape[1]))
             self._all_to_all(received, x[token_indices], recv_splits, send_splits)
-        with phase(timer, index, "expert"):
+        with recorder.with_phase("expert"):
+            self._delay()
             # Rows from each source arrive grouped by local expert; regroup across sources.
             local_ids = torch.arange(per_rank, device=x.device).repeat(r)
             local_ids = local_ids.repeat_interleave(recv_matrix.reshape(-1), output_size=received.shape[0])
@@ -164,7 +175,7 @@ class EPMoELayer(torch.nn.Module):
             sizes = [sum(row[e] for row in recv_host) for e in range(per_rank)]
             results = torch.empty_like(received)
             results[order] = self.experts.grouped(received[order], sizes)
-        with phase(timer, index, "combine"):
+        with recorder.with_phase("combine"):
             returned = x.new_empty((sent, x.shape[1]))
             self._all_to_all(returned, results, send_splits, recv_splits)
             out = torch.zeros_like(x)
@@ -172,11 +183,11 @@ class EPMoELayer(torch.nn.Module):
         return out
 
     def _forward_padded(self, x: torch.Tensor, layout: Any, recorder: Any) -> torch.Tensor:
-        timer, index, r, per_rank = self.timer, self.moe_index, self.ep_size, self.experts_per_rank
+        r, per_rank = self.ep_size, self.experts_per_rank
         hidden, chunk = x.shape[1], self.max_tokens * self.top_k  # type: ignore[operator]
         capacity = self._capacity(self.max_tokens)  # type: ignore[arg-type]
         rows_per_expert = r * (self.max_tokens if capacity is None else capacity)
-        with phase(timer, index, "dispatch"):
+        with recorder.with_phase("dispatch"):
             trash = r * chunk
             slot = torch.where(layout.kept, layout.dest_ranks * chunk + layout.rank_positions, trash)
             send = x.new_zeros((trash + 1, hidden))
@@ -189,7 +200,8 @@ class EPMoELayer(torch.nn.Module):
             self._all_to_all(received_ids, send_ids[:trash])
             valid = received_ids >= 0
             recorder.on_dispatch(layout.send_counts, valid.view(r, chunk).sum(1), layout.dropped)
-        with phase(timer, index, "expert"):
+        with recorder.with_phase("expert"):
+            self._delay()
             position = slot_in_group(received_ids, per_rank)
             expert_trash = per_rank * rows_per_expert
             expert_slot = torch.where(valid, received_ids * rows_per_expert + position, expert_trash)
@@ -198,7 +210,7 @@ class EPMoELayer(torch.nn.Module):
             computed = self.experts.batched(blocks[:expert_trash].view(per_rank, rows_per_expert, hidden))
             computed = torch.cat([computed.reshape(expert_trash, hidden), x.new_zeros((1, hidden))])
             results = computed[expert_slot]
-        with phase(timer, index, "combine"):
+        with recorder.with_phase("combine"):
             returned = x.new_empty((trash, hidden))
             self._all_to_all(returned, results)
             returned = torch.cat([returned, x.new_zeros((1, hidden))])

@@ -31,7 +31,6 @@ from .experts import SwiGLUExperts
 from .init import derive_seed, seeded_normal
 from .moe import MoELayer
 from .router import TopKRouter
-from .timing import PhaseTimer
 
 __all__ = ["EPSpec", "ForwardBatch", "KVCache", "ModelConfig", "ReferenceMoEModel", "Segment"]
 
@@ -241,9 +240,6 @@ class ReferenceMoEModel(torch.nn.Module):
                 ffn = self._moe_layer(layer_id, len([b for b in blocks if b.is_moe]), bias, device)
             blocks.append(_Block(layer_id, attn, ffn, c.hidden_size, dtype, device))
         self.blocks = torch.nn.ModuleList(blocks)
-        self.timer = PhaseTimer(len(self.moe_layer_ids), device)
-        for layer in self.moe_layers:
-            layer.timer = self.timer
 
     def _moe_layer(self, layer_id: int, moe_index: int, bias: torch.Tensor | None, device: torch.device) -> torch.nn.Module:
         c = self.config
@@ -271,6 +267,15 @@ class ReferenceMoEModel(torch.nn.Module):
     def moe_layers(self) -> list[MoELayer | EPMoELayer]:
         """The MoE layers in compact order."""
         return [b.ffn for b in self.blocks if b.is_moe]  # type: ignore[misc]
+
+    def set_expert_delay(self, seconds: float) -> None:
+        """Sleep ``seconds`` inside every EP layer's ``expert`` phase on this rank (straggler injection)."""
+        if self.ep is None:
+            raise ValueError("expert delay injection needs an EP model (ep=EPSpec(...)); the dense oracle has no ranks")
+        if seconds < 0:
+            raise ValueError(f"expert delay must be >= 0 seconds, got {seconds}")
+        for layer in self.moe_layers:
+            layer.expert_delay_s = float(seconds)  # type: ignore[union-attr]
 
     def recorder_config(self, **fields: Any) -> RecorderConfig:
         """A :class:`RecorderConfig` matching this model (and EP rank); ``fields`` override."""

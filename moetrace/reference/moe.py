@@ -17,7 +17,6 @@ from ..dispatch import capacity_keep_mask, expert_capacity
 from ..recorder import get_recorder
 from .experts import SwiGLUExperts
 from .router import TopKRouter
-from .timing import PhaseTimer, phase
 
 __all__ = ["MoELayer", "check_input", "check_parts"]
 
@@ -70,29 +69,27 @@ class MoELayer(torch.nn.Module):
         self.router, self.experts = router, experts
         self.capacity_factor = capacity_factor
         self.moe_index, self.layer_id = moe_index, layer_id
-        self.timer: PhaseTimer | None = None
 
     def forward(self, x: torch.Tensor, recorder: Any = None, capturer: Any = None) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``; reports to ``recorder`` (default: the global one)."""
         check_input(x, self.experts)
         recorder = get_recorder() if recorder is None else recorder
-        timer = self.timer
         num_experts, top_k = self.router.num_experts, self.router.top_k
         with recorder.with_current_layer(self.moe_index):
-            with phase(timer, self.moe_index, "route"):
+            with recorder.with_phase("route"):
                 ids, weights = self.router(x)
-            recorder.on_select_experts(ids)
-            if capturer is not None:
-                capturer.capture(self.layer_id, ids)
-            if self.capacity_factor is None:
-                keep = torch.ones_like(ids, dtype=torch.bool)
-            else:
-                capacity = expert_capacity(x.shape[0], top_k, num_experts, self.capacity_factor)
-                keep = capacity_keep_mask(ids, num_experts, capacity)
-            kept = keep.sum().reshape(1)
-            recorder.on_dispatch(kept, kept, ids.numel() - kept.reshape(()))
+                recorder.on_select_experts(ids)
+                if capturer is not None:
+                    capturer.capture(self.layer_id, ids)
+                if self.capacity_factor is None:
+                    keep = torch.ones_like(ids, dtype=torch.bool)
+                else:
+                    capacity = expert_capacity(x.shape[0], top_k, num_experts, self.capacity_factor)
+                    keep = capacity_keep_mask(ids, num_experts, capacity)
+                kept = keep.sum().reshape(1)
+                recorder.on_dispatch(kept, kept, ids.numel() - kept.reshape(()))
             out = torch.zeros_like(x)
-            with phase(timer, self.moe_index, "expert"):
+            with recorder.with_phase("expert"):
                 for e in range(num_experts):
                     token, slot = torch.nonzero((ids == e) & keep, as_tuple=True)
                     if token.numel():

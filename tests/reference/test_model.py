@@ -81,12 +81,16 @@ def test_padded_model_forward_has_no_host_sync():
     assert recorder.snapshot().num_passes == 1
 
 
-def test_phase_timer_records_when_enabled():
+def test_phase_timing_records_every_phase_when_enabled():
     model = ReferenceMoEModel(CONFIG, ep=EPSpec(1, 0, "exact"))
+    untimed = ExpertDistributionRecorder(model.recorder_config())
+    timed = ExpertDistributionRecorder(model.recorder_config(timing=True))
+    for recorder in (untimed, timed):
+        recorder.start_record()
     with torch.inference_mode():
-        model(_ids())
-        assert model.timer.summary()["calls"].sum() == 0
-        model.timer.enabled = True
-        model(_ids())
-    summary = model.timer.summary()
-    assert (summary["calls"] == 1).all() and (summary["seconds"] > 0).all()
+        model(_ids(), recorder=untimed)
+        model(_ids(), recorder=timed)
+    assert untimed.snapshot().timing is None
+    timing = timed.snapshot().timing
+    assert timing is not None
+    assert (timing["phase_count"] == 1).all() and (timing["phase_seconds_sum"] > 0).all()
