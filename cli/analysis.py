@@ -8,6 +8,7 @@ from typing import Annotated
 
 import numpy as np
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -22,46 +23,76 @@ from moetrace.trace.reader import open_trace
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, parse_layers, stdout_console
 
-__all__ = ["analyze", "placement", "plot", "print_report"]
+__all__ = ["analyze", "placement", "plot", "print_projection", "print_report"]
 
 LAYERS_HELP = "Model layer ids to analyse, e.g. '0,7,12-15' (default: all)."
+#: Hottest experts shown per layer in the 80-column table (``--json`` lists ``--top``).
+HOTTEST_SHOWN = 3
 
 
 def _fmt(x: float) -> str:
     return f"{x:.3f}"
 
 
+def print_projection(rows: list[dict[str, object]], console: Console) -> None:
+    """The EP projection table: rank balancedness for each EP size and placement."""
+    if not rows:
+        console.print("EP projection: needs at least 2 experts per layer")
+        return
+    extra = rows[0]["redundant_slots"] // rows[0]["ranks"]  # type: ignore[operator]
+    table = Table(title="EP projection: rank balancedness over R ranks",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("R", "experts/rank", "contiguous", "planned", f"planned +{extra}/rank"):
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(str(row["ranks"]), str(row["experts_per_rank"]), _fmt(row["contiguous_balancedness"]),  # type: ignore[arg-type]
+                      _fmt(row["planned_balancedness"]), _fmt(row["planned_redundant_balancedness"]))  # type: ignore[arg-type]
+    console.print(table)
+    console.print("contiguous: rank r holds experts [r·E/R, (r+1)·E/R); planned: moetrace placement")
+
+
 def print_report(report: AnalysisReport, console: Console) -> None:
+    """The analysis as text: headline, per-layer, per-rank and EP-projection tables (80 columns wide)."""
     d = report.to_dict()
-    t, totals, overall = d["trace"], d["totals"], d["overall"]
+    t, totals = d["trace"], d["totals"]
+    console.print(f"[bold]{report.path}[/bold]")
     console.print(
-        f"[bold]{report.path}[/bold]  mode={t['mode']} model={t['model'] or '-'} engine={t['engine'] or '-'} "
-        f"ranks(ep)={t['ep_size']} experts={t['num_logical_experts']} top_k={t['top_k']}"
+        f"mode={t['mode']} model={t['model'] or '-'} engine={t['engine'] or '-'} "
+        f"ep_size={t['ep_size']} experts={t['num_logical_experts']} top_k={t['top_k']}"
     )
     console.print(
         f"passes={totals['passes']} tokens={totals['tokens']} assignments={totals['assignments']} "
         f"invalid_ids={totals['invalid_ids']} dropped={totals['dropped']}"
     )
-    console.print(
-        f"[bold]balancedness {_fmt(overall['balancedness'])}[/bold]  max layer imbalance {_fmt(overall['max_layer_imbalance'])}  "
-        f"mean entropy ratio {_fmt(overall['mean_entropy_ratio'])}  dead experts {overall['dead_experts']}"
-    )
-    table = Table(title="Per layer", title_justify="left")
-    for col in ("layer", "assignments", "balancedness", "imbalance", "entropy", "dead", "hottest (expert: x mean)"):
-        table.add_column(col, justify="right" if col != "hottest (expert: x mean)" else "left")
+    for line in d["headline"]:
+        console.print(f"[bold]{line}[/bold]")
+    ep = report.ep_size > 1
+    hot = d["overall"]["hot_experts"]
+    table = Table(title="Per layer: balance over logical experts", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("layer", "imbalance", "CV", f"top {hot}", "entropy", "dead", "hottest (x mean)"):
+        table.add_column(col, justify="left" if col.startswith("hottest") else "right")
     for row in d["per_layer"]:
-        hot = ", ".join(f"{h['expert']}: {h['load_ratio']:.2f}" for h in row["hottest"])
-        table.add_row(str(row["layer"]), str(row["assignments"]), _fmt(row["balancedness"]), _fmt(row["imbalance"]), _fmt(row["entropy_ratio"]), str(len(row["dead_experts"])), hot)
+        hottest = ", ".join(f"{h['expert']}:{h['load_ratio']:.1f}" for h in row["hottest"][:HOTTEST_SHOWN])
+        table.add_row(str(row["layer"]), f"{row['expert_imbalance']:.2f}", f"{row['expert_cv']:.2f}", f"{100 * row['hot_expert_share']:.0f}%",
+                      f"{row['entropy_ratio']:.2f}", str(len(row["dead_experts"])), hottest)
     console.print(table)
     ranks = d["ranks"]
-    rank_table = Table(title=f"Per EP rank (all layers; hottest rank {ranks['hottest_rank']})", title_justify="left")
-    rank_table.add_column("rank", justify="right")
-    rank_table.add_column("token copies", justify="right")
-    rank_table.add_column("x mean", justify="right")
-    mean = float(np.mean(ranks["total_load"])) or 1.0
-    for r, load in enumerate(ranks["total_load"]):
-        rank_table.add_row(str(r), str(load), f"{load / mean:.2f}")
-    console.print(rank_table)
+    if ep:
+        layer_table = Table(title=f"Per layer: balance over {report.ep_size} EP ranks", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for col in ("layer", "balancedness", "imbalance", "hottest rank"):
+            layer_table.add_column(col, justify="right")
+        for row in d["per_layer"]:
+            layer_table.add_row(str(row["layer"]), _fmt(row["balancedness"]), f"{row['imbalance']:.2f}", str(int(np.argmax(row["rank_load"]))))
+        console.print(layer_table)
+        rank_table = Table(title="Per EP rank, all layers", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        rank_table.add_column("rank", justify="right")
+        rank_table.add_column("token copies", justify="right")
+        rank_table.add_column("x mean", justify="right")
+        mean = float(np.mean(ranks["total_load"])) or 1.0
+        for r, load in enumerate(ranks["total_load"]):
+            rank_table.add_row(str(r), str(load), f"{load / mean:.2f}")
+        console.print(rank_table)
+    print_projection(d["ep_projection"], console)
     if d["coactivation"] is not None:
         co = Table(title="Co-activation: top expert pairs (lift = observed / independent)", title_justify="left")
         co.add_column("layer", justify="right")
@@ -80,9 +111,11 @@ def print_report(report: AnalysisReport, console: Console) -> None:
     drift = d["drift"]
     if drift is not None:
         js = "n/a (one window)" if drift["mean_js"] is None else f"mean {drift['mean_js']:.4f}, max {drift['max_js']:.4f}"
+        window_balance = (f"; window balancedness min {_fmt(drift['balancedness_min'])} mean {_fmt(drift['balancedness_mean'])} "
+                          f"max {_fmt(drift['balancedness_max'])}") if ep else ""
         console.print(
-            f"drift: {drift['num_windows']} windows of {drift['passes_per_window']} passes; JS divergence between successive windows {js}; "
-            f"window balancedness min {_fmt(drift['balancedness_min'])} mean {_fmt(drift['balancedness_mean'])} max {_fmt(drift['balancedness_max'])}"
+            f"drift: {drift['num_windows']} windows of {drift['passes_per_window']} passes; "
+            f"JS divergence between successive windows {js}{window_balance}"
         )
     for note in d["notes"]:
         console.print(f"note: {note}")

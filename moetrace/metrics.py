@@ -9,15 +9,25 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
+    "HOT_EXPERT_DIVISOR",
     "LoadMetrics",
     "balancedness",
     "dead_experts",
     "entropy_ratio",
+    "expert_cv",
+    "expert_imbalance",
+    "hot_expert_count",
+    "hot_expert_share",
     "js_divergence",
     "layer_balancedness",
     "layer_imbalance",
+    "overall_expert_imbalance",
+    "overall_hot_expert_share",
     "rank_load",
 ]
+
+#: The "hot" experts are the hottest ``ceil(E / HOT_EXPERT_DIVISOR)`` of a layer (10%, at least one).
+HOT_EXPERT_DIVISOR = 10
 
 
 def rank_load(counts: np.ndarray, ep_size: int) -> np.ndarray:
@@ -51,6 +61,59 @@ def layer_imbalance(load: np.ndarray) -> np.ndarray:
     load = np.asarray(load, dtype=np.float64)
     mean = load.mean(axis=1)
     return np.divide(load.max(axis=1), mean, out=np.ones_like(mean), where=mean > 0)
+
+
+def expert_imbalance(counts: np.ndarray) -> np.ndarray:
+    """Per-layer expert imbalance ``max_e c[l,e] / mean_e c[l,e]`` ``[L]`` over logical experts (1 = even).
+
+    :func:`layer_imbalance` taken over experts instead of EP ranks; 1.0 for an empty layer.
+    It needs no EP: it is how much more than its share the hottest expert gets.
+    """
+    return layer_imbalance(counts)
+
+
+def overall_expert_imbalance(counts: np.ndarray) -> float:
+    """Expert imbalance over all layers ``Σ_l max_e c[l,e] / Σ_l mean_e c[l,e]`` (1 = even; 1.0 when empty).
+
+    The reciprocal of :func:`balancedness` taken over experts: layers weigh by their load.
+    """
+    return 1.0 / balancedness(counts)
+
+
+def expert_cv(counts: np.ndarray) -> np.ndarray:
+    """Coefficient of variation of the load over logical experts ``std_e / mean_e`` ``[L]`` (0 = even).
+
+    Population standard deviation (``ddof=0``); 0.0 for an empty layer.
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    mean = counts.mean(axis=1)
+    return np.divide(counts.std(axis=1), mean, out=np.zeros_like(mean), where=mean > 0)
+
+
+def hot_expert_count(num_experts: int) -> int:
+    """How many experts are "hot": the hottest 10%, ``ceil(E / HOT_EXPERT_DIVISOR)``, at least 1."""
+    return max(1, -(-num_experts // HOT_EXPERT_DIVISOR))
+
+
+def _hot_and_total(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    counts = np.asarray(counts, dtype=np.float64)
+    hot = -np.sort(-counts, axis=1)[:, : hot_expert_count(counts.shape[1])].sum(axis=1)
+    return hot, counts.sum(axis=1)
+
+
+def hot_expert_share(counts: np.ndarray) -> np.ndarray:
+    """Share of a layer's assignments taken by its hottest 10% of experts ``[L]`` (:func:`hot_expert_count`).
+
+    An even load gives ``hot_expert_count(E) / E``; 0.0 for an empty layer.
+    """
+    hot, total = _hot_and_total(counts)
+    return np.divide(hot, total, out=np.zeros_like(total), where=total > 0)
+
+
+def overall_hot_expert_share(counts: np.ndarray) -> float:
+    """Share of all assignments taken by each layer's hottest 10% of experts ``Σ_l hot_l / Σ_l total_l``."""
+    hot, total = _hot_and_total(counts)
+    return float(hot.sum() / total.sum()) if total.sum() > 0 else 0.0
 
 
 def entropy_ratio(counts: np.ndarray) -> np.ndarray:
@@ -118,6 +181,27 @@ class LoadMetrics:
     @property
     def layer_imbalance(self) -> np.ndarray:
         return layer_imbalance(self.rank_load)
+
+    @property
+    def expert_imbalance(self) -> np.ndarray:
+        """Per-layer ``max_e / mean_e`` over logical experts ``[L]`` (needs no EP)."""
+        return expert_imbalance(self.logical_count)
+
+    @property
+    def overall_expert_imbalance(self) -> float:
+        return overall_expert_imbalance(self.logical_count)
+
+    @property
+    def expert_cv(self) -> np.ndarray:
+        return expert_cv(self.logical_count)
+
+    @property
+    def hot_expert_share(self) -> np.ndarray:
+        return hot_expert_share(self.logical_count)
+
+    @property
+    def overall_hot_expert_share(self) -> float:
+        return overall_hot_expert_share(self.logical_count)
 
     @property
     def entropy_ratio(self) -> np.ndarray:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +33,7 @@ from .coactivation import (
     top_transitions,
 )
 from .drift import DriftSeries, WindowAccumulator
+from .projection import ProjectionRow, ep_projection
 from .source import count_records, iter_pass_blocks, select_layers, token_pass_block
 
 __all__ = ["REPORT_SCHEMA", "REPORT_SCHEMA_VERSION", "AnalysisReport", "analyze_trace", "progress_bar"]
@@ -104,6 +106,34 @@ class AnalysisReport(metrics.LoadMetrics):
             for e in order
         ]
 
+    @functools.cached_property
+    def ep_projection(self) -> list[ProjectionRow]:
+        """Rank balance EP would give this load, per divisor ``R`` of ``E`` (:mod:`.projection`)."""
+        return ep_projection(self.logical_count)
+
+    def headline(self) -> list[str]:
+        """The figures that mean something for this trace, one line each (each under 80 columns).
+
+        Expert balance always; rank balance only when the trace has ``ep_size > 1``
+        (with one rank every rank figure is 1 by definition).
+        """
+        num_experts = self.logical_count.shape[1]
+        hot = metrics.hot_expert_count(num_experts)
+        lines = [
+            f"expert imbalance {self.overall_expert_imbalance:.2f} (hottest/mean; "
+            f"worst layer {float(self.expert_imbalance.max()):.2f})  mean CV {float(self.expert_cv.mean()):.2f}",
+            f"hottest 10% ({hot} of {num_experts} experts) take {100 * self.overall_hot_expert_share:.1f}% "
+            f"(even: {100 * hot / num_experts:.1f}%)  dead experts {int(self.dead_experts.sum())}",
+        ]
+        if self.ep_size > 1:
+            lines.append(
+                f"rank balance over {self.ep_size} EP ranks: balancedness {self.balancedness:.3f}  "
+                f"max layer imbalance {float(self.layer_imbalance.max()):.2f}"
+            )
+        else:
+            lines.append("rank balance: needs EP (one rank recorded); see the EP projection")
+        return lines
+
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, object]:
         """The JSON document (``docs/analysis.md`` describes every field)."""
@@ -117,6 +147,9 @@ class AnalysisReport(metrics.LoadMetrics):
                     "assignments": int(self.logical_count[i].sum()),
                     "balancedness": float(self.layer_balancedness[i]),
                     "imbalance": float(self.layer_imbalance[i]),
+                    "expert_imbalance": float(self.expert_imbalance[i]),
+                    "expert_cv": float(self.expert_cv[i]),
+                    "hot_expert_share": float(self.hot_expert_share[i]),
                     "entropy_ratio": float(self.entropy_ratio[i]),
                     "dead_experts": [int(e) for e in np.flatnonzero(self.logical_count[i] == 0)],
                     "hottest": self.hottest(i),
@@ -144,7 +177,15 @@ class AnalysisReport(metrics.LoadMetrics):
                 "max_layer_imbalance": float(self.layer_imbalance.max()),
                 "mean_entropy_ratio": float(self.entropy_ratio.mean()),
                 "dead_experts": int(self.dead_experts.sum()),
+                "expert_imbalance": self.overall_expert_imbalance,
+                "max_layer_expert_imbalance": float(self.expert_imbalance.max()),
+                "mean_expert_cv": float(self.expert_cv.mean()),
+                "hot_expert_share": self.overall_hot_expert_share,
+                "hot_experts": metrics.hot_expert_count(self.logical_count.shape[1]),
+                "rank_balance_needs_ep": self.ep_size == 1,
             },
+            "headline": self.headline(),
+            "expert_imbalance": [float(x) for x in self.expert_imbalance],
             "per_layer": layers,
             "ranks": {
                 "ep_size": self.ep_size,
@@ -154,6 +195,7 @@ class AnalysisReport(metrics.LoadMetrics):
             },
             "coactivation": self._coactivation_dict(),
             "transitions": self._transitions_dict(),
+            "ep_projection": [row.to_dict() for row in self.ep_projection],
             "drift": self.drift.to_dict() if self.drift is not None and len(self.drift) else None,
             "notes": list(self.notes),
         }
