@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-vllm bench lint clean
+.PHONY: demo test test-vllm bench gpu-check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,14 @@ test-vllm: $(VLLM_STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,hf,bench]'
 	$(BIN)/python benchmarks/run_all.py
+
+# Every CUDA-only claim in one script (benchmarks/gpu_check.py). It runs with the machine's own
+# python3 when that has torch and h5py (a GPU host's CUDA torch), else with .venv; without CUDA it
+# prints "no CUDA device: GPU checks skipped" and exits 0.
+GPU_PYTHON ?= python3
+gpu-check:
+	@py=$(GPU_PYTHON); $$py -c 'import torch, h5py, numpy' 2>/dev/null || { $(MAKE) --no-print-directory $(STAMP) && py=$(BIN)/python; }; \
+	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -20,6 +20,12 @@ class SwiGLUExperts(torch.nn.Module):
 
     Parameters: ``w_gate [n, H, I]``, ``w_up [n, H, I]``, ``w_down [n, I, H]``
     with ``n = count``.
+
+    ``init="seeded"`` (default) draws each expert from its own seeded generator on the host;
+    ``init="fast"`` draws the stacks directly on ``device`` from the global generator, for
+    benchmarks at sizes where host drawing takes minutes (DeepSeek-V3: 11 G parameters per
+    layer). Fast weights are not reproducible per expert, so a shard does not equal the same
+    experts of another build.
     """
 
     def __init__(
@@ -32,15 +38,20 @@ class SwiGLUExperts(torch.nn.Module):
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        init: str = "seeded",
     ) -> None:
         super().__init__()
         if count <= 0 or first < 0:
             raise ValueError(f"need count > 0 and first >= 0, got count={count}, first={first}")
+        if init not in ("seeded", "fast"):
+            raise ValueError(f"init must be 'seeded' or 'fast', got {init!r}")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.first, self.count = first, count
         h, i = hidden_size, intermediate_size
 
         def stack(role: int, shape: tuple[int, int], std: float) -> torch.nn.Parameter:
+            if init == "fast":
+                return torch.nn.Parameter(torch.randn((count, *shape), dtype=dtype, device=device).mul_(std))
             rows = [seeded_normal(shape, std, derive_seed(seed, role, first + e)) for e in range(count)]
             return torch.nn.Parameter(torch.stack(rows).to(dtype=dtype, device=device))
 
