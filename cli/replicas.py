@@ -1,0 +1,209 @@
+"""``moetrace replicas``: request→replica routing — replay a trace, compare policies, explain a decision."""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .errors import CommandError, guarded
+from .options import existing_file, output_path
+
+__all__ = ["app", "print_routing_report"]
+
+app = typer.Typer(name="replicas", help="Request→replica routing: replay a request trace, compare policies, explain decisions.", no_args_is_help=True)
+
+TRACE_HELP = "Request trace, JSONL in the Mooncake format (plain or .gz); 'mooncake' = the packaged Mooncake FAST'25 trace."
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _load(trace: str, block_size: int, limit: int | None) -> list:
+    from moetrace.replicas.trace import load_trace
+
+    path = None if trace == "mooncake" else existing_file(Path(trace), "request trace")
+    return load_trace(path, block_size=block_size, limit=limit)
+
+
+def _cost(requests: list, replicas: int, cost_model: Path | None, utilization: float | None) -> Any:
+    from moetrace.reference.replica_router import CostModel
+    from moetrace.replicas.simulate import REFERENCE_COST, scale_to_utilization
+
+    cost = REFERENCE_COST
+    if cost_model is not None:
+        try:
+            cost = CostModel.from_dict(json.loads(existing_file(cost_model, "cost model").read_text()))
+        except json.JSONDecodeError as exc:
+            raise CommandError(f"{cost_model}: not JSON ({exc.msg}); write one with `moetrace replicas calibrate --out FILE`") from None
+    if utilization is not None:
+        cost = scale_to_utilization(requests, replicas, cost, utilization)
+    return cost
+
+
+def _check(replicas: int, policy: str | None = None) -> None:
+    from moetrace.reference.replica_router import POLICY_NAMES
+
+    if replicas <= 0:
+        raise CommandError(f"--replicas {replicas}: need at least one replica")
+    if policy is not None and policy not in POLICY_NAMES:
+        raise CommandError(f"--policy {policy!r}: unknown policy; choose one of {', '.join(POLICY_NAMES)}")
+
+
+Replicas = Annotated[int, typer.Option("--replicas", "-n", help="Replicas behind the router.")]
+BlockSize = Annotated[int, typer.Option("--block-size", min=1, help="Tokens per hash_ids block (Mooncake: 512).")]
+CacheBlocks = Annotated[int, typer.Option("--cache-blocks", min=0, help="Prefix-cache capacity of each replica in blocks (0: unlimited).")]
+CostOpt = Annotated[Path | None, typer.Option("--cost-model", help="Cost model JSON (`moetrace replicas calibrate`); default: the reference calibration.")]
+UtilOpt = Annotated[float | None, typer.Option("--utilization", min=0.0, help="Scale the cost model so that full-prefill work / replica time is this (e.g. 0.9).")]
+Limit = Annotated[int | None, typer.Option("--limit", min=1, help="Replay only the first N requests.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+
+
+@app.command("replay")
+@guarded
+def replay(
+    trace: Annotated[str, typer.Argument(help=TRACE_HELP)],
+    replicas: Replicas = 8,
+    policy: Annotated[str, typer.Option("--policy", "-p", help="Routing policy.")] = "cache_aware",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the routing trace (HDF5, /requests group) here.")] = None,
+    block_size: BlockSize = 512,
+    cache_blocks: CacheBlocks = 20000,
+    cost_model: CostOpt = None,
+    utilization: UtilOpt = None,
+    limit: Limit = None,
+    plot_load: Annotated[Path | None, typer.Option("--plot-load", help="PNG of per-replica load over time.")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Replay a request trace by its timestamps, in simulated time, through one routing policy."""
+    from moetrace.replicas.analysis import compare_table, summarize
+    from moetrace.replicas.analysis import plot_load as draw_load
+    from moetrace.replicas.simulate import replay as run_replay
+    from moetrace.trace.requests import read_requests
+
+    _check(replicas, policy)
+    if out is not None:
+        output_path(out)
+    requests = _load(trace, block_size, limit)
+    cost = _cost(requests, replicas, cost_model, utilization)
+    result = run_replay(requests, replicas, policy, block_size=block_size, cost=cost, cache_blocks=cache_blocks or None, out=out)
+    table = read_requests(result.path)
+    summary = summarize(table)
+    if plot_load is not None:
+        draw_load(table, output_path(plot_load))
+    if out is None:
+        result.path.unlink(missing_ok=True)
+    if as_json:
+        typer.echo(json.dumps(_jsonable({"summary": summary, "cost_model": cost.to_dict(), "trace": str(out) if out else None}), indent=2))
+        return
+    typer.echo(compare_table([summary]))
+    if out is not None:
+        typer.echo(f"routing trace: {out}")
+
+
+@app.command("compare")
+@guarded
+def compare(
+    trace: Annotated[str, typer.Argument(help=TRACE_HELP)],
+    replicas: Replicas = 8,
+    policies: Annotated[str | None, typer.Option("--policies", help="Comma-separated policies (default: all).")] = None,
+    block_size: BlockSize = 512,
+    cache_blocks: CacheBlocks = 20000,
+    cost_model: CostOpt = None,
+    utilization: UtilOpt = None,
+    limit: Limit = None,
+    plot_ttft: Annotated[Path | None, typer.Option("--plot-ttft", help="PNG of the TTFT CDF per policy.")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Replay a request trace through every policy; one row per policy (cache, then latency evidence)."""
+    from moetrace.reference.replica_router import POLICY_NAMES
+    from moetrace.replicas.analysis import compare_table, plot_ttft_cdf, summarize
+    from moetrace.replicas.simulate import replay as run_replay
+    from moetrace.replicas.trace import reusable_blocks
+    from moetrace.trace.requests import read_requests
+
+    names = [p.strip() for p in policies.split(",")] if policies else list(POLICY_NAMES)
+    for name in names:
+        _check(replicas, name)
+    _check(replicas)
+    if plot_ttft is not None:
+        output_path(plot_ttft)
+    requests = _load(trace, block_size, limit)
+    cost = _cost(requests, replicas, cost_model, utilization)
+    rows, tables = [], {}
+    with tempfile.TemporaryDirectory(prefix="moetrace-compare-") as tmp:
+        for name in names:
+            result = run_replay(requests, replicas, name, block_size=block_size, cost=cost, cache_blocks=cache_blocks or None, out=Path(tmp) / f"{name}.h5")
+            table = read_requests(result.path)
+            rows.append(summarize(table))
+            tables[name] = table
+    if plot_ttft is not None:
+        plot_ttft_cdf(tables, plot_ttft)
+    reusable, total = reusable_blocks(requests)
+    if as_json:
+        typer.echo(json.dumps(_jsonable({"policies": rows, "upper_bound_block_hit_rate": reusable / total, "cost_model": cost.to_dict(),
+                                         "requests": len(requests), "replicas": replicas}), indent=2))
+        return
+    typer.echo(f"{len(requests)} requests, {replicas} replicas, cache {cache_blocks or 'unlimited'} blocks/replica; "
+               f"unlimited-cache bound: {100 * reusable / total:.1f}% of blocks")
+    typer.echo(compare_table(rows))
+
+
+@app.command("why")
+@guarded
+def why(
+    trace: Annotated[Path, typer.Argument(help="A routing trace (HDF5 with /requests).")],
+    request_id: Annotated[str, typer.Argument(help="The request's id.")],
+    as_json: AsJson = False,
+) -> None:
+    """Why did this request go to that replica: every candidate's signals and the rule that decided."""
+    from moetrace.replicas.analysis import why as explain
+    from moetrace.replicas.analysis import why_text
+    from moetrace.trace.requests import read_requests
+
+    table = read_requests(existing_file(trace))
+    try:
+        answer = explain(table, request_id)
+    except KeyError as exc:
+        raise CommandError(str(exc.args[0])) from None
+    typer.echo(json.dumps(_jsonable(answer), indent=2) if as_json else why_text(answer))
+
+
+@app.command("calibrate")
+@guarded
+def calibrate(
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the cost model JSON here.")] = None,
+) -> None:
+    """Fit the replay cost model on a live reference replica (prefill per token, decode per step)."""
+    from moetrace.replicas.live import calibrate_cost_model
+
+    cost = calibrate_cost_model()
+    text = json.dumps(cost.to_dict(), indent=2)
+    if out is not None:
+        output_path(out).write_text(text + "\n")
+    typer.echo(text)
+
+
+def print_routing_report(path: Path, as_json: bool) -> None:
+    """``moetrace analyze`` on a routing trace: the same evidence as ``replicas compare``."""
+    from moetrace.replicas.analysis import compare_table, summarize
+    from moetrace.trace.requests import read_requests
+
+    summary = summarize(read_requests(path))
+    if as_json:
+        typer.echo(json.dumps(_jsonable(summary), indent=2))
+        return
+    typer.echo(f"{path}: routing trace, {summary['requests']} requests ({summary['finished']} finished), {summary['replicas']} replicas, clock {summary['clock']}")
+    typer.echo(compare_table([summary]))
+    typer.echo("decisions by reason: " + ", ".join(f"{k} {v}" for k, v in summary["reasons"].items()))
+    typer.echo("requests per replica: " + " ".join(str(n) for n in summary["requests_per_replica"]))
