@@ -22,6 +22,7 @@ from moetrace.trace.reader import open_trace
 
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, parse_layers, stdout_console
+from .timing import print_timing
 
 __all__ = ["analyze", "placement", "plot", "print_projection", "print_report"]
 
@@ -117,6 +118,8 @@ def print_report(report: AnalysisReport, console: Console) -> None:
             f"drift: {drift['num_windows']} windows of {drift['passes_per_window']} passes; "
             f"JS divergence between successive windows {js}{window_balance}"
         )
+    if d["timing"] is not None:
+        print_timing(d["timing"], console)
     for note in d["notes"]:
         console.print(f"note: {note}")
 

@@ -35,6 +35,7 @@ from .coactivation import (
 from .drift import DriftSeries, WindowAccumulator
 from .projection import ProjectionRow, ep_projection
 from .source import count_records, iter_pass_blocks, select_layers, token_pass_block
+from .timing import analyze_timing
 
 __all__ = ["REPORT_SCHEMA", "REPORT_SCHEMA_VERSION", "AnalysisReport", "analyze_trace", "progress_bar"]
 
@@ -79,6 +80,8 @@ class AnalysisReport(metrics.LoadMetrics):
         coactivation: co-activation and transitions (``per_token`` traces only).
         drift: per-window series (when the trace has time-ordered data).
         notes: what could not be computed and why, or consistency warnings.
+        timing: phase timing and stragglers (:func:`moetrace.analysis.timing.analyze_timing`),
+            ``None`` when the trace was recorded without timing.
     """
 
     path: Path
@@ -95,6 +98,7 @@ class AnalysisReport(metrics.LoadMetrics):
     coactivation: CoactivationAccumulator | None
     drift: DriftSeries | None
     notes: list[str]
+    timing: dict[str, object] | None = None
 
     def hottest(self, layer: int) -> list[dict[str, float]]:
         """The ``top`` busiest logical experts of compact layer ``layer``."""
@@ -197,6 +201,7 @@ class AnalysisReport(metrics.LoadMetrics):
             "transitions": self._transitions_dict(),
             "ep_projection": [row.to_dict() for row in self.ep_projection],
             "drift": self.drift.to_dict() if self.drift is not None and len(self.drift) else None,
+            "timing": self.timing,
             "notes": list(self.notes),
         }
 
@@ -310,5 +315,6 @@ def analyze_trace(
             coactivation=coactivation,
             drift=drift if len(drift) else None,
             notes=notes,
+            timing=analyze_timing(trace),
         )
     return report
