@@ -44,15 +44,18 @@ from ..base import (
 )
 from .families import moe_family_coverage
 from .layers import MoESite, find_moe_sites, model_top_k
+from .replay import HFReplay, replay
 
 __all__ = [
     "MIN_TRANSFORMERS",
     "HFInstrumentation",
+    "HFReplay",
     "MoESite",
     "find_moe_sites",
     "installed_version",
     "instrument",
     "moe_family_coverage",
+    "replay",
 ]
 
 MIN_TRANSFORMERS = (5, 0)

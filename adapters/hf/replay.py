@@ -1,0 +1,179 @@
+"""Replay recorded routes into a transformers model (rollout routing replay for RL training).
+
+::
+
+    from moetrace.adapters import hf
+    with hf.replay(model, routes):           # [batch, seq, MoE layers, k] logical ids, -1 = none
+        logits = model(input_ids).logits     # every MoE layer uses the given experts
+        loss.backward()                      # weights came from the live router scores: the router learns
+
+Each MoE block (the parent of the module :func:`~moetrace.adapters.hf.layers.find_moe_sites`
+finds) runs its router under :class:`moetrace.replay.TopKReplay` until its
+experts module is called: the router's own ``torch.topk`` over ``[T, E]``
+returns the replayed ids with the scores at those ids, and the family's own
+code normalises them (softmax, renormalisation, scaling). Rows of ``-1`` keep
+the model's own top-k. Families whose router does not select with
+``torch.topk`` are refused (:data:`~moetrace.adapters.hf.families.REPLAY_REFUSED`).
+
+Replay covers a teacher-forced forward (what RL training runs): a forward over
+``[B, S]`` tokens with routes for ``[B, S]`` positions, or ``[B, S - 1]`` (a
+rollout's last token has no routes; it keeps its own top-k). A forward that
+continues a KV cache is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from moetrace.replay import LayerRoutes, ReplayError, attach_block_replay, prepare_routes
+
+from ..base import HookRegistry
+from .families import REPLAY_REFUSED
+from .layers import MoESite, find_moe_sites, model_top_k
+
+__all__ = ["HFReplay", "replay"]
+
+
+class HFReplay:
+    """A live replay on a transformers model: ``remove()`` (or leaving the ``with`` block) takes it off.
+
+    Attributes:
+        model: the model.
+        sites: its MoE sites, in compact layer order.
+        routes: ``[B, S, L, k]`` int64 logical ids being replayed (``L`` = MoE layers).
+    """
+
+    def __init__(self, model: torch.nn.Module, sites: list[MoESite], routes: np.ndarray, hooks: HookRegistry) -> None:
+        self.model, self.sites, self.routes = model, tuple(sites), routes
+        self._hooks = hooks
+
+    @property
+    def active(self) -> bool:
+        """True until :meth:`remove`."""
+        return len(self._hooks) > 0
+
+    def remove(self) -> None:
+        """Remove every hook; the model routes by itself again."""
+        self._hooks.remove_all()
+
+    def __enter__(self) -> HFReplay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _input_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int]:
+    ids = args[0] if args else kwargs.get("input_ids")
+    if ids is None:
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            raise ReplayError("replay needs input_ids or inputs_embeds to match the routes to the forward's tokens")
+        return int(embeds.shape[0]), int(embeds.shape[1])
+    return (1, int(ids.shape[0])) if ids.dim() == 1 else (int(ids.shape[0]), int(ids.shape[1]))
+
+
+def _cache_length(kwargs: dict[str, Any]) -> int:
+    cache = kwargs.get("past_key_values")
+    return int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+
+
+class _State:
+    """The routes of the forward in progress, per MoE layer, built once per forward shape."""
+
+    def __init__(self, routes: np.ndarray, device: torch.device) -> None:
+        self.routes, self.device = routes, device
+        self.by_length: dict[int, list[LayerRoutes]] = {}
+        self.current: list[LayerRoutes] | None = None
+
+    def begin(self, batch: int, length: int, cached: int) -> None:
+        rows, seq = self.routes.shape[:2]
+        if cached:
+            raise ReplayError(
+                f"this forward continues a KV cache of {cached} positions; replay covers a teacher-forced forward over "
+                "the whole sequence (call the model without past_key_values)"
+            )
+        if batch != rows or length not in (seq, seq + 1):
+            raise ReplayError(
+                f"the forward has {batch} x {length} tokens but the routes are for {rows} x {seq} positions; give routes "
+                f"[{batch}, {length}, layers, k] (or [{batch}, {length - 1}, ...] when the last token has none), -1 where a "
+                "position has no routes (padding)"
+            )
+        if length not in self.by_length:
+            routes = self.routes
+            if length == seq + 1:
+                routes = np.concatenate([routes, np.full((rows, 1, *routes.shape[2:]), -1, dtype=routes.dtype)], axis=1)
+            flat = routes.reshape(rows * length, *routes.shape[2:])
+            self.by_length[length] = [LayerRoutes(flat[:, layer], self.device) for layer in range(flat.shape[1])]
+        self.current = self.by_length[length]
+
+    def layer(self, index: int, name: str) -> LayerRoutes:
+        if self.current is None:
+            raise ReplayError(f"{name} ran outside a forward of the model replay was installed on; call that model's forward")
+        return self.current[index]
+
+
+def _refuse_family(model: torch.nn.Module) -> None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None) or ""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else None
+    for family in (model_type, getattr(text, "model_type", "") or ""):
+        if family in REPLAY_REFUSED:
+            raise ReplayError(f"{type(model).__name__}: replay is not supported for the '{family}' family: {REPLAY_REFUSED[family]}")
+
+
+def replay(model: torch.nn.Module, routes: Any, *, top_k: int | None = None) -> HFReplay:
+    """Make every MoE layer of ``model`` route to ``routes`` in its forward passes, until removed.
+
+    Args:
+        model: a transformers model (``*ForCausalLM`` or base model); its
+            forward is the one whose calls are replayed.
+        routes: ``[batch, seq, num_moe_layers, top_k]`` or ``[seq, ...]`` for
+            batch 1, logical expert ids, ``-1`` for positions without routes;
+            the layer axis may also be every model layer (``-1`` for dense
+            ones, as a capture gives it). A numpy array, a tensor, or a wire
+            payload (:func:`moetrace.capturer.encode_routed_experts`).
+        top_k: experts per token when the model does not say.
+
+    Returns:
+        The live :class:`HFReplay` (also a context manager).
+
+    Raises:
+        ReplayError: a family that cannot be replayed (with the reason), or
+            routes that do not fit the model (shape, top-k, physical or
+            out-of-range ids, duplicate ids, rows mixing ``-1`` and ids).
+        NoMoELayersError: the model has no MoE layer.
+    """
+    from . import _check_version
+
+    _check_version()
+    _refuse_family(model)
+    sites = find_moe_sites(model)
+    k = top_k if top_k is not None else model_top_k(model, sites)
+    num_experts = max(site.num_experts for site in sites)
+    arr = prepare_routes(routes, num_moe_layers=len(sites), layer_ids=[s.layer_id for s in sites], num_experts=num_experts, top_k=k)
+    param = next(model.parameters(), None)
+    state = _State(arr, param.device if param is not None else torch.device("cpu"))
+    hooks = HookRegistry()
+    modules = dict(model.named_modules())
+
+    def begin(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        state.begin(*_input_shape(args, kwargs), _cache_length(kwargs))
+
+    def end(*_: Any) -> None:
+        state.current = None
+
+    handles = [model.register_forward_pre_hook(begin, with_kwargs=True), model.register_forward_hook(end, always_call=True)]
+    for site in sites:
+        parent_name = site.name.rpartition(".")[0]
+        block = modules[parent_name]
+        until = site.module if site.kind != "router-topk" else None
+        handles += attach_block_replay(
+            block, until, lambda index=site.index, name=site.name: state.layer(index, name), site.num_experts, k, site.name
+        )
+    for handle in handles:
+        hooks.on_remove("replay hook", lambda h=handle: h.remove())
+    return HFReplay(model, sites, arr, hooks)

@@ -1,0 +1,194 @@
+"""Routing replay: run a model's MoE layers on given expert ids instead of their own top-k.
+
+Rollout routing replay (R3) trains on the experts the inference engine chose.
+The replayed ids replace the router's *selection* only: the weights are still
+computed from the live router scores, by the router's own code, so the
+family's normalisation (softmax over all experts then top-k, renormalised
+top-k, sigmoid + bias-free gather, scaling factors...) applies unchanged and
+gradients reach the router. Megatron-Core's ``RouterReplay`` does the same by
+replacing its top-k function; here the replacement is scoped with a
+``TorchFunctionMode`` (:class:`TopKReplay`) active only while one MoE block
+runs: inside it, a ``torch.topk`` / ``Tensor.topk`` call over ``[T, E]``
+scores with ``k = top_k`` returns ``(scores.gather(-1, ids), ids)`` for the
+replayed ``ids``. Every other call runs untouched.
+
+Rows of ``-1`` (padding, a position without routes such as the last token of
+a rollout, a prefix-cached token) keep the model's own top-k for that token.
+
+Engines use :func:`attach_block_replay` per MoE block (see
+:func:`moetrace.adapters.hf.replay` and :func:`moetrace.reference.replay`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .capturer import decode_routed_experts
+from .routes import RoutesError, check_routes, select_layers
+
+__all__ = [
+    "LayerRoutes",
+    "ReplayError",
+    "TopKReplay",
+    "attach_block_replay",
+    "prepare_routes",
+]
+
+
+class ReplayError(RuntimeError):
+    """Replay cannot be applied as asked; the message says why and what to do."""
+
+
+class LayerRoutes:
+    """One MoE layer's replayed ids for one forward shape, on the model's device.
+
+    Attributes:
+        ids: ``[T, k]`` int64 ids (``0`` where ``valid`` is false; never used there).
+        valid: ``[T, 1]`` bool, rows that carry ids.
+        partial: some rows are ``-1`` (the live top-k is needed for them).
+    """
+
+    def __init__(self, ids: np.ndarray, device: torch.device) -> None:
+        valid = (ids >= 0).all(-1, keepdims=True)
+        self.partial = not bool(valid.all())
+        self.ids = torch.as_tensor(np.where(valid, ids, 0), dtype=torch.int64, device=device)
+        self.valid = torch.as_tensor(valid, device=device)
+
+
+class TopKReplay(TorchFunctionMode):
+    """Answers ``topk`` over ``[T, num_experts]`` with ``k = top_k`` from :class:`LayerRoutes`.
+
+    ``hits`` counts the calls answered (a router that never calls ``topk``
+    this way cannot be replayed: the caller checks ``hits``).
+    """
+
+    def __init__(self, routes: LayerRoutes, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.routes, self.num_experts, self.top_k = routes, num_experts, top_k
+        self.hits = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.topk or func is torch.Tensor.topk:
+            answer = self._replay(func, args, kwargs)
+            if answer is not None:
+                return answer
+        return func(*args, **kwargs)
+
+    def _replay(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        scores = args[0] if args else kwargs["input"]
+        k = args[1] if len(args) > 1 else kwargs.get("k")
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
+        routes = self.routes
+        if (
+            k != self.top_k or not largest or "out" in kwargs or scores.dim() < 1
+            or dim % scores.dim() != scores.dim() - 1 or scores.shape[-1] != self.num_experts
+            or scores.numel() != routes.ids.shape[0] * self.num_experts
+        ):
+            return None
+        self.hits += 1
+        flat = scores.reshape(-1, self.num_experts)
+        ids = routes.ids
+        if routes.partial:
+            live = func(*args, **kwargs).indices.reshape(-1, self.top_k)
+            ids = torch.where(routes.valid, ids, live)
+        values = flat.gather(1, ids)
+        shape = (*scores.shape[:-1], self.top_k)
+        return torch.return_types.topk((values.reshape(shape), ids.reshape(shape)))
+
+
+def prepare_routes(
+    routes: Any,
+    *,
+    num_moe_layers: int,
+    layer_ids: Sequence[int],
+    num_experts: int,
+    top_k: int,
+) -> np.ndarray:
+    """Validate routes for replay and return ``[B, S, num_moe_layers, k]`` int64 logical ids.
+
+    ``routes``: ``[B, S, L, k]`` or ``[S, L, k]`` (batch 1), a numpy array, a
+    tensor or a wire payload (``{"data", "dtype", "shape"}``). ``L`` is either
+    the MoE layers or the model layers (``-1`` rows for dense layers, as a
+    capture gives them: the MoE layers ``layer_ids`` are picked).
+
+    Raises:
+        ReplayError: wrong shape, top-k or layer count, or invalid rows (physical
+            ids, duplicates, rows mixing ``-1`` and ids).
+    """
+    if isinstance(routes, dict):
+        routes = decode_routed_experts(routes)
+    try:
+        arr = check_routes(routes, num_experts)
+    except RoutesError as exc:
+        raise ReplayError(f"cannot replay: {exc}") from None
+    if arr.ndim == 3:
+        arr = arr[None]
+    if arr.ndim != 4:
+        raise ReplayError(f"routes must be [batch, seq, layers, top_k] or [seq, layers, top_k], got {list(arr.shape)}")
+    if arr.shape[-1] != top_k:
+        raise ReplayError(f"routes have top_k={arr.shape[-1]} but the model routes each token to {top_k} experts")
+    layers = arr.shape[-2]
+    if layers != num_moe_layers:
+        model_layers = max(layer_ids) + 1
+        if layers != model_layers:
+            raise ReplayError(
+                f"routes have {layers} layers; the model has {num_moe_layers} MoE layers (model layer ids {list(layer_ids)}): "
+                f"give [.., {num_moe_layers}, {top_k}] (MoE layers) or [.., {model_layers}, {top_k}] (every model layer, -1 for dense ones)"
+            )
+        dense = np.setdiff1d(np.arange(layers), layer_ids)
+        if (arr[..., dense, :] >= 0).any():
+            raise ReplayError(f"routes hold expert ids in layers {dense.tolist()}, which are not MoE layers of this model (MoE layers: {list(layer_ids)})")
+        arr = select_layers(arr, layer_ids)
+    return arr
+
+
+def attach_block_replay(
+    block: torch.nn.Module,
+    until: torch.nn.Module | None,
+    layer: Callable[[], LayerRoutes | None],
+    num_experts: int,
+    top_k: int,
+    name: str,
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Replay inside ``block``'s forward, from its start until ``until`` (the experts module) is called.
+
+    A pre-hook on ``block`` enters :class:`TopKReplay`; a pre-hook on
+    ``until`` (or, without one, the end of ``block``'s forward) leaves it, so
+    the expert computation itself runs without the mode. ``layer()`` gives
+    this block's :class:`LayerRoutes` for the current forward (``None``: no
+    replay for this call). A block that did not call ``topk`` over ``[T, E]``
+    with ``k = top_k`` before leaving raises :class:`ReplayError`.
+    """
+    live: list[TopKReplay] = []
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        routes = layer()
+        if routes is None:
+            return
+        mode = TopKReplay(routes, num_experts, top_k)
+        mode.__enter__()
+        live.append(mode)
+
+    def leave(*_: Any) -> None:
+        if not live:
+            return
+        mode = live.pop()
+        mode.__exit__(None, None, None)
+        if mode.hits == 0:
+            raise ReplayError(
+                f"{name} ({type(block).__name__}) did not select experts with torch.topk over [tokens, {num_experts}] "
+                f"scores with k={top_k}, so its routing cannot be replayed (see the replay coverage table in docs/integrations/hf.md)"
+            )
+
+    handles = [block.register_forward_pre_hook(enter)]
+    if until is not None:
+        handles.append(until.register_forward_pre_hook(leave))
+    handles.append(block.register_forward_hook(leave, always_call=True))
+    return handles

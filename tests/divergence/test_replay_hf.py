@@ -1,0 +1,298 @@
+"""`moetrace.adapters.hf.replay` on tiny random-weight models of nine transformers MoE families."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from moetrace.adapters import hf
+from moetrace.adapters.hf.families import REPLAY_REFUSED, REPLAY_TESTED, replay_coverage
+
+from moetrace.analysis.divergence import route_divergence
+from moetrace.capturer import RoutedExpertsCapturer, encode_routed_experts
+from moetrace.replay import ReplayError
+from moetrace.routes import logical_ids, pad_routes
+from tests.adapters.hf_models import FAMILIES, VOCAB, hook_counts
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+NAMES = list(FAMILIES)
+
+
+def _inputs(batch: int = 2, length: int = 7, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def capture(model: torch.nn.Module, ids: torch.Tensor, **forward: object) -> tuple[torch.Tensor, np.ndarray]:
+    """Logits and routes ``[B, S, model layers, k]`` (-1 for dense layers) of one forward, captured by moetrace."""
+    batch, length = ids.shape
+    sites = hf.find_moe_sites(model)
+    k = hf.layers.model_top_k(model, sites)
+    capturer = RoutedExpertsCapturer(max(s.layer_id for s in sites) + 1, k, max_tokens_per_pass=batch * length, num_kv_slots=batch * length)
+    handle = hf.instrument(model, capturer=capturer, capture_seq_len=length)
+    try:
+        with torch.no_grad():
+            logits = model(ids, **forward).logits
+        routes = np.stack([handle.routed_experts(row, length, batch_size=batch) for row in range(batch)]).astype(np.int64)
+    finally:
+        handle.uninstrument()
+    return logits, routes
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, torch.nn.Module]:
+    return {name: FAMILIES[name].build() for name in NAMES}
+
+
+def test_tested_families_are_the_ones_run_here() -> None:
+    assert set(REPLAY_TESTED) == set(NAMES)
+    coverage = replay_coverage()
+    assert all(coverage[name] == "tested" for name in NAMES)
+    assert all(coverage[name].startswith("refused") for name in REPLAY_REFUSED)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_replaying_own_routes_reproduces_logits_and_routes(name: str, models: dict[str, torch.nn.Module]) -> None:
+    model = models[name]
+    ids = _inputs()
+    logits, routes = capture(model, ids)
+    assert (routes[..., FAMILIES[name].layer_ids, :] >= 0).all()
+    baseline = hook_counts(model)
+    with hf.replay(model, routes) as handle:
+        assert handle.active and hook_counts(model) > baseline
+        replayed_logits, replayed_routes = capture(model, ids)
+    assert hook_counts(model) == baseline and not handle.active
+    assert (replayed_logits - logits).abs().max().item() <= 1e-6
+    np.testing.assert_array_equal(replayed_routes, routes)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_other_routes_are_followed_exactly(name: str, models: dict[str, torch.nn.Module]) -> None:
+    """Routes drawn at random: the model's MoE layers go exactly there (what the adapter records)."""
+    model, family = models[name], FAMILIES[name]
+    ids = _inputs()
+    logits, own = capture(model, ids)
+    rng = np.random.default_rng(0)
+    forced = np.stack([rng.permutation(family.num_experts)[: family.top_k] for _ in range(ids.numel() * len(family.layer_ids))])
+    forced = forced.reshape(*ids.shape, len(family.layer_ids), family.top_k)  # MoE layers only
+    with hf.replay(model, forced):
+        replayed_logits, replayed = capture(model, ids)
+    np.testing.assert_array_equal(replayed[..., family.layer_ids, :], forced)
+    assert route_divergence(replayed[..., family.layer_ids, :], forced).router_agreement == 1.0
+    assert route_divergence(own[..., family.layer_ids, :], forced).router_agreement < 0.5
+    assert (replayed_logits - logits).abs().max().item() > 1e-4
+
+
+FAMILIES_ROUTER = {f.block: f.router for f in FAMILIES.values()}
+
+
+def _gate_weights(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Router logits, ids and the weights the experts module received, per MoE layer (one forward)."""
+    sites = hf.find_moe_sites(model)
+    logits, topk_ids, weights = [], [], []
+    handles = []
+
+    def experts_args(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        topk_ids.append(args[1])
+        weights.append(args[2].detach())
+
+    for site in sites:
+        block = model.get_submodule(site.name.rpartition(".")[0])
+        handles.append(getattr(block, FAMILIES_ROUTER[type(block).__name__]).register_forward_hook(lambda m, a, out: logits.append(out[0].detach().reshape(-1, out[0].shape[-1]))))
+        handles.append(site.module.register_forward_pre_hook(experts_args))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, topk_ids, weights
+
+
+@pytest.mark.parametrize(
+    ("name", "norm"),
+    [
+        # Mixtral: softmax over all experts, then the k chosen renormalised.
+        ("mixtral", lambda lg, i, m: (p := lg.softmax(-1).gather(1, i)) / p.sum(-1, keepdim=True)),
+        # Qwen2-MoE (norm_topk_prob=False by default): softmax over all experts, not renormalised.
+        ("qwen2_moe", lambda lg, i, m: lg.softmax(-1).gather(1, i)),
+        # gpt-oss: softmax over the k chosen logits.
+        ("gpt_oss", lambda lg, i, m: lg.gather(1, i).softmax(-1)),
+        # DeepSeek-V3: sigmoid scores at the chosen ids (selection bias not applied), renormalised, scaled.
+        ("deepseek_v3", lambda lg, i, m: (s := lg.sigmoid().gather(1, i)) / (s.sum(-1, keepdim=True) + 1e-20) * m.config.routed_scaling_factor),
+    ],
+)
+def test_weights_follow_the_familys_normalisation_at_replayed_ids(name: str, norm: object, models: dict[str, torch.nn.Module]) -> None:
+    model, family = models[name], FAMILIES[name]
+    ids = _inputs(batch=1, length=9, seed=3)
+    rng = np.random.default_rng(1)
+    forced = np.stack([rng.permutation(family.num_experts)[: family.top_k] for _ in range(ids.numel() * len(family.layer_ids))])
+    forced = forced.reshape(ids.numel(), len(family.layer_ids), family.top_k)
+    with hf.replay(model, forced):
+        logits, topk_ids, weights = _gate_weights(model, ids)
+    for layer, (lg, got_ids, got) in enumerate(zip(logits, topk_ids, weights, strict=True)):
+        np.testing.assert_array_equal(got_ids.numpy(), forced[:, layer])
+        torch.testing.assert_close(got, norm(lg.float(), got_ids, model).to(got.dtype), rtol=1e-5, atol=1e-6)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "llama4"])
+def test_gradients_reach_the_router_in_training_mode(name: str, models: dict[str, torch.nn.Module]) -> None:
+    model = models[name]
+    ids = _inputs()
+    _, routes = capture(model, ids)
+    routers = [p for n, p in model.named_parameters() if n.endswith(("gate.weight", "router.weight"))]
+    assert routers
+
+    def grads(replaying: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        model.train()
+        try:
+            if replaying:
+                with hf.replay(model, routes):
+                    loss = model(ids, labels=ids).loss
+                    loss.backward()
+            else:
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+        finally:
+            model.eval()
+        return loss.detach(), [p.grad.clone() for p in routers]
+
+    plain_loss, plain = grads(False)
+    replay_loss, replayed = grads(True)
+    model.zero_grad()
+    assert torch.equal(plain_loss, replay_loss)
+    for a, b in zip(plain, replayed, strict=True):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_last_token_without_routes_keeps_its_own_top_k(models: dict[str, torch.nn.Module]) -> None:
+    """A rollout's final token has no routes (slime#1045): routes [B, S-1] replay a forward over [B, S]."""
+    model = models["mixtral"]
+    ids = _inputs(length=8)
+    logits, routes = capture(model, ids)
+    with hf.replay(model, routes[:, :-1]):
+        replayed_logits, replayed = capture(model, ids)
+    np.testing.assert_array_equal(replayed, routes)
+    assert (replayed_logits - logits).abs().max().item() <= 1e-6
+    with pytest.raises(ReplayError, match="routes are for 2 x 6 positions"), hf.replay(model, routes[:, :-2]):
+        model(ids)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_replays_each_sequence(side: str, models: dict[str, torch.nn.Module]) -> None:
+    """Two sequences of 5 and 8 tokens, padded in one batch: pad positions are -1 rows, never expert 0."""
+    model = models["qwen2_moe"]
+    seqs = [_inputs(1, 5, seed=4)[0], _inputs(1, 8, seed=5)[0]]
+    alone = [capture(model, s[None])[1][0] for s in seqs]
+    ids = torch.zeros(2, 8, dtype=torch.int64)
+    mask = torch.zeros(2, 8, dtype=torch.int64)
+    for row, s in enumerate(seqs):
+        span = slice(0, len(s)) if side == "right" else slice(8 - len(s), 8)
+        ids[row, span], mask[row, span] = s, 1
+    batch_routes = pad_routes(alone, side=side)
+    assert (batch_routes[0, 5:] if side == "right" else batch_routes[0, :3]).max() == -1
+    with hf.replay(model, batch_routes):
+        _, replayed = capture(model, ids, attention_mask=mask)
+    for row, s in enumerate(seqs):
+        span = slice(0, len(s)) if side == "right" else slice(8 - len(s), 8)
+        np.testing.assert_array_equal(replayed[row, span], alone[row])
+    assert (replayed[..., 1, :] == -1).all()  # the dense layer (mlp_only_layers=[1]) has no routes
+
+
+def test_more_than_256_experts_through_the_wire_format() -> None:
+    torch.manual_seed(0)
+    config = tf.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, num_local_experts=300, num_experts_per_tok=4, max_position_embeddings=64)
+    model = tf.MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "gate" in n:
+                p.normal_(0, 1.0)
+    ids = _inputs(1, 12)
+    logits, routes = capture(model, ids)
+    assert routes.max() > 255
+    payload = encode_routed_experts(routes[0])
+    assert payload["dtype"] == "uint16"
+    with hf.replay(model, payload):
+        replayed_logits, replayed = capture(model, ids)
+    np.testing.assert_array_equal(replayed, routes)
+    assert (replayed_logits - logits).abs().max().item() <= 1e-6
+
+
+def test_physical_ids_are_refused_and_logical_ones_replay(models: dict[str, torch.nn.Module]) -> None:
+    """Under a replica map (8 experts, 4 redundant slots) the engine reports physical slots; replay takes logical ids."""
+    model = models["mixtral"]
+    ids = _inputs(1, 6)
+    logits, routes = capture(model, ids)
+    phy2log = np.tile(np.concatenate([np.arange(8), [0, 1, 2, 3]]), (2, 1))
+    physical = np.where(routes < 4, routes + 8, routes)  # experts 0-3 served by their replicas
+    with pytest.raises(ReplayError, match="physical ids"):
+        hf.replay(model, physical)
+    with hf.replay(model, logical_ids(physical, phy2log)):
+        replayed_logits, replayed = capture(model, ids)
+    np.testing.assert_array_equal(replayed, routes)
+    assert (replayed_logits - logits).abs().max().item() <= 1e-6
+
+
+def test_prefix_cached_positions_without_routes_route_themselves(models: dict[str, torch.nn.Module]) -> None:
+    """An engine returns no routes for prefix-cached tokens: those rows are -1 and keep the model's own top-k."""
+    model = models["olmoe"]
+    ids = _inputs(1, 10)
+    _, routes = capture(model, ids)
+    partial = routes.copy()
+    partial[:, :4] = -1
+    rng = np.random.default_rng(2)
+    partial[:, 4:] = np.stack([rng.permutation(8)[:2] for _ in range(6 * 2)]).reshape(1, 6, 2, 2)
+    with hf.replay(model, partial):
+        _, replayed = capture(model, ids)
+    np.testing.assert_array_equal(replayed[:, :4], routes[:, :4])  # causal: positions 0-3 see no replayed position
+    np.testing.assert_array_equal(replayed[:, 4:], partial[:, 4:])
+
+
+@pytest.mark.parametrize(
+    ("routes", "match"),
+    [
+        (np.tile([0, 1, 2], (2, 7, 2, 1)), "top_k=3"),
+        (np.tile([0, 1], (2, 7, 5, 1)), "5 layers"),
+        (np.tile([1, 1], (2, 7, 2, 1)), "repeats"),
+        (np.tile([1, -1], (2, 7, 2, 1)), "mixes -1"),
+    ],
+)
+def test_routes_that_do_not_fit_are_refused(routes: np.ndarray, match: str, models: dict[str, torch.nn.Module]) -> None:
+    model = models["mixtral"]
+    baseline = hook_counts(model)
+    with pytest.raises(ReplayError, match=match):
+        hf.replay(model, routes)
+    assert hook_counts(model) == baseline
+
+
+def test_dense_layer_routes_must_be_empty(models: dict[str, torch.nn.Module]) -> None:
+    model = models["qwen2_moe"]
+    routes = np.tile([0, 1], (1, 4, 3, 1))
+    with pytest.raises(ReplayError, match="not MoE layers"):
+        hf.replay(model, routes)
+
+
+def test_kv_cache_continuation_and_wrong_batch_are_refused(models: dict[str, torch.nn.Module]) -> None:
+    model = models["mixtral"]
+    ids = _inputs(1, 6)
+    _, routes = capture(model, ids)
+    with hf.replay(model, routes), torch.no_grad():
+        out = model(ids, use_cache=True)
+        with pytest.raises(ReplayError, match="KV cache"):
+            model(ids[:, :1], past_key_values=out.past_key_values)
+        with pytest.raises(ReplayError, match="2 x 6 tokens"):
+            model(ids.repeat(2, 1))
+        with pytest.raises(ReplayError, match="outside a forward"):
+            model.model.layers[0].mlp(torch.zeros(1, 6, 32))
+
+
+def test_refused_family_says_why() -> None:
+    torch.manual_seed(0)
+    config = tf.PhimoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    model = tf.PhimoeForCausalLM(config).eval()
+    with pytest.raises(ReplayError, match="sparsemixer"):
+        hf.replay(model, np.tile([0, 1], (4, 1, 1)))
