@@ -231,7 +231,7 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
             try:
                 while True:
                     _, rank, metrics_url, control_url = events.get_nowait()
-                    bar.console.print(f"rank {rank}: Prometheus {metrics_url}   control {control_url}/status", soft_wrap=True)
+                    bar.console.print(f"rank {rank}: Prometheus {metrics_url}\n        control {control_url}/status", soft_wrap=True)
             except queue.Empty:
                 pass
             try:

@@ -44,7 +44,7 @@ def check_outputs(out: Path, ranks: int, layers: int, experts: int) -> dict:
 
 def test_demo_small_end_to_end(tmp_path, capsys):
     settings = DemoSettings(ranks=2, requests=10, layers=2, experts=4, top_k=2, skew=1.0, out=tmp_path / "demo")
-    console = Console(width=120, force_terminal=False)
+    console = Console(width=80, force_terminal=False)  # an 80-column terminal
     summary = run_demo(settings, console)
     assert summary["served"] == 10 and not summary["interrupted"]
     report = check_outputs(tmp_path / "demo", ranks=2, layers=2, experts=4)
@@ -52,6 +52,8 @@ def test_demo_small_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     for needle in ("Prometheus http://127.0.0.1:", "control http://127.0.0.1:", "balancedness", "All-to-all bytes", "routed experts", "placement plan"):
         assert needle in printed
+    wide = [line for line in printed.splitlines() if len(line) > 80]
+    assert not wide, "lines wider than 80 columns:\n" + "\n".join(wide)
 
 
 def test_demo_ctrl_c_keeps_a_valid_trace(tmp_path):
