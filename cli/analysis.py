@@ -130,10 +130,10 @@ def analyze(
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report (schema in docs/analysis.md) instead of tables.")] = False,
     layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
     window: Annotated[int | None, typer.Option("--window", min=1, help="Passes per drift window (default: about 20 windows).")] = None,
-    top: Annotated[int, typer.Option("--top", min=1, help="Hottest experts, pairs and transitions listed per layer.")] = 5,
+    top: Annotated[int, typer.Option("--top", min=1, help="Hottest experts, pairs and transitions listed per layer (the expert table shows at most 3).")] = 5,
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
 ) -> None:
-    """Balance, entropy, dead/hot experts, per-rank load, co-activation, transitions and drift of a trace."""
+    """Expert and rank balance, entropy, dead/hot experts, EP projection, co-activation, transitions and drift of a trace."""
     report = analyze_trace(existing_file(trace), layers=parse_layers(layers), window=window, top=top, progress=progress)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
@@ -151,7 +151,7 @@ def plot(
     window: Annotated[int | None, typer.Option("--window", min=1, help="Passes per window for the timeline.")] = None,
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
 ) -> None:
-    """Draw a PNG: layer x expert heatmap, per-rank load, balance/drift timeline or co-activation matrix."""
+    """Draw a PNG: layer x expert heatmap, per-rank load, balance/drift timeline, co-activation matrix or EP projection."""
     if kind not in PLOT_KINDS:
         raise CommandError(f"--kind {kind!r}: choose one of {', '.join(PLOT_KINDS)}")
     output_path(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -52,6 +53,7 @@ def output_path(path: Path) -> Path:
 
 
 def stdout_console() -> Console:
-    """A rich console on stdout; wide when not a terminal so piped tables keep whole names."""
+    """A rich console on stdout; wide when not a terminal so piped tables keep whole names,
+    unless ``COLUMNS`` sets the width (e.g. ``COLUMNS=80 moetrace analyze run.h5 | less``)."""
     console = Console()
-    return console if console.is_terminal else Console(width=160)
+    return console if console.is_terminal or os.environ.get("COLUMNS", "").isdigit() else Console(width=160)

@@ -16,7 +16,7 @@ from .report import AnalysisReport
 
 __all__ = ["PLOT_KINDS", "plot_report"]
 
-PLOT_KINDS = ("heatmap", "ranks", "timeline", "coactivation")
+PLOT_KINDS = ("heatmap", "ranks", "timeline", "coactivation", "projection")
 
 
 def _title(report: AnalysisReport, what: str) -> str:
@@ -94,13 +94,41 @@ def _coactivation(report: AnalysisReport, fig: Figure, layer: int | None) -> Non
     ax.set_title(_title(report, f"Co-activation, layer {layer}"))
 
 
+def _projection(report: AnalysisReport, fig: Figure) -> None:
+    rows = report.ep_projection
+    if not rows:
+        raise ValueError(f"{report.path}: the EP projection needs at least 2 experts per layer")
+    ranks = [row.ranks for row in rows]
+    extra = rows[0].redundant_slots // rows[0].ranks
+    ax = fig.add_subplot()
+    series = (
+        ("contiguous (rank r: experts [rE/R, (r+1)E/R))", [row.contiguous_balancedness for row in rows], "tab:red", "o"),
+        ("planned (moetrace placement, E slots)", [row.planned_balancedness for row in rows], "tab:blue", "s"),
+        (f"planned + {extra} redundant slot(s) per rank", [row.planned_redundant_balancedness for row in rows], "tab:green", "^"),
+    )
+    for label, values, color, marker in series:
+        ax.plot(ranks, values, marker=marker, color=color, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ranks, [str(r) for r in ranks])
+    ax.minorticks_off()
+    ax.set_ylim(0, 1.05)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("EP ranks R (divisors of the expert count)")
+    ax.set_ylabel("rank balancedness (mean / max rank load)")
+    ax.legend(loc="lower left")
+    ax.grid(True, alpha=0.3)
+    ep = f"recorded on {report.ep_size} EP rank{'s' if report.ep_size > 1 else ''}"
+    ax.set_title(_title(report, f"EP projection of this load ({ep})"))
+
+
 def plot_report(report: AnalysisReport, path: Path | str, kind: str = "heatmap", layer: int | None = None) -> Path:
     """Draw one plot of ``report`` into the PNG ``path``.
 
     Args:
         kind: ``heatmap`` (layer x expert load), ``ranks`` (per-rank load and
             per-layer balancedness), ``timeline`` (balancedness and drift per
-            window), ``coactivation`` (expert x expert matrix of one layer).
+            window), ``coactivation`` (expert x expert matrix of one layer),
+            ``projection`` (EP projection: rank balancedness against R per placement).
         layer: model layer id for ``coactivation`` (default the first analysed).
 
     Raises:
@@ -116,6 +144,8 @@ def plot_report(report: AnalysisReport, path: Path | str, kind: str = "heatmap",
         _ranks(report, fig)
     elif kind == "timeline":
         _timeline(report, fig)
+    elif kind == "projection":
+        _projection(report, fig)
     else:
         _coactivation(report, fig, layer)
     path = Path(path)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +25,8 @@ from moetrace.analysis import analyze_trace
 
 from .helpers import random_passes, record
 from .real_routes import LAYER_IDS, NUM_EXPERTS, TOP_K, olmoe_router_ids, olmoe_router_trace
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def oracle(row: np.ndarray) -> dict[str, float]:
@@ -151,3 +155,39 @@ def test_metric_edge_cases():
     assert metrics.overall_expert_imbalance(np.zeros((2, 4))) == 1.0
     assert metrics.overall_hot_expert_share(np.zeros((2, 4))) == 0.0
     assert [metrics.hot_expert_count(e) for e in (1, 8, 10, 11, 30, 64, 256)] == [1, 1, 1, 2, 3, 7, 26]
+
+
+def _readme_block(lang: str, needle: str) -> str:
+    blocks = re.findall(rf"```{lang}\n(.*?)```", README.read_text(), flags=re.S)
+    (block,) = [b for b in blocks if needle in b]
+    return block
+
+
+def test_readme_hf_snippet_headline_reflects_real_skew(tmp_path, monkeypatch):
+    """The README's HF snippet, run as written on a tiny random Qwen3-MoE, then its `moetrace analyze` line."""
+    from moetrace.cli.app import app
+    from typer.testing import CliRunner
+
+    from ..adapters.hf_models import FAMILIES, VOCAB, capture_routers
+
+    family = FAMILIES["qwen3_moe"]
+    model = family.build()
+    input_ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    monkeypatch.chdir(tmp_path)
+    with capture_routers(model, family) as routes:  # independent of moetrace's hooks
+        exec(_readme_block("python", "moetrace.adapters.hf import instrument"), {"model": model, "input_ids": input_ids})
+    counts = routes.counts(len(family.layer_ids), family.num_experts).numpy()
+    assert counts.sum() > 0
+    command = _readme_block("sh", "moetrace analyze").split("#")[0].split()
+    assert command[:2] == ["moetrace", "analyze"]
+    monkeypatch.setenv("COLUMNS", "80")
+    result = CliRunner().invoke(app, command[1:])
+    assert result.exit_code == 0, result.stderr
+    text = result.stdout
+    figure = sum(c.max() for c in counts) / sum(c.mean() for c in counts)
+    assert figure > 1.5  # the tiny model's router is really skewed
+    assert f"expert imbalance {figure:.2f} (hottest/mean; worst layer {max(oracle(c)['imbalance'] for c in counts):.2f})" in text
+    hot = sum(sum(sorted(c.tolist(), reverse=True)[:1]) for c in counts) / counts.sum()
+    assert f"hottest 10% (1 of 8 experts) take {100 * hot:.1f}% (even: 12.5%)" in text
+    assert "rank balance: needs EP" in text and "balancedness 1.000" not in text
+    assert all(len(line) <= 80 for line in text.splitlines())

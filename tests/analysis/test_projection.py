@@ -97,3 +97,22 @@ def test_projection_ranks_and_errors():
         ep_projection(np.ones(8))
     with pytest.raises(ValueError, match="redundant_per_rank"):
         ep_projection(np.ones((1, 8)), redundant_per_rank=0)
+
+
+def test_analyze_and_plot_projection_through_the_cli(routed, tmp_path):
+    from moetrace.cli.app import app
+    from typer.testing import CliRunner
+
+    path, counts = routed
+    runner = CliRunner()
+    result = runner.invoke(app, ["analyze", str(path), "--json"])
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)["ep_projection"]
+    assert [r["contiguous_balancedness"] for r in rows] == pytest.approx([contiguous_oracle(counts, r["ranks"])[0] for r in rows], rel=1e-12)
+    text = runner.invoke(app, ["analyze", str(path)]).stdout
+    assert "EP projection" in text and "planned +1/rank" in text
+    out = tmp_path / "projection.png"
+    result = runner.invoke(app, ["plot", str(path), "-o", str(out), "--kind", "projection"])
+    assert result.exit_code == 0, result.stderr
+    raw = out.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n" and len(raw) > 10_000
