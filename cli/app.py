@@ -6,7 +6,7 @@ import typer
 
 import moetrace
 
-from . import analysis, control, demo, diff, traces
+from . import analysis, control, demo, diff, timeline, traces
 
 __all__ = ["app", "main"]
 
@@ -22,6 +22,7 @@ app.command("analyze")(analysis.analyze)
 app.command("plot")(analysis.plot)
 app.command("placement")(analysis.placement)
 app.command("diff")(diff.diff)
+app.command("timeline")(timeline.timeline)
 # Producing and examining trace files.
 app.command("convert")(traces.convert)
 app.command("merge")(traces.merge)

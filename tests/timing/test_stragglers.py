@@ -1,6 +1,6 @@
 """Injected slowness is found: 2 gloo EP ranks, rank 1's expert compute delayed by a fixed sleep.
 
-One spawn; each rank runs the reference EP model in both exchange modes with
+One spawn (the ``ep_run`` fixture in conftest.py); each rank runs the reference EP model in both exchange modes with
 timing on (rank 1 sleeping ``DELAY_S`` in every layer's ``expert`` phase), and
 once with timing off on the same inputs. The stat-mode dumps (gathered over
 both ranks) are analysed here.
@@ -8,56 +8,18 @@ both ranks) are analysed here.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-import torch
 
-from moetrace import ExpertDistributionRecorder
 from moetrace.analysis.timing import analyze_timing
-from moetrace.reference import EPSpec, ModelConfig, ReferenceMoEModel, launch, zipf_bias
 from moetrace.trace.reader import open_trace
 
-DELAY_S = 0.02
-PASSES = 10
-MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_experts=8, top_k=2,
-                    dense_layers=(0,), router_bias=tuple(zipf_bias(8, 1.0, seed=0).tolist()), seed=5)
-LAYERS = len(MODEL.moe_layer_ids)
-
-
-def _worker(rank: int, world: int, out_dir: str) -> dict:
-    torch.manual_seed(0)
-    inputs = [torch.randint(0, MODEL.vocab_size, (2, 6 + rank), generator=torch.Generator().manual_seed(10 * p + rank)) for p in range(PASSES)]
-    counts = {}
-    for mode in ("exact", "padded"):
-        model = ReferenceMoEModel(MODEL, ep=EPSpec(world, rank, mode, max_tokens=16))
-        for timing in (False, True):
-            model.set_expert_delay(DELAY_S if (timing and rank == 1) else 0.0)
-            recorder = ExpertDistributionRecorder(model.recorder_config(timing=timing, output_dir=out_dir))
-            recorder.start_record()
-            with torch.inference_mode():
-                model(inputs[0], recorder=recorder)  # warm-up pass
-                recorder.reset()
-                for ids in inputs:
-                    model(ids, recorder=recorder)
-            recorder.stop_record()
-            recorder.dump_record(Path(out_dir) / f"{mode}-{'timed' if timing else 'plain'}.h5")
-            snap = recorder.snapshot()
-            counts[(mode, timing)] = (snap.physical_count, snap.send_count, snap.recv_count)
-    return {"counts": counts}
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("stragglers")
-    results = launch(_worker, 2, str(out), backend="gloo", threads_per_rank=1, timeout=240)
-    return out, results
+from .conftest import DELAY_S, LAYERS, PASSES
 
 
 @pytest.mark.parametrize("mode", ["exact", "padded"])
-def test_injected_slow_rank_is_named_and_its_wait_measured(run, mode):
-    out, _ = run
+def test_injected_slow_rank_is_named_and_its_wait_measured(ep_run, mode):
+    out, _ = ep_run
     with open_trace(out / f"{mode}-timed.h5") as trace:
         report = analyze_timing(trace)
     assert report is not None and report["ranks"] == 2 and report["passes"] == PASSES
@@ -82,8 +44,8 @@ def test_injected_slow_rank_is_named_and_its_wait_measured(run, mode):
 
 
 @pytest.mark.parametrize("mode", ["exact", "padded"])
-def test_phases_sum_to_the_layer_time(run, mode):
-    out, _ = run
+def test_phases_sum_to_the_layer_time(ep_run, mode):
+    out, _ = ep_run
     with open_trace(out / f"{mode}-timed.h5") as trace:
         rows = trace.timing_rows()
         report = analyze_timing(trace)
@@ -96,8 +58,8 @@ def test_phases_sum_to_the_layer_time(run, mode):
 
 
 @pytest.mark.parametrize("mode", ["exact", "padded"])
-def test_counts_identical_with_timing_on_and_off(run, mode):
-    out, results = run
+def test_counts_identical_with_timing_on_and_off(ep_run, mode):
+    out, results = ep_run
     for rank_result in results:
         plain = rank_result["counts"][(mode, False)]
         timed = rank_result["counts"][(mode, True)]
