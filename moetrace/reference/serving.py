@@ -16,6 +16,16 @@ never fed back). ``max_new_tokens=0`` is a prefill-only request: all ``P``
 prompt positions are computed and returned, no token is sampled. Sampling is
 greedy.
 
+Prefix cache (``prefix_cache_blocks``): the KV slots of a finished request's
+full ``block_size``-token blocks (prompt and fed-back output) stay in a
+block-level LRU :class:`~moetrace.reference.prefix_cache.PrefixCache`; a later
+request whose prompt starts with the same blocks maps them into its
+``req_to_token`` row and skips their prefill (at least one prompt token is
+always computed, for its logits). ``RequestResult.cached_tokens`` says how many
+prompt tokens were reused; :attr:`ServingLoop.kv_events` lists blocks stored
+and evicted (Dynamo-style KV events for a router). Routed-experts capture of
+cached positions is not supported with the prefix cache.
+
 Expert parallelism: build one loop per rank around an EP model. Each rank
 serves its own requests (data-parallel attention, expert-parallel MoE); the
 ranks step in lockstep (a small ``all_reduce`` per step) and a rank with
@@ -36,6 +46,7 @@ import torch.distributed as dist
 from ..capturer import RoutedExpertsCapturer
 from .kv import KVSlotAllocator, ReqToTokenPool
 from .model import ForwardBatch, ReferenceMoEModel, Segment
+from .prefix_cache import PrefixCache, chain_hashes
 
 __all__ = ["Progress", "Request", "RequestResult", "ServingLoop", "routed_positions"]
 
@@ -80,6 +91,7 @@ class RequestResult:
         forward_pass_ids: the passes the request took part in (the recorder's pass ids).
         finish_reason: ``"length"`` or ``"stopped"`` (the loop was stopped first).
         rank: the EP rank that served it.
+        cached_tokens: prompt tokens taken from the prefix cache (their prefill was skipped).
     """
 
     rid: str
@@ -90,6 +102,7 @@ class RequestResult:
     forward_pass_ids: list[int]
     finish_reason: str
     rank: int
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +117,8 @@ class Progress:
     running: int
     waiting: int
     new_results: tuple[RequestResult, ...]
+    admitted: tuple[str, ...] = ()
+    first_tokens: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -115,10 +130,13 @@ class _Live:
     kv_slots: list[int] = dataclasses.field(default_factory=list)
     output: list[int] = dataclasses.field(default_factory=list)
     pass_ids: list[int] = dataclasses.field(default_factory=list)
+    cached: int = 0
+    matched: list = dataclasses.field(default_factory=list)  # pinned prefix-cache blocks
 
     @property
     def needed(self) -> int:
-        return routed_positions(len(self.request.prompt), self.request.max_new_tokens)
+        """KV slots of its own (cached positions use the cache's slots)."""
+        return routed_positions(len(self.request.prompt), self.request.max_new_tokens) - self.cached
 
 
 class ServingLoop:
@@ -134,6 +152,8 @@ class ServingLoop:
         capture: keep a :class:`RoutedExpertsCapturer` (needed for ``return_routed_experts``).
         recorder: recorder given to the model (``None``: the global one at forward time).
         rank: this rank (reported in results).
+        prefix_cache_blocks: prefix-cache capacity in blocks (``None``: no prefix cache).
+        block_size: tokens per prefix-cache block.
     """
 
     def __init__(
@@ -148,6 +168,8 @@ class ServingLoop:
         capture: bool = True,
         recorder: Any = None,
         rank: int | None = None,
+        prefix_cache_blocks: int | None = None,
+        block_size: int = 16,
     ) -> None:
         ep = model.ep
         if ep is not None and ep.mode == "padded" and max_tokens_per_pass > (ep.max_tokens or 0):
@@ -179,6 +201,13 @@ class ServingLoop:
         self._finished = 0
         self._total = 0
         self._rids: set[str] = set()
+        self._halted = False
+        self._admitted: list[str] = []
+        self._first: list[str] = []
+        self.block_size = block_size
+        #: ``("stored" | "evicted", [block hashes])`` since the last :meth:`take_kv_events`.
+        self.kv_events: list[tuple[str, list]] = []
+        self.prefix_cache = PrefixCache(prefix_cache_blocks, on_evict=self._on_evict) if prefix_cache_blocks else None
 
     # ------------------------------------------------------------------ requests
     def submit(self, requests: Iterable[Request]) -> None:
@@ -194,6 +223,8 @@ class ServingLoop:
                 raise ValueError(f"request {req.rid!r}: max_new_tokens must be >= 0")
             if needed > self.pool.max_len or needed > self.allocator.num_slots:
                 raise ValueError(f"request {req.rid!r} needs {needed} positions; max_len={self.pool.max_len}, num_kv_slots={self.allocator.num_slots}")
+            if req.return_routed_experts and self.prefix_cache is not None:
+                raise ValueError(f"request {req.rid!r} asks for routed experts, which the loop does not return with a prefix cache; build it with prefix_cache_blocks=None")
             if req.return_routed_experts and self.capturer is None:
                 raise ValueError(f"request {req.rid!r} asks for routed experts but the loop was built with capture=False")
             if not 0 <= req.routed_experts_start_len <= needed:
@@ -227,25 +258,39 @@ class ServingLoop:
         Call :meth:`stop` to end early; under EP do not abandon the iterator on
         one rank only (the others would wait in a collective).
         """
+        while (progress := self.step()) is not None:
+            yield progress
+
+    @property
+    def pending(self) -> bool:
+        """Requests waiting or running on this rank."""
+        return bool(self._waiting or self._running)
+
+    def step(self) -> Progress | None:
+        """One step (admit, schedule, forward); ``None`` when every rank is idle or after a stop.
+
+        A server calls it in a loop, :meth:`submit`-ting requests between steps.
+        """
+        if self._halted:
+            return None
         with torch.inference_mode():
-            while True:
-                self._admit()
-                batch, plan, locs = self._schedule()
-                tokens = batch.input_ids.numel()
-                any_tokens, any_pending, stop = self._agree(tokens > 0, bool(self._waiting or self._running), self._stop)
-                if stop:
-                    yield self._progress(None, tokens, self._stop_all())
-                    return
-                if not any_pending:
-                    return
-                pass_id = None
-                done: list[RequestResult] = []
-                if any_tokens:
-                    pass_id = self._next_pass_id
-                    self._next_pass_id += 1
-                    done = self._forward(batch, plan, locs, pass_id)
-                self._step += 1
-                yield self._progress(pass_id, tokens, done)
+            self._admit()
+            batch, plan, locs = self._schedule()
+            tokens = batch.input_ids.numel()
+            any_tokens, any_pending, stop = self._agree(tokens > 0, self.pending, self._stop)
+            if stop:
+                self._halted = True
+                return self._progress(None, tokens, self._stop_all())
+            if not any_pending:
+                return None
+            pass_id = None
+            done: list[RequestResult] = []
+            if any_tokens:
+                pass_id = self._next_pass_id
+                self._next_pass_id += 1
+                done = self._forward(batch, plan, locs, pass_id)
+            self._step += 1
+            return self._progress(pass_id, tokens, done)
 
     def _agree(self, has_tokens: bool, pending: bool, stop: bool) -> tuple[bool, bool, bool]:
         """OR of the three flags over all ranks (one small all_reduce under EP)."""
@@ -257,14 +302,35 @@ class ServingLoop:
         return has_tokens, pending, stop
 
     def _admit(self) -> None:
+        cache = self.prefix_cache
         while self._waiting and self._waiting[0].arrival_step <= self._step:
             req = self._waiting[0]
-            needed = routed_positions(len(req.prompt), req.max_new_tokens)
-            if len(self._running) >= self.max_running or self.allocator.available - self._reserved < needed:
+            if len(self._running) >= self.max_running:
+                return
+            matched = chain_hashes(req.prompt[: len(req.prompt) - 1], self.block_size) if cache is not None else []
+            matched = matched[: cache.match(matched)] if cache is not None else []
+            cached = len(matched) * self.block_size
+            needed = routed_positions(len(req.prompt), req.max_new_tokens) - cached
+            if cache is not None:
+                cache.pin(matched)
+                short = needed - (self.allocator.available - self._reserved)
+                if short > 0:
+                    cache.evict(-(-short // self.block_size))
+            if self.allocator.available - self._reserved < needed:
+                if cache is not None:
+                    cache.pin(matched, -1)
                 return
             self._waiting.pop(0)
             self._reserved += needed
-            self._running.append(_Live(req, self.pool.alloc(), list(req.prompt)))
+            live = _Live(req, self.pool.alloc(), list(req.prompt), computed=cached, cached=cached, matched=matched)
+            if cached:
+                assert cache is not None
+                cache.touch(matched)
+                slots = [s for block in cache.payloads(matched) for s in block]
+                self.pool.assign(live.pool_idx, 0, torch.tensor(slots, dtype=torch.int64, device=self.device))
+                self.pool.mark_written(live.pool_idx, cached)
+            self._admitted.append(req.rid)
+            self._running.append(live)
 
     def _schedule(self) -> tuple[ForwardBatch, list[tuple[_Live, int]], list[int]]:
         """The next pass: batch, ``(request, new tokens)`` plan and the tokens' KV slots (host)."""
@@ -318,6 +384,8 @@ class ServingLoop:
             if live.computed == len(live.tokens) and len(live.output) < live.request.max_new_tokens:
                 live.output.append(token)
                 live.tokens.append(token)
+                if len(live.output) == 1:
+                    self._first.append(live.request.rid)
             if len(live.output) == live.request.max_new_tokens and live.computed >= len(live.request.prompt):
                 done.append(self._finish(live, "length"))
         return done
@@ -328,12 +396,38 @@ class ServingLoop:
         if req.return_routed_experts:
             assert self.capturer is not None
             experts = self.capturer.get_routed_experts(self.pool, live.pool_idx, live.computed, start)
-        self.allocator.free(live.kv_slots)
         self._reserved -= live.needed - len(live.kv_slots)
+        self.allocator.free(self._keep_prefix(live) if self.prefix_cache is not None else live.kv_slots)
         self.pool.free(live.pool_idx)
         self._running.remove(live)
         self._finished += 1
-        return RequestResult(req.rid, len(req.prompt), list(live.output), experts, start, list(live.pass_ids), reason, self.rank)
+        return RequestResult(req.rid, len(req.prompt), list(live.output), experts, start, list(live.pass_ids), reason, self.rank, live.cached)
+
+    def _keep_prefix(self, live: _Live) -> list[int]:
+        """Move ``live``'s full computed blocks into the prefix cache; returns the slots to free."""
+        cache, bs = self.prefix_cache, self.block_size
+        assert cache is not None
+        cache.pin(live.matched, -1)
+        hashes = chain_hashes(live.tokens[: live.computed], bs)
+        own = live.kv_slots  # positions live.cached .. live.computed-1
+        payloads = [own[i * bs - live.cached : (i + 1) * bs - live.cached] if i * bs >= live.cached else None for i in range(len(hashes))]
+        inserted = cache.insert(hashes, payloads)
+        if inserted:
+            self.kv_events.append(("stored", [hashes[i] for i in inserted]))
+        kept = {s for i in inserted for s in payloads[i]}
+        return [s for s in own if s not in kept]
+
+    def _on_evict(self, block: object, slots: list[int]) -> None:
+        self.allocator.free(slots)
+        if self.kv_events and self.kv_events[-1][0] == "evicted":
+            self.kv_events[-1][1].append(block)
+        else:
+            self.kv_events.append(("evicted", [block]))
+
+    def take_kv_events(self) -> list[tuple[str, list]]:
+        """The KV events since the last call (and forget them)."""
+        events, self.kv_events = self.kv_events, []
+        return events
 
     def _stop_all(self) -> list[RequestResult]:
         """Release everything; running requests end as ``"stopped"`` with what was computed."""
@@ -342,4 +436,6 @@ class ServingLoop:
         return results
 
     def _progress(self, pass_id: int | None, tokens: int, done: list[RequestResult]) -> Progress:
-        return Progress(self._step, pass_id, tokens, self._finished, self._total, len(self._running), len(self._waiting), tuple(done))
+        admitted, self._admitted = tuple(self._admitted), []
+        first, self._first = tuple(self._first), []
+        return Progress(self._step, pass_id, tokens, self._finished, self._total, len(self._running), len(self._waiting), tuple(done), admitted, first)

@@ -33,7 +33,7 @@ from .trace import TraceRequest
 __all__ = ["REFERENCE_COST", "ReplayResult", "offered_utilization", "replay", "scale_to_utilization"]
 
 #: Cost model fitted on live reference replicas (``moetrace replicas calibrate``; docs/replicas.md).
-REFERENCE_COST = CostModel(prefill_fixed=1.2e-3, prefill_per_token=2.5e-5, decode_fixed=1.5e-3, decode_per_seq=4e-5, max_batch=64)
+REFERENCE_COST = CostModel(prefill_fixed=7.1e-3, prefill_per_token=1.7e-5, decode_fixed=2.5e-3, decode_per_seq=1.6e-4, max_batch=8)
 
 
 @dataclasses.dataclass(frozen=True)
