@@ -134,6 +134,13 @@ def analyze(
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
 ) -> None:
     """Expert and rank balance, entropy, dead/hot experts, EP projection, co-activation, transitions and drift of a trace."""
+    from moetrace.trace.requests import is_routing_trace
+
+    if is_routing_trace(existing_file(trace)):  # request->replica routing evidence (moetrace replicas)
+        from .replicas import print_routing_report
+
+        print_routing_report(trace, as_json)
+        return
     report = analyze_trace(existing_file(trace), layers=parse_layers(layers), window=window, top=top, progress=progress)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))

@@ -6,7 +6,7 @@ import typer
 
 import moetrace
 
-from . import analysis, control, demo, diff, timeline, traces
+from . import analysis, control, demo, diff, replicas, timeline, traces
 
 __all__ = ["app", "main"]
 
@@ -29,6 +29,8 @@ app.command("merge")(traces.merge)
 app.command("inspect")(traces.inspect)
 # The whole job end to end on the reference runtime.
 app.command("demo")(demo.demo)
+# Request→replica routing: replay, compare, why.
+app.add_typer(replicas.app, name="replicas")
 # Driving a running process.
 app.command("start")(control.start)
 app.command("stop")(control.stop)
