@@ -27,6 +27,7 @@ app.command("timeline")(timeline.timeline)
 app.command("convert")(traces.convert)
 app.command("merge")(traces.merge)
 app.command("inspect")(traces.inspect)
+app.command("recover")(traces.recover)
 # The whole job end to end on the reference runtime.
 app.command("demo")(demo.demo)
 # Request→replica routing: replay, compare, why.

@@ -38,6 +38,8 @@ def existing_file(path: Path, what: str = "trace") -> Path:
     if not path.exists():
         raise CommandError(f"{path}: no such {what} file")
     if not path.is_file():
+        if path.is_dir() and any(p.name.startswith(".moetrace-") and p.name.endswith((".h5", ".journal")) for p in path.iterdir()):
+            raise CommandError(f"{path}: is a directory holding the segments of a recording that was not dumped; run `moetrace recover {path}` to gather them into a trace")
         raise CommandError(f"{path}: is not a file")
     return path
 

@@ -12,13 +12,13 @@ import typer
 from rich.table import Table
 
 from moetrace.trace.convert import convert_jsonl, convert_sglang
-from moetrace.trace.merge import merge_traces
+from moetrace.trace.merge import merge_traces, rank_stops
 from moetrace.trace.reader import open_trace
 
 from .errors import guarded
 from .options import existing_file, output_path, stdout_console
 
-__all__ = ["convert", "inspect", "merge"]
+__all__ = ["convert", "inspect", "merge", "recover"]
 
 
 @guarded
@@ -54,6 +54,24 @@ def merge(
     output_path(out)
     written = merge_traces(traces, out)
     typer.echo(f"wrote {written}: {len(traces)} ranks")
+    for note in rank_stops(traces):
+        typer.echo(note)
+
+
+@guarded
+def recover(
+    directory: Annotated[Path, typer.Argument(help="The dead recorder's output directory (holds its .moetrace-* segments).")],
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Trace to write (.h5); -rank<r> is added per rank when several ranks left segments.")] = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Which run (or a prefix of its id) when the directory holds several.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Recover even though the recording process still runs.")] = False,
+) -> None:
+    """Gather the complete segments (or the stat checkpoint) a dead recording left into one valid trace per rank."""
+    from moetrace.trace.recover import recover as recover_run
+
+    if out is not None:
+        output_path(out)
+    for rank in recover_run(directory, out, run_id=run_id, force=force):
+        typer.echo(rank.describe())
 
 
 def _datasets(path: Path) -> list[dict[str, object]]:

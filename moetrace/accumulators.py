@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .config import RecorderConfig
+from .trace.segments import StreamRows
 from .trace.stream import HostBufferPool, StreamJob
 from .trace.writer import token_id_dtype
 
@@ -55,6 +56,38 @@ def _event_after_copy(device: torch.device) -> torch.cuda.Event | None:
     event = torch.cuda.Event()
     event.record()
     return event
+
+
+def _no_rows() -> None:
+    return None
+
+
+class _ChunkTotals:
+    """Counter rows ``[L, C]`` (int64) of the passes staged since the last hand-off.
+
+    Each hand-off carries them so that a segment's ``/stat`` covers exactly the
+    passes whose rows it holds; ``take`` copies them asynchronously into one of
+    two host buffers and zeroes the device copy.
+    """
+
+    def __init__(self, config: RecorderConfig, layout: CounterLayout) -> None:
+        shape = (config.num_layers, layout.width)
+        self.acc = torch.zeros(shape, dtype=torch.int64, device=config.device)
+        self.pool = HostBufferPool(shape, torch.int64, count=2, pin=config.device.type == "cuda")
+
+    def add(self, current: torch.Tensor) -> None:
+        self.acc.add_(current)
+
+    def take(self) -> tuple[torch.Tensor, Callable[[], None]]:
+        """``(host buffer, release)``; record the copy's event after calling this."""
+        host = self.pool.acquire()
+        assert host is not None
+        host.copy_(self.acc, non_blocking=True)
+        self.acc.zero_()
+        return host, lambda: self.pool.release(host)
+
+    def reset(self) -> None:
+        self.acc.zero_()
 
 
 class PassCounter:
@@ -169,45 +202,62 @@ class PassStream:
         self.device = config.device
         self.staging = torch.zeros(shape, dtype=torch.int32, device=config.device)
         self.pool = HostBufferPool(shape, torch.int32, count=2, pin=config.device.type == "cuda")
+        self.totals = _ChunkTotals(config, layout)
         self.meta = np.zeros((s, 3), dtype=np.float64)  # pass_id, timestamp, num_tokens
         self.filled = 0
         self.submit = submit
 
     def push(self, current: torch.Tensor, pass_id: int, timestamp: float, num_tokens: int) -> None:
         self.staging[self.filled].copy_(current)
+        self.totals.add(current)
         self.meta[self.filled] = (pass_id, timestamp, num_tokens)
         self.filled += 1
         if self.filled == len(self.meta):
             self.flush()
 
-    def flush(self) -> None:
-        """Hand the staged passes to the writer (asynchronous copy, event, job)."""
+    def flush(self, rotate: bool = False) -> None:
+        """Hand the staged passes to the writer (asynchronous copy, event, job); ``rotate`` closes the segment after them."""
         n = self.filled
         if n == 0:
+            if rotate:
+                self.submit(StreamJob(event=None, build=_no_rows, done=_no_rows, rotate=True))
             return
         host = self.pool.acquire()
         host[:n].copy_(self.staging[:n], non_blocking=True)
+        totals, release_totals = self.totals.take()
         event = _event_after_copy(self.device)
         meta = self.meta[:n].copy()
         layout = self.layout
 
-        def build() -> dict[str, np.ndarray]:
+        def build() -> StreamRows:
             rows = host[:n].numpy()
-            return {
-                "passes/pass_id": meta[:, 0].astype(np.int64),
-                "passes/timestamp": meta[:, 1],
-                "passes/num_tokens": meta[:, 2].astype(np.int64),
-                "passes/physical_count": rows[:, :, layout.experts].copy(),
-                "passes/invalid_ids": layout.invalid(rows),
-                "passes/send_count": rows[:, :, layout.send].copy(),
-                "passes/recv_count": rows[:, :, layout.recv].copy(),
-            }
+            return StreamRows(
+                rows={
+                    "passes/pass_id": meta[:, 0].astype(np.int64),
+                    "passes/timestamp": meta[:, 1],
+                    "passes/num_tokens": meta[:, 2].astype(np.int64),
+                    "passes/physical_count": rows[:, :, layout.experts].copy(),
+                    "passes/invalid_ids": layout.invalid(rows),
+                    "passes/send_count": rows[:, :, layout.send].copy(),
+                    "passes/recv_count": rows[:, :, layout.recv].copy(),
+                },
+                totals=totals.numpy().copy(),
+                passes=n,
+                tokens=int(meta[:, 2].sum()),
+                first_pass=int(meta[0, 0]),
+                last_pass=int(meta[n - 1, 0]),
+            )
 
-        self.submit(StreamJob(event=event, build=build, done=lambda: self.pool.release(host)))
+        def done() -> None:
+            release_totals()
+            self.pool.release(host)
+
+        self.submit(StreamJob(event=event, build=build, done=done, rotate=rotate))
         self.filled = 0
 
     def reset(self) -> None:
         self.filled = 0
+        self.totals.reset()
 
 
 class TokenStream:
@@ -220,7 +270,7 @@ class TokenStream:
     pass are set to -1 at pass end, not the whole stage.
     """
 
-    def __init__(self, config: RecorderConfig, submit: Submit) -> None:
+    def __init__(self, config: RecorderConfig, layout: CounterLayout, submit: Submit) -> None:
         self.np_dtype = token_id_dtype(config.num_physical_experts)
         dtype = torch.int16 if self.np_dtype == np.int16 else torch.int32
         row = (config.num_layers, config.top_k)
@@ -229,11 +279,14 @@ class TokenStream:
         self.pass_stage = torch.full((config.max_tokens_per_pass, *row), -1, dtype=dtype, device=config.device)
         self.chunk = torch.full((config.stream_chunk_tokens, *row), -1, dtype=dtype, device=config.device)
         self.pool = HostBufferPool(tuple(self.chunk.shape), dtype, count=2, pin=config.device.type == "cuda")
+        self.totals = _ChunkTotals(config, layout)
         self.pass_id = np.zeros(config.stream_chunk_tokens, dtype=np.int64)
         self.position = np.zeros(config.stream_chunk_tokens, dtype=np.int32)
         self.filled = 0
         self.pass_tokens = 0
         self.layer_tokens = [0] * config.num_layers
+        self.passes = 0  # passes (with or without tokens) since the last hand-off
+        self.first_pass = self.last_pass = -1
         self.submit = submit
 
     def add_layer(self, layer: int, index: torch.Tensor) -> None:
@@ -256,12 +309,18 @@ class TokenStream:
                 self.pass_stage[written : self.pass_tokens, layer].fill_(-1)
             self.layer_tokens[layer] = 0
 
-    def end_pass(self, pass_id: int) -> None:
+    def end_pass(self, pass_id: int, current: torch.Tensor) -> None:
+        """Move the pass's rows into the chunk; ``current [L, C]`` are its counter rows."""
         tokens = self.pass_tokens
-        if tokens == 0:
-            return
         if self.filled + tokens > len(self.pass_id):
             self.flush()
+        self.totals.add(current)
+        if self.passes == 0:
+            self.first_pass = pass_id
+        self.passes += 1
+        self.last_pass = pass_id
+        if tokens == 0:
+            return
         self._pad_unreached()
         self.chunk[self.filled : self.filled + tokens].copy_(self.pass_stage[:tokens])
         self.pass_id[self.filled : self.filled + tokens] = pass_id
@@ -269,20 +328,37 @@ class TokenStream:
         self.filled += tokens
         self.pass_tokens = 0
 
-    def flush(self) -> None:
-        n = self.filled
-        if n == 0:
+    def flush(self, rotate: bool = False) -> None:
+        """Hand the staged tokens to the writer; ``rotate`` closes the segment after them."""
+        n, passes = self.filled, self.passes
+        if passes == 0:
+            if rotate:
+                self.submit(StreamJob(event=None, build=_no_rows, done=_no_rows, rotate=True))
             return
         host = self.pool.acquire()
         host[:n].copy_(self.chunk[:n], non_blocking=True)
+        totals, release_totals = self.totals.take()
         event = _event_after_copy(self.device)
         pass_id, position = self.pass_id[:n].copy(), self.position[:n].copy()
+        first, last = self.first_pass, self.last_pass
 
-        def build() -> dict[str, np.ndarray]:
-            return {"tokens/topk_ids": host[:n].numpy().copy(), "tokens/pass_id": pass_id, "tokens/position": position}
+        def build() -> StreamRows:
+            return StreamRows(
+                rows={"tokens/topk_ids": host[:n].numpy().copy(), "tokens/pass_id": pass_id, "tokens/position": position},
+                totals=totals.numpy().copy(),
+                passes=passes,
+                tokens=n,
+                first_pass=first,
+                last_pass=last,
+            )
 
-        self.submit(StreamJob(event=event, build=build, done=lambda: self.pool.release(host)))
+        def done() -> None:
+            release_totals()
+            self.pool.release(host)
+
+        self.submit(StreamJob(event=event, build=build, done=done, rotate=rotate))
         self.filled = 0
+        self.passes = 0
 
     def discard_pass(self) -> None:
         """Forget the current pass (its rows are overwritten or padded by the next one)."""
@@ -292,4 +368,5 @@ class TokenStream:
     def reset(self) -> None:
         self.discard_pass()
         self.filled = 0
-
+        self.passes = 0
+        self.totals.reset()

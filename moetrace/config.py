@@ -56,6 +56,13 @@ class RecorderConfig:
             and pass); off by default, and then free.
         timing_ring: passes whose CUDA timing events may be in flight at
             once (CUDA only; a pass finding every slot busy is not timed).
+        segment_seconds: crash safety. Streaming modes close their open
+            segment file (complete, fsynced, renamed) at the first pass end
+            after this many seconds; ``stat`` mode writes a checkpoint of its
+            totals and window on the same schedule. ``0`` turns the time bound
+            (and stat checkpoints) off. See docs/trace-format.md.
+        segment_bytes: streaming modes also close the open segment once it
+            holds this many bytes of raw rows, whichever comes first.
     """
 
     num_layers: int
@@ -78,6 +85,8 @@ class RecorderConfig:
     engine: str = ""
     timing: bool = False
     timing_ring: int = 4
+    segment_seconds: float = 10.0
+    segment_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -98,8 +107,12 @@ class RecorderConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.timing, bool):
             raise ValueError(f"timing must be True or False, got {self.timing!r}")
-        for name in ("window", "max_tokens_per_pass", "stream_chunk_passes", "stream_chunk_tokens", "dtype_bytes", "timing_ring"):
+        for name in ("window", "max_tokens_per_pass", "stream_chunk_passes", "stream_chunk_tokens", "dtype_bytes", "timing_ring", "segment_bytes"):
             set_(self, name, _positive_int(name, getattr(self, name)))
+        seconds = self.segment_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)) or not 0 <= seconds < float("inf"):
+            raise ValueError(f"segment_seconds must be a number of seconds >= 0 (0 = no time bound), got {seconds!r}")
+        set_(self, "segment_seconds", float(seconds))
         if self.stream_chunk_tokens < self.max_tokens_per_pass:
             raise ValueError(
                 f"stream_chunk_tokens={self.stream_chunk_tokens} must be >= max_tokens_per_pass="

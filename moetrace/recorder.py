@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -55,7 +56,17 @@ from .timing import (
     row_fields,
 )
 from .trace.schema import TraceWriteError
-from .trace.stream import BackgroundTraceWriter, StreamJob
+from .trace.segments import (
+    CheckpointWriter,
+    Journal,
+    SegmentInfo,
+    SegmentWriter,
+    checkpoint_path,
+    concat_segments,
+    journal_path,
+    sweep_dead_temporaries,
+)
+from .trace.stream import BackgroundTraceWriter, HostBufferPool, StreamJob
 from .trace.writer import TraceHeader, TraceWriter, check_writable_dir
 
 __all__ = [
@@ -175,7 +186,7 @@ class ExpertDistributionRecorder:
             self._counter.set_gate(False)
             self._window = StatWindow(cfg, self._layout) if cfg.mode == "stat" else None
             self._pass_stream = PassStream(cfg, self._layout, self._submit) if cfg.mode == "per_pass" else None
-            self._token_stream = TokenStream(cfg, self._submit) if cfg.mode == "per_token" else None
+            self._token_stream = TokenStream(cfg, self._layout, self._submit) if cfg.mode == "per_token" else None
             self._snapshots = _SnapshotChannel((cfg.num_layers, self._layout.width), self._device)
         # Phase timing (host-side): the clock, aggregates over all passes and per-pass rows.
         self._clock = make_clock(cfg.num_layers, self._device, cfg.timing_ring) if cfg.timing else None
@@ -196,9 +207,14 @@ class ExpertDistributionRecorder:
         self._num_tokens = 0
         self._dumped_passes = 0
         self._dumped_tokens = 0
-        self._dumped_rows = np.zeros((cfg.num_layers, self._layout.width), dtype=np.int64)
         self._run_id = uuid.uuid4().hex
+        # Crash safety: streaming modes write rotating segments through a writer thread,
+        # stat mode checkpoints through one (see moetrace.trace.segments).
         self._segment: BackgroundTraceWriter | None = None
+        self._journal: Journal | None = None
+        self._rotate_at = 0.0
+        self._checkpoint_buffers: tuple[HostBufferPool, HostBufferPool] | None = None
+        self._undumped_segments: list[SegmentInfo] = []  # closed segments taken by a dump that failed
         self.last_dump_path: Path | None = None
         self._errors: list[str] = []
 
@@ -399,11 +415,62 @@ class ExpertDistributionRecorder:
             if self._pass_stream is not None:
                 self._pass_stream.push(counter.current, pass_id, timestamp, tokens)
             if self._token_stream is not None:
-                self._token_stream.end_pass(pass_id)
+                self._token_stream.end_pass(pass_id, counter.current)
             counter.clear()
             self._num_passes += 1
             self._num_tokens += tokens
             self._snapshots.publish(counter.totals, self._num_passes, self._num_tokens, timestamp)
+            if self._segment is not None and time.monotonic() >= self._rotate_at:
+                self._rotate(pass_id)
+
+    def _rotate(self, pass_id: int, wait: bool = False) -> None:
+        """Segment due (``segment_seconds``): hand what is staged to the writer thread, which closes
+        the segment (streaming) or writes a checkpoint (stat). Only enqueues: never waits."""
+        self._rotate_at = time.monotonic() + self.config.segment_seconds
+        if self._window is not None:
+            self._checkpoint(pass_id, wait)
+            return
+        self._flush_timing_rows()
+        for stream in (self._pass_stream, self._token_stream):
+            if stream is not None:
+                stream.flush(rotate=True)
+
+    def _checkpoint(self, pass_id: int, wait: bool) -> None:
+        """Stat mode: copy totals and window to host buffers (asynchronously) and let the
+        writer thread write the checkpoint; skipped when the previous one is still being
+        written, unless ``wait``."""
+        assert self._window is not None and self._segment is not None
+        if self._checkpoint_buffers is None:
+            pin = self._cuda
+            self._checkpoint_buffers = (
+                HostBufferPool(tuple(self._counter.totals.shape), torch.int64, 1, pin),
+                HostBufferPool(tuple(self._window.counts.shape), torch.int32, 1, pin),
+            )
+        totals_pool, window_pool = self._checkpoint_buffers
+        totals = totals_pool.acquire(block=wait)
+        if totals is None:
+            return
+        window = window_pool.acquire()
+        assert window is not None
+        totals.copy_(self._counter.totals, non_blocking=True)
+        window.copy_(self._window.counts, non_blocking=True)
+        event = torch.cuda.Event() if self._cuda else None
+        if event is not None:
+            event.record()
+        w = self._window
+        order = w.order()
+        meta = np.stack([w.pass_id, w.timestamp, w.num_tokens], axis=1)[order]
+        passes, tokens = self._num_passes, self._num_tokens
+
+        def build() -> tuple[object, int, int]:
+            rows, counts = totals.numpy()[None].copy(), window.numpy()[order][None]
+            return (lambda writer: self._write_stat_file(writer, rows, np.array([[passes, tokens]]), meta[None], counts)), pass_id, passes
+
+        def done() -> None:
+            window_pool.release(window)
+            totals_pool.release(totals)
+
+        self._segment.submit(StreamJob(event=event, build=build, done=done))
 
     def _add_timing(self, timing: PassTiming) -> None:
         """Fold one resolved pass's timing into the aggregates and rows (streaming: hand full blocks over)."""
@@ -449,8 +516,7 @@ class ExpertDistributionRecorder:
                 raise RecorderStateError("already recording; call stop_record() first")
             self._clear()
             self._run_id = self._shared_run_id()
-            if self.config.mode != "stat":
-                self._open_segment()
+            self._open_segment()
             self._started = True
             self._recording = True
             self._counter.set_gate(True)
@@ -462,16 +528,18 @@ class ExpertDistributionRecorder:
                 raise RecorderStateError("not recording; call start_record() first")
             self._recording = False
             self._counter.set_gate(False)
+            if self._segment is not None:  # everything recorded so far goes into closed segments / a checkpoint
+                self._rotate(self._next_pass_id - 1, wait=True)
 
     def reset(self) -> None:
         """Discard everything recorded; keeps recording if it was."""
         with self._lock:
             self._clear()
-            if self._recording and self.config.mode != "stat":
+            if self._recording:
                 self._open_segment()
 
     def _clear(self) -> None:
-        self._close_segment(discard=True)
+        self._close_segment(keep=False)
         self._counter.reset()
         for part in (self._window, self._pass_stream, self._token_stream):
             if part is not None:
@@ -486,7 +554,6 @@ class ExpertDistributionRecorder:
         self._num_tokens = 0
         self._dumped_passes = 0
         self._dumped_tokens = 0
-        self._dumped_rows[:] = 0
         self._errors = []
 
     def _shared_run_id(self) -> str:
@@ -515,23 +582,74 @@ class ExpertDistributionRecorder:
             dtype_bytes=cfg.dtype_bytes,
         )
 
+    def _streamed_schema(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """``{dataset: (row shape, dtype)}`` of what this mode streams."""
+        cfg = self.config
+        if self._pass_stream is not None:
+            lay, r = self._layout, cfg.ep_size
+            shapes: dict[str, tuple[tuple[int, ...], object]] = {
+                "passes/pass_id": ((), np.int64), "passes/timestamp": ((), np.float64), "passes/num_tokens": ((), np.int64),
+                "passes/physical_count": ((cfg.num_layers, lay.num_experts), np.int32),
+                "passes/invalid_ids": ((cfg.num_layers,), np.int32),
+                "passes/send_count": ((cfg.num_layers, r), np.int32), "passes/recv_count": ((cfg.num_layers, r), np.int32),
+            }
+        elif self._token_stream is not None:
+            shapes = {
+                "tokens/topk_ids": ((cfg.num_layers, cfg.top_k), self._token_stream.np_dtype),
+                "tokens/pass_id": ((), np.int64), "tokens/position": ((), np.int32),
+            }
+        else:
+            return {}
+        if self._clock is not None:
+            shapes.update({f"timing/{name}": spec for name, spec in row_fields(cfg.num_layers).items()})
+        return {name: (shape, np.dtype(dtype)) for name, (shape, dtype) in shapes.items()}  # type: ignore[call-overload]
+
     def _open_segment(self) -> None:
-        directory = check_writable_dir(Path(self.config.output_dir))
+        """Start the writer thread: rotating segments (streaming modes) or checkpoints (stat)."""
+        cfg = self.config
+        if cfg.mode == "stat" and not cfg.segment_seconds:
+            return
+        directory = check_writable_dir(Path(cfg.output_dir))
+        sweep_dead_temporaries(directory)
         rank, world = _dist_world()
-        path = directory / f".moetrace-segment-{os.getpid()}-{uuid.uuid4().hex[:8]}.h5"
-        self._segment = BackgroundTraceWriter(TraceWriter(path, self._header(rank, world)))
+        header = self._header(rank, world)
+        self._journal = Journal(journal_path(directory, self._run_id, rank))
+        self._journal.note("start", pid=os.getpid(), host=socket.gethostname(), run_id=self._run_id, rank=rank, world_size=world, mode=cfg.mode, segment_seconds=cfg.segment_seconds, segment_bytes=cfg.segment_bytes)
+        if cfg.mode == "stat":
+            sink: CheckpointWriter | SegmentWriter = CheckpointWriter(checkpoint_path(directory, self._run_id, rank), header, self._journal)
+        else:
+            sink = SegmentWriter(directory, header, self._streamed_schema(), self._write_totals, (cfg.num_layers, self._layout.width), cfg.segment_bytes, self._journal)
+        self._segment = BackgroundTraceWriter(sink)
+        self._rotate_at = time.monotonic() + (cfg.segment_seconds or float("inf"))
         _OPEN_SEGMENTS.add(self)
 
-    def _close_segment(self, discard: bool) -> TraceWriter | None:
-        segment, self._segment = self._segment, None
-        _OPEN_SEGMENTS.discard(self)
+    def _close_segment(self, keep: bool) -> None:
+        """Stop the writer thread. ``keep``: close the open segment (or write a last checkpoint) and
+        leave the files for ``moetrace recover``; else delete every file of the run not dumped yet."""
+        segment, journal = self._segment, self._journal
         if segment is None:
-            return None
+            return
+        if keep:
+            self._rotate(self._next_pass_id - 1, wait=True)
         segment.close()
-        if discard:
-            segment.writer.abort()
-            return None
-        return segment.writer
+        self._segment, self._journal = None, None
+        _OPEN_SEGMENTS.discard(self)
+        sink = segment.sink
+        if isinstance(sink, SegmentWriter):
+            if not keep:
+                sink.abort()
+                for info in [*self._undumped_segments, *sink.take_completed()]:
+                    info.path.unlink(missing_ok=True)
+                self._undumped_segments = []
+        elif not keep:
+            sink.path.unlink(missing_ok=True)
+        assert journal is not None
+        if keep:
+            journal.note("closed", undumped_passes=self.undumped_passes)
+            journal.close()
+        else:
+            journal.close()
+            journal.path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ dump
     def _default_path(self) -> Path:
@@ -629,19 +747,25 @@ class ExpertDistributionRecorder:
         all_passes = self._gather(passes, world).cpu().numpy()
         if rank != 0:
             return target
-        filled = int((all_meta[:, :, 0] >= 0).sum(axis=1).max()) if all_meta.size else 0
         writer = TraceWriter(target, self._header(rank=-1 if world > 1 else rank, world_size=world))
         try:
-            self._write_totals(writer, rows, all_passes[:, 0], all_passes[:, 1])
-            writer.write("window/pass_id", all_meta[:, :filled, 0].astype(np.int64))
-            writer.write("window/timestamp", all_meta[:, :filled, 1])
-            writer.write("window/num_tokens", all_meta[:, :filled, 2].astype(np.int64))
-            writer.write("window/physical_count", all_counts[:, :filled], compress=True)
+            self._write_stat_file(writer, rows, all_passes, all_meta, all_counts)
             self._write_timing(writer, timing)
             return writer.commit()
         except BaseException:
             writer.abort()
             raise
+
+    def _write_stat_file(self, writer: TraceWriter, rows: np.ndarray, passes: np.ndarray, meta: np.ndarray, counts: np.ndarray) -> None:
+        """``/stat`` and ``/window`` of a stat dump or checkpoint from host arrays: counter rows
+        ``[R, L, C]``, ``(passes, tokens) [R, 2]``, window ``(pass_id, timestamp, tokens) [R, W, 3]``
+        (pass id -1 = empty slot) and window counts ``[R, W, L, P]``, oldest first."""
+        filled = int((meta[:, :, 0] >= 0).sum(axis=1).max()) if meta.size else 0
+        self._write_totals(writer, rows, passes[:, 0], passes[:, 1])
+        writer.write("window/pass_id", meta[:, :filled, 0].astype(np.int64))
+        writer.write("window/timestamp", meta[:, :filled, 1])
+        writer.write("window/num_tokens", meta[:, :filled, 2].astype(np.int64))
+        writer.write("window/physical_count", counts[:, :filled], compress=True)
 
     def _write_totals(self, writer: TraceWriter, rows: np.ndarray, num_passes: np.ndarray, num_tokens: np.ndarray) -> None:
         """Write ``/stat`` from counter rows ``[R, L, C]``."""
@@ -657,65 +781,48 @@ class ExpertDistributionRecorder:
         writer.write("stat/num_tokens", np.asarray(num_tokens, dtype=np.int64))
 
     def _dump_stream(self, target: Path, rank: int, world: int) -> Path:
-        timing = self._gather_timing(1, rows=False)
-        self._flush_timing_rows()
-        for stream in (self._pass_stream, self._token_stream):
-            if stream is not None:
-                stream.flush()
+        """Close the open segment and join the segments since the previous dump into ``target``."""
         segment = self._segment
         if segment is None:
             raise RecorderStateError("no streaming segment is open (it was already dumped after stop_record); call start_record() to record again")
+        timing = self._gather_timing(1, rows=False)
+        self._rotate(self._next_pass_id - 1)
         segment.drain()
         if segment.error is not None:
             error = segment.error
             self._errors.append(f"streaming write failed: {error}")
             raise TraceWriteError(f"the background trace writer failed earlier ({error}); the passes since then are lost, call reset() or start_record()") from error
-        segment.writer.flush()
-        # A streaming dump holds the passes since the previous dump: its /stat covers the same passes.
-        rows = self._counter.totals.cpu().numpy().copy()  # a copy: on CPU .numpy() shares the live buffer
+        sink = segment.sink
+        assert isinstance(sink, SegmentWriter) and self._journal is not None
+        taken = self._undumped_segments = self._undumped_segments + sink.take_completed()
+        if taken:
+            written = concat_segments([info.path for info in taken], target, extra=lambda w: self._write_timing(w, timing))
+        else:
+            written = self._write_empty_stream(target, rank, world, timing)
+        # The segments' rows are now in a complete trace.
+        self._journal.note("dumped", segments=[info.index for info in taken], path=str(written))
+        for info in taken:
+            info.path.unlink(missing_ok=True)
+        self._undumped_segments = []
+        self._dumped_passes, self._dumped_tokens = self._num_passes, self._num_tokens
+        self._dumped_timing = self._timing_stats.arrays() if self._clock is not None else None
+        if not self._recording:
+            self._close_segment(keep=False)
+        return written
+
+    def _write_empty_stream(self, target: Path, rank: int, world: int, timing: list | None) -> Path:
+        """A streaming dump with no passes since the previous one."""
         writer = TraceWriter(target, self._header(rank, world))
         try:
-            self._write_totals(writer, (rows - self._dumped_rows)[None], np.array([self._num_passes - self._dumped_passes]), np.array([self._num_tokens - self._dumped_tokens]))
-            self._copy_streamed(segment.writer, writer)
+            zeros = np.zeros((1, self.config.num_layers, self._layout.width), dtype=np.int64)
+            self._write_totals(writer, zeros, np.array([0]), np.array([0]))
+            for name, (row_shape, dtype) in self._streamed_schema().items():
+                writer.ensure_empty(name, row_shape, dtype)
             self._write_timing(writer, timing)
-            written = writer.commit()
+            return writer.commit()
         except BaseException:
             writer.abort()
             raise
-        self._dumped_rows, self._dumped_passes, self._dumped_tokens = rows, self._num_passes, self._num_tokens
-        self._dumped_timing = self._timing_stats.arrays() if self._clock is not None else None
-        # The segment's rows are now in a complete trace: start a new segment (or none after stop).
-        self._close_segment(discard=True)
-        if self._recording:
-            self._open_segment()
-        return written
-
-    def _copy_streamed(self, source: TraceWriter, dest: TraceWriter) -> None:
-        """Copy ``/passes`` or ``/tokens`` rows (compressed chunks as they are) into ``dest``."""
-        cfg = self.config
-        if self._pass_stream is not None:
-            lay, r = self._layout, cfg.ep_size
-            shapes = {
-                "pass_id": ((), np.int64), "timestamp": ((), np.float64), "num_tokens": ((), np.int64),
-                "physical_count": ((cfg.num_layers, lay.num_experts), np.int32),
-                "invalid_ids": ((cfg.num_layers,), np.int32),
-                "send_count": ((cfg.num_layers, r), np.int32), "recv_count": ((cfg.num_layers, r), np.int32),
-            }
-            group = "passes"
-        else:
-            assert self._token_stream is not None
-            shapes = {
-                "topk_ids": ((cfg.num_layers, cfg.top_k), self._token_stream.np_dtype),
-                "pass_id": ((), np.int64), "position": ((), np.int32),
-            }
-            group = "tokens"
-        for name, (row_shape, dtype) in shapes.items():
-            source.ensure_empty(f"{group}/{name}", row_shape, np.dtype(dtype))
-        dest.copy_group(source, group)
-        if self._clock is not None:
-            for name, (row_shape, dtype) in row_fields(cfg.num_layers).items():
-                source.ensure_empty(f"timing/{name}", row_shape, dtype)
-            dest.copy_group(source, "timing")
 
     # ------------------------------------------------------------------ snapshot / status
     def snapshot(self) -> RecorderSnapshot:
@@ -775,13 +882,17 @@ _OPEN_SEGMENTS: weakref.WeakSet[ExpertDistributionRecorder] = weakref.WeakSet()
 @atexit.register
 def _close_segments_at_exit() -> None:
     """Stop writer threads before the interpreter tears HDF5 down (a daemon thread
-    frozen inside h5py would deadlock the exit); undumped streamed rows are discarded."""
+    frozen inside h5py would deadlock the exit). Passes never dumped stay on disk as
+    closed segments (or a checkpoint) for ``moetrace recover``."""
     for recorder in list(_OPEN_SEGMENTS):
         with recorder._lock:
             undumped = recorder.undumped_passes
             if undumped:
-                _log.warning("moetrace: %d recorded passes were never dumped (call dump_record() before exit)", undumped)
-            recorder._close_segment(discard=True)
+                _log.warning(
+                    "moetrace: %d recorded passes were never dumped; they are kept in %s: run `moetrace recover %s`",
+                    undumped, recorder.config.output_dir, recorder.config.output_dir,
+                )
+            recorder._close_segment(keep=bool(undumped))
 
 
 class NoOpRecorder:

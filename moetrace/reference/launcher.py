@@ -7,6 +7,11 @@ CUDA is available, on a free port of 127.0.0.1), calls
 (they must be picklable). An exception in any worker is re-raised in the
 parent as :class:`WorkerError` with the rank and the worker's traceback.
 
+With ``tolerate_deaths=True`` a rank that dies (a signal, ``os._exit``) does not
+fail the run: the others finish, and the dead rank's entry in the result is a
+:class:`RankDeath` saying how it died (also logged as a warning). A rank that
+*raises* still fails the run.
+
 ``fn`` must be importable by the children (a module-level function), as
 ``spawn`` requires. Time steady state inside ``fn`` with :func:`timed_steps`,
 which excludes spawn and process-group set-up.
@@ -14,8 +19,11 @@ which excludes spawn and process-group set-up.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -26,7 +34,37 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["WorkerError", "default_backend", "free_port", "launch", "timed_steps"]
+__all__ = ["RankDeath", "WorkerError", "default_backend", "describe_exit", "free_port", "launch", "timed_steps"]
+
+_log = logging.getLogger("moetrace")
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a process ended, from its exit code: ``"killed by signal SIGKILL (9)"``, ``"exited with code 3"``."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"killed by signal {name} ({-exitcode})"
+    return f"exited with code {exitcode}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankDeath:
+    """A rank that died without reporting (``launch(..., tolerate_deaths=True)``)."""
+
+    rank: int
+    exitcode: int
+
+    @property
+    def how(self) -> str:
+        return describe_exit(self.exitcode)
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} died: {self.how}"
 
 
 class WorkerError(RuntimeError):
@@ -73,6 +111,7 @@ def launch(
     backend: str | None = None,
     threads_per_rank: int | None = None,
     timeout: float = 300.0,
+    tolerate_deaths: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results by rank.
 
@@ -83,9 +122,12 @@ def launch(
         threads_per_rank: torch intra-op threads per rank; default splits the
             machine's cores evenly (at least 1).
         timeout: seconds to wait for all ranks before failing.
+        tolerate_deaths: a rank that dies without reporting becomes a
+            :class:`RankDeath` in the result instead of failing the run.
 
     Raises:
-        WorkerError: a rank raised, died, or the run exceeded ``timeout``.
+        WorkerError: a rank raised, died (without ``tolerate_deaths``), or the
+            run exceeded ``timeout``.
     """
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
@@ -111,8 +153,11 @@ def launch(
                 rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
                 dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in values]
-                if dead:
-                    raise WorkerError(dead[0][0], f"process exited with code {dead[0][1]} before reporting") from None
+                if dead and not tolerate_deaths:
+                    raise WorkerError(dead[0][0], f"process {describe_exit(dead[0][1])} before reporting") from None
+                for i, code in dead:
+                    values[i] = RankDeath(i, code)
+                    _log.warning("moetrace launcher: %s", values[i])
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(values))
                     raise WorkerError(missing[0], f"no result after {timeout:.0f} s (ranks {missing} still running)") from None

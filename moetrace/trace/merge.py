@@ -32,7 +32,7 @@ from .reader import open_trace
 from .schema import TraceError
 from .writer import TraceHeader, TraceWriter
 
-__all__ = ["merge_traces"]
+__all__ = ["merge_traces", "rank_stops"]
 
 _SAME_ATTRS = ("mode", "id_space", "num_layers", "num_logical_experts", "num_physical_experts", "top_k", "ep_size", "world_size", "hidden_size", "dtype_bytes")
 _STREAM_GROUP = {"per_pass": "passes", "per_token": "tokens"}
@@ -160,6 +160,22 @@ def _stack_static(files: list[h5py.File], group: str, writer: TraceWriter) -> No
             writer.append(key, rows)
 
 
+def rank_stops(paths: Sequence[Path | str]) -> list[str]:
+    """One line per input that ``moetrace recover`` rebuilt: which rank stopped where and what it lost."""
+    notes = []
+    for path in paths:
+        with open_trace(path) as trace:
+            attrs = trace.attrs
+        if not attrs.get("recovered"):
+            continue
+        lost = json.loads(str(attrs.get("recovered_lost", "{}")) or "{}")
+        notes.append(
+            f"rank {attrs['rank']} stopped: recovered up to pass {attrs['recovered_last_pass']} "
+            f"(last segment closed at unix {float(attrs['recovered_last_segment_unix']):.3f}); lost {lost.get('lost', 'unknown')}"  # type: ignore[arg-type]
+        )
+    return notes
+
+
 def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int = 65536) -> Path:
     """Merge per-rank traces of one run into ``out`` (copying; see the module docstring).
 
@@ -200,6 +216,9 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
             if key.startswith("timing_"):
                 writer.set_attr(key, value)
         writer.set_attr("merged_from", json.dumps([p.name for p in ordered]))
+        stops = rank_stops(ordered)
+        if stops:
+            writer.set_attr("recovered_ranks", json.dumps(stops))
         return writer.commit()
     except BaseException:
         writer.abort()

@@ -59,6 +59,22 @@ class TokenChunk:
     position: np.ndarray  # [M] index of the token in its pass
 
 
+def _unfinished_hint(path: Path) -> str:
+    """For a writer's temporary file: whose it is and what to do instead."""
+    from .segments import parse_temporary, process_alive
+
+    parsed = parse_temporary(path)
+    if parsed is None:
+        return ""
+    target, host, pid = parsed
+    alive = process_alive(pid, host)
+    state = {True: "is still running", False: "is no longer running", None: f"ran on host {host}"}[alive]
+    what = f"the unfinished temporary of {target!r}, written by process {pid}, which {state}"
+    if alive:
+        return f"; this is {what}: wait for it to finish"
+    return f"; this is {what}: its complete segments can be gathered with `moetrace recover {path.parent}`"
+
+
 class Trace:
     """An open moetrace trace. Use as a context manager or call :meth:`close`."""
 
@@ -69,7 +85,7 @@ class Trace:
         try:
             self._file = h5py.File(self.path, "r")
         except OSError as exc:
-            raise TraceError(f"{self.path}: not an HDF5 file or truncated ({exc})") from exc
+            raise TraceError(f"{self.path}: not an HDF5 file or truncated ({exc}){_unfinished_hint(self.path)}") from exc
         try:
             self._validate()
         except Exception:
@@ -92,7 +108,7 @@ class Trace:
         if missing:
             raise TraceError(f"{self.path}: missing root attributes {missing}")
         if not bool(attrs.get(COMPLETE_ATTR, False)):
-            raise TraceError(f"{self.path}: trace is incomplete (its writer did not finish)")
+            raise TraceError(f"{self.path}: trace is incomplete (its writer did not finish){_unfinished_hint(self.path)}")
         for name in ("layers", "physical_to_logical"):
             if name not in self._file:
                 raise TraceError(f"{self.path}: missing dataset /{name}")

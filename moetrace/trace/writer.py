@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 import h5py
@@ -80,13 +82,20 @@ class TraceWriter:
     Args:
         path: final file name; the parent directory must be writable.
         header: root attributes and static datasets.
+        compression: h5py filter keywords for streamed (appended) datasets;
+            ``None`` is gzip level 1 with shuffle.
+
+    The temporary is ``.<name>.tmp-<host>-<pid>-<random>`` so that
+    :func:`~moetrace.trace.segments.sweep_dead_temporaries` can tell a dead
+    writer's leftovers from a live one's.
     """
 
-    def __init__(self, path: Path | str, header: TraceHeader) -> None:
+    def __init__(self, path: Path | str, header: TraceHeader, compression: Mapping[str, object] | None = None) -> None:
         self.path = Path(path)
         self.header = header
+        self._compression = dict(_COMPRESS if compression is None else compression)
         check_writable_dir(self.path.parent)
-        self._tmp = self.path.parent / f".{self.path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._tmp = self.path.parent / f".{self.path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             self._file = h5py.File(self._tmp, "w", libver="latest")
             self._write_header()
@@ -142,7 +151,7 @@ class TraceWriter:
                     maxshape=(None, *data.shape[1:]),
                     dtype=data.dtype,
                     chunks=(chunk_rows, *data.shape[1:]),
-                    **_COMPRESS,
+                    **self._compression,
                 )
             dset = self._file[name]
             start = dset.shape[0]
@@ -156,9 +165,10 @@ class TraceWriter:
         if name not in self._file:
             self.append(name, np.zeros((0, *row_shape), dtype=dtype))
 
-    def copy_group(self, source: TraceWriter, group: str) -> None:
-        """Copy ``group`` of another open trace into this one (compressed chunks as they are)."""
-        self._guard(lambda: source._file.copy(source._file[group], self._file, name=group))
+    def copy_group(self, source: TraceWriter | h5py.File, group: str) -> None:
+        """Copy ``group`` of another open trace (writer or h5py file) into this one (compressed chunks as they are)."""
+        file = source._file if isinstance(source, TraceWriter) else source
+        self._guard(lambda: file.copy(file[group], self._file, name=group))
 
     def flush(self) -> None:
         """Push what was written so far to the file (it stays open and incomplete)."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
-from moetrace.trace import TraceError, TraceWriteError, open_trace
+from moetrace.trace import SCHEMA_VERSION, TraceError, TraceWriteError, open_trace
 from moetrace.trace.writer import TraceWriter
 from tests.recorder.helpers import random_passes, replay
 
@@ -31,19 +31,20 @@ def visible(directory) -> list[str]:
 def test_failure_mid_dump_leaves_nothing_and_retry_succeeds(tmp_path, monkeypatch, mode):
     rec = recorded(tmp_path, mode)
     before = rec.snapshot().physical_count.copy()
-    original = TraceWriter.write
+    original = TraceWriter.commit
 
-    def disk_full(self, name, data, compress=False):
-        if name == "stat/logical_count":
-            raise TraceWriteError(f"writing trace {self.path} failed: {os.strerror(errno.ENOSPC)}")
-        return original(self, name, data, compress)
+    def disk_full(self):
+        if self.path.name == "out.h5":  # the dump itself fails, not the segments behind it
+            self.abort()
+            raise TraceWriteError(f"finishing trace {self.path} failed: {os.strerror(errno.ENOSPC)}")
+        return original(self)
 
-    monkeypatch.setattr(TraceWriter, "write", disk_full)
+    monkeypatch.setattr(TraceWriter, "commit", disk_full)
     with pytest.raises(TraceWriteError, match="No space left"):
         rec.dump_record(tmp_path / "out.h5")
     assert visible(tmp_path) == []
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".out.h5")]  # temp removed
-    monkeypatch.setattr(TraceWriter, "write", original)
+    monkeypatch.setattr(TraceWriter, "commit", original)
     path = rec.dump_record(tmp_path / "out.h5")
     with open_trace(path) as trace:
         np.testing.assert_array_equal(trace.physical_count(), before)
@@ -122,7 +123,7 @@ def test_trace_attributes_are_self_describing(tmp_path):
         rec.on_select_experts(torch.tensor([[1, 6]]))
     with open_trace(rec.dump_record()) as trace:
         attrs = trace.attrs
-    assert attrs["schema"] == "moetrace" and attrs["schema_version"] == 1
+    assert attrs["schema"] == "moetrace" and attrs["schema_version"] == SCHEMA_VERSION
     assert attrs["model"] == "tiny" and attrs["engine"] == "reference" and attrs["mode"] == "stat"
     assert attrs["id_space"] == "logical" and attrs["ep_size"] == 2 and attrs["num_logical_experts"] == 8
     assert attrs["complete"] is True or attrs["complete"] == 1

@@ -1,0 +1,81 @@
+"""A recording process to kill: feeds seeded routing passes forever and logs each pass id first.
+
+Run as ``python -m tests.faults.recording MODE OUTPUT_DIR LOG``. Pass ``i`` routes
+:func:`pass_ids` ``(i)``; its id is written to ``LOG`` (flushed) *before* the pass
+is fed, so every pass the recorder saw is in the log, independently of moetrace.
+Also used in-process by the multi-rank test (:func:`feed`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moetrace import ExpertDistributionRecorder, RecorderConfig
+
+LAYERS, EXPERTS, TOP_K, TOKENS = 3, 16, 2, 8
+SEGMENT_SECONDS = 0.2
+CHUNK_TOKENS = 64  # 8 passes per hand-off
+
+
+def pass_ids(pass_id: int, rank: int = 0) -> np.ndarray:
+    """Routing of pass ``pass_id`` on ``rank``: ``[TOKENS, LAYERS, TOP_K]`` distinct ids per token."""
+    rng = np.random.default_rng((rank, pass_id))
+    return np.argsort(rng.random((TOKENS, LAYERS, EXPERTS)), axis=2)[:, :, :TOP_K].astype(np.int64)
+
+
+def make_recorder(mode: str, output_dir: Path) -> ExpertDistributionRecorder:
+    config = RecorderConfig(
+        num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K, mode=mode, output_dir=output_dir,
+        max_tokens_per_pass=TOKENS, stream_chunk_tokens=CHUNK_TOKENS, stream_chunk_passes=8,
+        segment_seconds=SEGMENT_SECONDS, window=16,
+    )
+    return ExpertDistributionRecorder(config)
+
+
+def feed(rec: ExpertDistributionRecorder, pass_id: int, rank: int = 0) -> None:
+    ids = torch.as_tensor(pass_ids(pass_id, rank))
+    with rec.with_forward_pass(pass_id):
+        for layer in range(LAYERS):
+            with rec.with_current_layer(layer):
+                rec.on_select_experts(ids[:, layer])
+
+
+def two_rank_worker(rank: int, world_size: int, output_dir: str, passes: int, kill_at: int) -> str:
+    """Each rank records its own seeded passes (5 ms apart, so segments rotate); rank 1
+    SIGKILLs itself before pass ``kill_at``. Rank 0 (no collective after ``start_record``)
+    records every pass and dumps normally."""
+    import os
+    import signal
+    import time
+
+    rec = make_recorder("per_token", Path(output_dir))
+    rec.start_record()  # collective: broadcasts the run id
+    for pass_id in range(passes):
+        if rank == 1 and pass_id == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        feed(rec, pass_id, rank)
+        time.sleep(0.005)
+    rec.stop_record()
+    return str(rec.dump_record(Path(output_dir) / "run.h5"))
+
+
+def main() -> None:
+    mode, output_dir, log = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    torch.set_num_threads(1)
+    rec = make_recorder(mode, output_dir)
+    rec.start_record()
+    with log.open("w", encoding="utf-8") as fh:
+        pass_id = 0
+        while True:
+            fh.write(f"{pass_id}\n")
+            fh.flush()
+            feed(rec, pass_id)
+            pass_id += 1
+
+
+if __name__ == "__main__":
+    main()
