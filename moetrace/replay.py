@@ -34,6 +34,8 @@ from .routes import RoutesError, check_routes, select_layers
 __all__ = [
     "LayerRoutes",
     "ReplayError",
+    "ReplayHandle",
+    "ReplayState",
     "TopKReplay",
     "attach_block_replay",
     "prepare_routes",
@@ -101,6 +103,82 @@ class TopKReplay(TorchFunctionMode):
         values = flat.gather(1, ids)
         shape = (*scores.shape[:-1], self.top_k)
         return torch.return_types.topk((values.reshape(shape), ids.reshape(shape)))
+
+
+class ReplayState:
+    """The routes of the forward in progress, per MoE layer, built once per forward shape.
+
+    ``routes`` is ``[B, S, L, k]``; a forward over ``[B, S]`` tokens uses them
+    as they are, one over ``[B, S + 1]`` gets a ``-1`` last position (a
+    rollout's final token has no routes). Tokens are batch-major, as MoE
+    layers see them (``[B * S, H]``).
+    """
+
+    def __init__(self, routes: np.ndarray, device: torch.device) -> None:
+        self.routes, self.device = routes, device
+        self.by_length: dict[int, list[LayerRoutes]] = {}
+        self.current: list[LayerRoutes] | None = None
+
+    def begin(self, batch: int, length: int, cached: int = 0) -> None:
+        """Select the routes of a forward over ``[batch, length]`` tokens after ``cached`` cached positions."""
+        rows, seq = self.routes.shape[:2]
+        if cached:
+            raise ReplayError(
+                f"this forward continues a KV cache of {cached} positions; replay covers a teacher-forced forward over "
+                "the whole sequence (call the model without past_key_values)"
+            )
+        if batch != rows or length not in (seq, seq + 1):
+            raise ReplayError(
+                f"the forward has {batch} x {length} tokens but the routes are for {rows} x {seq} positions; give routes "
+                f"[{batch}, {length}, layers, k] (or [{batch}, {length - 1}, ...] when the last token has none), -1 where a "
+                "position has no routes (padding)"
+            )
+        if length not in self.by_length:
+            routes = self.routes
+            if length == seq + 1:
+                routes = np.concatenate([routes, np.full((rows, 1, *routes.shape[2:]), -1, dtype=routes.dtype)], axis=1)
+            flat = routes.reshape(rows * length, *routes.shape[2:])
+            self.by_length[length] = [LayerRoutes(flat[:, layer], self.device) for layer in range(flat.shape[1])]
+        self.current = self.by_length[length]
+
+    def end(self, *_: Any) -> None:
+        """The forward is over (usable as a forward hook)."""
+        self.current = None
+
+    def layer(self, index: int, name: str) -> LayerRoutes:
+        """MoE layer ``index``'s routes for the forward in progress."""
+        if self.current is None:
+            raise ReplayError(f"{name} ran outside a forward of the model replay was installed on; call that model's forward")
+        return self.current[index]
+
+
+class ReplayHandle:
+    """A live replay: ``remove()`` (or leaving the ``with`` block) takes every hook off.
+
+    Attributes:
+        model: the model replay is installed on.
+        routes: ``[B, S, L, k]`` int64 logical ids being replayed (``L`` = MoE layers).
+    """
+
+    def __init__(self, model: torch.nn.Module, routes: np.ndarray, handles: list[Any]) -> None:
+        self.model, self.routes = model, routes
+        self._handles = list(handles)
+
+    @property
+    def active(self) -> bool:
+        """True until :meth:`remove`."""
+        return bool(self._handles)
+
+    def remove(self) -> None:
+        """Remove every hook (newest first); the model routes by itself again. Removing twice is harmless."""
+        while self._handles:
+            self._handles.pop().remove()
+
+    def __enter__(self) -> ReplayHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
 
 def prepare_routes(

@@ -28,16 +28,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetrace.replay import LayerRoutes, ReplayError, attach_block_replay, prepare_routes
+from moetrace.replay import (
+    ReplayError,
+    ReplayHandle,
+    ReplayState,
+    attach_block_replay,
+    prepare_routes,
+)
 
-from ..base import HookRegistry
 from .families import REPLAY_REFUSED
 from .layers import MoESite, find_moe_sites, model_top_k
 
 __all__ = ["HFReplay", "replay"]
 
 
-class HFReplay:
+class HFReplay(ReplayHandle):
     """A live replay on a transformers model: ``remove()`` (or leaving the ``with`` block) takes it off.
 
     Attributes:
@@ -46,24 +51,9 @@ class HFReplay:
         routes: ``[B, S, L, k]`` int64 logical ids being replayed (``L`` = MoE layers).
     """
 
-    def __init__(self, model: torch.nn.Module, sites: list[MoESite], routes: np.ndarray, hooks: HookRegistry) -> None:
-        self.model, self.sites, self.routes = model, tuple(sites), routes
-        self._hooks = hooks
-
-    @property
-    def active(self) -> bool:
-        """True until :meth:`remove`."""
-        return len(self._hooks) > 0
-
-    def remove(self) -> None:
-        """Remove every hook; the model routes by itself again."""
-        self._hooks.remove_all()
-
-    def __enter__(self) -> HFReplay:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
+    def __init__(self, model: torch.nn.Module, sites: list[MoESite], routes: np.ndarray, handles: list[Any]) -> None:
+        super().__init__(model, routes, handles)
+        self.sites = tuple(sites)
 
 
 def _input_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int]:
@@ -79,41 +69,6 @@ def _input_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, in
 def _cache_length(kwargs: dict[str, Any]) -> int:
     cache = kwargs.get("past_key_values")
     return int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
-
-
-class _State:
-    """The routes of the forward in progress, per MoE layer, built once per forward shape."""
-
-    def __init__(self, routes: np.ndarray, device: torch.device) -> None:
-        self.routes, self.device = routes, device
-        self.by_length: dict[int, list[LayerRoutes]] = {}
-        self.current: list[LayerRoutes] | None = None
-
-    def begin(self, batch: int, length: int, cached: int) -> None:
-        rows, seq = self.routes.shape[:2]
-        if cached:
-            raise ReplayError(
-                f"this forward continues a KV cache of {cached} positions; replay covers a teacher-forced forward over "
-                "the whole sequence (call the model without past_key_values)"
-            )
-        if batch != rows or length not in (seq, seq + 1):
-            raise ReplayError(
-                f"the forward has {batch} x {length} tokens but the routes are for {rows} x {seq} positions; give routes "
-                f"[{batch}, {length}, layers, k] (or [{batch}, {length - 1}, ...] when the last token has none), -1 where a "
-                "position has no routes (padding)"
-            )
-        if length not in self.by_length:
-            routes = self.routes
-            if length == seq + 1:
-                routes = np.concatenate([routes, np.full((rows, 1, *routes.shape[2:]), -1, dtype=routes.dtype)], axis=1)
-            flat = routes.reshape(rows * length, *routes.shape[2:])
-            self.by_length[length] = [LayerRoutes(flat[:, layer], self.device) for layer in range(flat.shape[1])]
-        self.current = self.by_length[length]
-
-    def layer(self, index: int, name: str) -> LayerRoutes:
-        if self.current is None:
-            raise ReplayError(f"{name} ran outside a forward of the model replay was installed on; call that model's forward")
-        return self.current[index]
 
 
 def _refuse_family(model: torch.nn.Module) -> None:
@@ -156,17 +111,13 @@ def replay(model: torch.nn.Module, routes: Any, *, top_k: int | None = None) -> 
     num_experts = max(site.num_experts for site in sites)
     arr = prepare_routes(routes, num_moe_layers=len(sites), layer_ids=[s.layer_id for s in sites], num_experts=num_experts, top_k=k)
     param = next(model.parameters(), None)
-    state = _State(arr, param.device if param is not None else torch.device("cpu"))
-    hooks = HookRegistry()
+    state = ReplayState(arr, param.device if param is not None else torch.device("cpu"))
     modules = dict(model.named_modules())
 
     def begin(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         state.begin(*_input_shape(args, kwargs), _cache_length(kwargs))
 
-    def end(*_: Any) -> None:
-        state.current = None
-
-    handles = [model.register_forward_pre_hook(begin, with_kwargs=True), model.register_forward_hook(end, always_call=True)]
+    handles = [model.register_forward_pre_hook(begin, with_kwargs=True), model.register_forward_hook(state.end, always_call=True)]
     for site in sites:
         parent_name = site.name.rpartition(".")[0]
         block = modules[parent_name]
@@ -174,6 +125,4 @@ def replay(model: torch.nn.Module, routes: Any, *, top_k: int | None = None) -> 
         handles += attach_block_replay(
             block, until, lambda index=site.index, name=site.name: state.layer(index, name), site.num_experts, k, site.name
         )
-    for handle in handles:
-        hooks.on_remove("replay hook", lambda h=handle: h.remove())
-    return HFReplay(model, sites, arr, hooks)
+    return HFReplay(model, sites, arr, handles)

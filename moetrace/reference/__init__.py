@@ -8,7 +8,8 @@
 - :class:`ReferenceMoEModel` (dense layers interleaved, dense or EP),
   :func:`launch` for multi-rank runs;
 - :class:`ServingLoop` (continuous batching with :class:`KVSlotAllocator`,
-  :class:`ReqToTokenPool` and routed-experts capture).
+  :class:`ReqToTokenPool` and routed-experts capture);
+- :func:`replay` of recorded routes into a forward (dense and EP).
 
 Every MoE layer reports to the recorder; see docs/reference-runtime.md.
 """
@@ -20,6 +21,7 @@ from .kv import KVSlotAllocator, ReqToTokenPool, SlotError
 from .launcher import WorkerError, default_backend, free_port, launch, timed_steps
 from .model import EPSpec, ForwardBatch, KVCache, ModelConfig, ReferenceMoEModel, Segment
 from .moe import MoELayer
+from .replay import replay
 from .router import TopKRouter, fitted_bias, olmoe_bias, zipf_bias
 from .serving import Progress, Request, RequestResult, ServingLoop, routed_positions
 
@@ -50,6 +52,7 @@ __all__ = [
     "free_port",
     "launch",
     "olmoe_bias",
+    "replay",
     "routed_positions",
     "timed_steps",
     "zipf_bias",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -23,13 +25,21 @@ def _inputs(batch: int = 2, length: int = 7, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _recorder_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    RECORDER_DIR.append(tmp_path_factory.mktemp("recorder"))
+
+
+RECORDER_DIR: list[Path] = []
+
+
 def capture(model: torch.nn.Module, ids: torch.Tensor, **forward: object) -> tuple[torch.Tensor, np.ndarray]:
     """Logits and routes ``[B, S, model layers, k]`` (-1 for dense layers) of one forward, captured by moetrace."""
     batch, length = ids.shape
     sites = hf.find_moe_sites(model)
     k = hf.layers.model_top_k(model, sites)
     capturer = RoutedExpertsCapturer(max(s.layer_id for s in sites) + 1, k, max_tokens_per_pass=batch * length, num_kv_slots=batch * length)
-    handle = hf.instrument(model, capturer=capturer, capture_seq_len=length)
+    handle = hf.instrument(model, capturer=capturer, capture_seq_len=length, output_dir=RECORDER_DIR[-1])
     try:
         with torch.no_grad():
             logits = model(ids, **forward).logits

@@ -1,0 +1,64 @@
+"""Routing replay on the reference runtime, dense and expert-parallel.
+
+::
+
+    from moetrace.reference import replay
+    with replay(model, routes):              # [B, S, MoE layers, k] or [B, S, model layers, k]
+        logits = model(input_ids)            # input_ids [B, S]; each router returns the replayed ids
+
+Each MoE layer's :class:`~moetrace.reference.router.TopKRouter` runs under
+:class:`moetrace.replay.TopKReplay`: its ``torch.topk`` over the softmax
+probabilities returns the replayed ids with the probabilities at them, then
+the router renormalises as configured (``renormalize``). The recorder and a
+capturer see the replayed ids. Under EP every rank replays the routes of its
+own tokens (the router is replicated; ids are global logical ids).
+
+Covers :meth:`ReferenceMoEModel.forward` (teacher-forced); the serving
+loop's ``forward_batch`` is not replayed (a MoE layer reached outside
+``forward`` raises :class:`~moetrace.replay.ReplayError`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..replay import ReplayError, ReplayHandle, ReplayState, attach_block_replay, prepare_routes
+from .model import ReferenceMoEModel
+
+__all__ = ["replay"]
+
+
+def replay(model: ReferenceMoEModel, routes: Any) -> ReplayHandle:
+    """Make ``model.forward`` route every MoE layer to ``routes`` until the handle is removed.
+
+    Args:
+        model: a :class:`ReferenceMoEModel` (dense or one EP rank's).
+        routes: ``[B, S, L, k]`` or ``[S, L, k]`` logical ids (``L`` = MoE
+            layers, or model layers with ``-1`` for dense ones), ``-1`` for
+            positions without routes; array, tensor or wire payload.
+
+    Raises:
+        ReplayError: routes that do not fit the model.
+    """
+    if not isinstance(model, ReferenceMoEModel):
+        raise TypeError(f"replay() takes a ReferenceMoEModel, got {type(model).__name__}; for transformers models use moetrace.adapters.hf.replay")
+    config = model.config
+    layer_ids = list(model.moe_layer_ids)
+    arr = prepare_routes(routes, num_moe_layers=len(layer_ids), layer_ids=layer_ids, num_experts=config.num_experts, top_k=config.top_k)
+    state = ReplayState(arr, model.device_)
+
+    def begin(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = args[0] if args else kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ReplayError("replay needs input_ids [B, S] to match the routes to the forward's tokens")
+        state.begin(int(ids.shape[0]), int(ids.shape[1]))
+
+    handles = [model.register_forward_pre_hook(begin, with_kwargs=True), model.register_forward_hook(state.end, always_call=True)]
+    for index, layer in enumerate(model.moe_layers):
+        name = f"MoE layer {index} (model layer {layer.layer_id})"
+        handles += attach_block_replay(
+            layer.router, None, lambda index=index, name=name: state.layer(index, name), config.num_experts, config.top_k, name
+        )
+    return ReplayHandle(model, arr, handles)
