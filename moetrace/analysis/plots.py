@@ -38,6 +38,9 @@ def _heatmap(report: AnalysisReport, fig: Figure) -> None:
 
 
 def _ranks(report: AnalysisReport, fig: Figure) -> None:
+    if report.ep_size == 1:
+        raise ValueError(f"{report.path}: one EP rank recorded, and rank balance needs EP; "
+                         "--kind projection shows what EP over R ranks would make of this load, --kind heatmap the expert load")
     load = report.rank_load
     total = load.sum(axis=0)
     top, bottom = fig.subplots(2, 1)
@@ -63,18 +66,23 @@ def _timeline(report: AnalysisReport, fig: Figure) -> None:
         raise ValueError(f"{report.path}: no time-ordered data (empty window or stream); the timeline needs passes")
     ax = fig.add_subplot()
     x = drift.first_pass
-    ax.plot(x, drift.balancedness, marker="o", color="tab:blue", label="balancedness")
-    ax.set_ylim(0, 1.05)
     ax.set_xlabel(f"first pass of window ({drift.passes_per_window} passes per window)")
-    ax.set_ylabel("balancedness (mean/max over ranks)", color="tab:blue")
-    js_axis = ax.twinx()
+    if report.ep_size > 1:
+        ax.plot(x, drift.balancedness, marker="o", color="tab:blue", label="balancedness")
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("balancedness (mean/max over ranks)", color="tab:blue")
+        js_axis = ax.twinx()
+    else:  # one rank: rank balancedness is 1 by definition, so only the drift is drawn
+        js_axis = ax
     js_axis.plot(x[1:], drift.js_mean[1:], marker="s", color="tab:red", label="JS divergence from previous window")
     js_axis.set_ylabel("JS divergence (bits, mean over layers)", color="tab:red")
     js_axis.set_ylim(bottom=0)
-    lines = ax.get_legend_handles_labels()
-    more = js_axis.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="lower left")
-    ax.set_title(_title(report, "Balance and drift over time"))
+    handles, labels = ax.get_legend_handles_labels()
+    if js_axis is not ax:
+        more = js_axis.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, loc="lower left")
+    ax.set_title(_title(report, "Balance and drift over time" if report.ep_size > 1 else "Drift over time (one EP rank)"))
 
 
 def _coactivation(report: AnalysisReport, fig: Figure, layer: int | None) -> None:

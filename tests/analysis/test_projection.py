@@ -116,3 +116,14 @@ def test_analyze_and_plot_projection_through_the_cli(routed, tmp_path):
     assert result.exit_code == 0, result.stderr
     raw = out.read_bytes()
     assert raw[:8] == b"\x89PNG\r\n\x1a\n" and len(raw) > 10_000
+
+
+def test_one_rank_plots_do_not_show_rank_balance(routed, tmp_path):
+    from moetrace.analysis import plot_report
+
+    path, _ = routed
+    report = analyze_trace(path)
+    with pytest.raises(ValueError, match="rank balance needs EP; --kind projection"):
+        plot_report(report, tmp_path / "ranks.png", kind="ranks")
+    written = plot_report(report, tmp_path / "timeline.png", kind="timeline")  # drift only
+    assert written.stat().st_size > 10_000
