@@ -40,6 +40,7 @@ def test_required_panels():
     assert find("timeseries", "moetrace_balancedness"), "balancedness over time"
     heat = find("heatmap", "moetrace_layer_imbalance")
     assert heat and "{{layer}}" in heat[0]["targets"][0]["legendFormat"], "per-layer heatmap of imbalance"
+    assert find("timeseries", "moetrace_expert_imbalance") and find("heatmap", "moetrace_layer_expert_imbalance"), "expert balance (needs no EP)"
     assert any("by (ep_rank)" in t["expr"] for p in find("timeseries", "moetrace_rank_routed_tokens_total") for t in p["targets"]), "per-rank load"
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
