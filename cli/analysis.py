@@ -1,4 +1,4 @@
-"""``moetrace analyze``, ``plot`` and ``placement``: offline analysis of a trace."""
+"""``moetrace analyze`` and ``plot``: offline analysis of a trace (``placement`` is in :mod:`.placement`)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from moetrace import metrics
-from moetrace.analysis.placement import predicted_gpu_load, rebalance_experts
-from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.analysis.plots import PLOT_KINDS, plot_report
 from moetrace.analysis.report import AnalysisReport, analyze_trace
-from moetrace.analysis.source import select_layers
-from moetrace.trace.reader import open_trace
 
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, parse_layers, stdout_console
 from .timing import print_timing
 
-__all__ = ["analyze", "placement", "plot", "print_projection", "print_report"]
+__all__ = ["analyze", "plot", "print_projection", "print_report"]
 
 LAYERS_HELP = "Model layer ids to analyse, e.g. '0,7,12-15' (default: all)."
 #: Hottest experts shown per layer in the 80-column table (``--json`` lists ``--top``).
@@ -165,69 +160,3 @@ def plot(
     report = analyze_trace(existing_file(trace), layers=parse_layers(layers), window=window, progress=progress)
     written = plot_report(report, out, kind=kind, layer=layer)
     typer.echo(f"wrote {written} ({written.stat().st_size} bytes)")
-
-
-@guarded
-def placement(
-    trace: Annotated[Path, typer.Argument(help="A moetrace HDF5 trace whose logical counts are the loads.")],
-    replicas: Annotated[int, typer.Option("--replicas", help="Physical expert slots N in total (>= experts, multiple of --gpus).")],
-    groups: Annotated[int, typer.Option("--groups", help="Expert groups G (divides the expert count).")],
-    nodes: Annotated[int, typer.Option("--nodes", help="Server nodes M.")],
-    gpus: Annotated[int, typer.Option("--gpus", help="GPUs K (multiple of --nodes).")],
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the plan (phy2log, log2phy, logcnt, figures) as JSON.")] = None,
-    layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
-) -> None:
-    """Plan expert placement with replication; print predicted balancedness before / greedy / after."""
-    if out is not None:
-        output_path(out)
-    with open_trace(existing_file(trace)) as tr:
-        index = select_layers(tr, parse_layers(layers))
-        layer_ids = [int(x) for x in tr.layers[index]]
-        weight = tr.logical_count()[index]
-        physical = tr.physical_count()[index]
-        attrs = tr.attrs
-    plan = rebalance_experts(weight, replicas, groups, nodes, gpus)
-    greedy_load = predicted_gpu_load(weight, greedy_rebalance(weight, replicas, groups, nodes, gpus), gpus)
-    before_load = metrics.rank_load(physical, gpus) if physical.shape[1] % gpus == 0 else None
-    figures = {
-        "before": metrics.balancedness(before_load) if before_load is not None else None,
-        "greedy": metrics.balancedness(greedy_load),
-        "after": plan.balancedness,
-    }
-    per_layer = {
-        "before": metrics.layer_balancedness(before_load).tolist() if before_load is not None else None,
-        "greedy": metrics.layer_balancedness(greedy_load).tolist(),
-        "after": plan.layer_balancedness.tolist(),
-    }
-    console = stdout_console()
-    table = Table(title=f"Placement: {replicas} slots, {groups} groups, {nodes} nodes, {gpus} GPUs ({'hierarchical' if plan.hierarchical else 'global'})", title_justify="left")
-    for col in ("layer", "before", "greedy", "after", "max replicas"):
-        table.add_column(col, justify="right")
-    for i, layer in enumerate(layer_ids):
-        before = "-" if per_layer["before"] is None else _fmt(per_layer["before"][i])
-        table.add_row(str(layer), before, _fmt(per_layer["greedy"][i]), _fmt(per_layer["after"][i]), str(int(plan.logcnt[i].max())))
-    table.add_row("all", "-" if figures["before"] is None else _fmt(figures["before"]), _fmt(figures["greedy"]), _fmt(figures["after"]), str(plan.log2phy.shape[2]), style="bold")
-    console.print(table)
-    if figures["before"] is None:
-        console.print(f"note: 'before' needs the recorded {physical.shape[1]} physical experts to split evenly over {gpus} GPUs")
-    if out is not None:
-        document = {
-            "schema": "moetrace.placement",
-            "schema_version": 1,
-            "trace": str(trace),
-            "run_id": attrs.get("run_id"),
-            "layers": layer_ids,
-            "num_replicas": replicas,
-            "num_groups": groups,
-            "num_nodes": nodes,
-            "num_gpus": gpus,
-            "hierarchical": plan.hierarchical,
-            "balancedness": figures,
-            "layer_balancedness": per_layer,
-            "phy2log": plan.phy2log.tolist(),
-            "log2phy": plan.log2phy.tolist(),
-            "logcnt": plan.logcnt.tolist(),
-            "gpu_load": plan.gpu_load.tolist(),
-        }
-        out.write_text(json.dumps(document))
-        console.print(f"wrote {out}")

@@ -6,7 +6,7 @@ import typer
 
 import moetrace
 
-from . import analysis, control, demo, diff, replicas, timeline, traces
+from . import analysis, control, demo, diff, placement, replicas, timeline, traces
 
 __all__ = ["app", "main"]
 
@@ -20,7 +20,7 @@ app = typer.Typer(
 # Offline analysis of traces.
 app.command("analyze")(analysis.analyze)
 app.command("plot")(analysis.plot)
-app.command("placement")(analysis.placement)
+app.command("placement")(placement.placement)
 app.command("diff")(diff.diff)
 app.command("timeline")(timeline.timeline)
 # Producing and examining trace files.

@@ -40,7 +40,10 @@ from .. import metrics
 __all__ = [
     "PlacementError",
     "PlacementPlan",
+    "align_to",
+    "check_current",
     "check_placement_args",
+    "expected_peak",
     "log2phy_from_phy2log",
     "predicted_gpu_load",
     "rebalance_experts",
@@ -207,18 +210,84 @@ def _refine_pack(weight: np.ndarray, pack: np.ndarray, num_packs: int) -> np.nda
     return pack
 
 
-def _pack(weight: np.ndarray, num_packs: int) -> np.ndarray:
-    """Greedy packing refined by local search, for every row of ``weight [X, n]``."""
+def _peak_without(loads: np.ndarray, first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Largest pack load per scenario excluding packs ``first`` and ``second``: ``[S, C]`` for ``C`` pairs.
+
+    ``loads`` is ``[S, K]``; only the three heaviest packs of each scenario can be the answer.
+    """
+    top = min(3, loads.shape[1])
+    index = np.argsort(-loads, axis=1, kind="stable")[:, :top]  # [S, 3]
+    value = np.take_along_axis(loads, index, axis=1)
+    allowed = (index[:, None, :] != first[None, :, None]) & (index[:, None, :] != second[None, :, None])  # [S, C, 3]
+    return np.where(allowed, value[:, None, :], -np.inf).max(axis=2)
+
+
+def _refine_pack_scenarios(weight: np.ndarray, pack: np.ndarray, num_packs: int) -> np.ndarray:
+    """Swap search on one row minimising the *mean over scenarios* of the heaviest pack.
+
+    ``weight [S, n]`` is each replica's load under ``S`` scenarios of the next
+    window's load; ``pack [n]`` the starting packing. Each accepted swap strictly
+    lowers the objective, so the search ends. Returns a new ``pack [n]``.
+    """
+    pack = pack.copy()
+    num_scenarios, n = weight.shape
+    loads = np.stack([np.bincount(pack, weights=weight[s], minlength=num_packs) for s in range(num_scenarios)])  # [S, K]
+    tolerance = 1e-9 * max(float(loads.max()), 1.0)
+    for _ in range(4 * n + 16):
+        peak = loads.max(axis=1)  # [S]
+        hot = np.unique(loads.argmax(axis=1))
+        mine = np.flatnonzero(np.isin(pack, hot))
+        a, b = np.meshgrid(mine, np.arange(n), indexing="ij")
+        a, b = a.ravel(), b.ravel()
+        keep = pack[a] != pack[b]
+        a, b = a[keep], b[keep]
+        if len(a) == 0:
+            break
+        first, second = pack[a], pack[b]
+        delta = weight[:, a] - weight[:, b]  # [S, C]
+        new_peak = np.maximum(
+            np.maximum(np.take(loads, first, axis=1) - delta, np.take(loads, second, axis=1) + delta),
+            _peak_without(loads, first, second),
+        )
+        gain = (peak[:, None] - new_peak).mean(axis=0)
+        best = int(np.argmax(gain))
+        if not gain[best] > tolerance:
+            break
+        i, j = a[best], b[best]
+        loads[:, pack[i]] -= delta[:, best]
+        loads[:, pack[j]] += delta[:, best]
+        pack[i], pack[j] = pack[j], pack[i]
+    return pack
+
+
+def _pack(weight: np.ndarray, num_packs: int, scenarios: np.ndarray | None = None) -> np.ndarray:
+    """Greedy packing refined by local search, for every row of ``weight [X, n]``.
+
+    With ``scenarios [S, X, n]`` the refinement minimises the mean over scenarios
+    of the heaviest pack instead of the heaviest pack under ``weight``.
+    """
     pack = _greedy_pack(weight, num_packs)
     if num_packs == 1 or weight.shape[1] == num_packs:
         return pack
+    if scenarios is not None:
+        return np.stack([_refine_pack_scenarios(scenarios[:, r], pack[r], num_packs) for r in range(weight.shape[0])])
     return np.stack([_refine_pack(weight[r], pack[r], num_packs) for r in range(weight.shape[0])])
 
 
 def _place_in_nodes(
-    weight: np.ndarray, node_of_group: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+    weight: np.ndarray,
+    node_of_group: np.ndarray,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    scenarios: np.ndarray | None = None,
 ) -> np.ndarray:
-    """``phy2log [L, N]`` for a given group-to-node assignment ``node_of_group [L, G]``."""
+    """``phy2log [L, N]`` for a given group-to-node assignment ``node_of_group [L, G]``.
+
+    Replica counts and the initial packing follow ``weight [L, E]``; with
+    ``scenarios [S, L, E]`` the packing is refined for their mean peak.
+    """
     num_layers, num_experts = weight.shape
     group_size = num_experts // num_groups
     experts_per_node = num_experts // num_nodes
@@ -232,7 +301,12 @@ def _place_in_nodes(
     counts = _replicate(node_weight, slots_per_node)  # [L*M, E/M]
     replica_item = np.stack([np.repeat(np.arange(experts_per_node), c) for c in counts])  # [L*M, N/M]
     replica_weight = np.take_along_axis(node_weight / counts, replica_item, axis=1)
-    gpu = _pack(replica_weight, gpus_per_node)  # local GPU of each replica
+    replica_scenarios = None
+    if scenarios is not None:
+        flat_index = node_experts.reshape(num_layers, -1)
+        scenario_weight = np.stack([np.take_along_axis(s, flat_index, axis=1).reshape(-1, experts_per_node) for s in scenarios])
+        replica_scenarios = np.take_along_axis(scenario_weight / counts, np.broadcast_to(replica_item, scenario_weight.shape[:1] + replica_item.shape), axis=2)
+    gpu = _pack(replica_weight, gpus_per_node, replica_scenarios)  # local GPU of each replica
     phy2log = np.empty((num_layers * num_nodes, slots_per_node), dtype=np.int64)
     flat_experts = node_experts.reshape(-1, experts_per_node)
     for row in range(num_layers * num_nodes):
@@ -242,8 +316,87 @@ def _place_in_nodes(
     return phy2log.reshape(num_layers, num_replicas)
 
 
+def expected_peak(loads: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Mean over scenarios of each layer's heaviest GPU: ``[L]`` for ``loads [S, L, E]`` and ``phy2log [L, N]``."""
+    return np.mean([predicted_gpu_load(s, phy2log, num_gpus).max(axis=1) for s in loads], axis=0)
+
+
+def _match(overlap: np.ndarray) -> np.ndarray:
+    """Greedy maximum-overlap matching: ``partner[i]`` (a permutation) for a square ``overlap [n, n]``."""
+    n = len(overlap)
+    partner = np.full(n, -1, dtype=np.int64)
+    free = overlap.astype(np.float64).copy()
+    for _ in range(n):
+        i, j = divmod(int(np.argmax(free)), n)
+        partner[i] = j
+        free[i, :] = -1
+        free[:, j] = -1
+    return partner
+
+
+def align_to(current: np.ndarray, phy2log: np.ndarray, num_nodes: int, num_gpus: int) -> np.ndarray:
+    """Renumber the GPUs (and nodes) of ``phy2log [L, N]`` to keep as many replicas as possible where ``current`` has them.
+
+    Which physical GPU gets which set of replicas does not change any load, so
+    the plan's balance is untouched; only fewer replicas move. Nodes are matched
+    first (by shared replicas), then the GPUs inside each node.
+    """
+    num_layers, num_slots = phy2log.shape
+    num_experts = int(max(current.max(), phy2log.max())) + 1
+    per_gpu, gpus_per_node = num_slots // num_gpus, num_gpus // num_nodes
+    out = np.empty_like(phy2log)
+
+    def held(row: np.ndarray, units: int) -> np.ndarray:  # [units, E] replica counts
+        unit = np.arange(num_slots) // (num_slots // units)
+        counts = np.zeros((units, num_experts), dtype=np.int64)
+        np.add.at(counts, (unit, row), 1)
+        return counts
+
+    for layer in range(num_layers):
+        new_nodes, old_nodes = held(phy2log[layer], num_nodes), held(current[layer], num_nodes)
+        node_target = _match(np.minimum(new_nodes[:, None, :], old_nodes[None, :, :]).sum(axis=2))
+        new_gpus, old_gpus = held(phy2log[layer], num_gpus), held(current[layer], num_gpus)
+        for node in range(num_nodes):
+            target = node_target[node]
+            mine = np.arange(node * gpus_per_node, (node + 1) * gpus_per_node)
+            theirs = np.arange(target * gpus_per_node, (target + 1) * gpus_per_node)
+            gpu_target = _match(np.minimum(new_gpus[mine][:, None, :], old_gpus[theirs][None, :, :]).sum(axis=2))
+            for local, gpu in enumerate(mine):
+                dest = theirs[gpu_target[local]]
+                out[layer, dest * per_gpu : (dest + 1) * per_gpu] = phy2log[layer, gpu * per_gpu : (gpu + 1) * per_gpu]
+    return out
+
+
+def check_current(current: np.ndarray, num_layers: int, num_experts: int, num_replicas: int) -> np.ndarray:
+    """Validate a deployed placement ``phy2log [L, N]``; returns it as int64.
+
+    Raises:
+        PlacementError: wrong shape, ids outside ``[0, E)`` or an expert without a slot.
+    """
+    phy2log = np.asarray(current)
+    if phy2log.shape != (num_layers, num_replicas):
+        raise PlacementError(
+            f"the current placement has shape {list(phy2log.shape)} but the plan needs [layers={num_layers}, replicas={num_replicas}]; "
+            "pass the plan deployed for the same layers and --replicas"
+        )
+    if not np.issubdtype(phy2log.dtype, np.integer) or (phy2log < 0).any() or (phy2log >= num_experts).any():
+        raise PlacementError(f"the current placement must hold expert ids in [0, {num_experts})")
+    for layer in range(num_layers):
+        if len(np.unique(phy2log[layer])) != num_experts:
+            raise PlacementError(f"the current placement leaves experts of layer index {layer} without a slot; every expert needs one")
+    return phy2log.astype(np.int64)
+
+
 def rebalance_experts(
-    weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+    weight: np.ndarray,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    *,
+    scenarios: np.ndarray | None = None,
+    current: np.ndarray | None = None,
+    keep_tolerance: float = 0.0,
 ) -> PlacementPlan:
     """Plan where each (replicated) expert lives so that GPU loads are balanced.
 
@@ -256,18 +409,39 @@ def rebalance_experts(
             experts); ``E % G == 0``.
         num_nodes: ``M`` server nodes (fast links inside a node).
         num_gpus: ``K`` GPUs, a multiple of ``num_nodes``.
+        scenarios: optional ``[S, L, E]`` loads the next window may bring
+            (e.g. sub-windows of the planning window). Replica counts follow
+            ``weight``; the packing then minimises the mean over scenarios of
+            each layer's heaviest GPU instead of the heaviest GPU under ``weight``.
+        current: optional deployed placement ``phy2log [L, N]``. The plan's
+            GPUs are renumbered to keep replicas where they are (:func:`align_to`,
+            no change in balance), and a layer keeps the deployed placement
+            unless the new plan lowers the expected heaviest GPU by more than
+            ``keep_tolerance`` (a fraction), so moves are made only when worth it.
+        keep_tolerance: see ``current``; ``>= 0``.
 
     Returns:
         A :class:`PlacementPlan` with ``phy2log [L, N]``, ``log2phy [L, E, X]``
-        (``-1`` padded), ``logcnt [L, E]`` and the predicted ``gpu_load [L, K]``.
-        Hierarchical (groups packed onto nodes) when ``G % M == 0``, global
-        otherwise.
+        (``-1`` padded), ``logcnt [L, E]`` and the predicted ``gpu_load [L, K]``
+        (under ``weight``). Hierarchical (groups packed onto nodes) when
+        ``G % M == 0``, global otherwise. Without ``scenarios`` and ``current``
+        no layer's heaviest GPU is heavier than greedy replicate-then-pack's.
 
     Raises:
-        PlacementError: inconsistent sizes (see :func:`check_placement_args`).
+        PlacementError: inconsistent sizes (see :func:`check_placement_args`),
+        scenarios of another shape, or an invalid ``current``.
     """
     w = check_placement_args(weight, num_replicas, num_groups, num_nodes, num_gpus)
     num_layers, num_experts = w.shape
+    if scenarios is not None:
+        scenarios = np.asarray(scenarios, dtype=np.float64)
+        if scenarios.ndim != 3 or scenarios.shape[1:] != w.shape or len(scenarios) == 0:
+            raise PlacementError(f"scenarios must be [S, layers, experts] = [S, {num_layers}, {num_experts}], got {list(scenarios.shape)}")
+        if not np.isfinite(scenarios).all() or (scenarios < 0).any():
+            raise PlacementError("scenarios must hold finite, non-negative loads")
+    if not keep_tolerance >= 0:
+        raise PlacementError(f"keep_tolerance must be >= 0, got {keep_tolerance!r}")
+    judged = w[None] if scenarios is None else scenarios
     hierarchical = num_groups % num_nodes == 0
     groups, nodes = (num_groups, num_nodes) if hierarchical else (1, 1)
     group_weight = w.reshape(num_layers, groups, -1).sum(axis=2)
@@ -279,15 +453,20 @@ def rebalance_experts(
             candidates.append(refined)
     best_plan = best_peak = None
     for node_of_group in candidates:
-        phy2log = _place_in_nodes(w, node_of_group, num_replicas, groups, nodes, num_gpus)
-        peak = predicted_gpu_load(w, phy2log, num_gpus).max(axis=1)
+        phy2log = _place_in_nodes(w, node_of_group, num_replicas, groups, nodes, num_gpus, scenarios)
+        peak = expected_peak(judged, phy2log, num_gpus)
         if best_plan is None:
             best_plan, best_peak = phy2log, peak
         else:
             better = peak < best_peak - 1e-9 * np.maximum(best_peak, 1.0)
             best_plan[better] = phy2log[better]
             best_peak = np.where(better, peak, best_peak)
-    assert best_plan is not None
+    assert best_plan is not None and best_peak is not None
+    if current is not None:
+        deployed = check_current(current, num_layers, num_experts, num_replicas)
+        best_plan = align_to(deployed, best_plan, nodes, num_gpus)
+        stay = expected_peak(judged, deployed, num_gpus) * (1 - keep_tolerance) <= best_peak + 1e-9 * np.maximum(best_peak, 1.0)
+        best_plan[stay] = deployed[stay]
     log2phy, logcnt = log2phy_from_phy2log(best_plan, num_experts)
     return PlacementPlan(
         phy2log=best_plan,

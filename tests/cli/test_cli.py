@@ -138,8 +138,9 @@ def test_placement_prints_and_writes_plan(traces, tmp_path):
     assert np.asarray(plan["logcnt"]).sum(axis=1).tolist() == [72, 72, 72]
     log2phy = np.asarray(plan["log2phy"])
     assert log2phy.shape[:2] == (3, 64) and (log2phy >= -1).all()
-    b = plan["balancedness"]
-    assert b["after"] >= b["greedy"] - 1e-12 and b["after"] > b["before"]
+    b = plan["in_sample"]["balancedness"]  # a stat trace: planned and scored on its totals (a fit)
+    assert b["moetrace"] >= b["greedy"] - 1e-12 and b["moetrace"] > b["current"]
+    assert plan["held_out_estimate"] is None and "a fit, not a forecast" in result.stdout
     assert_bad_input(invoke("placement", traces["stat"], "--replicas", "60", "--groups", "8", "--nodes", "2", "--gpus", "8"), "smaller than the 64 experts")
     assert_bad_input(invoke("placement", traces["stat"], "--replicas", "72", "--groups", "8", "--nodes", "3", "--gpus", "8"), "not divisible by nodes=3")
 

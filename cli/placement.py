@@ -1,0 +1,295 @@
+"""``moetrace placement``: plan expert placement, and say how well it will hold on the next window.
+
+Every balancedness figure is labelled as what it is: *in-sample* (planned and
+scored on the same passes: a fit, not a forecast) or *held-out* (planned on
+earlier passes, scored on later ones). Three modes:
+
+- default: plan on the whole trace; per-layer in-sample table, plus a held-out
+  estimate (plan on one fifth of the passes, score on the next fifth; mean and
+  range over the four deployments) when the trace is time-ordered;
+- ``--holdout F``: plan on the first ``1 - F`` of the passes, score on the rest;
+- ``--backtest --window W --every S``: replay a rebalancing schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moetrace import metrics
+from moetrace.analysis.backtest import (
+    BacktestResult,
+    PassSeries,
+    PlacementConfig,
+    RobustSettings,
+    backtest,
+    bucket_for,
+    holdout,
+    load_series,
+    replicas_moved,
+    robust_rebalance,
+)
+from moetrace.analysis.placement import PlacementPlan, predicted_gpu_load, rebalance_experts
+from moetrace.analysis.placement_baseline import greedy_rebalance
+from moetrace.analysis.source import select_layers
+from moetrace.trace.reader import open_trace
+from moetrace.trace.schema import TraceError
+
+from .errors import CommandError, guarded
+from .options import existing_file, output_path, parse_layers, stdout_console
+
+__all__ = ["placement"]
+
+LAYERS_HELP = "Model layer ids to plan for, e.g. '0,7,12-15' (default: all)."
+#: The default held-out estimate plans on one of this many consecutive parts and scores on the next.
+ESTIMATE_PARTS = 5
+PLANNER_ORDER = ("current", "greedy", "moetrace-fit", "moetrace")
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _spread(values: list[float] | np.ndarray) -> str:
+    a = np.asarray(values, dtype=np.float64)
+    return "-" if a.size == 0 else f"{a.mean():.3f} ({a.min():.3f}-{a.max():.3f})"
+
+
+def _sizes(num_experts: int, gpus: int, replicas: int | None, groups: int | None, nodes: int | None) -> tuple[PlacementConfig, list[str]]:
+    """Fill the defaults: ``--replicas`` E rounded up to a multiple of K, ``--groups`` and ``--nodes`` 1."""
+    used = []
+    if replicas is None:
+        replicas = math.ceil(num_experts / gpus) * gpus
+        why = "the expert count" if replicas == num_experts else f"the {num_experts} experts rounded up to a multiple of --gpus"
+        used.append(f"--replicas {replicas} ({why})")
+    if groups is None:
+        groups = 1
+        used.append("--groups 1")
+    if nodes is None:
+        nodes = 1
+        used.append("--nodes 1")
+    return PlacementConfig(replicas, groups, nodes, gpus), used
+
+
+def _read_current(path: Path) -> np.ndarray:
+    try:
+        document = json.loads(existing_file(path, "plan").read_text())
+        return np.asarray(document["phy2log"], dtype=np.int64)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise CommandError(f"--current {path}: not a placement plan with a phy2log list (write one with `moetrace placement ... --out`): {exc}") from None
+
+
+def _expert_bytes(attrs: dict[str, Any], intermediate_size: int | None) -> int | None:
+    """Bytes of one SwiGLU expert (gate, up, down: ``3·H·I·b``) from the trace's ``H`` and ``b``."""
+    if intermediate_size is None:
+        return None
+    hidden = int(attrs.get("hidden_size") or 0)
+    if hidden <= 0:
+        raise CommandError("--intermediate-size needs the trace's hidden size, and this trace does not carry one (record with RecorderConfig(hidden_size=...))")
+    return 3 * hidden * intermediate_size * int(attrs.get("dtype_bytes") or 2)
+
+
+def _series(tr: Any, index: np.ndarray, bucket: int | None, required: bool) -> PassSeries | None:
+    try:
+        return load_series(tr, index, bucket)
+    except TraceError:
+        if required:
+            raise
+        return None
+
+
+def _plan(weight: np.ndarray, series: PassSeries | None, config: PlacementConfig, current: np.ndarray | None) -> PlacementPlan:
+    """moetrace's plan on the whole trace: robust when time-ordered passes exist, else fitted to the totals."""
+    if series is None or len(series) < 2:
+        return rebalance_experts(weight, config.replicas, config.groups, config.nodes, config.gpus, current=current)
+    return robust_rebalance(series.logical, len(series), config, RobustSettings(), current)
+
+
+def _estimate(series: PassSeries | None, config: PlacementConfig) -> BacktestResult | None:
+    """The default held-out estimate: plan on one of ``ESTIMATE_PARTS`` parts, score on the next."""
+    if series is None or len(series) < ESTIMATE_PARTS:
+        return None
+    part = (len(series) // ESTIMATE_PARTS) * series.bucket
+    return backtest(series, part, part, config)
+
+
+def _in_sample_table(console: Console, layer_ids: list[int], figures: dict[str, np.ndarray | None], plan: PlacementPlan, config: PlacementConfig) -> None:
+    c = config
+    table = Table(
+        title=f"In-sample balancedness per layer: planned and scored on the same passes (a fit, not a forecast)\n"
+        f"{c.replicas} slots, {c.groups} groups, {c.nodes} nodes, {c.gpus} GPUs ({'hierarchical' if plan.hierarchical else 'global'})",
+        title_justify="left",
+    )
+    for col in ("layer", "current", "greedy", "moetrace", "max replicas"):
+        table.add_column(col, justify="right")
+    for i, layer in enumerate(layer_ids):
+        table.add_row(str(layer), *(_fmt(None if figures[k] is None else float(metrics.layer_balancedness(figures[k])[i])) for k in ("current", "greedy", "moetrace")), str(int(plan.logcnt[i].max())))
+    table.add_row("all", *(_fmt(None if figures[k] is None else metrics.balancedness(figures[k])) for k in ("current", "greedy", "moetrace")), str(plan.log2phy.shape[2]), style="bold")
+    console.print(table)
+
+
+def _holdout_table(console: Console, result: Any) -> None:
+    table = Table(
+        title=f"Hold-out: planned on the first {result.plan_passes} passes, scored on the next {result.scored_passes}",
+        title_justify="left",
+    )
+    for col in ("planner", "in-sample (fit)", "held-out", "held-out windows mean (min-max)"):
+        table.add_column(col, justify="right" if col != "planner" else "left")
+    for name in PLANNER_ORDER:
+        if name in result.held_out:
+            table.add_row(name, _fmt(result.in_sample[name]), _fmt(result.held_out[name]), _spread(result.held_out_windows[name]))
+    console.print(table)
+
+
+def _backtest_table(console: Console, result: BacktestResult) -> None:
+    summary = result.summary()
+    table = Table(
+        title=f"Backtest: plan on {result.window} passes, deploy for the next {result.every}, {len(result.first_pass)} rebalances "
+        "(realised = held-out balancedness of each deployment)",
+        title_justify="left",
+    )
+    cols = ["planner", "realised mean", "realised min", "in-sample mean (fit)", "below greedy", "moved/rebalance"]
+    if result.expert_bytes:
+        cols.append("bytes/rebalance")
+    for col in cols:
+        table.add_column(col, justify="right" if col != "planner" else "left")
+    for name in PLANNER_ORDER:
+        if name not in summary:
+            continue
+        row = summary[name]
+        below = row.get("below_greedy_share")
+        cells = [name, _fmt(row["realized_mean"]), _fmt(row["realized_min"]), _fmt(row["in_sample_mean"]), "-" if below is None else f"{below:.0%}", "-" if name == "current" else f"{row['moved_mean']:.1f}"]
+        if result.expert_bytes:
+            cells.append("-" if name == "current" else f"{row['moved_bytes_mean']:,.0f}")
+        table.add_row(*cells)
+    console.print(table)
+
+
+@guarded
+def placement(
+    trace: Annotated[Path, typer.Argument(help="A moetrace HDF5 trace whose logical counts are the loads.")],
+    gpus: Annotated[int, typer.Option("--gpus", help="GPUs K.")],
+    replicas: Annotated[int | None, typer.Option("--replicas", help="Physical expert slots N in total (default: experts rounded up to a multiple of --gpus).")] = None,
+    groups: Annotated[int | None, typer.Option("--groups", help="Expert groups G, a divisor of the expert count (default 1).")] = None,
+    nodes: Annotated[int | None, typer.Option("--nodes", help="Server nodes M, a divisor of --gpus (default 1).")] = None,
+    holdout_fraction: Annotated[float | None, typer.Option("--holdout", help="Plan on the first part of the passes, score on the last FRACTION (e.g. 0.25).")] = None,
+    run_backtest: Annotated[bool, typer.Option("--backtest", help="Replay a rebalancing schedule: plan on --window passes, deploy for --every.")] = False,
+    window: Annotated[int | None, typer.Option("--window", min=1, help="Passes each backtest plan is made on.")] = None,
+    every: Annotated[int | None, typer.Option("--every", min=1, help="Passes each backtest plan is deployed for.")] = None,
+    current: Annotated[Path | None, typer.Option("--current", help="The deployed plan (JSON from --out): moves away from it must pay off.")] = None,
+    intermediate_size: Annotated[int | None, typer.Option("--intermediate-size", min=1, help="Expert FFN width I: bytes moved = 3·H·I·b per replica (H, b from the trace).")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="With --backtest: PNG of realised balancedness over time per planner.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON document (plan and figures) instead of tables.")] = False,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the plan (phy2log, log2phy, logcnt, figures) as JSON.")] = None,
+    layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
+) -> None:
+    """Plan expert placement with replication; in-sample and held-out balancedness for current / greedy / moetrace."""
+    if gpus <= 0:
+        raise CommandError(f"--gpus must be a positive integer, got {gpus}")
+    if run_backtest and (window is None or every is None):
+        raise CommandError("--backtest needs --window W and --every S (passes planned on, passes deployed for)")
+    if (window is not None or every is not None or plot is not None) and not run_backtest:
+        raise CommandError("--window, --every and --plot belong to --backtest; add --backtest")
+    if run_backtest and holdout_fraction is not None:
+        raise CommandError("--holdout and --backtest are two evaluations; pass one of them")
+    for path in (out, plot):
+        if path is not None:
+            output_path(path)
+    deployed = None if current is None else _read_current(current)
+    with open_trace(existing_file(trace)) as tr:
+        index = select_layers(tr, parse_layers(layers))
+        layer_ids = [int(x) for x in tr.layers[index]]
+        weight = tr.logical_count()[index].astype(np.float64)
+        physical = tr.physical_count()[index]
+        attrs = tr.attrs
+        config, defaults = _sizes(weight.shape[1], gpus, replicas, groups, nodes)
+        bucket = bucket_for(window, every) if run_backtest else None
+        series = _series(tr, index, bucket, required=run_backtest or holdout_fraction is not None)
+    expert_bytes = _expert_bytes(attrs, intermediate_size)
+    plan = _plan(weight, series, config, deployed)
+    greedy = greedy_rebalance(weight, config.replicas, config.groups, config.nodes, config.gpus)
+    loads = {
+        "current": metrics.rank_load(physical, gpus) if physical.shape[1] % gpus == 0 else None,
+        "greedy": predicted_gpu_load(weight, greedy, gpus),
+        "moetrace": predicted_gpu_load(weight, plan.phy2log, gpus),
+    }
+    in_sample = {k: None if v is None else metrics.balancedness(v) for k, v in loads.items()}
+    document: dict[str, Any] = {
+        "schema": "moetrace.placement",
+        "schema_version": 2,
+        "trace": str(trace),
+        "run_id": attrs.get("run_id"),
+        "layers": layer_ids,
+        "num_replicas": config.replicas,
+        "num_groups": config.groups,
+        "num_nodes": config.nodes,
+        "num_gpus": config.gpus,
+        "defaults_used": defaults,
+        "hierarchical": plan.hierarchical,
+        "planner": "moetrace robust (sub-window scenarios, shrinkage, move-aware)" if series is not None and len(series) >= 2 else "moetrace fit (no time-ordered passes)",
+        "in_sample": {"passes": int(series.passes.sum()) if series is not None else None, "balancedness": in_sample,
+                      "layer_balancedness": {k: None if v is None else metrics.layer_balancedness(v).tolist() for k, v in loads.items()}},
+    }
+    if deployed is not None:
+        document["replicas_moved_from_current"] = replicas_moved(deployed, plan.phy2log, gpus) if deployed.shape == plan.phy2log.shape else None
+        if expert_bytes and document["replicas_moved_from_current"] is not None:
+            document["bytes_moved_from_current"] = document["replicas_moved_from_current"] * expert_bytes
+    estimate = held = replay = None
+    if holdout_fraction is not None:
+        assert series is not None
+        held = holdout(series, holdout_fraction, config)
+        document["holdout"] = held.to_dict()
+    elif run_backtest:
+        assert series is not None and window is not None and every is not None
+        replay = backtest(series, window, every, config, expert_bytes=expert_bytes)
+        document["backtest"] = replay.to_dict()
+    else:
+        estimate = _estimate(series, config)
+        document["held_out_estimate"] = None if estimate is None else {
+            "plan_passes": estimate.window, "scored_passes": estimate.every, "windows": len(estimate.first_pass),
+            "realized": {k: v.tolist() for k, v in estimate.realized.items()},
+            "summary": {k: {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())} for k, v in estimate.realized.items()},
+        }
+    document.update(phy2log=plan.phy2log.tolist(), log2phy=plan.log2phy.tolist(), logcnt=plan.logcnt.tolist(), gpu_load=loads["moetrace"].tolist())
+    if replay is not None and plot is not None:
+        from moetrace.analysis.backtest_plot import plot_backtest
+
+        plot_backtest(replay, plot, title=str(attrs.get("model") or Path(trace).name))
+    if out is not None:
+        out.write_text(json.dumps(document))
+    if as_json:
+        typer.echo(json.dumps(document, indent=2))
+        return
+    console = stdout_console()
+    if defaults:
+        console.print(f"defaults used: {', '.join(defaults)}")
+    _in_sample_table(console, layer_ids, loads, plan, config)
+    figures = "  ".join(f"{k} {_fmt(in_sample[k])}" for k in ("current", "greedy", "moetrace"))
+    console.print(f"in-sample (planned and scored on the same passes; a fit, not a forecast): {figures}")
+    if held is not None:
+        _holdout_table(console, held)
+    elif replay is not None:
+        _backtest_table(console, replay)
+        if plot is not None:
+            console.print(f"wrote {plot}")
+    elif estimate is not None:
+        spread = "  ".join(f"{k} {_spread(estimate.realized[k])}" for k in ("current", "greedy", "moetrace") if k in estimate.realized)
+        console.print(
+            f"held-out estimate (planned on {estimate.window} passes, scored on the next {estimate.every}; mean (min-max) over "
+            f"{len(estimate.first_pass)} windows): {spread}"
+        )
+    else:
+        console.print("held-out estimate: n/a (needs a per_pass or per_token trace with enough passes); the figures above are a fit, not a forecast")
+    if deployed is not None and document.get("replicas_moved_from_current") is not None:
+        moved = document["replicas_moved_from_current"]
+        extra = f" ({document['bytes_moved_from_current']:,} bytes)" if "bytes_moved_from_current" in document else ""
+        console.print(f"replicas moved from --current: {moved}{extra}")
+    if out is not None:
+        console.print(f"wrote {out}")

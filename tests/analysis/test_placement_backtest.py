@@ -1,0 +1,285 @@
+"""Placement on the next window: series reading, hold-out, backtest, robust planning, the CLI.
+
+The routes are synthetic drift of real counts (:mod:`moetrace.reference.drift`):
+real OLMoE domain skew, a drifting domain mix, recorded by the real recorder.
+Expected figures are recomputed here from the routes with plain numpy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from moetrace.cli.app import app
+from typer.testing import CliRunner
+
+from moetrace import ExpertDistributionRecorder, RecorderConfig
+from moetrace.analysis import backtest as bt
+from moetrace.analysis.backtest import (
+    PassSeries,
+    PlacementConfig,
+    RobustSettings,
+    backtest,
+    holdout,
+    load_series,
+    replicas_moved,
+    robust_rebalance,
+)
+from moetrace.analysis.placement import (
+    PlacementError,
+    align_to,
+    predicted_gpu_load,
+    rebalance_experts,
+)
+from moetrace.analysis.placement_baseline import greedy_rebalance
+from moetrace.analysis.source import select_layers
+from moetrace.reference.drift import DriftSpec, drift_routes
+from moetrace.trace import open_trace
+
+from .test_placement import check_plan
+
+PASSES, TOKENS, HIDDEN = 240, 64, 32
+runner = CliRunner()
+
+
+def record_routes(path: Path, mode: str, passes: list[np.ndarray], ep_size: int = 8) -> Path:
+    """Replay routes ``[T, 3, 8]`` through the real recorder (64 experts, hidden size recorded)."""
+    cfg = RecorderConfig(
+        num_layers=3, num_physical_experts=64, top_k=8, ep_size=ep_size, mode=mode, window=len(passes), output_dir=path.parent,
+        layer_ids=(0, 7, 15), max_tokens_per_pass=TOKENS, stream_chunk_tokens=4096, stream_chunk_passes=16, hidden_size=HIDDEN, model="drift",
+    )
+    rec = ExpertDistributionRecorder(cfg)
+    rec.start_record()
+    for ids in passes:
+        with rec.with_forward_pass():
+            for layer in range(3):
+                with rec.with_current_layer(layer):
+                    rec.on_select_experts(torch.as_tensor(ids[:, layer]))
+    rec.stop_record()
+    return rec.dump_record(path)
+
+
+@pytest.fixture(scope="module")
+def drift(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("drift")
+    passes, _, _ = drift_routes(DriftSpec(num_passes=PASSES, tokens_per_pass=TOKENS, seed=5))
+    counts = np.stack([np.stack([np.bincount(p[:, layer].ravel(), minlength=64) for layer in range(3)]) for p in passes])  # [P, 3, 64]
+    return {
+        "counts": counts,
+        "token": record_routes(tmp / "token.h5", "per_token", passes),
+        "pass": record_routes(tmp / "pass.h5", "per_pass", passes),
+        "stat": record_routes(tmp / "stat.h5", "stat", passes),
+        "dir": tmp,
+    }
+
+
+def series_of(path: Path, bucket: int | None = None) -> PassSeries:
+    with open_trace(path) as tr:
+        return load_series(tr, select_layers(tr, None), bucket)
+
+
+def balance(load: np.ndarray) -> float:
+    """Balancedness straight from the definition: sum of layer means over sum of layer peaks."""
+    return float(load.mean(axis=1).sum() / load.max(axis=1).sum())
+
+
+def gpu_load(weight: np.ndarray, phy2log: np.ndarray, gpus: int) -> np.ndarray:
+    """Per-GPU load by loops: each slot carries its expert's load over the expert's replica count."""
+    layers, slots = phy2log.shape
+    out = np.zeros((layers, gpus))
+    for layer in range(layers):
+        copies = np.bincount(phy2log[layer], minlength=weight.shape[1])
+        for slot, expert in enumerate(phy2log[layer]):
+            out[layer, slot // (slots // gpus)] += weight[layer, expert] / copies[expert]
+    return out
+
+
+# ------------------------------------------------------------------------- reading
+@pytest.mark.parametrize("kind", ["token", "pass", "stat"])
+def test_series_holds_every_pass_in_order(drift, kind):
+    series = series_of(drift[kind])
+    assert series.bucket == 1 and len(series) == PASSES
+    np.testing.assert_array_equal(series.logical, drift["counts"])
+    np.testing.assert_array_equal(series.physical, drift["counts"])  # identity map
+    bucketed = series_of(drift[kind], bucket=7)
+    assert bucketed.passes.tolist() == [7] * (PASSES // 7) + [PASSES % 7]
+    np.testing.assert_array_equal(bucketed.logical[1], drift["counts"][7:14].sum(axis=0))
+
+
+def test_series_merges_buckets_beyond_the_cap(drift, monkeypatch):
+    monkeypatch.setattr(bt, "MAX_BUCKETS", 16)
+    series = series_of(drift["token"])
+    assert series.bucket == 8 and len(series) == PASSES // 8 and series.passes.sum() == PASSES
+    np.testing.assert_array_equal(series.logical.sum(axis=0), drift["counts"].sum(axis=0))
+
+
+# ------------------------------------------------------------------------- hold-out and backtest
+def test_holdout_figures_from_the_definition(drift):
+    series = series_of(drift["token"])
+    config = PlacementConfig(72, 8, 2, 8)
+    result = holdout(series, 0.25, config)
+    cut = 180
+    assert (result.plan_passes, result.scored_passes) == (cut, PASSES - cut)
+    before, after = drift["counts"][:cut], drift["counts"][cut:]
+    for name in ("greedy", "moetrace", "moetrace-fit"):
+        plan = result.plans[name]
+        assert plan.shape == (3, 72) and (np.sort(np.unique(plan, axis=None)) == np.arange(64)).all()
+        assert result.in_sample[name] == pytest.approx(balance(gpu_load(before.sum(axis=0), plan, 8)))
+        assert result.held_out[name] == pytest.approx(balance(gpu_load(after.sum(axis=0), plan, 8)))
+        assert len(result.held_out_windows[name]) == 4
+    np.testing.assert_array_equal(result.plans["greedy"], greedy_rebalance(before.sum(axis=0), 72, 8, 2, 8))
+    contiguous = after.sum(axis=0).reshape(3, 8, 8).sum(axis=2)
+    assert result.held_out["current"] == pytest.approx(balance(contiguous))
+    # The in-sample fit flatters: on held-out passes the greedy plan loses balance.
+    assert result.held_out["greedy"] < result.in_sample["greedy"]
+    with pytest.raises(PlacementError, match="fraction in"):
+        holdout(series, 1.0, config)
+
+
+def test_backtest_replays_the_schedule(drift):
+    series = series_of(drift["token"], bucket=10)
+    config = PlacementConfig(64, 1, 1, 8)
+    result = backtest(series, 60, 30, config, expert_bytes=1000)
+    starts = list(range(60, PASSES - 30 + 1, 30))
+    assert result.first_pass.tolist() == starts
+    counts = drift["counts"]
+    for i, t in enumerate(starts):
+        plan = greedy_rebalance(counts[t - 60 : t].sum(axis=0), 64, 1, 1, 8)
+        assert result.realized["greedy"][i] == pytest.approx(balance(gpu_load(counts[t : t + 30].sum(axis=0), plan, 8)))
+        assert result.realized["current"][i] == pytest.approx(balance(counts[t : t + 30].sum(axis=0).reshape(3, 8, 8).sum(axis=2)))
+    summary = result.summary()
+    assert summary["greedy"]["moved_bytes_mean"] == pytest.approx(summary["greedy"]["moved_mean"] * 1000)
+    assert set(summary) == {"moetrace", "moetrace-fit", "greedy", "current"}
+    with pytest.raises(PlacementError, match="multiple of"):
+        backtest(series, 65, 30, config)
+    with pytest.raises(PlacementError, match="at least"):
+        backtest(series, 200, 50, config)
+
+
+def test_robust_planner_holds_better_on_the_next_window(drift):
+    """The must-show, small: next-window balancedness above greedy on average, rarely below."""
+    series = series_of(drift["token"], bucket=20)
+    realized = {"moetrace": [], "greedy": []}
+    for config in (PlacementConfig(64, 1, 1, 8), PlacementConfig(80, 8, 2, 8)):
+        result = backtest(series, 80, 20, config, planners={k: bt.PLANNERS[k] for k in realized})
+        for k in realized:
+            realized[k].append(result.realized[k])
+    ours, greedy = np.concatenate(realized["moetrace"]), np.concatenate(realized["greedy"])
+    assert ours.mean() > greedy.mean()
+    assert (ours < greedy).mean() <= 0.25
+
+
+# ------------------------------------------------------------------------- planner guarantees
+def test_robust_plans_are_valid_and_moves_are_counted(drift):
+    counts = drift["counts"].astype(np.float64)
+    for replicas, groups, nodes, gpus in [(64, 1, 1, 8), (80, 8, 2, 8), (72, 8, 3, 24), (96, 4, 2, 16)]:
+        config = PlacementConfig(replicas, groups, nodes, gpus)
+        plan = robust_rebalance(counts[:120], 60, config)
+        check_plan(plan, plan_weight(counts[:120], 60), replicas, groups, nodes, gpus)
+        previous = plan.phy2log
+        again = robust_rebalance(counts[:180], 60, config, current=previous)
+        check_plan(again, plan_weight(counts[:180], 60), replicas, groups, nodes, gpus)
+        assert replicas_moved(previous, again.phy2log, gpus) <= replicas_moved(previous, robust_rebalance(counts[:180], 60, config).phy2log, gpus)
+        # Keeping is always possible: with an infinite tolerance nothing moves.
+        kept = robust_rebalance(counts[:180], 60, config, RobustSettings(keep_tolerance=np.inf), current=previous)
+        np.testing.assert_array_equal(kept.phy2log, previous)
+
+
+def plan_weight(history: np.ndarray, window: int) -> np.ndarray:
+    return bt.robust_inputs(history, window, RobustSettings())[0]
+
+
+def test_moves_and_alignment():
+    a = np.array([[0, 1, 2, 3, 4, 5, 6, 7]])
+    assert replicas_moved(a, a[:, [1, 0, 3, 2, 5, 4, 7, 6]], 4) == 0  # reordered inside GPUs
+    swapped = a[:, [2, 3, 0, 1, 4, 5, 6, 7]]  # GPUs 0 and 1 exchange contents
+    assert replicas_moved(a, swapped, 4) == 4
+    aligned = align_to(a, swapped, 1, 4)
+    assert replicas_moved(a, aligned, 4) == 0
+    weight = np.arange(1.0, 9.0)[None]
+    np.testing.assert_allclose(np.sort(predicted_gpu_load(weight, aligned, 4)), np.sort(predicted_gpu_load(weight, swapped, 4)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"scenarios": np.ones((2, 3, 8))}, "scenarios must be"),
+        ({"scenarios": -np.ones((2, 2, 8))}, "non-negative"),
+        ({"current": np.zeros((2, 8), dtype=np.int64)}, "without a slot"),
+        ({"current": np.zeros((2, 9), dtype=np.int64)}, "shape"),
+        ({"current": np.full((2, 8), 9)}, r"ids in \[0, 8\)"),
+        ({"keep_tolerance": -0.1}, "keep_tolerance"),
+    ],
+)
+def test_robust_inputs_refused_clearly(kwargs, message):
+    with pytest.raises(PlacementError, match=message):
+        rebalance_experts(np.ones((2, 8)), 8, 1, 1, 4, **kwargs)
+
+
+# ------------------------------------------------------------------------- CLI
+def invoke(*args: object):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_cli_defaults_and_held_out_estimate(drift, tmp_path):
+    result = invoke("placement", drift["token"], "--gpus", "8", "--out", tmp_path / "plan.json")
+    assert result.exit_code == 0, result.stderr
+    assert "defaults used: --replicas 64 (the expert count), --groups 1, --nodes 1" in result.stdout
+    assert "a fit, not a forecast" in result.stdout and "held-out estimate (planned on 48 passes, scored on the next 48" in result.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["defaults_used"] and len(plan["held_out_estimate"]["realized"]["moetrace"]) == 4
+    odd = invoke("placement", drift["token"], "--gpus", "6", "--json")
+    assert odd.exit_code == 0, odd.stderr
+    assert json.loads(odd.stdout)["num_replicas"] == 66 and "rounded up" in json.loads(odd.stdout)["defaults_used"][0]
+    moved = invoke("placement", drift["token"], "--gpus", "8", "--current", tmp_path / "plan.json", "--json")
+    assert json.loads(moved.stdout)["replicas_moved_from_current"] == 0  # the same data: the deployed plan stays
+
+
+def test_cli_holdout_and_backtest(drift, tmp_path):
+    result = invoke("placement", drift["pass"], "--gpus", "8", "--replicas", "72", "--holdout", "0.25", "--json")
+    assert result.exit_code == 0, result.stderr
+    document = json.loads(result.stdout)["holdout"]
+    assert set(document["held_out"]) == {"moetrace", "moetrace-fit", "greedy", "current"} and document["plan_passes"] == 180
+    table = invoke("placement", drift["pass"], "--gpus", "8", "--holdout", "0.25")
+    assert "Hold-out: planned on the first 180 passes" in table.stdout and "in-sample (fit)" in table.stdout
+    png = tmp_path / "backtest.png"
+    replay = invoke("placement", drift["token"], "--gpus", "8", "--backtest", "--window", "60", "--every", "30", "--intermediate-size", "128", "--plot", png)
+    assert replay.exit_code == 0, replay.stderr
+    assert "realised mean" in replay.stdout and "bytes/rebalance" in replay.stdout and png.stat().st_size > 10_000
+    as_json = json.loads(invoke("placement", drift["token"], "--gpus", "8", "--backtest", "--window", "60", "--every", "30", "--intermediate-size", "128", "--json").stdout)
+    assert as_json["backtest"]["expert_bytes"] == 3 * HIDDEN * 128 * 2 and as_json["backtest"]["rebalances"] == 6
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backtest"], "needs --window"),
+        (["--window", "10"], "add --backtest"),
+        (["--holdout", "0.5", "--backtest", "--window", "10", "--every", "10"], "pass one of them"),
+        (["--holdout", "1.5"], "fraction in (0, 1)"),
+        (["--backtest", "--window", "400", "--every", "10"], "at least"),
+        (["--replicas", "60"], "smaller than the 64 experts"),
+        (["--intermediate-size", "64", "--backtest", "--window", "60", "--every", "30", "--layers", "7"], None),
+    ],
+)
+def test_cli_bad_input(drift, args, message):
+    result = invoke("placement", drift["token"], "--gpus", "8", *args)
+    if message is None:
+        assert result.exit_code == 0, result.stderr
+        return
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_refuses_what_it_cannot_evaluate(drift, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    result = invoke("placement", drift["token"], "--gpus", "8", "--current", bad)
+    assert result.exit_code == 2 and "phy2log" in result.stderr
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"phy2log": [[0] * 64] * 3}))
+    result = invoke("placement", drift["token"], "--gpus", "8", "--current", wrong)
+    assert result.exit_code == 2 and "without a slot" in result.stderr
