@@ -123,6 +123,8 @@ class AnalysisReport(metrics.LoadMetrics):
         """
         num_experts = self.logical_count.shape[1]
         hot = metrics.hot_expert_count(num_experts)
+        if not self.logical_count.any():
+            return ["no expert assignments recorded: no balance to report (was the recorder started?)"]
         lines = [
             f"expert imbalance {self.overall_expert_imbalance:.2f} (hottest/mean; "
             f"worst layer {float(self.expert_imbalance.max()):.2f})  mean CV {float(self.expert_cv.mean()):.2f}",

@@ -23,7 +23,7 @@ from rich.console import Console
 from moetrace import ExpertDistributionRecorder, RecorderConfig, metrics
 from moetrace.analysis import analyze_trace
 
-from .helpers import random_passes, record
+from .helpers import random_passes, record, write_stat_trace
 from .real_routes import LAYER_IDS, NUM_EXPERTS, TOP_K, olmoe_router_ids, olmoe_router_trace
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -191,3 +191,9 @@ def test_readme_hf_snippet_headline_reflects_real_skew(tmp_path, monkeypatch):
     assert f"hottest 10% (1 of 8 experts) take {100 * hot:.1f}% (even: 12.5%)" in text
     assert "rank balance: needs EP" in text and "balancedness 1.000" not in text
     assert all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_empty_trace_headline_says_so(tmp_path):
+    report = analyze_trace(write_stat_trace(tmp_path / "empty.h5", np.zeros((2, 6), np.int64), 2, 1, [0, 1]))
+    assert report.headline() == ["no expert assignments recorded: no balance to report (was the recorder started?)"]
+    assert [row["ranks"] for row in report.to_dict()["ep_projection"]] == [2, 3, 6]
