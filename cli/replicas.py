@@ -154,8 +154,8 @@ def compare(
         typer.echo(json.dumps(_jsonable({"policies": rows, "upper_bound_block_hit_rate": reusable / total, "cost_model": cost.to_dict(),
                                          "requests": len(requests), "replicas": replicas}), indent=2))
         return
-    typer.echo(f"{len(requests)} requests, {replicas} replicas, cache {cache_blocks or 'unlimited'} blocks/replica; "
-               f"unlimited-cache bound: {100 * reusable / total:.1f}% of blocks")
+    typer.echo(f"{len(requests)} requests, {replicas} replicas, cache {cache_blocks or 'unlimited'} blocks/replica")
+    typer.echo(f"unlimited-cache bound: {100 * reusable / total:.1f}% of blocks reusable")
     typer.echo(compare_table(rows))
 
 

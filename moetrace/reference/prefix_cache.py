@@ -97,14 +97,18 @@ class PrefixCache:
         are the blocks after it (a prefix cache holds prefixes).
         """
         inserted: list[int] = []
+        blocks, cap = self._blocks, self.capacity
         for i, h in enumerate(hashes):
-            if h in self._blocks:
+            if h in blocks:
                 continue
-            if self.capacity is not None and len(self._blocks) >= self.capacity and not self._evict_one():
+            if cap is not None and len(blocks) >= cap and not self._evict_one():
                 break
-            self._blocks[h] = [None if payloads is None else payloads[i], 0]
+            blocks[h] = [None if payloads is None else payloads[i], 0]
             inserted.append(i)
-        self.touch([h for h in hashes if h in self._blocks])
+        move = blocks.move_to_end
+        for h in reversed(hashes):
+            if h in blocks:
+                move(h)
         return inserted
 
     def remove(self, hashes: Sequence[Hashable]) -> None:

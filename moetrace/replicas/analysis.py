@@ -72,9 +72,9 @@ def _fmt_s(x: float) -> str:
 
 def compare_table(rows: list[dict[str, Any]]) -> str:
     """Two tables within 80 columns: cache evidence, then latency evidence (one row per run)."""
-    lines = [f"{'policy':<21}{'hit%':>6}{'blk%':>6}{'reused tok':>12}{'regret tok':>12}{'ld max/mean':>12}{'migr':>6}{'reqs':>6}"]
+    lines = [f"{'policy':<21}{'hit%':>6}{'blk%':>6}{'reused tok':>11}{'regret tok':>12}{'ld max/mean':>12}{'migr':>6}{'reqs':>6}"]
     for r in rows:
-        lines.append(f"{r['policy'][:20]:<21}{100 * r['hit_rate']:>6.1f}{100 * r['block_hit_rate']:>6.1f}{r['reused_tokens']:>12}"
+        lines.append(f"{r['policy'][:20]:<21}{100 * r['hit_rate']:>6.1f}{100 * r['block_hit_rate']:>6.1f}{r['reused_tokens']:>11}"
                      f"{r['regret_tokens']:>12}{r['load_max_mean']:>12.2f}{r['migrations']:>6}{r['finished']:>6}")
     lines.append("")
     lines.append(f"{'policy (s)':<21}{'wait50':>7}{'wait95':>7}{'wait99':>7}{'ttft':>7}{'ttft50':>7}{'ttft95':>7}{'ttft99':>7}{'makespan':>9}")

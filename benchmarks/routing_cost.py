@@ -1,0 +1,95 @@
+"""Cost of recording request→replica routing: time per decision and memory over many decisions.
+
+- ``per decision``: the router's own ``route()`` over R replicas (a Mooncake
+  request, caches warm) against ``route()`` + every RoutingRecorder hook
+  (arrival, decision with R candidates, start, first token, finish),
+  interleaved in one process; the figure is the hooks' time per decision and
+  its ratio to routing alone.
+- ``memory``: RSS while the recorder takes N decisions (8 candidates each)
+  sampled every N/10: it must stay flat (rows stream to the segment file).
+
+Run: ``.venv/bin/python benchmarks/routing_cost.py [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import psutil
+from harness import interleaved, write_results
+
+from moetrace.reference.prefix_cache import PrefixCache
+from moetrace.reference.replica_router import ReplicaRouter, RouteRequest
+from moetrace.replicas import RoutingRecorder
+from moetrace.replicas.trace import load_trace
+
+
+def _per_decision(replicas: int, rounds: int, inner: int, tmp: str) -> dict[str, float]:
+    requests = load_trace(limit=2000)
+    caches = [PrefixCache(20000) for _ in range(replicas)]
+    for i, req in enumerate(requests[:1000]):
+        caches[i % replicas].insert(req.hashes)
+    router = ReplicaRouter(replicas, "cache_aware", block_size=512, caches=caches)
+    probe = [RouteRequest(r.rid, r.input_tokens, r.hashes) for r in requests[1000:]]
+    rec = RoutingRecorder(replicas, output_dir=tmp, chunk_rows=4096, clock=lambda: 0.0)
+    rec.start_record()
+    counter = iter(range(1 << 62))
+
+    def route_only() -> None:
+        router.route(probe[next(counter) % len(probe)])
+
+    def route_and_record() -> None:
+        n = next(counter)
+        req = probe[n % len(probe)]
+        rid = str(n)
+        rec.on_arrival(rid, req.input_tokens, t=0.0)
+        d = router.route(req)
+        rec.on_decision(rid, d.replica, "cache_aware", d.reason, d.candidates, t=0.0)
+        rec.on_start(rid, t=0.1)
+        rec.on_first_token(rid, t=0.2)
+        rec.on_finish(rid, 10, d.chosen.match_tokens, t=1.0)
+
+    t = interleaved({"route": route_only, "route+record": route_and_record}, rounds=rounds, inner=inner)
+    rec.close()
+    return {"route_us": t["route"] * 1e6, "route_record_us": t["route+record"] * 1e6,
+            "record_us": (t["route+record"] - t["route"]) * 1e6, "ratio": t["route+record"] / t["route"]}
+
+
+def _memory(decisions: int, tmp: str) -> dict[str, object]:
+    from moetrace.replicas import Candidate
+
+    proc = psutil.Process()
+    rec = RoutingRecorder(8, output_dir=tmp, chunk_rows=8192, clock=lambda: 0.0)
+    rec.start_record()
+    cands = [Candidate(r, queue=r, match_blocks=r, match_tokens=512 * r) for r in range(8)]
+    samples = []
+    step = decisions // 10
+    for i in range(decisions):
+        rid = str(i)
+        rec.on_arrival(rid, 4096, t=0.0)
+        rec.on_decision(rid, i % 8, "cache_aware", "prefix_match", cands, t=0.0)
+        rec.on_finish(rid, 10, 512, t=1.0)
+        if (i + 1) % step == 0:
+            samples.append({"decisions": i + 1, "rss_mb": proc.memory_info().rss / 2**20})
+    path = rec.dump_record(f"{tmp}/mem.h5")
+    rec.close()
+    size = path.stat().st_size / 2**20
+    return {"decisions": decisions, "rss_samples": samples, "rss_growth_mb": samples[-1]["rss_mb"] - samples[0]["rss_mb"], "trace_mb": size}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, 200k decisions instead of 1M")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        per = {f"{r} replicas": _per_decision(r, 5 if args.quick else 15, 200, tmp) for r in (8, 64)}
+        mem = _memory(200_000 if args.quick else 1_000_000, tmp)
+    for name, r in per.items():
+        print(f"{name}: route {r['route_us']:.1f} us, route+record {r['route_record_us']:.1f} us -> recording {r['record_us']:.1f} us/decision ({r['ratio']:.2f}x)")
+    print(f"memory: {mem['decisions']:,} decisions, RSS {mem['rss_samples'][0]['rss_mb']:.0f} -> {mem['rss_samples'][-1]['rss_mb']:.0f} MiB, trace {mem['trace_mb']:.1f} MiB")
+    write_results("routing_cost", {"per_decision": per, "memory": mem})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""``moetrace replicas replay/compare/why/calibrate`` and ``moetrace analyze`` on a routing trace."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from moetrace.cli.app import app
+from typer.testing import CliRunner
+
+from moetrace.trace.requests import read_requests
+
+runner = CliRunner()
+SLICE = ["--limit", "600", "--replicas", "4", "--utilization", "0.8"]
+
+
+@pytest.fixture(scope="module")
+def routing_trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "routing.h5"
+    result = runner.invoke(app, ["replicas", "replay", "mooncake", "--policy", "constrained_locality", "--out", str(out),
+                                 "--plot-load", str(out.with_suffix(".png")), *SLICE])
+    assert result.exit_code == 0, result.output
+    assert "constrained_locality" in result.output and f"routing trace: {out}" in result.output
+    return out
+
+
+def test_replay_writes_a_routing_trace(routing_trace):
+    table = read_requests(routing_trace)
+    assert len(table) == 600 and table.clock == "simulated" and table.num_replicas == 4 and table.block_size == 512
+    assert routing_trace.with_suffix(".png").stat().st_size > 1000
+    lines = runner.invoke(app, ["replicas", "replay", "mooncake", "--policy", "random", *SLICE]).output.splitlines()
+    assert max(len(line) for line in lines) <= 80
+
+
+def test_analyze_prints_the_same_evidence_as_replay(routing_trace):
+    result = runner.invoke(app, ["analyze", str(routing_trace), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    replay = json.loads(runner.invoke(app, ["replicas", "replay", "mooncake", "--policy", "constrained_locality", "--json", *SLICE]).output)["summary"]
+    assert summary == replay
+    text = runner.invoke(app, ["analyze", str(routing_trace)]).output
+    assert "routing trace, 600 requests" in text and "min_est_ttft" in text
+
+
+def test_why(routing_trace):
+    table = read_requests(routing_trace)
+    rid = table.requests["id"][table.requests["cached_tokens"] > 0][0]
+    result = runner.invoke(app, ["replicas", "why", str(routing_trace), rid])
+    assert result.exit_code == 0, result.output
+    assert f"request {rid} -> replica" in result.output and "reason=min_est_ttft" in result.output and "smallest estimated TTFT" in result.output
+    assert len([line for line in result.output.splitlines() if line.strip()[:1] in "*0123456789"]) >= 4
+    answer = json.loads(runner.invoke(app, ["replicas", "why", str(routing_trace), rid, "--json"]).output)
+    chosen = answer["request"]["replica"]
+    assert min(answer["candidates"], key=lambda c: (c["est_ttft"], c["replica"]))["replica"] == chosen
+    missing = runner.invoke(app, ["replicas", "why", str(routing_trace), "no-such-request"])
+    assert missing.exit_code == 2 and "not in this trace" in missing.output
+
+
+def test_compare(tmp_path):
+    png = tmp_path / "ttft.png"
+    result = runner.invoke(app, ["replicas", "compare", "mooncake", "--json", "--plot-ttft", str(png), *SLICE])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    rows = {r["policy"]: r for r in data["policies"]}
+    assert set(rows) == {"round_robin", "random", "shortest_queue", "cache_aware", "session_sticky", "constrained_locality", "kv_cost"}
+    for r in rows.values():
+        assert r["block_hit_rate"] <= data["upper_bound_block_hit_rate"]
+        assert r["finished"] == 600 and r["ttft_p50"] <= r["ttft_p95"] <= r["ttft_p99"]
+    assert png.stat().st_size > 1000
+    text = runner.invoke(app, ["replicas", "compare", "mooncake", "--policies", "random,kv_cost", *SLICE]).output
+    assert max(len(line) for line in text.splitlines()) <= 80 and "unlimited-cache bound" in text
+
+
+def test_cost_model_file(tmp_path):
+    bad = tmp_path / "cost.json"
+    bad.write_text("{oops")
+    result = runner.invoke(app, ["replicas", "replay", "mooncake", "--cost-model", str(bad), *SLICE])
+    assert result.exit_code == 2 and "not JSON" in result.output
+    bad.write_text(json.dumps({"prefill_per_token": -1}))
+    result = runner.invoke(app, ["replicas", "replay", "mooncake", "--cost-model", str(bad), *SLICE])
+    assert result.exit_code == 2 and "prefill_per_token must be" in result.output
+
+
+def test_calibrate_writes_a_cost_model_replay_accepts(tmp_path):
+    path = tmp_path / "cost.json"
+    result = runner.invoke(app, ["replicas", "calibrate", "--out", str(path)])
+    assert result.exit_code == 0, result.output
+    cost = json.loads(path.read_text())
+    assert cost["prefill_per_token"] > 0 and cost["max_batch"] == 8
+    result = runner.invoke(app, ["replicas", "replay", "mooncake", "--cost-model", str(path), "--json", "--limit", "200", "--replicas", "2"])
+    assert result.exit_code == 0 and json.loads(result.output)["cost_model"] == cost
