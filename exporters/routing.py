@@ -1,0 +1,186 @@
+"""Request→replica routing metrics for Prometheus and OpenTelemetry, read from ``RoutingRecorder.snapshot()``.
+
+Usage::
+
+    from moetrace.exporters import routing
+    registry = routing.register(recorder)                    # Prometheus: a collector on a (private) registry
+    handle = routing.instrument(recorder, meter_provider=p)  # OpenTelemetry: observable instruments
+
+Same conventions as :mod:`moetrace.exporters.catalog`: one
+:class:`RoutingMetricSpec` per metric names it for both exporters (Prometheus:
+``moetrace_`` prefix, base units, ``_total`` on counters; OpenTelemetry:
+``moetrace.*``, UCUM units); values come from the snapshot, never computed
+here. Labels are bounded: ``replica`` (< the recorder's ``num_replicas``),
+``policy`` (:data:`~moetrace.replicas.POLICIES`, 8) and ``reason``
+(:data:`~moetrace.replicas.REASONS`, 12); decision series appear only for the
+(replica, policy, reason) combinations that occurred. Wait and TTFT are
+Prometheus histograms with the recorder's fixed buckets
+(:data:`~moetrace.replicas.LATENCY_BUCKETS`); OpenTelemetry has no observable
+histogram, so they go out as ``*.bucket`` counters (attribute ``le``), plus
+``*.sum`` and ``*.count``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from moetrace.replicas import LATENCY_BUCKETS, POLICIES, REASONS, RoutingRecorder, RoutingSnapshot
+
+__all__ = ["HISTOGRAMS", "ROUTING_METRICS", "RoutingCollector", "RoutingMetricSpec", "instrument", "register", "samples"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingMetricSpec:
+    """One routing metric: names, kind (``counter`` / ``gauge`` / ``histogram``), unit, labels, value."""
+
+    prom_name: str
+    otel_name: str
+    kind: str
+    unit: str
+    dims: tuple[str, ...]
+    help: str
+    value: Callable[[RoutingSnapshot], object]
+
+
+ROUTING_METRICS: tuple[RoutingMetricSpec, ...] = (
+    RoutingMetricSpec("moetrace_replica_decisions_total", "moetrace.replica.decisions", "counter", "{decision}", ("replica", "policy", "reason"),
+                      "Routing decisions by chosen replica, policy and the rule that decided.", lambda s: s.decisions),
+    RoutingMetricSpec("moetrace_replica_hit_tokens_total", "moetrace.replica.hit_tokens", "counter", "{token}", ("replica",),
+                      "Prompt tokens the replica served from its prefix cache (as it counted them).", lambda s: s.hit_tokens),
+    RoutingMetricSpec("moetrace_replica_miss_tokens_total", "moetrace.replica.miss_tokens", "counter", "{token}", ("replica",),
+                      "Prompt tokens the replica had to prefill.", lambda s: s.miss_tokens),
+    RoutingMetricSpec("moetrace_replica_regret_tokens_total", "moetrace.replica.regret_tokens", "counter", "{token}", ("replica",),
+                      "Prefix overlap lost by not choosing the best-overlap replica (best candidate's match - chosen's).", lambda s: s.regret_tokens),
+    RoutingMetricSpec("moetrace_replica_queue_length", "moetrace.replica.queue_length", "gauge", "{request}", ("replica",),
+                      "Requests routed to the replica that have not started.", lambda s: s.queue_length),
+    RoutingMetricSpec("moetrace_replica_running_requests", "moetrace.replica.running_requests", "gauge", "{request}", ("replica",),
+                      "Requests the replica started and has not finished.", lambda s: s.running),
+    RoutingMetricSpec("moetrace_replica_migrations_total", "moetrace.replica.migrations", "counter", "{session}", (),
+                      "Sessions moved from one replica to another.", lambda s: s.migrations),
+    RoutingMetricSpec("moetrace_replica_finished_requests_total", "moetrace.replica.finished_requests", "counter", "{request}", (),
+                      "Requests finished since start_record.", lambda s: s.finished),
+)
+"""Counters and gauges."""
+
+HISTOGRAMS: tuple[RoutingMetricSpec, ...] = (
+    RoutingMetricSpec("moetrace_replica_queue_wait_seconds", "moetrace.replica.queue_wait", "histogram", "s", ("replica",),
+                      "Arrival at the router to prefill start, per replica.", lambda s: (s.wait_buckets, s.wait_sum)),
+    RoutingMetricSpec("moetrace_replica_ttft_seconds", "moetrace.replica.ttft", "histogram", "s", ("replica",),
+                      "Arrival at the router to first token, per replica.", lambda s: (s.ttft_buckets, s.ttft_sum)),
+)
+"""Wait and TTFT histograms (buckets: LATENCY_BUCKETS)."""
+
+_NAMES = {"policy": POLICIES, "reason": REASONS}
+
+
+def samples(spec: RoutingMetricSpec, snap: RoutingSnapshot) -> Iterator[tuple[dict[str, str], int | float]]:
+    """``(labels, value)`` of each series of a counter/gauge ``spec``; decision series only where non-zero."""
+    value = spec.value(snap)
+    if not spec.dims:
+        yield {}, value  # type: ignore[misc]
+        return
+    array = np.asarray(value)
+    for index in zip(*np.nonzero(array), strict=True) if len(spec.dims) > 1 else np.ndindex(*array.shape):
+        labels = {dim: (_NAMES[dim][i] if dim in _NAMES else str(i)) for dim, i in zip(spec.dims, index, strict=True)}
+        item = array[index]
+        yield labels, int(item) if array.dtype.kind in "iub" else float(item)
+
+
+def _histogram(spec: RoutingMetricSpec, snap: RoutingSnapshot) -> Iterator[tuple[str, list[tuple[str, float]], float]]:
+    buckets, sums = spec.value(snap)  # type: ignore[misc]
+    for r in range(snap.num_replicas):
+        cumulative = np.cumsum(buckets[r])
+        pairs = [(repr(b), float(c)) for b, c in zip(LATENCY_BUCKETS, cumulative[:-1], strict=True)] + [("+Inf", float(cumulative[-1]))]
+        yield str(r), pairs, float(sums[r])
+
+
+class RoutingCollector(Collector):
+    """Prometheus collector: one ``recorder.snapshot()`` per scrape."""
+
+    def __init__(self, recorder: RoutingRecorder) -> None:
+        self._recorder = recorder
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self._recorder.snapshot())
+
+    def _families(self, snap: RoutingSnapshot | None) -> Iterator[Metric]:
+        for spec in ROUTING_METRICS:
+            if spec.kind == "counter":
+                family: Metric = CounterMetricFamily(spec.prom_name.removesuffix("_total"), spec.help, labels=list(spec.dims))
+            else:
+                family = GaugeMetricFamily(spec.prom_name, spec.help, labels=list(spec.dims))
+            if snap is not None:
+                for labels, value in samples(spec, snap):
+                    family.add_metric(list(labels.values()), value)
+            yield family
+        for spec in HISTOGRAMS:
+            hist = HistogramMetricFamily(spec.prom_name, spec.help, labels=["replica"])
+            if snap is not None:
+                for replica, pairs, total in _histogram(spec, snap):
+                    hist.add_metric([replica], pairs, total)
+            yield hist
+
+
+def register(recorder: RoutingRecorder, registry: CollectorRegistry | None = None) -> CollectorRegistry:
+    """Register a :class:`RoutingCollector` for ``recorder`` on ``registry`` (a new private one when ``None``)."""
+    registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+    registry.register(RoutingCollector(recorder))
+    return registry
+
+
+@dataclasses.dataclass
+class RoutingInstruments:
+    """Handle of the OpenTelemetry instruments; ``close()`` stops reporting."""
+
+    instruments: dict[str, object]
+    closed: bool = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def instrument(recorder: RoutingRecorder, meter_provider: object | None = None) -> RoutingInstruments:
+    """Observable OpenTelemetry instruments on the ``moetrace`` meter for ``recorder`` (API only; no global provider is set)."""
+    from opentelemetry import metrics
+    from opentelemetry.metrics import CallbackOptions, Observation
+
+    from moetrace._version import __version__
+
+    provider = meter_provider if meter_provider is not None else metrics.get_meter_provider()
+    meter = provider.get_meter("moetrace", __version__)  # type: ignore[attr-defined]
+    handle = RoutingInstruments({})
+
+    def observe(produce: Callable[[RoutingSnapshot], Iterable[Observation]]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def callback(options: CallbackOptions) -> Iterable[Observation]:
+            return [] if handle.closed else list(produce(recorder.snapshot()))
+        return callback
+
+    for spec in ROUTING_METRICS:
+        create = meter.create_observable_counter if spec.kind == "counter" else meter.create_observable_gauge
+        cb = observe(lambda snap, spec=spec: (Observation(v, labels) for labels, v in samples(spec, snap)))
+        handle.instruments[spec.otel_name] = create(spec.otel_name, callbacks=[cb], unit=spec.unit, description=spec.help)
+    for spec in HISTOGRAMS:
+        def parts(snap: RoutingSnapshot, spec: RoutingMetricSpec = spec) -> Iterator[tuple[str, Observation]]:
+            for replica, pairs, total in _histogram(spec, snap):
+                for le, count in pairs:
+                    yield "bucket", Observation(count, {"replica": replica, "le": le})
+                yield "sum", Observation(total, {"replica": replica})
+                yield "count", Observation(pairs[-1][1], {"replica": replica})
+        for part, unit in (("bucket", "{request}"), ("sum", "s"), ("count", "{request}")):
+            name = f"{spec.otel_name}.{part}"
+            cb = observe(lambda snap, part=part, parts=parts: (o for p, o in parts(snap) if p == part))
+            handle.instruments[name] = meter.create_observable_counter(name, callbacks=[cb], unit=unit, description=f"{spec.help} ({part})")
+    return handle
