@@ -74,6 +74,15 @@ def _scrape(d: dict) -> list[Row]:
     return rows
 
 
+def _timing(d: dict) -> list[Row]:
+    rows = []
+    for workload in ("prefill (256 tok)", "decode (8 tok)"):
+        r = d[workload]
+        share = r["hooks_share_of_forward"]["timing on"]
+        rows.append(("timing overhead", f"{workload}, reference model, timing on / off", f"{r['timing on']['ratio_to_off']:.3f}; timing calls alone {share * 100:.2f}% of the forward"))
+    return rows
+
+
 #: name -> (script arguments in full / quick runs, headline extractor)
 BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] = {
     "recorder_overhead": ([], ["--quick"], _recorder),
@@ -83,6 +92,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] 
     "dump_throughput": ([], ["--quick"], _dump),
     "analysis_throughput": ([], ["--quick"], _analysis),
     "scrape_cost": ([], ["--quick"], _scrape),
+    "timing_overhead": ([], ["--quick"], _timing),
 }
 
 
