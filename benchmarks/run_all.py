@@ -74,6 +74,18 @@ def _scrape(d: dict) -> list[Row]:
     return rows
 
 
+def _control_load(d: dict) -> list[Row]:
+    rows = []
+    for name, r in d["configs"].items():
+        hooks, probe = r["hooks_us"], r["probe_ms"]["flood"]
+        rows.append(("control load", f"{name}, {d['idle']} idle + flood: hook wall flood / quiet (/ flood elsewhere)",
+                     f"{r['hooks_wall_flood_over_quiet']:.2f} ({r['hooks_wall_flood_over_flood_other']:.2f}); "
+                     f"{hooks['quiet']['wall_us']:.0f} -> {hooks['flood']['wall_us']:.0f} us"))
+        rows.append(("control load", f"{name}: probe p50 / p99 during flood, server threads peak / bound",
+                     f"{probe['p50_ms']:.0f} / {probe['p99_ms']:.0f} ms, {r['server_threads_peak']} / {r['server_thread_bound']}"))
+    return rows
+
+
 def _timing(d: dict) -> list[Row]:
     rows = []
     for workload in ("prefill (256 tok)", "decode (8 tok)"):
@@ -93,6 +105,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] 
     "analysis_throughput": ([], ["--quick"], _analysis),
     "scrape_cost": ([], ["--quick"], _scrape),
     "timing_overhead": ([], ["--quick"], _timing),
+    "control_load": ([], ["--quick"], _control_load),
 }
 
 

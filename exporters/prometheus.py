@@ -17,26 +17,37 @@ its cost depends on layers x EP ranks (x experts with ``per_expert=True``),
 never on the number of recorded passes. The metric set is
 :data:`moetrace.exporters.catalog.METRICS`; every sample has a ``rank`` label
 (this process's EP rank): run one exporter per rank, each on its own port.
+
+:func:`start_http_server` serves ``prometheus_client``'s own WSGI application
+(content negotiation, OpenMetrics, gzip) on a
+:class:`moetrace.guarded_http.GuardedServerMixin` server instead of
+``prometheus_client``'s thread-per-connection one, so the endpoint has the
+control endpoint's limits (read timeout, open connections, worker threads,
+head size, request and CPU budgets; :class:`~moetrace.guarded_http.ServerLimits`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Iterator
-from wsgiref.simple_server import WSGIServer
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from moetrace.guarded_http import GuardedServerMixin, ServerLimits
 from moetrace.recorder import Recorder, RecorderStateError, get_recorder
 from moetrace.snapshot import RecorderSnapshot
 
 from .catalog import INFO, METRICS, PER_EXPERT, MetricSpec, info_labels, samples
 
-__all__ = ["MetricsServer", "MoetraceCollector", "register", "start_http_server"]
+__all__ = ["MetricsServer", "MoetraceCollector", "ServerLimits", "register", "start_http_server"]
 
+log = logging.getLogger("moetrace.exporters.prometheus")
 
 
 def _family(spec: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
@@ -96,6 +107,17 @@ def register(recorder: Recorder | None = None, registry: CollectorRegistry | Non
     return registry
 
 
+class _Handler(WSGIRequestHandler):
+    """``wsgiref``'s handler, logging requests at debug level instead of to stderr."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+class _Server(GuardedServerMixin, WSGIServer):
+    """``wsgiref``'s server behind the guarded event loop."""
+
+
 @dataclasses.dataclass
 class MetricsServer:
     """A running ``/metrics`` HTTP server; :meth:`close` stops it and frees the port."""
@@ -129,7 +151,8 @@ class MetricsServer:
 
 
 def start_http_server(port: int, addr: str = "127.0.0.1", recorder: Recorder | None = None,
-                      registry: CollectorRegistry | None = None, per_expert: bool = False) -> MetricsServer:
+                      registry: CollectorRegistry | None = None, per_expert: bool = False,
+                      limits: ServerLimits | None = None) -> MetricsServer:
     """Serve moetrace's metrics over HTTP in a daemon thread.
 
     Args:
@@ -140,6 +163,9 @@ def start_http_server(port: int, addr: str = "127.0.0.1", recorder: Recorder | N
         registry: serve this registry after adding the collector to it; a
             private one when ``None``.
         per_expert: also emit per-expert series.
+        limits: connection limits (read timeout, open connections, worker
+            threads, head size, request and CPU budgets); ``None``:
+            :class:`ServerLimits` defaults.
 
     Returns:
         a :class:`MetricsServer` with ``.port``, ``.url`` and ``.close()``.
@@ -148,8 +174,11 @@ def start_http_server(port: int, addr: str = "127.0.0.1", recorder: Recorder | N
     collector = MoetraceCollector(recorder, per_expert=per_expert)
     registry.register(collector)
     try:
-        server, thread = prometheus_client.start_http_server(port, addr=addr, registry=registry)
+        server = _Server((addr, port), _Handler, limits)
     except OSError as exc:
         registry.unregister(collector)
         raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror}; pick another port or 0 for a free one") from exc
+    server.set_app(prometheus_client.make_wsgi_app(registry))
+    thread = threading.Thread(target=server.serve_forever, name="moetrace-metrics", daemon=True)
+    thread.start()
     return MetricsServer(server, thread, registry, addr)

@@ -25,6 +25,15 @@ while stopped, dump before start, no recorder configured, dump name already
 taken), 413 (body larger than ``max_body_bytes``), 500 (the dump could not be
 written, or any other failure, with its message).
 
+Hostile or broken clients cannot exhaust the process: the server runs on
+:mod:`moetrace.guarded_http` (one event-loop thread reads requests, at most
+``max_workers`` threads serve them; a request must arrive complete within
+``read_timeout`` seconds, its head within ``max_header_bytes``; beyond
+``max_connections`` a new connection gets 503 at once; 408 / 431 / 503
+replies are JSON too; beyond ``max_requests_per_second`` or ``max_cpu_share``
+the server stops accepting for a while, so a flood of valid requests cannot
+take the forward's CPU and GIL). A client that goes away costs one debug log line.
+
 Dump names are plain file names: the file is always written directly inside
 the recorder's ``output_dir``. Absolute paths, separators, ``..``, hidden
 names, and names whose target is a symlink or an existing file are refused.
@@ -38,11 +47,10 @@ import hmac
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -50,10 +58,11 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .exporters import otel, prometheus
+from .guarded_http import GuardedServerMixin, ServerLimits
 from .recorder import NoOpRecorder, Recorder, RecorderStateError, get_recorder
 from .trace.schema import TraceWriteError
 
-__all__ = ["ControlServer", "serve_control"]
+__all__ = ["ControlServer", "ServerLimits", "serve_control"]
 
 log = logging.getLogger("moetrace.control")
 
@@ -98,7 +107,6 @@ def _dump_target(output_dir: Path, name: object) -> Path:
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     server_version = "moetrace-control"
-    timeout = 30  # seconds a client may take to send its request
 
     # -------------------------------------------------------------- plumbing
     def log_message(self, format: str, *args: Any) -> None:
@@ -159,6 +167,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(exc.status, {"error": exc.message}, exc.headers)
         except RecorderStateError as exc:
             self._json(409, {"error": str(exc)})
+        except (ConnectionError, TimeoutError):  # the client went away: the server logs it at debug level
+            raise
         except (TraceWriteError, OSError) as exc:
             log.warning("control %s %s failed: %s", self.command, self.path, exc)
             self._json(500, {"error": f"{type(exc).__name__}: {exc}"})
@@ -261,17 +271,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, generate_latest(self.server.metrics_registry), CONTENT_TYPE_LATEST)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, address: tuple[str, int], recorder: Recorder | None, token: str | None, max_body_bytes: int) -> None:
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, _Handler)
+class _Server(GuardedServerMixin, HTTPServer):
+    def __init__(self, address: tuple[str, int], recorder: Recorder | None, token: str | None, max_body_bytes: int,
+                 limits: ServerLimits | None) -> None:
+        super().__init__(address, _Handler, limits)
         self.recorder = recorder
         self.token = token
         self.max_body_bytes = max_body_bytes
+        self.prefetch_body_bytes = max_body_bytes
         self.metrics_registry = prometheus.register(recorder)
         # Serialises start/stop/dump: a name check and the write it guards happen together.
         self.lifecycle = threading.Lock()
@@ -316,7 +323,8 @@ class ControlServer:
 
 
 def serve_control(recorder: Recorder | None = None, port: int = 0, host: str = "127.0.0.1",
-                  token: str | None = None, max_body_bytes: int = 65536) -> ControlServer:
+                  token: str | None = None, max_body_bytes: int = 65536,
+                  limits: ServerLimits | None = None) -> ControlServer:
     """Serve the control endpoint in a daemon thread.
 
     Args:
@@ -328,6 +336,9 @@ def serve_control(recorder: Recorder | None = None, port: int = 0, host: str = "
         token: bearer token every request must carry; ``None`` reads
             ``MOETRACE_CONTROL_TOKEN`` (unset or empty: no token).
         max_body_bytes: larger request bodies are refused with 413.
+        limits: connection limits (read timeout, open connections, worker
+            threads, head size, request and CPU budgets); ``None``:
+            :class:`ServerLimits` defaults (5 s, 512, 8, 16 KiB, 50/s, 0.1 core).
 
     Returns:
         a :class:`ControlServer` with ``.url``, ``.port`` and ``.close()``.
@@ -337,7 +348,7 @@ def serve_control(recorder: Recorder | None = None, port: int = 0, host: str = "
     if max_body_bytes < 0:
         raise ValueError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
     try:
-        server = _Server((host, port), recorder, token, max_body_bytes)
+        server = _Server((host, port), recorder, token, max_body_bytes, limits)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot serve the control endpoint on {host}:{port}: {exc.strerror}; pick another port or 0 for a free one") from exc
     if token is None and host not in ("127.0.0.1", "::1", "localhost"):

@@ -53,10 +53,15 @@ def raw_request(server, head: bytes, body: bytes = b"", shutdown_write: bool = F
 
 @pytest.fixture
 def served(tmp_path):
-    """A recorder on the reference serving loop (output_dir ``tmp/out``), its control server, the loop."""
+    """A recorder on the reference serving loop (output_dir ``tmp/out``), its control server, the loop.
+
+    No request or CPU budget: test_concurrent_requests hammers the server as fast as it answers
+    (the budgets are tested in test_hardening.py).
+    """
     loop, rec = serving_loop(tmp_path / "out")
     (tmp_path / "out").mkdir()
-    with control.serve_control(rec) as server:
+    limits = control.ServerLimits(max_requests_per_second=None, max_cpu_share=None)
+    with control.serve_control(rec, limits=limits) as server:
         yield server, rec, loop
 
 
