@@ -1,24 +1,22 @@
 """SGLang adapter: moetrace's recorder alongside SGLang's own expert distribution recorder.
 
-UNTESTED ON A LIVE SGLANG SERVER: SGLang needs a GPU; this module is written
-against SGLang's source (``sglang/srt/eplb/expert_distribution.py``,
-``sglang/srt/layers/moe/topk.py``, ``sglang/srt/plugins``) and its mechanics
-are tested against a stand-in that mirrors those signatures.
+Tested on a live SGLang 0.5.23 engine and HTTP server on CPU (``tests/sglang``,
+see ``docs/integrations/sglang.md``).
 
-How it attaches. Every ``select_experts`` variant in SGLang (CUDA, NPU, GCU,
-hash routing, the MoE load balancer) already calls
-``get_global_expert_distribution_recorder().on_select_experts(topk_ids=...)``
-with *physical* ids, inside ``with_current_layer(layer_id)`` of the decoder
-layer and ``with_forward_pass(forward_pass_id, forward_batch)`` of the model
-runner. SGLang builds that recorder with the static factory
-``ExpertDistributionRecorder.init_new(server_args, expert_location_metadata,
-rank)``. :func:`instrument` wraps that factory: the recorder SGLang asks for
-is still built (so its HTTP endpoints and EPLB keep working exactly as
-before) and is wrapped in a :class:`RecorderBridge` that forwards every call
-to it *and* to a moetrace recorder sized from ``expert_location_metadata``
-(model layers, physical experts, ``physical_to_logical_map``, EP size) and
-the model's top-k. Wrapping ``select_experts`` itself is not needed (and would
-double count): the global recorder is the one call every variant makes.
+How it attaches. SGLang's model runner builds its global recorder with the
+static factory ``ExpertDistributionRecorder.init_new`` from
+``sglang.srt.eplb.expert_distribution``: ``(expert_location_metadata, rank)``
+since 0.5.19, ``(server_args, expert_location_metadata, rank)`` before.
+:func:`instrument` wraps that factory (whichever signature it has: feature
+detection, not a version table): the recorder SGLang asks for is still built,
+so its HTTP endpoints, metrics and EPLB keep working as before, and is wrapped
+in a :class:`~.bridge.RecorderBridge` that forwards every call to it *and* to
+a moetrace recorder sized from the real ``ExpertLocationMetadata`` (model
+layers, physical experts, ``physical_to_logical_map``, EP size) and the
+model's top-k. It also wraps ``ExpertLocationMetadata.update`` so that an EPLB
+rebalance re-maps moetrace's logical ids. Wrapping ``select_experts`` is not
+needed (and would double count): the global recorder is the one call every
+variant makes.
 
 Loading: the ``sglang.srt.plugins`` entry point ``moetrace`` runs
 :func:`plugin`, which instruments when ``MOETRACE_ENABLED=1`` (idempotent;
@@ -28,17 +26,15 @@ SGLang loads plugins in every process). Options come from ``MOETRACE_MODE``,
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import logging
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from .base import (
+from ..base import (
     AdapterError,
     HookRegistry,
     Instrumentation,
@@ -48,22 +44,34 @@ from .base import (
     resolve_recorder,
     unwinding,
 )
+from .bridge import RecorderBridge
+from .routed import read_routed_experts, routed_experts_payload
 
 __all__ = [
+    "LOCATION_MODULE",
     "RECORDER_MODULE",
     "RecorderBridge",
     "SGLangInstrumentation",
     "instrument",
     "plugin",
+    "read_routed_experts",
+    "routed_experts_payload",
 ]
 
 logger = logging.getLogger(__name__)
 
 RECORDER_MODULE = "sglang.srt.eplb.expert_distribution"
-"""Where SGLang keeps its global expert distribution recorder (since the EPLB refactor, 0.4.8)."""
+"""Where SGLang keeps its global expert distribution recorder (0.4.8 keeps it at
+``sglang.srt.managers.expert_distribution``, which this adapter does not support)."""
+
+LOCATION_MODULE = "sglang.srt.eplb.expert_location"
+"""Where SGLang keeps ``ExpertLocationMetadata`` (physical/logical expert maps)."""
 
 _REQUIRED = ("ExpertDistributionRecorder", "get_global_expert_distribution_recorder", "set_global_expert_distribution_recorder")
-_INIT_NEW_PARAMS = ["server_args", "expert_location_metadata", "rank"]
+_SIGNATURES = {
+    ("expert_location_metadata", "rank"): False,  # 0.5.19 and later: settings come from the runtime context
+    ("server_args", "expert_location_metadata", "rank"): True,  # earlier releases
+}
 
 
 def _sglang_version() -> str:
@@ -74,15 +82,15 @@ def _sglang_version() -> str:
     return str(getattr(sglang, "__version__", "unknown"))
 
 
-def _recorder_module() -> Any:
-    """SGLang's recorder module, checked for the names and signatures this adapter relies on."""
+def _recorder_module() -> tuple[Any, bool]:
+    """SGLang's recorder module, and whether its ``init_new`` takes ``server_args`` first."""
     version = _sglang_version()
     try:
         module = importlib.import_module(RECORDER_MODULE)
     except ImportError as exc:
         raise UnsupportedVersionError(
-            f"SGLang {version} has no {RECORDER_MODULE}; moetrace's SGLang adapter supports versions with "
-            "the EPLB expert distribution recorder (0.4.8 and later)"
+            f"SGLang {version} has no {RECORDER_MODULE} ({exc}); moetrace's SGLang adapter supports versions "
+            "with the EPLB expert distribution recorder there (tested on 0.5.23)"
         ) from exc
     missing = [name for name in _REQUIRED if not hasattr(module, name)]
     factory = inspect.getattr_static(getattr(module, "ExpertDistributionRecorder", None), "init_new", None)
@@ -91,13 +99,24 @@ def _recorder_module() -> Any:
             f"SGLang {version}: {RECORDER_MODULE} lacks {missing or ['the static ExpertDistributionRecorder.init_new']}; "
             "this SGLang is not supported by moetrace's adapter"
         )
-    params = list(inspect.signature(factory.__func__).parameters)
-    if params[:3] != _INIT_NEW_PARAMS:
+    params = tuple(inspect.signature(factory.__func__).parameters)
+    if params not in _SIGNATURES:
         raise UnsupportedVersionError(
-            f"SGLang {version}: ExpertDistributionRecorder.init_new takes {params}, expected {_INIT_NEW_PARAMS}; "
-            "this SGLang is not supported by moetrace's adapter"
+            f"SGLang {version}: ExpertDistributionRecorder.init_new takes {list(params)}, expected one of "
+            f"{[list(p) for p in _SIGNATURES]}; this SGLang is not supported by moetrace's adapter"
         )
-    return module
+    return module, _SIGNATURES[params]
+
+
+def _server_args(given: Any) -> Any:
+    """``server_args`` passed to ``init_new`` (older SGLang), else the runtime context's (0.5.18+)."""
+    if given is not None:
+        return given
+    try:
+        from sglang.srt.runtime_context import get_server_args
+    except ImportError as exc:
+        raise AdapterError("SGLang passed no server_args and has no runtime_context.get_server_args") from exc
+    return get_server_args()
 
 
 def _model_top_k(server_args: Any) -> int:
@@ -106,7 +125,7 @@ def _model_top_k(server_args: Any) -> int:
         return int(env)
     from transformers import AutoConfig
 
-    from .hf.layers import config_top_k
+    from ..hf.layers import config_top_k
 
     config = AutoConfig.from_pretrained(server_args.model_path, trust_remote_code=bool(getattr(server_args, "trust_remote_code", False)))
     top_k = config_top_k(config)
@@ -115,117 +134,21 @@ def _model_top_k(server_args: Any) -> int:
     return top_k
 
 
-class RecorderBridge:
-    """SGLang's global recorder interface, forwarded to SGLang's recorder and to a moetrace recorder.
+def _physical_to_logical(metadata: Any) -> Any:
+    """``[L, P]`` int64 numpy map from the metadata's CPU copy (no device sync)."""
+    mapping = getattr(metadata, "physical_to_logical_map_cpu", None)
+    if mapping is None:
+        mapping = metadata.physical_to_logical_map
+    return mapping.detach().cpu().numpy().astype("int64")
 
-    A failure inside moetrace is logged once and turns moetrace's side off;
-    it never propagates into SGLang's forward.
 
-    Args:
-        sglang_recorder: the recorder SGLang built (real or no-op).
-        recorder: the moetrace recorder; its layers are SGLang's model layer ids.
-        sglang_is_real: whether ``sglang_recorder`` records (its lifecycle calls are forwarded).
-    """
-
-    def __init__(self, sglang_recorder: Any, recorder: Any, sglang_is_real: bool) -> None:
-        self.sglang = sglang_recorder
-        self.moetrace = recorder
-        self._sglang_real = sglang_is_real
-        self._layer: int | None = None
-        self._broken: str | None = None
-
-    # -------------------------------------------------------------- context managers
-    @contextlib.contextmanager
-    def with_forward_pass(self, forward_pass_id: int, forward_batch: Any) -> Iterator[None]:
-        with self.sglang.with_forward_pass(forward_pass_id, forward_batch), self._moetrace_pass(forward_pass_id):
-            yield
-
-    @contextlib.contextmanager
-    def _moetrace_pass(self, forward_pass_id: int) -> Iterator[None]:
-        if self._broken is not None:
-            yield
-            return
-        with self.moetrace.with_forward_pass(forward_pass_id):
-            yield
-
-    @contextlib.contextmanager
-    def with_current_layer(self, layer_idx: int) -> Iterator[None]:
-        previous, self._layer = self._layer, layer_idx
-        try:
-            with self.sglang.with_current_layer(layer_idx):
-                yield
-        finally:
-            self._layer = previous
-
-    def with_debug_name(self, debug_name: str) -> Any:
-        return self.sglang.with_debug_name(debug_name)
-
-    @contextlib.contextmanager
-    def disable_this_region(self) -> Iterator[None]:
-        with self.sglang.disable_this_region(), self.moetrace.disable_this_region():
-            yield
-
-    # -------------------------------------------------------------- hooks
-    def on_select_experts(self, topk_ids: torch.Tensor) -> None:
-        self.sglang.on_select_experts(topk_ids=topk_ids)
-        if self._broken is None and self._layer is not None:
-            try:
-                self.moetrace.on_select_experts(topk_ids, layer=self._layer)
-            except Exception as exc:
-                self._disable(exc)
-
-    def on_deepep_dispatch_normal(self, local_physical_count_of_layer: Any, num_tokens_per_rank: Any, num_tokens_per_rdma_rank: Any, num_tokens_per_expert: Any) -> None:
-        """DeepEP normal dispatch; ``num_tokens_per_rank [R]`` (tokens sent to each rank, deduplicated per rank) feeds moetrace's send counts."""
-        self.sglang.on_deepep_dispatch_normal(local_physical_count_of_layer, num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert)
-        if self._broken is None and self._layer is not None and isinstance(num_tokens_per_rank, torch.Tensor):
-            try:
-                self.moetrace.on_dispatch(num_tokens_per_rank, layer=self._layer)
-            except Exception as exc:
-                self._disable(exc)
-
-    def on_deepep_dispatch_low_latency(self, local_physical_count_of_layer: torch.Tensor) -> None:
-        self.sglang.on_deepep_dispatch_low_latency(local_physical_count_of_layer)
-
-    def _disable(self, exc: Exception) -> None:
-        self._broken = f"{type(exc).__name__}: {exc}"
-        logger.error("moetrace: recording disabled after an error in a hook (SGLang continues): %s", self._broken)
-
-    # -------------------------------------------------------------- lifecycle (SGLang's HTTP endpoints land here)
-    def start_record(self) -> None:
-        if self._sglang_real:
-            self.sglang.start_record()
-        if not self.moetrace.recording:
-            self.moetrace.start_record()
-
-    def stop_record(self) -> None:
-        if self._sglang_real:
-            self.sglang.stop_record()
-        if self.moetrace.recording:
-            self.moetrace.stop_record()
-
-    def dump_record(self, output_mode: str = "file") -> Any:
-        """SGLang's dump (when its recorder is real); in ``"file"`` mode also a moetrace trace.
-
-        ``"object"`` dumps (EPLB rebalancing asks for them periodically) are
-        SGLang's only, so they do not write a moetrace file each time.
-        """
-        if output_mode == "file":
-            path = self.moetrace.dump_record()
-            logger.info("moetrace: wrote %s", path)
-        return self.sglang.dump_record(output_mode=output_mode) if self._sglang_real else None
-
-    @property
-    def recording(self) -> bool:
-        return bool(self.sglang.recording) or bool(self.moetrace.recording)
-
-    @property
-    def error(self) -> str | None:
-        """The error that turned moetrace's side off, if any."""
-        return self._broken
-
-    def __getattr__(self, name: str) -> Any:
-        # Anything newer SGLang versions add goes to SGLang's recorder unchanged.
-        return getattr(self.sglang, name)
+def _rank_of(recorder: Any) -> int:
+    """The EP rank a real SGLang recorder was built for (its accumulator keeps it since 0.5.19)."""
+    for owner in (recorder, getattr(recorder, "_accumulator", None)):
+        rank = getattr(owner, "_rank", None)
+        if isinstance(rank, int):
+            return rank
+    return 0
 
 
 class SGLangInstrumentation(Instrumentation):
@@ -238,15 +161,7 @@ class SGLangInstrumentation(Instrumentation):
     bridge: RecorderBridge | None = None
 
 
-def _physical_to_logical(metadata: Any) -> Any:
-    mapping = getattr(metadata, "physical_to_logical_map", None)
-    if isinstance(mapping, torch.Tensor):
-        return mapping.detach().cpu().numpy()
-    return mapping
-
-
 def instrument(
-    target: Any = None,
     recorder: Any = None,
     capturer: Any = None,
     **recorder_options: Any,
@@ -254,12 +169,12 @@ def instrument(
     """Attach moetrace to SGLang in this process.
 
     Args:
-        target: SGLang's recorder module (default: :data:`RECORDER_MODULE`).
         recorder: a moetrace recorder to count into; ``None`` builds one from
             SGLang's expert location metadata when SGLang builds its own, and
             installs it as moetrace's global recorder.
         capturer: not supported: SGLang has its own routed-experts capturer
-            (``--enable-return-routed-experts``).
+            (``--enable-return-routed-experts``); read its answers with
+            :func:`read_routed_experts`.
         **recorder_options: other RecorderConfig fields (``mode``,
             ``output_dir``, ``window``, ...).
 
@@ -270,31 +185,31 @@ def instrument(
     if capturer is not None:
         raise AdapterError(
             "the SGLang adapter does not feed a moetrace capturer: SGLang captures routed experts per request "
-            "itself (--enable-return-routed-experts); pass capturer=None"
+            "itself (--enable-return-routed-experts; read them with moetrace.adapters.sglang.read_routed_experts); "
+            "pass capturer=None"
         )
-    module = target if target is not None else _recorder_module()
-    if target is not None:
-        missing = [name for name in _REQUIRED if not hasattr(module, name)]
-        if missing:
-            raise UnsupportedVersionError(f"{getattr(module, '__name__', module)} lacks {missing}; not an SGLang recorder module")
+    module, takes_server_args = _recorder_module()
     live = existing_instrumentation(module, recorder)
     if live is not None:
         return live  # type: ignore[return-value]
 
     hooks = HookRegistry()
-    handle = SGLangInstrumentation(module, None, (), hooks, engine="sglang")
+    handle = SGLangInstrumentation(module, None, (), hooks, engine="sglang", details={"init_new_takes_server_args": takes_server_args})
     factory_cls = module.ExpertDistributionRecorder
     original_init_new = inspect.getattr_static(factory_cls, "init_new").__func__
     noop_cls = getattr(module, "_ExpertDistributionRecorderNoop", None)
+    bridges: list[RecorderBridge] = []
 
     def wrap(sglang_recorder: Any, server_args: Any, metadata: Any, rank: int) -> Any:
         if metadata is None:
             logger.warning("moetrace: SGLang gave no expert location metadata (not an MoE model?); not recording")
             return sglang_recorder
+        args = _server_args(server_args)
         num_layers, num_physical = int(metadata.num_layers), int(metadata.num_physical_experts)
         ep_size = int(getattr(metadata, "ep_size", 1))
+        top_k = _model_top_k(args)
         if recorder is not None:
-            rec = check_recorder(recorder, num_layers, num_physical, recorder.config.top_k)
+            rec = check_recorder(recorder, num_layers, num_physical, top_k)
         else:
             options = {
                 "mode": os.environ.get("MOETRACE_MODE", "stat"),
@@ -302,20 +217,19 @@ def instrument(
                 "window": int(os.environ.get("MOETRACE_WINDOW", "1000")),
                 **recorder_options,
             }
-            device = torch.device(getattr(server_args, "device", "cpu") or "cpu")
             defaults = {
                 "engine": "sglang",
-                "model": str(getattr(server_args, "model_path", "")),
+                "model": str(getattr(args, "model_path", "")),
                 "physical_to_logical": _physical_to_logical(metadata),
                 "ep_size": ep_size,
                 "ep_rank": int(rank) % ep_size,
-                "device": device,
+                "device": torch.device(getattr(args, "device", None) or "cpu"),
             }
-            top_k = _model_top_k(server_args)
             rec = resolve_recorder(None, num_layers, num_physical, top_k, range(num_layers), defaults=defaults, **options).recorder
         real = noop_cls is None or not isinstance(sglang_recorder, noop_cls)
-        bridge = RecorderBridge(sglang_recorder, rec, sglang_is_real=real)
+        bridge = RecorderBridge(sglang_recorder, rec, sglang_is_real=real, metadata=metadata)
         handle.recorder, handle.layer_ids, handle.bridge = rec, tuple(range(num_layers)), bridge
+        bridges.append(bridge)
 
         def restore_global() -> str | None:
             if module.get_global_expert_distribution_recorder() is bridge:
@@ -325,24 +239,56 @@ def instrument(
         hooks.on_remove("SGLang global recorder bridge", restore_global)
         return bridge
 
-    def init_new(server_args: Any, expert_location_metadata: Any, rank: int, *args: Any, **kwargs: Any) -> Any:
-        built = original_init_new(server_args, expert_location_metadata, rank, *args, **kwargs)
+    def attach(built: Any, server_args: Any, metadata: Any, rank: int) -> Any:
         if not handle.active:
             return built
         try:
-            return wrap(built, server_args, expert_location_metadata, rank)
+            return wrap(built, server_args, metadata, rank)
         except Exception:
             logger.exception("moetrace: could not attach to SGLang's recorder; SGLang runs without moetrace")
             return built
 
+    if takes_server_args:
+
+        def init_new(server_args: Any, expert_location_metadata: Any, rank: int, *args: Any, **kwargs: Any) -> Any:
+            built = original_init_new(server_args, expert_location_metadata, rank, *args, **kwargs)
+            return attach(built, server_args, expert_location_metadata, rank)
+
+    else:
+
+        def init_new(expert_location_metadata: Any, rank: int, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+            built = original_init_new(expert_location_metadata, rank, *args, **kwargs)
+            return attach(built, None, expert_location_metadata, rank)
+
     with unwinding(hooks):
         hooks.patch(factory_cls, "init_new", staticmethod(init_new))
+        _watch_rebalances(hooks, bridges)
         current = module.get_global_expert_distribution_recorder()
         metadata = getattr(current, "_expert_location_metadata", None)
         if metadata is not None:  # SGLang already built its recorder (plugin loaded late): bridge it now
-            bridge = wrap(current, current._server_args, metadata, int(getattr(current, "_rank", 0)))
+            bridge = wrap(current, getattr(current, "_server_args", None), metadata, _rank_of(current))
             module.set_global_expert_distribution_recorder(bridge)
     return handle
+
+
+def _watch_rebalances(hooks: HookRegistry, bridges: list[RecorderBridge]) -> None:
+    """Wrap ``ExpertLocationMetadata.update`` (EPLB's in-place rebalance) to tell the bridges."""
+    try:
+        location = importlib.import_module(LOCATION_MODULE)
+    except ImportError:
+        logger.warning("moetrace: %s not found; logical ids will not follow EPLB rebalances", LOCATION_MODULE)
+        return
+    cls = location.ExpertLocationMetadata
+    original = cls.update
+
+    def update(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        for bridge in bridges:
+            if bridge.metadata is self:
+                bridge.on_expert_location_update()
+        return result
+
+    hooks.patch(cls, "update", update)
 
 
 _PLUGIN_HANDLE: SGLangInstrumentation | None = None

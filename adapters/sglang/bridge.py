@@ -1,0 +1,196 @@
+"""The recorder SGLang's model runner talks to once moetrace is attached: SGLang's own, plus moetrace's.
+
+SGLang keeps one global expert distribution recorder per scheduler process
+(``sglang.srt.eplb.expert_distribution``; since 0.5.18 it lives in
+``runtime_context.get_resources()``). Every ``select_experts`` variant calls
+its ``on_select_experts(topk_ids=...)`` with *physical* ids (padded rows
+``-1``), inside ``with_current_layer(layer_id)`` of the decoder layer and
+``with_forward_pass(forward_pass_id, forward_batch)`` of the model runner.
+:class:`RecorderBridge` takes that recorder's place and forwards every call to
+SGLang's recorder unchanged and to a moetrace recorder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["RecorderBridge"]
+
+logger = logging.getLogger(__name__)
+
+
+class RecorderBridge:
+    """SGLang's global recorder interface, forwarded to SGLang's recorder and to a moetrace recorder.
+
+    What SGLang gets back is always what its own recorder gives: the dict
+    ``with_forward_pass`` yields (the model runner reads ``"metrics"`` from
+    it), dumps, ``get_current_pass_count_buffer``. A failure on moetrace's side
+    is logged once and switches moetrace off; it never reaches SGLang's forward.
+
+    Args:
+        sglang_recorder: the recorder SGLang built (real or no-op).
+        recorder: the moetrace recorder; its layers are SGLang's model layer ids.
+        sglang_is_real: whether ``sglang_recorder`` records (its lifecycle calls are forwarded).
+        metadata: SGLang's ``ExpertLocationMetadata`` the recorders were built from.
+    """
+
+    def __init__(self, sglang_recorder: Any, recorder: Any, sglang_is_real: bool, metadata: Any = None) -> None:
+        self.sglang = sglang_recorder
+        self.moetrace = recorder
+        self.metadata = metadata
+        self._sglang_real = sglang_is_real
+        self._layer: int | None = None
+        self._broken: str | None = None
+
+    # -------------------------------------------------------------- context managers
+    @contextlib.contextmanager
+    def with_forward_pass(self, forward_pass_id: int, forward_batch: Any) -> Iterator[Any]:
+        with self.sglang.with_forward_pass(forward_pass_id, forward_batch) as outputs, self._moetrace_pass(forward_pass_id):
+            yield outputs
+
+    @contextlib.contextmanager
+    def _moetrace_pass(self, forward_pass_id: int) -> Iterator[None]:
+        scope = contextlib.ExitStack()
+        if self._broken is None:
+            try:
+                scope.enter_context(self.moetrace.with_forward_pass(forward_pass_id))
+            except Exception as exc:
+                self._disable(exc)
+        try:
+            yield
+        except BaseException:
+            self._end_pass(scope, *sys.exc_info())  # moetrace discards the partial pass
+            raise
+        self._end_pass(scope, None, None, None)
+
+    def _end_pass(self, scope: contextlib.ExitStack, *exc_info: Any) -> None:
+        try:
+            scope.__exit__(*exc_info)
+        except Exception as exc:
+            self._disable(exc)
+
+    @contextlib.contextmanager
+    def with_current_layer(self, layer_idx: int) -> Iterator[None]:
+        previous, self._layer = self._layer, layer_idx
+        try:
+            with self.sglang.with_current_layer(layer_idx):
+                yield
+        finally:
+            self._layer = previous
+
+    def with_debug_name(self, debug_name: str) -> Any:
+        return self.sglang.with_debug_name(debug_name)
+
+    @contextlib.contextmanager
+    def disable_this_region(self) -> Iterator[None]:
+        with self.sglang.disable_this_region(), self.moetrace.disable_this_region():
+            yield
+
+    # -------------------------------------------------------------- hooks
+    def on_select_experts(self, topk_ids: torch.Tensor) -> None:
+        """``topk_ids [T, k]``: physical ids as SGLang's recorder gets them (padded rows ``-1``)."""
+        self.sglang.on_select_experts(topk_ids=topk_ids)
+        if self._broken is None and self._layer is not None:
+            try:
+                self.moetrace.on_select_experts(topk_ids, layer=self._layer)
+            except Exception as exc:
+                self._disable(exc)
+
+    def get_current_pass_count_buffer(self, layer_idx: int) -> Any:
+        """SGLang's per-pass count row for a fused map-and-record kernel (ROCm MegaMoE), or ``None``.
+
+        The fused kernel counts into SGLang's buffer and skips
+        ``on_select_experts``, which moetrace counts from. While moetrace
+        records, the bridge answers ``None``: SGLang then takes its unfused
+        path (logical-to-physical map, then ``on_select_experts``), which both
+        recorders count identically. Otherwise SGLang's own answer.
+        """
+        if self._broken is None and self.moetrace.recording:
+            return None
+        getter = getattr(self.sglang, "get_current_pass_count_buffer", None)
+        return getter(layer_idx) if getter is not None else None
+
+    def on_deepep_dispatch_normal(self, local_physical_count_of_layer: Any, num_tokens_per_rank: Any, num_tokens_per_rdma_rank: Any, num_tokens_per_expert: Any) -> None:
+        """DeepEP normal dispatch; ``num_tokens_per_rank [R]`` (tokens sent to each rank, once per rank) feeds moetrace's send counts."""
+        self.sglang.on_deepep_dispatch_normal(local_physical_count_of_layer, num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert)
+        if self._broken is None and self._layer is not None and isinstance(num_tokens_per_rank, torch.Tensor):
+            try:
+                self.moetrace.on_dispatch(num_tokens_per_rank, layer=self._layer)
+            except Exception as exc:
+                self._disable(exc)
+
+    def on_deepep_dispatch_low_latency(self, local_physical_count_of_layer: torch.Tensor) -> None:
+        self.sglang.on_deepep_dispatch_low_latency(local_physical_count_of_layer)
+
+    def _disable(self, exc: Exception) -> None:
+        self._broken = f"{type(exc).__name__}: {exc}"
+        logger.error("moetrace: recording disabled after an error in a hook (SGLang continues): %s", self._broken)
+
+    # -------------------------------------------------------------- EPLB
+    def on_expert_location_update(self) -> None:
+        """SGLang rebalanced (``ExpertLocationMetadata.update``, between forward passes).
+
+        What moetrace recorded under the old map is dumped first (one trace,
+        one map), then the recorder maps physical to logical ids with the new
+        ``physical_to_logical_map``.
+        """
+        if self._broken is not None or self.metadata is None:
+            return
+        try:
+            new = self.metadata.physical_to_logical_map_cpu.detach().numpy().astype("int64")
+            config = self.moetrace.config
+            old = config.physical_to_logical
+            if old is not None and (old == new).all():
+                return
+            if self.moetrace.recording and self.moetrace.undumped_passes:
+                path = self.moetrace.dump_record()
+                logger.info("moetrace: EPLB rebalance; wrote what was recorded under the old expert map to %s", path)
+            self.moetrace.config = config.replace(physical_to_logical=new)
+        except Exception as exc:
+            self._disable(exc)
+
+    # -------------------------------------------------------------- lifecycle (SGLang's HTTP endpoints land here)
+    def start_record(self) -> None:
+        if self._sglang_real:
+            self.sglang.start_record()
+        if not self.moetrace.recording:
+            self.moetrace.start_record()
+
+    def stop_record(self) -> None:
+        if self._sglang_real:
+            self.sglang.stop_record()
+        if self.moetrace.recording:
+            self.moetrace.stop_record()
+
+    def dump_record(self, output_mode: str = "file") -> Any:
+        """SGLang's dump (when its recorder is real); in ``"file"`` mode also a moetrace trace.
+
+        ``"object"`` dumps (EPLB rebalancing asks for them periodically) are
+        SGLang's only, so they do not write a moetrace file each time.
+        """
+        if output_mode == "file":
+            try:
+                path = self.moetrace.dump_record()
+                logger.info("moetrace: wrote %s", path)
+            except Exception:
+                logger.exception("moetrace: dump failed (SGLang's own dump goes on)")
+        return self.sglang.dump_record(output_mode=output_mode) if self._sglang_real else None
+
+    @property
+    def recording(self) -> bool:
+        return bool(self.sglang.recording) or bool(self.moetrace.recording)
+
+    @property
+    def error(self) -> str | None:
+        """The error that turned moetrace's side off, if any."""
+        return self._broken
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything newer SGLang versions add goes to SGLang's recorder unchanged.
+        return getattr(self.sglang, name)
