@@ -95,6 +95,12 @@ def _timing(d: dict) -> list[Row]:
     return rows
 
 
+def _replay(d: dict) -> list[Row]:
+    w, r = d["workload"], d["results"]
+    return [("replay overhead", f"HF Mixtral training step ({w['batch']}x{w['seq']} tokens), {v} / plain (CPU time; wall)",
+             f"{r[v]['cpu_ratio']:.3f}; {r[v]['wall_ratio']:.3f}") for v in ("replay", "replay_10pct_padding")]
+
+
 #: name -> (script arguments in full / quick runs, headline extractor)
 BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] = {
     "recorder_overhead": ([], ["--quick"], _recorder),
@@ -104,6 +110,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] 
     "dump_throughput": ([], ["--quick"], _dump),
     "analysis_throughput": ([], ["--quick"], _analysis),
     "scrape_cost": ([], ["--quick"], _scrape),
+    "replay_overhead": ([], ["--rounds", "4"], _replay),
     "timing_overhead": ([], ["--quick"], _timing),
     "control_load": ([], ["--quick"], _control_load),
 }
