@@ -26,7 +26,8 @@ import numpy as np
 
 from moetrace.snapshot import RecorderSnapshot
 
-__all__ = ["INFO", "METRICS", "PER_EXPERT", "InfoSpec", "MetricSpec", "info_labels", "markdown_table", "samples"]
+__all__ = ["HISTOGRAMS", "INFO", "METRICS", "PER_EXPERT", "HistogramSpec", "InfoSpec", "MetricSpec", "histogram_samples",
+           "info_labels", "markdown_table", "samples"]
 
 Value = Callable[[RecorderSnapshot], "float | int | np.ndarray"]
 
@@ -54,6 +55,29 @@ class MetricSpec:
     help: str
     formula: str
     value: Value
+
+
+@dataclasses.dataclass(frozen=True)
+class HistogramSpec:
+    """One exported histogram of per-pass durations (phase timing; empty without it).
+
+    Attributes:
+        prom_name: Prometheus histogram name (``_bucket``/``_sum``/``_count`` are added).
+        otel_name: OpenTelemetry name prefix: the OTel API has no asynchronous
+            histogram, so OTel gets ``<otel_name>.time`` (seconds, counter) and
+            ``<otel_name>.count`` (counter) per series instead of buckets.
+        dims: label dimensions of the series axis (``("phase",)`` or ``()``).
+        help, formula: as for :class:`MetricSpec`.
+        value: ``snapshot -> (fine-bucket counts [S, B], sums [S])`` with ``S``
+            series (one per phase, or one), buckets of ``moetrace.timing.HISTOGRAM_EDGES``.
+    """
+
+    prom_name: str
+    otel_name: str
+    dims: tuple[str, ...]
+    help: str
+    formula: str
+    value: Callable[[RecorderSnapshot], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +158,35 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moetrace_snapshot_timestamp_seconds", "moetrace.snapshot.timestamp", "gauge", "s", (),
                "Unix time of the pass end whose totals the other metrics show.", "`timestamp`",
                lambda s: s.timestamp),
+    MetricSpec("moetrace_peak_memory_bytes", "moetrace.peak_memory", "gauge", "By", (),
+               "Largest per-pass peak of device memory allocated (CUDA, timing=True); NaN on CPU or without timing.",
+               "`peak_memory_bytes`", lambda s: s.peak_memory_bytes),
     MetricSpec("moetrace_errors", "moetrace.errors", "gauge", "{error}", (),
                "Background errors the recorder holds (e.g. a failed streaming write); see GET /status.",
                "`len(errors)`", lambda s: len(s.errors)),
 )
 """Metrics every exporter emits."""
+
+
+def _phase_hist(s: RecorderSnapshot) -> tuple[np.ndarray, np.ndarray]:
+    return s.phase_histogram, s.phase_seconds_sum
+
+
+def _step_hist(s: RecorderSnapshot) -> tuple[np.ndarray, np.ndarray]:
+    if s.timing is None:
+        return np.zeros((0, 0), dtype=np.int64), np.zeros(0)
+    return s.timing["step_histogram"][None, :], np.array([s.step_seconds_sum])
+
+
+HISTOGRAMS: tuple[HistogramSpec, ...] = (
+    HistogramSpec("moetrace_phase_seconds", "moetrace.phase", ("phase",),
+                  "Per-pass time of one MoE phase in one layer (route, dispatch, expert, combine), all layers pooled; timing=True only.",
+                  "`phase_histogram` [F, B], `phase_seconds_sum` [F]", _phase_hist),
+    HistogramSpec("moetrace_step_seconds", "moetrace.step", (),
+                  "Time of one recorded forward pass on this rank (host wall on CPU, device time on CUDA); timing=True only.",
+                  "`timing['step_histogram']`, `step_seconds_sum`", _step_hist),
+)
+"""Histograms of phase timing (series only when the recorder times phases)."""
 
 PER_EXPERT = MetricSpec(
     "moetrace_expert_routed_tokens_total", "moetrace.expert.routed_tokens", "counter", "{token}", ("layer", "expert"),
@@ -171,6 +219,18 @@ def samples(spec: MetricSpec, snap: RecorderSnapshot) -> Iterator[tuple[dict[str
         yield labels, int(item) if as_int else float(item)
 
 
+def histogram_samples(spec: HistogramSpec, snap: RecorderSnapshot) -> Iterator[tuple[dict[str, object], np.ndarray, int, float]]:
+    """``(labels, cumulative counts at EXPORT_EDGES, count, sum)`` per series; nothing without timing."""
+    from moetrace.timing import PHASES, cumulative_buckets
+
+    fine, sums = spec.value(snap)
+    for i in range(fine.shape[0]):
+        labels: dict[str, object] = {"rank": snap.rank}
+        if spec.dims:
+            labels["phase"] = PHASES[i]
+        yield labels, cumulative_buckets(fine[i]), int(fine[i].sum()), float(sums[i])
+
+
 def info_labels(snap: RecorderSnapshot) -> dict[str, str]:
     """Label values of the info metric (plus ``rank``)."""
     return {"rank": str(snap.rank), "model": snap.model, "engine": snap.engine, "mode": snap.mode,
@@ -185,6 +245,10 @@ def markdown_table() -> str:
         labels = ", ".join(("rank", *spec.dims))
         rows.append(f"| `{spec.prom_name}` | `{spec.otel_name}` | {spec.kind} | `{spec.unit}` | {labels} | "
                     f"{spec.help} | {spec.formula} |")
+    for hist in HISTOGRAMS:
+        labels = ", ".join(("rank", *hist.dims))
+        rows.append(f"| `{hist.prom_name}` | `{hist.otel_name}.time`, `{hist.otel_name}.count` | histogram | `s` | {labels} | "
+                    f"{hist.help} | {hist.formula} |")
     labels = ", ".join(("rank", *INFO.labels))
     rows.append(f"| `{INFO.prom_name}` | `{INFO.otel_name}` | gauge (info) | `1` | {labels} | {INFO.help} | constant 1 |")
     return "\n".join(rows) + "\n"

@@ -40,7 +40,16 @@ from moetrace._version import __version__
 from moetrace.recorder import Recorder, RecorderStateError, get_recorder
 from moetrace.snapshot import RecorderSnapshot
 
-from .catalog import INFO, METRICS, PER_EXPERT, MetricSpec, info_labels, samples
+from .catalog import (
+    HISTOGRAMS,
+    INFO,
+    METRICS,
+    PER_EXPERT,
+    MetricSpec,
+    histogram_samples,
+    info_labels,
+    samples,
+)
 
 __all__ = [
     "MoetraceInstruments",
@@ -134,6 +143,11 @@ def instrument(meter_provider: MeterProvider | None = None, recorder: Recorder |
         create = meter.create_observable_counter if spec.kind == "counter" else meter.create_observable_gauge
         observe = callback(spec.otel_name, lambda snap, spec=spec: _observations(spec, snap))
         handle.instruments[spec.otel_name] = create(spec.otel_name, callbacks=[observe], unit=spec.unit, description=spec.help)
+    for hist in HISTOGRAMS:  # no asynchronous histogram in the OTel API: time and count counters
+        for suffix, unit, pick in ((".time", "s", 3), (".count", "{pass}", 2)):
+            name = hist.otel_name + suffix
+            observe = callback(name, lambda snap, hist=hist, pick=pick: [Observation(item[pick], item[0]) for item in histogram_samples(hist, snap)])
+            handle.instruments[name] = meter.create_observable_counter(name, callbacks=[observe], unit=unit, description=hist.help)
     info = callback(INFO.otel_name, lambda snap: [Observation(1, info_labels(snap))])
     handle.instruments[INFO.otel_name] = meter.create_observable_gauge(INFO.otel_name, callbacks=[info], unit="1", description=INFO.help)
     return handle

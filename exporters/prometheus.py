@@ -36,14 +36,30 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import prometheus_client
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from moetrace.guarded_http import GuardedServerMixin, ServerLimits
 from moetrace.recorder import Recorder, RecorderStateError, get_recorder
 from moetrace.snapshot import RecorderSnapshot
 
-from .catalog import INFO, METRICS, PER_EXPERT, MetricSpec, info_labels, samples
+from .catalog import (
+    HISTOGRAMS,
+    INFO,
+    METRICS,
+    PER_EXPERT,
+    HistogramSpec,
+    MetricSpec,
+    histogram_samples,
+    info_labels,
+    samples,
+)
 
 __all__ = ["MetricsServer", "MoetraceCollector", "ServerLimits", "register", "start_http_server"]
 
@@ -55,6 +71,18 @@ def _family(spec: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
     if spec.kind == "counter":
         return CounterMetricFamily(spec.prom_name.removesuffix("_total"), spec.help, labels=labels)
     return GaugeMetricFamily(spec.prom_name, spec.help, labels=labels)
+
+
+def _histogram(spec: HistogramSpec, snap: RecorderSnapshot | None) -> HistogramMetricFamily:
+    """A histogram family; buckets at ``moetrace.timing.EXPORT_EDGES`` (values counted below each bound)."""
+    from moetrace.timing import EXPORT_EDGES
+
+    family = HistogramMetricFamily(spec.prom_name, spec.help, labels=["rank", *spec.dims])
+    if snap is not None:
+        for labels, cumulative, count, total in histogram_samples(spec, snap):
+            buckets = [(f"{edge:.6g}", int(c)) for edge, c in zip(EXPORT_EDGES, cumulative, strict=True)]
+            family.add_metric([str(v) for v in labels.values()], [*buckets, ("+Inf", count)], total)
+    return family
 
 
 class MoetraceCollector(Collector):
@@ -83,6 +111,7 @@ class MoetraceCollector(Collector):
     def describe(self) -> Iterator[Metric]:
         """The metric families (without samples), so registries can check for name clashes."""
         yield from (_family(spec) for spec in self._specs)
+        yield from (_histogram(spec, None) for spec in HISTOGRAMS)
         yield InfoMetricFamily(INFO.prom_name.removesuffix("_info"), INFO.help, labels=["rank", *INFO.labels])
 
     def collect(self) -> Iterator[Metric]:
@@ -94,6 +123,8 @@ class MoetraceCollector(Collector):
             for labels, value in samples(spec, snap):
                 family.add_metric([str(v) for v in labels.values()], value)
             yield family
+        for hist in HISTOGRAMS:
+            yield _histogram(hist, snap)
         info = InfoMetricFamily(INFO.prom_name.removesuffix("_info"), INFO.help)
         info.add_metric([], info_labels(snap))
         yield info

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "EXPORT_EDGES",
     "HISTOGRAM_EDGES",
     "PHASES",
     "CudaClock",
@@ -47,6 +48,7 @@ __all__ = [
     "TimingRows",
     "TimingStats",
     "bucket_quantile",
+    "cumulative_buckets",
     "make_clock",
     "row_fields",
 ]
@@ -59,6 +61,17 @@ _NAN = float("nan")
 #: Bucket ``0`` holds values below ``HISTOGRAM_EDGES[0]``, bucket ``i`` values in
 #: ``[edges[i-1], edges[i])``, the last bucket values ``>= edges[-1]``: ``len(edges) + 1`` buckets.
 HISTOGRAM_EDGES: np.ndarray = 10.0 ** np.linspace(-7.0, 3.0, 161)
+
+
+#: Bucket upper bounds exported to Prometheus (2 per decade, 10 us to 100 s): a subset of
+#: :data:`HISTOGRAM_EDGES`, so exported counts are exact sums of the fine buckets.
+EXPORT_EDGES: np.ndarray = HISTOGRAM_EDGES[((np.arange(-5.0, 2.01, 0.5) + 7.0) * 16).round().astype(int)]
+
+
+def cumulative_buckets(histogram: np.ndarray, edges: np.ndarray = EXPORT_EDGES) -> np.ndarray:
+    """Fine-bucket counts ``[..., B]`` -> cumulative counts of values below each of ``edges`` ``[..., len(edges)]``."""
+    index = np.searchsorted(HISTOGRAM_EDGES, edges)
+    return np.cumsum(histogram, axis=-1)[..., index]
 
 
 class TimingCaptureError(RuntimeError):
