@@ -62,6 +62,15 @@ def _no_rows() -> None:
     return None
 
 
+def _submit_empty(submit: Submit, overflow: _Overflow | None, rotate: bool) -> None:
+    """Nothing staged: still pass on a rotation request and the passes dropped since the last hand-off."""
+    dropped = overflow.take_pending() if overflow is not None else 0
+    if not (rotate or dropped):
+        return
+    part = StreamRows(rows={}, totals=None, passes=0, tokens=0, first_pass=-1, last_pass=-1, dropped_passes=dropped) if dropped else None
+    submit(StreamJob(event=None, build=lambda: part, done=_no_rows, rotate=rotate))
+
+
 class _ChunkTotals:
     """Counter rows ``[L, C]`` (int64) of the passes staged since the last hand-off.
 
@@ -80,7 +89,7 @@ class _ChunkTotals:
 
     def take(self) -> tuple[torch.Tensor, Callable[[], None]]:
         """``(host buffer, release)``; record the copy's event after calling this."""
-        host = self.pool.acquire()
+        host = self.pool.acquire(block=False)  # never waits: released before its rows buffer
         assert host is not None
         host.copy_(self.acc, non_blocking=True)
         self.acc.zero_()
@@ -88,6 +97,33 @@ class _ChunkTotals:
 
     def reset(self) -> None:
         self.acc.zero_()
+
+
+class _Overflow:
+    """``on_overflow`` bookkeeping shared by the streams: whole hand-offs dropped when the writer is behind."""
+
+    def __init__(self, config: RecorderConfig) -> None:
+        self.drop = config.on_overflow == "drop"
+        self.dropped_passes = 0  # since start_record
+        self.pending = 0  # dropped since the last hand-off: written with the next one
+        self.dropped_ranges: list[tuple[int, int]] = []  # (first, last) pass ids of every drop
+
+    def acquire(self, pool: HostBufferPool, wait: bool) -> torch.Tensor | None:
+        """A free host buffer: waits for one (``block``, or ``wait``) or returns ``None`` at once (``drop``)."""
+        return pool.acquire(block=wait or not self.drop)
+
+    def dropped(self, passes: int, first: int, last: int) -> None:
+        self.dropped_passes += passes
+        self.pending += passes
+        self.dropped_ranges.append((first, last))
+
+    def take_pending(self) -> int:
+        pending, self.pending = self.pending, 0
+        return pending
+
+    def reset(self) -> None:
+        self.dropped_passes = self.pending = 0
+        self.dropped_ranges = []
 
 
 class PassCounter:
@@ -203,6 +239,7 @@ class PassStream:
         self.staging = torch.zeros(shape, dtype=torch.int32, device=config.device)
         self.pool = HostBufferPool(shape, torch.int32, count=2, pin=config.device.type == "cuda")
         self.totals = _ChunkTotals(config, layout)
+        self.overflow = _Overflow(config)
         self.meta = np.zeros((s, 3), dtype=np.float64)  # pass_id, timestamp, num_tokens
         self.filled = 0
         self.submit = submit
@@ -215,14 +252,21 @@ class PassStream:
         if self.filled == len(self.meta):
             self.flush()
 
-    def flush(self, rotate: bool = False) -> None:
-        """Hand the staged passes to the writer (asynchronous copy, event, job); ``rotate`` closes the segment after them."""
+    def flush(self, rotate: bool = False, wait: bool = False) -> None:
+        """Hand the staged passes to the writer (asynchronous copy, event, job); ``rotate`` closes
+        the segment after them; ``wait`` waits for a free buffer even with ``on_overflow="drop"``."""
         n = self.filled
         if n == 0:
-            if rotate:
-                self.submit(StreamJob(event=None, build=_no_rows, done=_no_rows, rotate=True))
+            _submit_empty(self.submit, self.overflow, rotate)
             return
-        host = self.pool.acquire()
+        host = self.overflow.acquire(self.pool, wait)
+        if host is None:  # on_overflow="drop": the writer is behind, these whole passes are dropped
+            self.overflow.dropped(n, int(self.meta[0, 0]), int(self.meta[n - 1, 0]))
+            self.totals.reset()
+            self.filled = 0
+            _submit_empty(self.submit, None, rotate)
+            return
+        dropped = self.overflow.take_pending()
         host[:n].copy_(self.staging[:n], non_blocking=True)
         totals, release_totals = self.totals.take()
         event = _event_after_copy(self.device)
@@ -241,11 +285,12 @@ class PassStream:
                     "passes/send_count": rows[:, :, layout.send].copy(),
                     "passes/recv_count": rows[:, :, layout.recv].copy(),
                 },
-                totals=totals.numpy().copy(),
+                totals=totals.numpy(),
                 passes=n,
                 tokens=int(meta[:, 2].sum()),
                 first_pass=int(meta[0, 0]),
                 last_pass=int(meta[n - 1, 0]),
+                dropped_passes=dropped,
             )
 
         def done() -> None:
@@ -258,28 +303,35 @@ class PassStream:
     def reset(self) -> None:
         self.filled = 0
         self.totals.reset()
+        self.overflow.reset()
 
 
 class TokenStream:
     """``per_token`` mode: every token's ``[L, k]`` ids, staged per pass then per chunk.
 
-    ``pass_stage [max_tokens, L, k]`` collects one pass layer by layer; at pass
-    end its rows move into ``chunk [chunk_tokens, L, k]``, which goes to the
-    writer when the next pass would not fit. ``layer_tokens`` (host ints) tracks
-    how many rows each layer wrote, so only rows a layer did not reach in this
-    pass are set to -1 at pass end, not the whole stage.
+    ``pass_stage [L, max_tokens, k]`` (layer-major, so each layer writes one
+    contiguous block) collects one pass layer by layer; at pass end its rows
+    move into ``chunk [chunk_tokens, L, k]``, which goes to the writer when the
+    next pass would not fit. Ids are stored in the smallest signed dtype for
+    ``P`` (:func:`~moetrace.trace.writer.token_id_dtype`). ``layer_tokens``
+    (host ints) tracks how many rows each layer wrote, so only rows a layer did
+    not reach in this pass are set to -1 at pass end, not the whole stage.
     """
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout, submit: Submit) -> None:
         self.np_dtype = token_id_dtype(config.num_physical_experts)
-        dtype = torch.int16 if self.np_dtype == np.int16 else torch.int32
+        dtype = {np.int8: torch.int8, np.int16: torch.int16}.get(self.np_dtype.type, torch.int32)
         row = (config.num_layers, config.top_k)
         self.device = config.device
-        self.num_experts = config.num_physical_experts
-        self.pass_stage = torch.full((config.max_tokens_per_pass, *row), -1, dtype=dtype, device=config.device)
+        p = config.num_physical_experts
+        # Stored id of counter column c = clamp(id + 2, 0, P + 2): c - 2, except both invalid columns -> -2.
+        self.lut = torch.arange(-2, p + 1, dtype=dtype, device=config.device)
+        self.lut[0] = self.lut[p + 2] = -2
+        self.pass_stage = torch.full((config.num_layers, config.max_tokens_per_pass, config.top_k), -1, dtype=dtype, device=config.device)
         self.chunk = torch.full((config.stream_chunk_tokens, *row), -1, dtype=dtype, device=config.device)
         self.pool = HostBufferPool(tuple(self.chunk.shape), dtype, count=2, pin=config.device.type == "cuda")
         self.totals = _ChunkTotals(config, layout)
+        self.overflow = _Overflow(config)
         self.pass_id = np.zeros(config.stream_chunk_tokens, dtype=np.int64)
         self.position = np.zeros(config.stream_chunk_tokens, dtype=np.int32)
         self.filled = 0
@@ -294,19 +346,17 @@ class TokenStream:
 
         Stored ids: the expert id, -1 for padding, -2 for an invalid id.
         """
-        top_k = self.pass_stage.shape[2]
-        tokens = index.shape[0] // top_k
-        stage = self.pass_stage[:tokens, layer]
-        stage.copy_(index.view(tokens, top_k))
-        stage.sub_(2).masked_fill_(stage == self.num_experts, -2)
-        self.pass_tokens = max(self.pass_tokens, tokens)
+        tokens = index.shape[0] // self.pass_stage.shape[2]
+        torch.index_select(self.lut, 0, index, out=self.pass_stage[layer, :tokens].view(-1))
+        if tokens > self.pass_tokens:
+            self.pass_tokens = tokens
         self.layer_tokens[layer] = tokens
 
     def _pad_unreached(self) -> None:
         """Set to -1 the rows of this pass that a layer did not write."""
         for layer, written in enumerate(self.layer_tokens):
             if written < self.pass_tokens:
-                self.pass_stage[written : self.pass_tokens, layer].fill_(-1)
+                self.pass_stage[layer, written : self.pass_tokens].fill_(-1)
             self.layer_tokens[layer] = 0
 
     def end_pass(self, pass_id: int, current: torch.Tensor) -> None:
@@ -322,20 +372,27 @@ class TokenStream:
         if tokens == 0:
             return
         self._pad_unreached()
-        self.chunk[self.filled : self.filled + tokens].copy_(self.pass_stage[:tokens])
+        self.chunk[self.filled : self.filled + tokens].copy_(self.pass_stage[:, :tokens].transpose(0, 1))
         self.pass_id[self.filled : self.filled + tokens] = pass_id
         self.position[self.filled : self.filled + tokens] = np.arange(tokens, dtype=np.int32)
         self.filled += tokens
         self.pass_tokens = 0
 
-    def flush(self, rotate: bool = False) -> None:
-        """Hand the staged tokens to the writer; ``rotate`` closes the segment after them."""
+    def flush(self, rotate: bool = False, wait: bool = False) -> None:
+        """Hand the staged tokens to the writer; ``rotate`` closes the segment after them;
+        ``wait`` waits for a free buffer even with ``on_overflow="drop"``."""
         n, passes = self.filled, self.passes
         if passes == 0:
-            if rotate:
-                self.submit(StreamJob(event=None, build=_no_rows, done=_no_rows, rotate=True))
+            _submit_empty(self.submit, self.overflow, rotate)
             return
-        host = self.pool.acquire()
+        host = self.overflow.acquire(self.pool, wait)
+        if host is None:  # on_overflow="drop": the writer is behind, these whole passes are dropped
+            self.overflow.dropped(passes, self.first_pass, self.last_pass)
+            self.totals.reset()
+            self.filled = self.passes = 0
+            _submit_empty(self.submit, None, rotate)
+            return
+        dropped = self.overflow.take_pending()
         host[:n].copy_(self.chunk[:n], non_blocking=True)
         totals, release_totals = self.totals.take()
         event = _event_after_copy(self.device)
@@ -344,12 +401,14 @@ class TokenStream:
 
         def build() -> StreamRows:
             return StreamRows(
-                rows={"tokens/topk_ids": host[:n].numpy().copy(), "tokens/pass_id": pass_id, "tokens/position": position},
-                totals=totals.numpy().copy(),
+                # Views of the host buffers: the writer is done with them before ``done`` releases them.
+                rows={"tokens/topk_ids": host[:n].numpy(), "tokens/pass_id": pass_id, "tokens/position": position},
+                totals=totals.numpy(),
                 passes=passes,
                 tokens=n,
                 first_pass=first,
                 last_pass=last,
+                dropped_passes=dropped,
             )
 
         def done() -> None:
@@ -370,3 +429,4 @@ class TokenStream:
         self.filled = 0
         self.passes = 0
         self.totals.reset()
+        self.overflow.reset()

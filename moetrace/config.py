@@ -63,6 +63,15 @@ class RecorderConfig:
             (and stat checkpoints) off. See docs/trace-format.md.
         segment_bytes: streaming modes also close the open segment once it
             holds this many bytes of raw rows, whichever comes first.
+        compression: filter for streamed rows and large ``/stat`` and
+            ``/window`` datasets: ``"none"``, ``"lzf"``, ``"gzip[:level]"``,
+            or with the optional ``hdf5plugin`` extra ``"zstd[:level]"`` /
+            ``"blosc2[:level]"`` (see ``moetrace.trace.writer.compression_options``).
+        on_overflow: what a streaming mode does when its background writer
+            falls behind and both host buffers are in flight: ``"block"``
+            waits (the forward stalls, nothing is lost) or ``"drop"`` drops
+            the staged passes whole, counts them (``dropped_passes``) and
+            never waits.
     """
 
     num_layers: int
@@ -87,6 +96,8 @@ class RecorderConfig:
     timing_ring: int = 4
     segment_seconds: float = 10.0
     segment_bytes: int = 256 * 2**20
+    compression: str = "lzf"
+    on_overflow: str = "block"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -113,6 +124,11 @@ class RecorderConfig:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)) or not 0 <= seconds < float("inf"):
             raise ValueError(f"segment_seconds must be a number of seconds >= 0 (0 = no time bound), got {seconds!r}")
         set_(self, "segment_seconds", float(seconds))
+        from .trace.writer import compression_options
+
+        compression_options(self.compression)  # raises ValueError naming the accepted specs
+        if self.on_overflow not in ("block", "drop"):
+            raise ValueError(f"on_overflow must be 'block' or 'drop', got {self.on_overflow!r}")
         if self.stream_chunk_tokens < self.max_tokens_per_pass:
             raise ValueError(
                 f"stream_chunk_tokens={self.stream_chunk_tokens} must be >= max_tokens_per_pass="

@@ -67,7 +67,7 @@ from .trace.segments import (
     sweep_dead_temporaries,
 )
 from .trace.stream import BackgroundTraceWriter, HostBufferPool, StreamJob
-from .trace.writer import TraceHeader, TraceWriter, check_writable_dir
+from .trace.writer import TraceHeader, TraceWriter, check_writable_dir, compression_options
 
 __all__ = [
     "ExpertDistributionRecorder",
@@ -215,6 +215,7 @@ class ExpertDistributionRecorder:
         self._rotate_at = 0.0
         self._checkpoint_buffers: tuple[HostBufferPool, HostBufferPool] | None = None
         self._undumped_segments: list[SegmentInfo] = []  # closed segments taken by a dump that failed
+        self._compression = compression_options(cfg.compression)
         self.last_dump_path: Path | None = None
         self._errors: list[str] = []
 
@@ -232,6 +233,12 @@ class ExpertDistributionRecorder:
     def num_passes(self) -> int:
         """Forward passes recorded since ``start_record``."""
         return self._num_passes
+
+    @property
+    def dropped_passes(self) -> int:
+        """Passes dropped whole since ``start_record`` because the writer was behind (``on_overflow="drop"``)."""
+        stream = self._pass_stream or self._token_stream
+        return stream.overflow.dropped_passes if stream is not None else 0
 
     @property
     def undumped_passes(self) -> int:
@@ -433,7 +440,7 @@ class ExpertDistributionRecorder:
         self._flush_timing_rows()
         for stream in (self._pass_stream, self._token_stream):
             if stream is not None:
-                stream.flush(rotate=True)
+                stream.flush(rotate=True, wait=wait)
 
     def _checkpoint(self, pass_id: int, wait: bool) -> None:
         """Stat mode: copy totals and window to host buffers (asynchronously) and let the
@@ -616,9 +623,9 @@ class ExpertDistributionRecorder:
         self._journal = Journal(journal_path(directory, self._run_id, rank))
         self._journal.note("start", pid=os.getpid(), host=socket.gethostname(), run_id=self._run_id, rank=rank, world_size=world, mode=cfg.mode, segment_seconds=cfg.segment_seconds, segment_bytes=cfg.segment_bytes)
         if cfg.mode == "stat":
-            sink: CheckpointWriter | SegmentWriter = CheckpointWriter(checkpoint_path(directory, self._run_id, rank), header, self._journal)
+            sink: CheckpointWriter | SegmentWriter = CheckpointWriter(checkpoint_path(directory, self._run_id, rank), header, self._journal, self._compression)
         else:
-            sink = SegmentWriter(directory, header, self._streamed_schema(), self._write_totals, (cfg.num_layers, self._layout.width), cfg.segment_bytes, self._journal)
+            sink = SegmentWriter(directory, header, self._streamed_schema(), self._write_totals, (cfg.num_layers, self._layout.width), cfg.segment_bytes, self._journal, self._compression)
         self._segment = BackgroundTraceWriter(sink)
         self._rotate_at = time.monotonic() + (cfg.segment_seconds or float("inf"))
         _OPEN_SEGMENTS.add(self)
@@ -747,7 +754,7 @@ class ExpertDistributionRecorder:
         all_passes = self._gather(passes, world).cpu().numpy()
         if rank != 0:
             return target
-        writer = TraceWriter(target, self._header(rank=-1 if world > 1 else rank, world_size=world))
+        writer = TraceWriter(target, self._header(rank=-1 if world > 1 else rank, world_size=world), compression=self._compression)
         try:
             self._write_stat_file(writer, rows, all_passes, all_meta, all_counts)
             self._write_timing(writer, timing)
@@ -786,7 +793,7 @@ class ExpertDistributionRecorder:
         if segment is None:
             raise RecorderStateError("no streaming segment is open (it was already dumped after stop_record); call start_record() to record again")
         timing = self._gather_timing(1, rows=False)
-        self._rotate(self._next_pass_id - 1)
+        self._rotate(self._next_pass_id - 1, wait=True)
         segment.drain()
         if segment.error is not None:
             error = segment.error
@@ -796,7 +803,7 @@ class ExpertDistributionRecorder:
         assert isinstance(sink, SegmentWriter) and self._journal is not None
         taken = self._undumped_segments = self._undumped_segments + sink.take_completed()
         if taken:
-            written = concat_segments([info.path for info in taken], target, extra=lambda w: self._write_timing(w, timing))
+            written = concat_segments([info.path for info in taken], target, extra=lambda w: self._write_timing(w, timing), compression=self._compression)
         else:
             written = self._write_empty_stream(target, rank, world, timing)
         # The segments' rows are now in a complete trace.
@@ -812,10 +819,11 @@ class ExpertDistributionRecorder:
 
     def _write_empty_stream(self, target: Path, rank: int, world: int, timing: list | None) -> Path:
         """A streaming dump with no passes since the previous one."""
-        writer = TraceWriter(target, self._header(rank, world))
+        writer = TraceWriter(target, self._header(rank, world), compression=self._compression)
         try:
             zeros = np.zeros((1, self.config.num_layers, self._layout.width), dtype=np.int64)
             self._write_totals(writer, zeros, np.array([0]), np.array([0]))
+            writer.write("stat/dropped_passes", np.zeros(1, dtype=np.int64))
             for name, (row_shape, dtype) in self._streamed_schema().items():
                 writer.ensure_empty(name, row_shape, dtype)
             self._write_timing(writer, timing)
@@ -856,6 +864,7 @@ class ExpertDistributionRecorder:
             dropped=rows[:, lay.dropped],
             last_dump_path=str(last) if last else None,
             errors=errors,
+            dropped_passes=self.dropped_passes,
             timing=timing,
         )
 
@@ -870,6 +879,7 @@ class ExpertDistributionRecorder:
                 "mode": self.config.mode,
                 "passes": self._num_passes,
                 "tokens": self._num_tokens,
+                "dropped_passes": self.dropped_passes,
                 "last_dump_path": str(self.last_dump_path) if self.last_dump_path else None,
                 "output_dir": str(self.config.output_dir),
                 "errors": errors,

@@ -37,6 +37,8 @@ class RecorderSnapshot(metrics.LoadMetrics):
         hidden_size, dtype_bytes, top_k: for the byte figures (0 = unknown).
         last_dump_path: the last file ``dump_record`` wrote, if any.
         errors: background errors (e.g. a failed streaming write).
+        dropped_passes: streaming passes dropped whole because the trace
+            writer was behind (``on_overflow="drop"``).
         timing: phase-timing aggregates since ``start_record``
             (:meth:`moetrace.timing.TimingStats.arrays`), ``None`` when timing is off.
     """
@@ -63,6 +65,7 @@ class RecorderSnapshot(metrics.LoadMetrics):
     dropped: np.ndarray
     last_dump_path: str | None = None
     errors: tuple[str, ...] = ()
+    dropped_passes: int = 0
     timing: dict[str, np.ndarray] | None = None
 
     @property

@@ -59,6 +59,37 @@ class TokenChunk:
     position: np.ndarray  # [M] index of the token in its pass
 
 
+def _check_filters(file: h5py.File, path: Path) -> None:
+    """Make sure every dataset's compression filter can be decoded here.
+
+    Filters outside HDF5/h5py (zstd, blosc2: ``compression="zstd"``) come from
+    ``hdf5plugin``, imported here when a trace needs it and it is installed.
+
+    Raises:
+        TraceError: a filter is missing, naming it and the package to install.
+    """
+    missing: dict[int, str] = {}
+
+    def visit(name: str, obj: object) -> None:
+        if isinstance(obj, h5py.Dataset):
+            plist = obj.id.get_create_plist()
+            for i in range(plist.get_nfilters()):
+                code, _, _, filter_name = plist.get_filter(i)
+                if not h5py.h5z.filter_avail(code):
+                    missing.setdefault(code, f"/{name} uses filter {code} ({filter_name.decode(errors='replace')})")
+
+    file.visititems(visit)
+    if not missing:
+        return
+    try:
+        import hdf5plugin  # noqa: F401  (registers its filters with HDF5)
+    except ImportError:
+        raise TraceError(f"{path}: {'; '.join(missing.values())}, which this installation cannot decode; install hdf5plugin (pip install 'moetrace[compression]')") from None
+    still = [text for code, text in missing.items() if not h5py.h5z.filter_avail(code)]
+    if still:
+        raise TraceError(f"{path}: {'; '.join(still)}, which neither HDF5 nor hdf5plugin provides here")
+
+
 def _unfinished_hint(path: Path) -> str:
     """For a writer's temporary file: whose it is and what to do instead."""
     from .segments import parse_temporary, process_alive
@@ -112,6 +143,7 @@ class Trace:
         for name in ("layers", "physical_to_logical"):
             if name not in self._file:
                 raise TraceError(f"{self.path}: missing dataset /{name}")
+        _check_filters(self._file, self.path)
 
     # -- context manager ----------------------------------------------------------
     def __enter__(self) -> Trace:
@@ -223,6 +255,12 @@ class Trace:
     def num_passes(self) -> np.ndarray:
         """Forward passes recorded per rank ``[R]``."""
         return self._read("stat/num_passes")
+
+    def dropped_passes(self) -> np.ndarray:
+        """Streaming passes dropped whole per rank ``[R]`` (``on_overflow="drop"``; zeros when absent)."""
+        if "stat/dropped_passes" not in self._file:
+            return np.zeros(self.num_passes().shape, dtype=np.int64)
+        return self._read("stat/dropped_passes")
 
     def num_tokens(self) -> np.ndarray:
         """Tokens recorded per rank ``[R]``."""

@@ -187,19 +187,22 @@ class StreamRows:
 
     Attributes:
         rows: ``{dataset: [n, ...] rows}`` to append (e.g. ``"tokens/topk_ids"``).
-        totals: ``[L, C]`` int64 counter rows of these passes (see ``CounterLayout``).
+        totals: ``[L, C]`` int64 counter rows of these passes (see ``CounterLayout``);
+            ``None`` when there are no passes.
         passes: passes in ``rows``.
         tokens: tokens in those passes.
         first_pass: pass id of the first pass (``-1`` when ``passes == 0``).
         last_pass: pass id of the last pass.
+        dropped_passes: passes dropped (``on_overflow="drop"``) since the previous hand-off.
     """
 
     rows: dict[str, np.ndarray]
-    totals: np.ndarray
+    totals: np.ndarray | None
     passes: int
     tokens: int
     first_pass: int
     last_pass: int
+    dropped_passes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +264,7 @@ class SegmentWriter:
 
     def _reset_open(self) -> None:
         self._totals: np.ndarray | None = None
-        self._passes = self._tokens = self._bytes = 0
+        self._passes = self._tokens = self._bytes = self._dropped = 0
         self._first = self._last = -1
 
     @property
@@ -275,7 +278,7 @@ class SegmentWriter:
         A plain ``{dataset: rows}`` dict (rows that belong to no pass count,
         e.g. ``/timing``) is appended as it is.
         """
-        if not part:
+        if part is None or (isinstance(part, dict) and not part):
             return
         rows = part if isinstance(part, dict) else part.rows
         if self._writer is None:
@@ -286,13 +289,17 @@ class SegmentWriter:
             self._bytes += array.nbytes
         if isinstance(part, dict):
             return
+        self._dropped += part.dropped_passes
+        if part.passes == 0:
+            return
+        assert part.totals is not None
         self._totals = part.totals.astype(np.int64) if self._totals is None else self._totals + part.totals
         if self._passes == 0:
             self._first = part.first_pass
         self._passes += part.passes
         self._tokens += part.tokens
         self._last = part.last_pass
-        self.journal.note("rows", segment=self._index, first_pass=self._first, last_pass=self._last, passes=self._passes, tokens=self._tokens)
+        self.journal.note("rows", segment=self._index, first_pass=self._first, last_pass=self._last, passes=self._passes, tokens=self._tokens, dropped_passes=self._dropped)
         if self._bytes >= self.segment_bytes:
             self.rotate()
 
@@ -306,6 +313,7 @@ class SegmentWriter:
                 writer.ensure_empty(name, row_shape, np.dtype(dtype))
             totals = self._totals if self._totals is not None else np.zeros(self.totals_shape, np.int64)
             self._write_stat(writer, totals[None], np.array([self._passes]), np.array([self._tokens]))
+            writer.write("stat/dropped_passes", np.array([self._dropped], dtype=np.int64))
             closed = time.time()
             for key, value in (("segment_index", self._index), ("first_pass", self._first), ("last_pass", self._last), ("segment_unix", closed)):
                 writer.set_attr(key, value)
@@ -317,7 +325,7 @@ class SegmentWriter:
         info = SegmentInfo(path, self._index, self._first, self._last, self._passes, self._tokens, closed)
         with self._lock:
             self._completed.append(info)
-        self.journal.note("segment", segment=self._index, path=path.name, first_pass=self._first, last_pass=self._last, passes=self._passes, tokens=self._tokens)
+        self.journal.note("segment", segment=self._index, path=path.name, first_pass=self._first, last_pass=self._last, passes=self._passes, tokens=self._tokens, dropped_passes=self._dropped)
         self._writer = None
         self._index += 1
         self._reset_open()
@@ -344,16 +352,17 @@ class CheckpointWriter:
     ``last_pass``.
     """
 
-    def __init__(self, path: Path, header: TraceHeader, journal: Journal) -> None:
+    def __init__(self, path: Path, header: TraceHeader, journal: Journal, compression: Mapping[str, object] | None = None) -> None:
         self.path = Path(path)
         self.header = header
         self.journal = journal
+        self.compression = compression
 
     def write(self, part: tuple[Callable[[TraceWriter], None], int, int] | None) -> None:
         if part is None:
             return
         fill, last_pass, passes = part
-        writer = TraceWriter(self.path, self.header)
+        writer = TraceWriter(self.path, self.header, compression=self.compression)
         try:
             fill(writer)
             now = time.time()

@@ -23,14 +23,59 @@ import numpy as np
 from .._version import __version__
 from .schema import COMPLETE_ATTR, SCHEMA_NAME, SCHEMA_VERSION, TraceWriteError
 
-__all__ = ["TraceHeader", "TraceWriter", "check_writable_dir", "token_id_dtype"]
+__all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype"]
 
 _COMPRESS = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
+#: Accepted ``compression`` specs (``RecorderConfig.compression``); the last two need ``hdf5plugin``.
+COMPRESSIONS = ("none", "lzf", "gzip[:level]", "zstd[:level]", "blosc2[:level]")
+_PLUGIN_HINT = "install the optional extra: pip install 'moetrace[compression]' (hdf5plugin)"
+
+
+def compression_options(spec: str) -> dict[str, object]:
+    """h5py filter keywords for a compression spec (see :data:`COMPRESSIONS`).
+
+    ``none``: no filter (fastest, largest). ``lzf``: fast, built into h5py
+    (readable by h5py everywhere; other HDF5 tools need the LZF plugin).
+    ``gzip[:level]`` (default level 1): slow, readable by every HDF5 tool.
+    ``zstd[:level]`` and ``blosc2[:level]`` (Blosc2 with zstd and byte shuffle):
+    through ``hdf5plugin``, an optional extra; readers need it too (moetrace's
+    reader loads it when installed and says so when it is missing).
+    Byte shuffle is on for the filters that gain from it.
+
+    Raises:
+        ValueError: an unknown spec or level, or a plugin filter without ``hdf5plugin``.
+    """
+    name, _, level_text = str(spec).strip().lower().partition(":")
+    ranges = {"gzip": (0, 9, 1), "zstd": (1, 22, 3), "blosc2": (0, 9, 5)}
+    if name in ("none", "lzf") and not level_text:
+        return {} if name == "none" else {"compression": "lzf", "shuffle": True}
+    if name not in ranges:
+        raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}; got {spec!r}")
+    low, high, default = ranges[name]
+    try:
+        level = int(level_text) if level_text else default
+    except ValueError:
+        level = low - 1
+    if not low <= level <= high:
+        raise ValueError(f"compression {spec!r}: level must be an integer in [{low}, {high}]")
+    if name == "gzip":
+        return {"compression": "gzip", "compression_opts": level, "shuffle": True}
+    try:
+        import hdf5plugin
+    except ImportError:
+        raise ValueError(f"compression {spec!r} needs hdf5plugin: {_PLUGIN_HINT}, or use lzf or gzip") from None
+    if name == "zstd":
+        return dict(hdf5plugin.Zstd(clevel=level))
+    return dict(hdf5plugin.Blosc2(cname="zstd", clevel=level, filters=hdf5plugin.Blosc2.SHUFFLE))
 
 
 def token_id_dtype(num_physical_experts: int) -> np.dtype:
-    """Smallest signed dtype holding ids ``-1 .. P-1``."""
-    return np.dtype(np.int16) if num_physical_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
+    """Smallest signed dtype holding ids ``-2 .. P-1`` (-1 padding, -2 invalid): int8 up to
+    128 experts, int16 up to 32768, else int32."""
+    for dtype in (np.int8, np.int16):
+        if num_physical_experts - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int32)
 
 
 def check_writable_dir(directory: Path) -> Path:
@@ -82,8 +127,9 @@ class TraceWriter:
     Args:
         path: final file name; the parent directory must be writable.
         header: root attributes and static datasets.
-        compression: h5py filter keywords for streamed (appended) datasets;
-            ``None`` is gzip level 1 with shuffle.
+        compression: h5py filter keywords (:func:`compression_options`) for
+            appended datasets and ``write(..., compress=True)``; ``None`` is
+            gzip level 1 with shuffle.
 
     The temporary is ``.<name>.tmp-<host>-<pid>-<random>`` so that
     :func:`~moetrace.trace.segments.sweep_dead_temporaries` can tell a dead
@@ -135,7 +181,7 @@ class TraceWriter:
     # -- whole datasets ---------------------------------------------------------
     def write(self, name: str, data: np.ndarray, compress: bool = False) -> None:
         """Write a complete dataset ``name`` (e.g. ``"stat/physical_count"``)."""
-        self._guard(lambda: self._file.create_dataset(name, data=data, **(_COMPRESS if compress and data.size > 1024 else {})))
+        self._guard(lambda: self._file.create_dataset(name, data=data, **(self._compression if compress and data.size > 1024 else {})))
 
     # -- streamed datasets --------------------------------------------------------
     def append(self, name: str, data: np.ndarray) -> None:
