@@ -101,6 +101,17 @@ def _replay(d: dict) -> list[Row]:
              f"{r[v]['cpu_ratio']:.3f}; {r[v]['wall_ratio']:.3f}") for v in ("replay", "replay_10pct_padding")]
 
 
+def _routing(d: dict) -> list[Row]:
+    rows = [("routing cost", f"RoutingRecorder, {name}: CPU per decision (all hooks + streaming) vs route() alone",
+             f"{r['record_cpu_us']:.1f} vs {r['route_cpu_us']:.1f} us") for name, r in d["per_decision"].items()]
+    m = d["memory"]
+    rows.append(("routing cost", f"RSS over {m['decisions']:,} decisions (first -> last sample)",
+                 f"{m['rss_samples'][0]['rss_mb']:.0f} -> {m['rss_samples'][-1]['rss_mb']:.0f} MiB"))
+    rows += [("routing cost", f"Mooncake replay, {name} ({r['requests']} requests, {r['trace_seconds']:.0f} s of trace)", f"{r['wall_seconds']:.1f} s wall")
+             for name, r in d["replay"].items()]
+    return rows
+
+
 #: name -> (script arguments in full / quick runs, headline extractor)
 BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] = {
     "recorder_overhead": ([], ["--quick"], _recorder),
@@ -110,6 +121,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] 
     "dump_throughput": ([], ["--quick"], _dump),
     "analysis_throughput": ([], ["--quick"], _analysis),
     "scrape_cost": ([], ["--quick"], _scrape),
+    "routing_cost": ([], ["--quick"], _routing),
     "replay_overhead": ([], ["--rounds", "4"], _replay),
     "timing_overhead": ([], ["--quick"], _timing),
     "control_load": ([], ["--quick"], _control_load),

@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from itertools import chain
 from pathlib import Path
 from typing import NamedTuple
 
@@ -475,25 +476,25 @@ def _build_columns(rows: list[list], migrations: list[tuple], first_candidate: i
     n = len(rows)
     cols: dict[str, np.ndarray] = {}
     if n:
-        arrival = np.fromiter((r[_ARR] for r in rows), np.float64, n)
-        start = np.fromiter((r[_START] for r in rows), np.float64, n)
-        first = np.fromiter((r[_FIRST] for r in rows), np.float64, n)
-        finish = np.fromiter((r[_FIN] for r in rows), np.float64, n)
-        counts = np.fromiter((len(r[_CANDS]) for r in rows), np.int32, n)
+        fields = list(zip(*rows, strict=True))  # one tuple per record field
+        arrival, start, first, finish = (np.array(fields[i], np.float64) for i in (_ARR, _START, _FIRST, _FIN))
+        counts = np.fromiter(map(len, fields[_CANDS]), np.int32, n)
         offsets = first_candidate + np.concatenate(([0], np.cumsum(counts[:-1], dtype=np.int64)))
         simple = {"seq": _SEQ, "decision": _DEC, "replica": _REP, "policy": _POL, "reason": _REA, "input_tokens": _IN,
                   "cached_tokens": _CACHED, "output_tokens": _OUT, "predicted_tokens": _PRED, "best_tokens": _BEST}
         for name, idx in simple.items():
-            cols[f"requests/{name}"] = np.fromiter((r[idx] for r in rows), REQUEST_FIELDS[name], n)
-        cols["requests/id"] = np.array([r[_ID] for r in rows], dtype=object)
-        cols["requests/session"] = np.array([r[_SESSION] for r in rows], dtype=object)
+            cols[f"requests/{name}"] = np.array(fields[idx], REQUEST_FIELDS[name])
+        cols["requests/id"] = np.array(fields[_ID], dtype=object)
+        cols["requests/session"] = np.array(fields[_SESSION], dtype=object)
         cols.update({"requests/arrival": arrival, "requests/start": start, "requests/first_token": first, "requests/finish": finish,
                      "requests/queue_wait": start - arrival, "requests/ttft": first - arrival, "requests/e2e": finish - arrival,
                      "requests/finished": (finish == finish).astype(np.int8), "requests/cand_start": offsets, "requests/cand_count": counts})
-        cands = [(r[_SEQ], *c) for r in rows for c in r[_CANDS]]
-        table = np.array(cands, dtype=np.float64).reshape(len(cands), len(CANDIDATE_FIELDS))  # homogeneous: fast to build
-        for j, (name, dtype) in enumerate(CANDIDATE_FIELDS.items()):
-            cols[f"requests/candidates/{name}"] = table[:, j].astype(dtype)
+        width = len(CANDIDATE_FIELDS) - 1
+        flat = chain.from_iterable(chain.from_iterable(fields[_CANDS]))
+        cands = np.fromiter(flat, np.float64, int(counts.sum()) * width).reshape(-1, width)
+        cols["requests/candidates/request_seq"] = np.repeat(np.array(fields[_SEQ], np.int64), counts)
+        for j, (name, dtype) in enumerate(list(CANDIDATE_FIELDS.items())[1:]):  # homogeneous float64: fast to build
+            cols[f"requests/candidates/{name}"] = cands[:, j].astype(dtype)
     if migrations:
         cols["requests/migrations/time"] = np.array([m[0] for m in migrations], np.float64)
         cols["requests/migrations/session"] = np.array([m[1] for m in migrations], dtype=object)
