@@ -6,7 +6,7 @@ import typer
 
 import moetrace
 
-from . import analysis, control, demo, diff, placement, replicas, timeline, traces
+from . import analysis, control, demo, diff, placement, replicas, timeline, top, traces
 
 __all__ = ["app", "main"]
 
@@ -37,6 +37,7 @@ app.command("start")(control.start)
 app.command("stop")(control.stop)
 app.command("dump")(control.dump)
 app.command("status")(control.status)
+app.command("top")(top.top)
 
 
 def _version_callback(value: bool) -> None:

@@ -7,7 +7,12 @@ routed-experts capture on. While it runs, every rank serves a Prometheus
 endpoint and a control endpoint on loopback. Afterwards the per-rank traces are
 merged into ``<out>/trace.h5`` and analysed: ``report.json``, ``heatmap.png``,
 the analysis table, one request's routed experts, bytes exchanged, and a
-placement plan with its predicted balancedness gain.
+placement plan with its predicted balancedness gain. Phase timing is on: the
+timing table (per rank and phase, step time, slowest rank, wait cost) is
+printed and ``timeline.json`` (Chrome trace events, ui.perfetto.dev) written;
+``--slow-rank R --slow-ms X`` makes rank R sleep X ms in every layer's expert
+compute so that the straggler shows. The Prometheus endpoints export
+per-expert series too, for ``moetrace top``.
 
 Ctrl-C stops serving on every rank at the next step; what was recorded so far
 is dumped and merged into a valid trace.
@@ -46,6 +51,7 @@ from moetrace.trace.reader import open_trace
 
 from .analysis import print_report
 from .errors import CommandError, guarded
+from .timeline import write_timeline
 
 __all__ = ["DemoSettings", "demo", "run_demo"]
 
@@ -63,6 +69,9 @@ class DemoSettings:
     out: Path = Path("moetrace-demo")
     serve: bool = True
     seed: int = 0
+    timing: bool = True
+    slow_rank: int | None = None
+    slow_ms: float = 0.0
 
 
 def _requests(settings: DemoSettings, rank: int, vocab: int) -> list[Any]:
@@ -101,15 +110,18 @@ def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, ev
         seed=settings.seed,
     )
     model = ReferenceMoEModel(config, ep=EPSpec(ep_size=world, ep_rank=rank, mode="exact"))
+    if settings.slow_rank == rank:
+        model.set_expert_delay(settings.slow_ms / 1e3)
     rank_dir = settings.out / "ranks"
     recorder = moetrace.ExpertDistributionRecorder(
-        model.recorder_config(mode="per_token", output_dir=rank_dir, model="reference-demo", max_tokens_per_pass=64, stream_chunk_tokens=4096)
+        model.recorder_config(mode="per_token", output_dir=rank_dir, model="reference-demo", max_tokens_per_pass=64, stream_chunk_tokens=4096,
+                              timing=settings.timing)
     )
     moetrace.set_recorder(recorder)
     loop = ServingLoop(model, max_running=8, max_tokens_per_pass=64, chunk_size=32, num_kv_slots=2048, max_len=128)
     servers: list[Any] = []
     if settings.serve:
-        servers = [start_http_server(0, recorder=recorder), serve_control(recorder)]
+        servers = [start_http_server(0, recorder=recorder, per_expert=True), serve_control(recorder)]
         events.put(("urls", rank, servers[0].url, servers[1].url))
     loop.submit(_requests(settings, rank, config.vocab_size))
     signal.signal(signal.SIGINT, lambda *_: loop.stop())
@@ -257,6 +269,10 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
     (out / "placement.json").write_text(json.dumps(placement))
     heatmap = plot_report(report, out / "heatmap.png", kind="heatmap")
     print_report(report, console)
+    timeline = None
+    if report.timing is not None and report.timing.get("passes"):
+        timeline = out / "timeline.json"
+        console.print(f"wrote {timeline} ({write_timeline(trace, timeline)} events): open it in ui.perfetto.dev")
     console.print(bytes_table)
     example = next((r["example"] for r in ranks if r["example"] is not None), None)
     if example is not None:
@@ -272,7 +288,7 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
     console.print(placement_line)
     served = sum(r["served"] for r in ranks)
     console.print(f"wrote {trace}, {heatmap}, {out / 'report.json'} ({served} requests served{', interrupted' if interrupted else ''}) in {time.perf_counter() - started:.1f} s")
-    return {"trace": trace, "heatmap": heatmap, "report": out / "report.json", "served": served, "interrupted": interrupted}
+    return {"trace": trace, "heatmap": heatmap, "report": out / "report.json", "timeline": timeline, "served": served, "interrupted": interrupted}
 
 
 @guarded
@@ -285,10 +301,18 @@ def demo(
     skew: Annotated[float, typer.Option("--skew", min=0.0, help="Zipf exponent of the router's per-expert bias (0 = no skew).")] = 1.2,
     out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("moetrace-demo"),
     serve: Annotated[bool, typer.Option("--serve/--no-serve", help="Serve Prometheus and control endpoints on loopback while running.")] = True,
+    timing: Annotated[bool, typer.Option("--timing/--no-timing", help="Time route/dispatch/expert/combine per layer and rank.")] = True,
+    slow_rank: Annotated[int | None, typer.Option("--slow-rank", min=0, help="Delay this rank's expert compute (with --slow-ms).")] = None,
+    slow_ms: Annotated[float, typer.Option("--slow-ms", min=0.0, help="Milliseconds --slow-rank sleeps in every layer's expert phase.")] = 0.0,
 ) -> None:
     """Serve requests through the reference runtime with moetrace on, then analyse what was recorded."""
     if experts % ranks:
         raise CommandError(f"--experts {experts} must be a multiple of --ranks {ranks}")
     if top_k > experts:
         raise CommandError(f"--top-k {top_k} exceeds --experts {experts}")
-    run_demo(DemoSettings(ranks=ranks, requests=requests, layers=layers, experts=experts, top_k=top_k, skew=skew, out=out, serve=serve), Console())
+    if slow_rank is not None and slow_rank >= ranks:
+        raise CommandError(f"--slow-rank {slow_rank} is not a rank of --ranks {ranks} (0..{ranks - 1})")
+    if (slow_rank is None) != (slow_ms == 0):
+        raise CommandError("--slow-rank and --slow-ms go together: give both (e.g. --slow-rank 1 --slow-ms 20)")
+    run_demo(DemoSettings(ranks=ranks, requests=requests, layers=layers, experts=experts, top_k=top_k, skew=skew, out=out, serve=serve,
+                          timing=timing, slow_rank=slow_rank, slow_ms=slow_ms), Console())
