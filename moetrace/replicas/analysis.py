@@ -116,7 +116,8 @@ def why_text(answer: dict[str, Any]) -> str:
     lines = [
         f"request {r['id']} -> replica {r['replica']}  policy={r['policy']} reason={r['reason']}",
         f"  rule: {_RULES.get(r['reason'] or '', '-')}",
-        f"  input {r['input_tokens']} tok, cached {r['cached_tokens']} (router predicted {r['predicted_tokens']}, best {r['best_tokens']}, regret {r['regret_tokens']})",
+        f"  input {r['input_tokens']} tok, cached {r['cached_tokens']} tok (as the replica counted)",
+        f"  prefix match: chosen {r['predicted_tokens']}, best {r['best_tokens']}, regret {r['regret_tokens']} tok",
         f"  wait {_fmt_s(r['queue_wait'])} s, TTFT {_fmt_s(r['ttft'])} s, e2e {_fmt_s(r['e2e'])} s, output {r['output_tokens']} tok"
         + (f", session {r['session']}" if r["session"] else ""),
         f"{'':2}{'replica':>7}{'queue':>7}{'run':>5}{'inflight':>10}{'match blk':>10}{'match tok':>10}{'owner':>6}{'est ttft':>10}{'score':>10}",

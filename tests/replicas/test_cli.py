@@ -49,6 +49,7 @@ def test_why(routing_trace):
     assert result.exit_code == 0, result.output
     assert f"request {rid} -> replica" in result.output and "reason=min_est_ttft" in result.output and "smallest estimated TTFT" in result.output
     assert len([line for line in result.output.splitlines() if line.strip()[:1] in "*0123456789"]) >= 4
+    assert max(len(line) for line in result.output.splitlines()) <= 80
     answer = json.loads(runner.invoke(app, ["replicas", "why", str(routing_trace), rid, "--json"]).output)
     chosen = answer["request"]["replica"]
     assert min(answer["candidates"], key=lambda c: (c["est_ttft"], c["replica"]))["replica"] == chosen
