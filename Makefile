@@ -13,7 +13,7 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_PINS := -c constraints.txt -c tests/sglang/constraints.txt
 SGLANG_RUNTIME := orjson psutil pybase64 requests pillow fastapi msgspec pyzmq tqdm ipython aiohttp einops \
 	transformers dill sentencepiece apache-tvm-ffi compressed-tensors gguf openai partial-json-parser \
-	uvloop uvicorn setproctitle xgrammar
+	uvloop uvicorn setproctitle xgrammar jsonschema soundfile python-multipart
 
 .PHONY: demo test test-vllm test-sglang bench gpu-check lint clean
 

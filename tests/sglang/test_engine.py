@@ -72,7 +72,7 @@ def run(checkpoint: Path, plain: Any, tmp_path_factory: pytest.TempPathFactory) 
         sequential, batched = _requests(llm, routed=True)
         llm.stop_expert_distribution_record()
         llm.dump_expert_distribution_record()
-    return Run(checkpoint, sequential, batched, sorted((out / "moetrace").glob("*.h5")), sorted((out / "sglang").glob("*.pt")))
+    return Run(checkpoint, sequential, batched, sorted((out / "moetrace").glob("moetrace-*.h5")), sorted((out / "sglang").glob("*.pt")))
 
 
 @pytest.fixture(scope="module")
