@@ -17,6 +17,10 @@ Hooks (see :mod:`moetrace.adapters.hf.families`):
 - DBRX, LongCat-Flash, Step-3.7: the same pre-hook on their experts module;
 - Llama 4, JetMoE: a forward hook on the router re-runs its ``topk``.
 
+Phase timing (a recorder with ``RecorderConfig(timing=True)``): each experts
+module's ``forward`` runs inside ``with_phase("expert")`` of its layer; the
+router-hooked families (Llama 4, JetMoE) and the other phases are not timed.
+
 The model's ``forward`` is wrapped so that each call is one
 ``recorder.with_forward_pass()``. With a capturer, each hook also calls
 ``capturer.capture(model_layer_id, topk_ids)`` and each forward ends with
@@ -134,6 +138,19 @@ def _experts_pre_hook(record: Record) -> Callable[..., None]:
         record(ids if ids.dim() == 2 else ids.reshape(-1, ids.shape[-1]))
 
     return hook
+
+
+def _timed_experts(recorder: Any, layer: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Wrap an experts module's ``forward`` in ``with_current_layer(layer)`` + ``with_phase("expert")``."""
+
+    def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
+        def timed_forward(*args: Any, **kwargs: Any) -> Any:
+            with recorder.with_current_layer(layer), recorder.with_phase("expert"):
+                return forward(*args, **kwargs)
+
+        return timed_forward
+
+    return wrap
 
 
 def _router_topk_hook(record: Record, top_k: int, logits_index: int, wanted: Callable[[], bool]) -> Callable[..., None]:
@@ -268,6 +285,8 @@ def instrument(
                 hooks.forward_hook(site.module, _router_topk_hook(record, k, site.spec.logits_index, wanted))
             else:
                 hooks.forward_pre_hook(site.module, _experts_pre_hook(record), with_kwargs=True)
+                if getattr(getattr(rec, "config", None), "timing", False):
+                    hooks.wrap_forward(site.module, _timed_experts(rec, site.index))
         if capturer is not None:
             hooks.wrap_forward(model, _capture_wrapper(rec, capturer, seq_len, mark_passes))
         elif mark_passes:
