@@ -39,7 +39,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..trace.requests import CANDIDATE_FIELDS, MIGRATION_FIELDS, REQUEST_FIELDS, RoutingHeader
+from ..trace.requests import (
+    CANDIDATE_FIELDS,
+    MIGRATION_FIELDS,
+    REQUEST_FIELDS,
+    RoutingHeader,
+    routing_attrs,
+)
 from ..trace.writer import TraceWriter, check_writable_dir
 
 __all__ = [
@@ -433,9 +439,8 @@ class RoutingRecorder:
             writer = TraceWriter(target, RoutingHeader.make(self.engine, self.model))
             try:
                 writer.copy_group(source, "requests")
-                for key, value in (("policies", list(POLICIES)), ("reasons", list(REASONS)), ("num_replicas", self.num_replicas),
-                                   ("block_size", self.block_size), ("clock", self.clock_name)):
-                    writer._guard(lambda k=key, v=value: writer._file["requests"].attrs.__setitem__(k, v))
+                for key, value in routing_attrs(list(POLICIES), list(REASONS), self.num_replicas, self.block_size, self.clock_name).items():
+                    writer.set_attr(key, value)
                 written = writer.commit()
             except BaseException:
                 writer.abort()

@@ -28,6 +28,7 @@ __all__ = [
     "RoutingHeader",
     "is_routing_trace",
     "read_requests",
+    "routing_attrs",
 ]
 
 ROUTING_MODE = "routing"
@@ -107,7 +108,7 @@ class RequestTable:
         num_replicas: replicas behind the router.
         block_size: prefix-cache block size in tokens (0: unknown).
         clock: ``"monotonic"`` (seconds of ``time.monotonic``) or ``"simulated"``.
-        attrs: every other attribute of the group.
+        attrs: every other root attribute of the file.
     """
 
     requests: dict[str, np.ndarray]
@@ -129,6 +130,12 @@ class RequestTable:
         if not len(hits):
             raise KeyError(f"request {request_id!r} is not in this trace ({len(self)} requests)")
         return int(hits[0])
+
+
+def routing_attrs(policies: list[str], reasons: list[str], num_replicas: int, block_size: int, clock: str) -> dict[str, object]:
+    """Root attributes a routing trace carries (prefix ``routing_``; see :class:`RequestTable`)."""
+    return {"routing_policies": policies, "routing_reasons": reasons, "routing_num_replicas": num_replicas,
+            "routing_block_size": block_size, "routing_clock": clock}
 
 
 def is_routing_trace(path: str | Path) -> bool:
@@ -169,15 +176,18 @@ def read_requests(path: str | Path) -> RequestTable:
         if "requests" not in f:
             raise TraceError(f"{path} has no /requests group; it is not a routing trace (record one with RoutingRecorder or `moetrace replicas replay --out`)")
         g = f["requests"]
-        attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in g.attrs.items()}
+        attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
+        missing = [k for k in ("routing_policies", "routing_reasons", "routing_num_replicas", "routing_block_size", "routing_clock") if k not in attrs]
+        if missing:
+            raise TraceError(f"{path} lacks the root attributes {missing}; it is not a complete routing trace")
         return RequestTable(
             requests=_columns(g, REQUEST_FIELDS, "/requests"),
             candidates=_columns(g["candidates"], CANDIDATE_FIELDS, "/requests/candidates"),
             migrations=_columns(g["migrations"], MIGRATION_FIELDS, "/requests/migrations"),
-            policies=tuple(str(p) for p in attrs.pop("policies")),
-            reasons=tuple(str(r) for r in attrs.pop("reasons")),
-            num_replicas=int(attrs.pop("num_replicas")),
-            block_size=int(attrs.pop("block_size")),
-            clock=str(attrs.pop("clock")),
+            policies=tuple(str(p) for p in attrs.pop("routing_policies")),
+            reasons=tuple(str(r) for r in attrs.pop("routing_reasons")),
+            num_replicas=int(attrs.pop("routing_num_replicas")),
+            block_size=int(attrs.pop("routing_block_size")),
+            clock=str(attrs.pop("routing_clock")),
             attrs=attrs,
         )
