@@ -11,7 +11,7 @@ from tests.exporters.workload import serve, serving_loop
 
 
 def emitted_sample_names(tmp_path) -> set[str]:
-    loop, rec = serving_loop(tmp_path)
+    loop, rec = serving_loop(tmp_path, timing=True)  # timing: the phase and step histograms too
     rec.start_record()
     serve(loop, 4)
     text = generate_latest(prometheus.register(rec, per_expert=True)).decode()
@@ -42,5 +42,7 @@ def test_required_panels():
     assert heat and "{{layer}}" in heat[0]["targets"][0]["legendFormat"], "per-layer heatmap of imbalance"
     assert find("timeseries", "moetrace_expert_imbalance") and find("heatmap", "moetrace_layer_expert_imbalance"), "expert balance (needs no EP)"
     assert any("by (ep_rank)" in t["expr"] for p in find("timeseries", "moetrace_rank_routed_tokens_total") for t in p["targets"]), "per-rank load"
+    assert find("timeseries", "moetrace_phase_seconds_sum"), "phase time per rank"
+    assert any("topk(1" in t["expr"] for p in find("timeseries", 'phase="expert"') for t in p["targets"]), "slowest rank over time"
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
