@@ -121,16 +121,33 @@ def print_report(report: AnalysisReport, console: Console) -> None:
 
 @guarded
 def analyze(
-    trace: Annotated[Path, typer.Argument(help="A moetrace HDF5 trace.")],
+    traces: Annotated[list[Path], typer.Argument(help="A moetrace HDF5 trace, or the per-rank files / segments of one run (analysed as one).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report (schema in docs/analysis.md) instead of tables.")] = False,
     layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
     window: Annotated[int | None, typer.Option("--window", min=1, help="Passes per drift window (default: about 20 windows).")] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="Hottest experts, pairs and transitions listed per layer (the expert table shows at most 3).")] = 5,
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
+    scheduler: Annotated[str | None, typer.Option("--scheduler", help="Run on Dask (moetrace[dask]): 'local[:N]' starts N worker processes (default one per core), 'tcp://HOST:PORT' uses a running scheduler.")] = None,
 ) -> None:
     """Expert and rank balance, entropy, dead/hot experts, EP projection, co-activation, transitions and drift of a trace."""
     from moetrace.trace.requests import is_routing_trace
 
+    if len(traces) > 1 or scheduler is not None:  # several files, or Dask: moetrace.analysis.distributed
+        from moetrace.analysis.distributed import analyze_traces, dask_client
+
+        files = [existing_file(t) for t in traces]
+        options = {"layers": parse_layers(layers), "window": window, "top": top}
+        if scheduler is None:
+            report = analyze_traces(files, progress=progress, **options)  # type: ignore[arg-type]
+        else:
+            with dask_client(scheduler) as client:
+                report = analyze_traces(files, client=client, **options)  # type: ignore[arg-type]
+        if as_json:
+            typer.echo(json.dumps(report.to_dict(), indent=2))
+        else:
+            print_report(report, stdout_console())
+        return
+    trace = traces[0]
     if is_routing_trace(existing_file(trace)):  # request->replica routing evidence (moetrace replicas)
         from .replicas import print_routing_report
 

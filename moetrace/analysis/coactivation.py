@@ -61,6 +61,13 @@ class CoactivationAccumulator:
         for start in range(0, rows, step):
             self._add(self._logical(topk_ids[start : start + step]))
 
+    def merge(self, other: CoactivationAccumulator) -> None:
+        """Add ``other``'s counts (same layers and experts): accumulators of disjoint rows add up exactly."""
+        self.coactivation += other.coactivation
+        self.transitions += other.transitions
+        self.expert_tokens += other.expert_tokens
+        self.routed_tokens += other.routed_tokens
+
     def _add(self, lg: np.ndarray) -> None:
         _, num_layers, top_k = lg.shape
         e = self.num_experts

@@ -130,6 +130,18 @@ class WindowAccumulator:
         self._pass_index = int(pass_index[-1])
         self._last_pass_id = int(pid[-1])
 
+    def add_window(self, first_pass: int, last_pass: int, passes: int, tokens: int, physical_count: np.ndarray) -> None:
+        """Add one whole window's totals (``physical_count [L, P]``), e.g. reduced from partial accumulators.
+
+        Gives the same summary row as :meth:`add` of the window's rows. Windows
+        come in order, each once; do not mix with :meth:`add`.
+        """
+        self._close()
+        self._window += 1
+        self._first, self._last, self._passes, self._tokens = first_pass, last_pass, passes, tokens
+        self._sum += physical_count
+        self.total += physical_count
+
     def _close(self) -> None:
         if self._window < 0:
             return

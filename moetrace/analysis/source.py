@@ -21,13 +21,14 @@ from collections.abc import Iterator, Sequence
 import h5py
 import numpy as np
 
-from ..trace.reader import TokenChunk, Trace
+from ..trace.reader import PassChunk, TokenChunk, Trace
 from ..trace.schema import TraceError
 
 __all__ = [
     "PassBlock",
     "count_records",
     "iter_pass_blocks",
+    "pass_block",
     "select_layers",
     "token_pass_block",
 ]
@@ -101,6 +102,15 @@ def token_pass_block(chunk: TokenChunk, layer_index: np.ndarray, num_physical: i
     )
 
 
+def pass_block(chunk: PassChunk, layer_index: np.ndarray) -> PassBlock:
+    """The selected layers of a chunk of ``/passes`` rows: ``[n, L_sel, P]`` counts."""
+    return PassBlock(
+        pass_id=chunk.pass_id.astype(np.int64),
+        num_tokens=chunk.num_tokens.astype(np.int64),
+        physical_count=chunk.physical_count[:, layer_index].astype(np.int64),
+    )
+
+
 def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterator[PassBlock]:
     with h5py.File(trace.path, "r") as f:
         if "window/pass_id" not in f:
@@ -125,11 +135,7 @@ def iter_pass_blocks(trace: Trace, layer_index: np.ndarray, chunk_passes: int = 
     """Per-pass counts of a ``stat`` (window) or ``per_pass`` trace, in blocks of ``chunk_passes`` rows."""
     if trace.mode == "per_pass":
         for part in trace.iter_passes(chunk_passes):
-            yield PassBlock(
-                pass_id=part.pass_id.astype(np.int64),
-                num_tokens=part.num_tokens.astype(np.int64),
-                physical_count=part.physical_count[:, layer_index].astype(np.int64),
-            )
+            yield pass_block(part, layer_index)
     elif trace.mode == "stat":
         yield from _window_blocks(trace, layer_index, chunk_passes)
     else:

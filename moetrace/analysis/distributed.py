@@ -1,0 +1,466 @@
+"""Analysis of many traces (per-rank files, segments of one run) as a fold of partial accumulators.
+
+:func:`analyze_trace` streams one file. Its time-ordered part is already a
+fold of additive accumulators over chunks: per-window counts
+(:class:`~.drift.WindowAccumulator`), co-activation and transitions
+(:class:`~.coactivation.CoactivationAccumulator`), and the row totals checked
+against ``/stat``. :func:`analyze_traces` cuts every input into row ranges
+(tasks), computes a :class:`Partial` of those accumulators per task, adds the
+partials up in a tree, and builds the same :class:`~.report.AnalysisReport`.
+The tasks run in this process, or on a ``dask.distributed`` cluster
+(``client=``), where each task reads its row range with h5py on a worker.
+Every count is an integer sum, so the order of the additions does not matter
+and the report is exactly the single-process one.
+
+Windows of the drift series are ``N`` consecutive distinct pass ids over all
+inputs (as in a merged trace, where rows are ordered by pass id): a first,
+cheap round of tasks reads only the pass-id columns, the driver fixes the
+window boundaries, and each partial holds only the windows its rows touch.
+
+Inputs must be ``per_pass`` or ``per_token`` traces of one run (the same
+``run_id`` and shapes): one file per rank (as the streaming modes write
+them), several segments per rank (consecutive dumps; their passes must not
+overlap), or both. Dask is imported only when a ``client`` is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from ..trace.merge import _SAME_ATTRS
+from ..trace.reader import PassChunk, TokenChunk, open_trace
+from ..trace.schema import TraceError
+from .coactivation import CoactivationAccumulator
+from .drift import WindowAccumulator
+from .report import DEFAULT_WINDOWS, AnalysisReport, _default_window, analyze_trace, progress_bar
+from .source import pass_block, select_layers, token_pass_block
+from .timing import analyze_timing
+
+__all__ = ["MAX_WINDOW_CELLS", "Partial", "Task", "analyze_traces", "dask_client", "make_tasks"]
+
+_GROUP = {"per_pass": "passes", "per_token": "tokens"}
+_PASS_FIELDS = ("pass_id", "timestamp", "num_tokens", "physical_count", "invalid_ids", "send_count", "recv_count")
+_TOKEN_FIELDS = ("topk_ids", "pass_id", "position")
+#: Largest ``windows x layers x experts`` a partial may hold (int64 cells, 512 MiB).
+MAX_WINDOW_CELLS = 1 << 26
+#: Rows per task by default: about 64 MiB of ids for a DeepSeek-sized per_token trace.
+DEFAULT_TASK_ROWS = {"per_pass": 1 << 16, "per_token": 1 << 18}
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """Rows ``[start, stop)`` of one trace's streamed group (``/passes`` or ``/tokens``)."""
+
+    path: str
+    mode: str
+    start: int
+    stop: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """What every partial needs: the selected layers, the id map and the window boundaries."""
+
+    layer_index: np.ndarray  # [L] compact indices of the selected layers
+    physical_to_logical: np.ndarray  # [L, P] of the selected layers
+    num_physical: int
+    num_logical: int
+    window_starts: np.ndarray  # [W] first pass id of each window (sorted)
+    chunk_rows: int
+
+
+@dataclasses.dataclass
+class Partial:
+    """Additive accumulators of some rows.
+
+    Attributes:
+        total: ``[L, P]`` counts of every row (checked against ``/stat``).
+        first_window: index of ``window_counts[0]`` in the run's windows.
+        window_counts: ``[K, L, P]`` counts per window touched.
+        window_tokens: ``[K]`` tokens per window touched.
+        coactivation: co-activation and transitions (``per_token`` only).
+    """
+
+    total: np.ndarray
+    first_window: int
+    window_counts: np.ndarray
+    window_tokens: np.ndarray
+    coactivation: CoactivationAccumulator | None
+
+    def merge(self, other: Partial) -> Partial:
+        """The partial of both row sets (a new object; windows are aligned by index)."""
+        first = min(self.first_window, other.first_window)
+        end = max(self.first_window + len(self.window_tokens), other.first_window + len(other.window_tokens))
+        counts = np.zeros((end - first, *self.total.shape), dtype=np.int64)
+        tokens = np.zeros(end - first, dtype=np.int64)
+        for part in (self, other):
+            at = part.first_window - first
+            counts[at : at + len(part.window_tokens)] += part.window_counts
+            tokens[at : at + len(part.window_tokens)] += part.window_tokens
+        co = self.coactivation
+        if co is not None and other.coactivation is not None:
+            co = dataclasses.replace(co)  # a fresh accumulator of the same shape, then both added
+            co.merge(self.coactivation)  # type: ignore[arg-type]
+            co.merge(other.coactivation)
+        return Partial(self.total + other.total, first, counts, tokens, co)
+
+
+def _rows(file: h5py.File, path: str, group: str, names: Sequence[str], start: int, stop: int) -> dict[str, np.ndarray]:
+    try:
+        return {n: np.asarray(file[f"{group}/{n}"][start:stop]) for n in names}
+    except (OSError, KeyError) as exc:
+        raise TraceError(f"{path}: /{group} rows {start}..{stop} are unreadable or truncated ({exc})") from exc
+
+
+def task_pass_ids(task: Task) -> np.ndarray:
+    """Distinct pass ids of a task's rows (sorted)."""
+    with h5py.File(task.path, "r") as f:
+        return np.unique(_rows(f, task.path, _GROUP[task.mode], ["pass_id"], task.start, task.stop)["pass_id"]).astype(np.int64)
+
+
+def task_partial(task: Task, ctx: _Context) -> Partial:
+    """Read a task's rows with h5py, ``ctx.chunk_rows`` at a time, and fold them into a :class:`Partial`."""
+    num_layers = len(ctx.layer_index)
+    total = np.zeros((num_layers, ctx.num_physical), dtype=np.int64)
+    co = CoactivationAccumulator(ctx.physical_to_logical, ctx.layer_index, ctx.num_logical) if task.mode == "per_token" else None
+    counts: np.ndarray | None = None
+    tokens = np.zeros(0, dtype=np.int64)
+    first = -1
+    group = _GROUP[task.mode]
+    with h5py.File(task.path, "r") as f:
+        for start in range(task.start, task.stop, ctx.chunk_rows):
+            stop = min(start + ctx.chunk_rows, task.stop)
+            if task.mode == "per_token":
+                chunk = TokenChunk(**_rows(f, task.path, group, _TOKEN_FIELDS, start, stop))
+                block = token_pass_block(chunk, ctx.layer_index, ctx.num_physical)
+                co.add(chunk.topk_ids)  # type: ignore[union-attr]
+            else:
+                block = pass_block(PassChunk(**_rows(f, task.path, group, _PASS_FIELDS, start, stop)), ctx.layer_index)
+            if not len(block.pass_id):
+                continue
+            window = np.searchsorted(ctx.window_starts, block.pass_id, side="right") - 1  # [n], non-decreasing
+            if counts is None:
+                first = int(window[0])
+                span = int(np.searchsorted(ctx.window_starts, _last_pass(f, task), side="right")) - first
+                counts = np.zeros((span, num_layers, ctx.num_physical), dtype=np.int64)
+                tokens = np.zeros(span, dtype=np.int64)
+            starts = np.flatnonzero(np.concatenate([[True], window[1:] != window[:-1]]))
+            at = window[starts] - first
+            counts[at] += np.add.reduceat(block.physical_count, starts, axis=0)
+            tokens[at] += np.add.reduceat(block.num_tokens, starts)
+            total += block.physical_count.sum(axis=0)
+    if counts is None:
+        counts = np.zeros((0, num_layers, ctx.num_physical), dtype=np.int64)
+        first = 0
+    return Partial(total, first, counts, tokens, co)
+
+
+def _last_pass(file: h5py.File, task: Task) -> int:
+    return int(file[f"{_GROUP[task.mode]}/pass_id"][task.stop - 1])
+
+
+def merge_partials(a: Partial, b: Partial) -> Partial:
+    """``a.merge(b)``, as a plain function (a Dask task)."""
+    return a.merge(b)
+
+
+def make_tasks(paths: Sequence[Path | str], task_rows: int | None = None) -> list[Task]:
+    """Row-range tasks over the streamed group of every trace (``task_rows`` rows each, default by mode)."""
+    tasks = []
+    for path in paths:
+        with open_trace(path) as trace:
+            if trace.mode not in _GROUP:
+                raise TraceError(f"{trace.path}: a {trace.mode!r} trace; analysing several traces needs per_pass or per_token traces "
+                                 "(merge stat traces with `moetrace merge` and analyse the result)")
+            rows = trace.num_rows(f"{_GROUP[trace.mode]}/pass_id")
+            step = task_rows or DEFAULT_TASK_ROWS[trace.mode]
+            if step < 1:
+                raise ValueError(f"task_rows must be positive, got {step}")
+            tasks += [Task(str(trace.path), trace.mode, s, min(s + step, rows)) for s in range(0, rows, step)]
+    return tasks
+
+
+# ---------------------------------------------------------------------------- executors
+Runner = Callable[[Callable[..., Any], list[Any], dict[str, Any]], list[Any]]
+
+
+def _reduce_local(parts: list[Partial]) -> Partial | None:
+    while len(parts) > 1:
+        parts = [parts[i].merge(parts[i + 1]) if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0] if parts else None
+
+
+def _run_local(tasks: list[Task], ctx_for: Callable[[list[np.ndarray]], _Context], progress: bool | None) -> tuple[_Context, Partial | None]:
+    with progress_bar(progress, 2 * len(tasks), f"analyzing {len(tasks)} row ranges") as advance:
+        ids = []
+        for task in tasks:
+            ids.append(task_pass_ids(task))
+            advance(1)
+        ctx = ctx_for(ids)
+        parts = []
+        for task in tasks:
+            parts.append(task_partial(task, ctx))
+            advance(1)
+    return ctx, _reduce_local(parts)
+
+
+def _run_dask(client: Any, tasks: list[Task], ctx_for: Callable[[list[np.ndarray]], _Context]) -> tuple[_Context, Partial | None]:
+    from distributed import KilledWorker
+
+    try:
+        ids = client.gather(client.map(task_pass_ids, tasks, pure=False))
+        ctx = ctx_for(ids)
+        shared = client.scatter(ctx, broadcast=True)
+        level = client.map(task_partial, tasks, ctx=shared, pure=False)
+        while len(level) > 1:  # tree reduction: pairs of partials merged on the workers
+            nxt = [client.submit(merge_partials, level[i], level[i + 1], pure=False) for i in range(0, len(level) - 1, 2)]
+            level = nxt + ([level[-1]] if len(level) % 2 else [])
+        return ctx, (level[0].result() if level else None)
+    except KilledWorker as exc:
+        raise TraceError(f"a Dask worker died repeatedly while running {exc.task}: out of memory or killed? "
+                         "See the worker logs; smaller tasks (task_rows) need less memory per worker") from exc
+
+
+@contextlib.contextmanager
+def dask_client(scheduler: str, connect_timeout: float = 30.0) -> Iterator[Any]:
+    """A ``distributed.Client`` for ``--scheduler``: ``local[:N]`` or ``tcp://HOST:PORT``.
+
+    ``local`` starts a ``LocalCluster`` of ``N`` single-threaded worker processes
+    (default: one per core) for the duration; an address connects to a running
+    scheduler (``dask scheduler`` / ``dask worker``, or any ``dask.distributed``
+    deployment) whose workers can import moetrace and read the trace paths.
+
+    Raises:
+        ValueError: a malformed spec, Dask is not installed, or the scheduler cannot be reached.
+    """
+    local = re.fullmatch(r"local(?::(\d+))?", scheduler)
+    if local is None and not re.fullmatch(r"(tcp|tls|ucx|inproc)://\S+", scheduler):
+        raise ValueError(f"--scheduler {scheduler!r}: use local, local:N (N worker processes) or tcp://HOST:PORT")
+    try:
+        from distributed import Client, LocalCluster
+    except ImportError as exc:
+        raise ValueError(f"--scheduler needs Dask: pip install 'moetrace[dask]' ({exc})") from None
+    if local is not None:
+        workers = int(local.group(1) or os.cpu_count() or 1)
+        if workers < 1:
+            raise ValueError(f"--scheduler {scheduler!r}: needs at least 1 worker")
+        with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+                Client(cluster) as client:
+            yield client
+        return
+    try:
+        client = Client(scheduler, timeout=connect_timeout)
+    except (OSError, TimeoutError) as exc:
+        raise ValueError(f"cannot reach the Dask scheduler at {scheduler} ({exc}); start one (`dask scheduler`) or check the address") from None
+    with client:
+        yield client
+
+
+# ---------------------------------------------------------------------------- the report
+@dataclasses.dataclass
+class _Inputs:
+    """What the driver reads from every trace's attributes and ``/stat`` (small)."""
+
+    paths: list[Path]
+    ranks: dict[str, int]  # path -> its rank attribute
+    attrs: dict[str, object]
+    mode: str
+    layer_index: np.ndarray
+    layer_ids: np.ndarray
+    mapping: np.ndarray
+    num_physical: int
+    num_logical: int
+    ep_size: int
+    physical: np.ndarray
+    logical: np.ndarray
+    passes_by_rank: dict[int, int]
+    num_tokens: int
+    invalid_ids: int
+    dropped: int
+    default_window: int
+    timing: dict[str, object] | None
+    notes: list[str]
+
+
+def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None) -> _Inputs:
+    if not paths:
+        raise TraceError("no traces to analyse")
+    seen: dict[Path, Path | str] = {}
+    for path in paths:
+        if Path(path).resolve() in seen:
+            raise TraceError(f"{path}: given twice (as {seen[Path(path).resolve()]})")
+        seen[Path(path).resolve()] = path
+    infos = []
+    for path in paths:
+        with open_trace(path) as trace:
+            index = select_layers(trace, layers)
+            stat = {
+                "physical": trace.physical_count()[index].astype(np.int64),
+                "logical": trace.logical_count()[index].astype(np.int64),
+                "passes": trace.num_passes(), "tokens": int(trace.num_tokens().sum()),
+                "invalid": int(trace.invalid_ids()[:, index].sum()), "dropped": int(trace.dropped_tokens()[:, index].sum()),
+            }
+            timing = analyze_timing(trace) if len(paths) == 1 else None
+            window = _default_window(trace, trace.num_rows(f"{_GROUP.get(trace.mode, 'tokens')}/pass_id")) if len(paths) == 1 else 0
+            infos.append((trace.path, dict(trace.attrs), index, trace.layers[index], trace.physical_to_logical[index],
+                          trace.num_physical_experts, trace.num_logical_experts, trace.ep_size, stat, trace.has_timing, timing, window))
+    infos.sort(key=lambda info: (int(info[1]["rank"]), str(info[0])))  # the report does not depend on the order given
+    first_path, first = infos[0][0], infos[0][1]
+    for path, attrs, *_ in infos[1:]:
+        if attrs.get("run_id") != first.get("run_id"):
+            raise TraceError(f"{path}: run_id {attrs.get('run_id')} differs from {first_path}'s {first.get('run_id')}; "
+                             "analyse each run on its own")
+        for key in _SAME_ATTRS:
+            if attrs.get(key) != first.get(key):
+                raise TraceError(f"{path}: {key}={attrs.get(key)!r} differs from {first_path}'s {first.get(key)!r}; not traces of one run")
+    for path, _, _, lay, mp, *_ in infos[1:]:
+        if not (np.array_equal(lay, infos[0][3]) and np.array_equal(mp, infos[0][4])):
+            raise TraceError(f"{path}: /layers or /physical_to_logical differs from {first_path}'s; not traces of one run")
+    ranks = [int(attrs["rank"]) for _, attrs, *_ in infos]
+    if len(paths) > 1 and -1 in ranks:
+        raise TraceError(f"{paths[ranks.index(-1)]}: already holds every rank (rank=-1); analyse it alone, or its per-rank inputs")
+    passes_by_rank: dict[int, int] = {}
+    for rank, info in zip(ranks, infos, strict=True):
+        for r, n in enumerate(np.atleast_1d(info[8]["passes"])):
+            key = rank if rank >= 0 else r
+            passes_by_rank[key] = passes_by_rank.get(key, 0) + int(n)
+    notes = []
+    world = int(first.get("world_size", 1))
+    if len(paths) > 1 and world > 1 and sorted(set(ranks)) != list(range(world)):
+        notes.append(f"ranks {sorted(set(range(world)) - set(ranks))} of {world} are not among the inputs")
+    if len(paths) > 1 and any(info[9] for info in infos):
+        notes.append("phase timing is not analysed across several traces yet; `moetrace merge` them and analyse the merged trace for it")
+    attrs = dict(first)
+    if len(set(ranks)) > 1:
+        attrs["rank"] = -1
+    num_passes = max(passes_by_rank.values(), default=0)
+    return _Inputs(
+        paths=[info[0] for info in infos], ranks={str(info[0]): rank for info, rank in zip(infos, ranks, strict=True)}, attrs=attrs, mode=str(first["mode"]), layer_index=infos[0][2], layer_ids=np.asarray(infos[0][3]),
+        mapping=infos[0][4], num_physical=infos[0][5], num_logical=infos[0][6], ep_size=infos[0][7],
+        physical=sum(info[8]["physical"] for info in infos), logical=sum(info[8]["logical"] for info in infos),
+        passes_by_rank=passes_by_rank, num_tokens=sum(info[8]["tokens"] for info in infos),
+        invalid_ids=sum(info[8]["invalid"] for info in infos), dropped=sum(info[8]["dropped"] for info in infos),
+        default_window=infos[0][11] if len(paths) == 1 else max(1, math.ceil(num_passes / DEFAULT_WINDOWS)),
+        timing=infos[0][10], notes=notes,
+    )
+
+
+def _check_segments(tasks: list[Task], ids: list[np.ndarray], ranks: dict[str, int]) -> None:
+    """Files of one rank must hold disjoint pass ranges (consecutive segments, not the same one twice)."""
+    spans: dict[str, tuple[int, int]] = {}
+    for task, pids in zip(tasks, ids, strict=True):
+        if len(pids):
+            lo, hi = spans.get(task.path, (int(pids[0]), int(pids[-1])))
+            spans[task.path] = (min(lo, int(pids[0])), max(hi, int(pids[-1])))
+    by_rank: dict[int, list[tuple[int, int, str]]] = {}
+    for path, (lo, hi) in spans.items():
+        by_rank.setdefault(ranks[path], []).append((lo, hi, path))
+    for rank, files in by_rank.items():
+        files.sort()
+        for (lo_a, hi_a, a), (lo_b, hi_b, b) in itertools.pairwise(files):
+            if lo_b <= hi_a:
+                raise TraceError(f"{a} and {b} are both rank {rank} and hold overlapping passes "
+                                 f"({lo_a}..{hi_a} and {lo_b}..{hi_b}): the same segment twice?")
+
+
+def analyze_traces(
+    paths: Sequence[Path | str],
+    *,
+    layers: Sequence[int] | None = None,
+    window: int | None = None,
+    top: int = 5,
+    progress: bool | None = False,
+    chunk_tokens: int = 32768,
+    chunk_passes: int = 1024,
+    task_rows: int | None = None,
+    client: Any = None,
+) -> AnalysisReport:
+    """Analyse the traces of one run as one: what :func:`analyze_trace` gives for their merged trace.
+
+    Args:
+        paths: ``per_pass`` or ``per_token`` traces of one run (per-rank files, segments).
+        layers, window, top: as for :func:`~.report.analyze_trace`.
+        progress: a progress bar over the tasks on stderr (in-process runs only).
+        chunk_tokens, chunk_passes: rows a task reads at once (bound its memory).
+        task_rows: rows per task (default 2^18 tokens or 2^16 passes).
+        client: a ``distributed.Client``: run the tasks on its cluster; ``None``: in this process.
+
+    Raises:
+        TraceError: an input is unreadable, not a streaming trace, or not of the same run.
+        ValueError: ``window`` or ``top`` is not positive.
+    """
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of passes, got {window}")
+    if top < 1:
+        raise ValueError(f"top must be positive, got {top}")
+    if len(paths) == 1:
+        with open_trace(paths[0]) as trace:
+            single_stat = trace.mode not in _GROUP
+        if single_stat:  # a stat trace is one small window: nothing to distribute
+            return analyze_trace(paths[0], layers=layers, window=window, top=top, progress=progress)
+    inputs = _read_inputs(paths, layers)
+    tasks = make_tasks(inputs.paths, task_rows)
+    passes_per_window = window or inputs.default_window
+    distinct = np.zeros(0, dtype=np.int64)
+
+    def context(ids: list[np.ndarray]) -> _Context:
+        nonlocal distinct
+        _check_segments(tasks, ids, inputs.ranks)
+        distinct = np.unique(np.concatenate([np.zeros(0, np.int64), *ids]))
+        windows = math.ceil(len(distinct) / passes_per_window)
+        cells = windows * len(inputs.layer_index) * inputs.num_physical
+        if cells > MAX_WINDOW_CELLS:
+            raise ValueError(f"{windows} drift windows x {len(inputs.layer_index)} layers x {inputs.num_physical} experts is too many "
+                             f"to reduce (> {MAX_WINDOW_CELLS} counts); pass a larger window (at least "
+                             f"{math.ceil(len(distinct) * len(inputs.layer_index) * inputs.num_physical / MAX_WINDOW_CELLS)} passes)")
+        return _Context(inputs.layer_index, inputs.mapping, inputs.num_physical, inputs.num_logical,
+                        distinct[::passes_per_window].copy(),
+                        chunk_tokens if inputs.mode == "per_token" else chunk_passes)
+
+    _, total = _run_local(tasks, context, progress) if client is None else _run_dask(client, tasks, context)
+    drift = WindowAccumulator(passes_per_window, inputs.mapping, inputs.ep_size, inputs.layer_ids)
+    coactivation = None
+    if total is not None:
+        for w in range(len(total.window_tokens)):
+            index = total.first_window + w
+            members = distinct[index * passes_per_window : (index + 1) * passes_per_window]
+            drift.add_window(int(members[0]), int(members[-1]), len(members), int(total.window_tokens[w]), total.window_counts[w])
+        coactivation = total.coactivation
+    series = drift.finish()
+    notes = list(inputs.notes)
+    if inputs.mode == "per_token" and coactivation is None:
+        coactivation = CoactivationAccumulator(inputs.mapping, inputs.layer_index, inputs.num_logical)
+    if inputs.mode != "per_token":
+        notes.append("co-activation and cross-layer transitions need a per_token trace")
+    if len(distinct) and not np.array_equal(drift.total, inputs.physical):
+        notes.append(f"/{_GROUP[inputs.mode]} does not add up to /stat totals; the trace may have been edited or partly written")
+    if not len(distinct):
+        notes.append("no time-ordered data (empty window or stream): no drift series")
+    return AnalysisReport(
+        path=inputs.paths[0],
+        attrs=inputs.attrs,
+        layer_ids=inputs.layer_ids,
+        physical_count=inputs.physical,
+        logical_count=inputs.logical,
+        ep_size=inputs.ep_size,
+        num_passes=max(inputs.passes_by_rank.values(), default=0),
+        num_tokens=inputs.num_tokens,
+        invalid_ids=inputs.invalid_ids,
+        dropped=inputs.dropped,
+        top=top,
+        coactivation=coactivation,
+        drift=series if len(series) else None,
+        notes=notes,
+        timing=inputs.timing,
+    )
