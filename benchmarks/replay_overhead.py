@@ -9,7 +9,11 @@ live top-k). Rounds rotate the variants; the figure is the median step time,
 and the ratio is against the plain step of the same run. Both this process's
 CPU time (the headline: one thread, so it counts only the work done here, while
 other processes on a shared machine inflate wall time at random) and wall time
-are reported.
+are reported, and so is the cost of ``hf.replay()`` + ``remove()`` alone (route
+validation, per-layer device routes, hooks), once per training step in an RL loop,
+and of the replay machinery itself: one router's forward + backward under
+``TopKReplay`` vs plain, times the MoE layers (robust to machine load, unlike
+the end-to-end ratios).
 
 Usage::
 
@@ -91,6 +95,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 step()
         return run
 
+    start = time.process_time()
+    for _ in range(20):
+        hf.replay(model, routes).remove()
+    install_ms = (time.process_time() - start) / 20 * 1e3
+
+    # The replay machinery alone: one router's forward + backward plainly and under TopKReplay, times the MoE layers.
+    from moetrace.replay import LayerRoutes, TopKReplay
+
+    router = hf.find_moe_sites(model)[0]
+    gate = model.get_submodule(router.name.rpartition(".")[0]).gate
+    hidden = torch.randn(ids.numel(), args.hidden, generator=torch.Generator().manual_seed(3))
+    layer_routes = LayerRoutes(routes.reshape(-1, *routes.shape[2:])[:, 0], hidden.device)
+
+    def route(replaying: bool) -> Callable[[], None]:
+        def run() -> None:
+            gate.zero_grad(set_to_none=True)
+            if replaying:
+                with TopKReplay(layer_routes, 8, 2):
+                    weights = gate(hidden)[1]
+            else:
+                weights = gate(hidden)[1]
+            weights.sum().backward()
+        return run
+
+    router_s = interleaved({"plain": route(False), "replay": route(True)}, rounds=args.rounds, inner=20)
+    machinery_ms = (router_s["replay"] - router_s["plain"]) * 1e3 * len(hf.find_moe_sites(model))
+
     variants = {"plain": step, "replay": replayed(routes), "replay_10pct_padding": replayed(padded)}
     cpu: dict[str, list[float]] = {name: [] for name in variants}
 
@@ -116,6 +147,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name:<24}{r['cpu_ms']:>10.1f}{r['cpu_ratio']:>10.3f}{r['wall_ms']:>10.1f}{r['wall_ratio']:>10.3f}")
     payload = {"workload": {"batch": args.batch, "seq": args.seq, "hidden": args.hidden, "layers": args.layers, "experts": 8, "top_k": 2,
                             "threads": args.threads, "rounds": args.rounds}, "results": results}
+    print(f"hf.replay() + remove() alone (validation, per-layer routes, hooks): {install_ms:.2f} ms CPU = "
+          f"{install_ms / results['plain']['cpu_ms'] * 100:.2f}% of a plain step")
+    print(f"router forward + backward under TopKReplay vs plain: {router_s['replay'] * 1e6:.0f} vs {router_s['plain'] * 1e6:.0f} us per layer; "
+          f"x {args.layers} layers = {machinery_ms:.2f} ms = {machinery_ms / results['plain']['wall_ms'] * 100:.2f}% of a plain step (wall)")
+    payload["install_ms"] = install_ms
+    payload["router_us"] = {k: v * 1e6 for k, v in router_s.items()}
+    payload["machinery_ms_per_step"] = machinery_ms
     print(f"wrote {write_results('replay_overhead', payload)}")
     return payload
 

@@ -98,7 +98,10 @@ def _timing(d: dict) -> list[Row]:
 def _replay(d: dict) -> list[Row]:
     w, r = d["workload"], d["results"]
     return [("replay overhead", f"HF Mixtral training step ({w['batch']}x{w['seq']} tokens), {v} / plain (CPU time; wall)",
-             f"{r[v]['cpu_ratio']:.3f}; {r[v]['wall_ratio']:.3f}") for v in ("replay", "replay_10pct_padding")]
+             f"{r[v]['cpu_ratio']:.3f}; {r[v]['wall_ratio']:.3f}") for v in ("replay", "replay_10pct_padding")] + [
+        ("replay overhead", "hf.replay() + remove() alone, share of a plain step (CPU)", f"{d['install_ms'] / r['plain']['cpu_ms'] * 100:.2f}%"),
+        ("replay overhead", "TopKReplay in every router (forward + backward), share of a plain step (wall)",
+         f"{d['machinery_ms_per_step'] / r['plain']['wall_ms'] * 100:.2f}%")]
 
 
 def _routing(d: dict) -> list[Row]:

@@ -18,8 +18,8 @@ PROMPTS = [prompt(3, 7, 1, 9, 4), prompt(12, 5, 8), prompt(20, 21, 22, 23, 24, 2
 GENERATION = dict(max_tokens=5, temperature=0.0, ignore_eos=True)
 
 
-def start_llm(checkpoint: Path, env: Mapping[str, str]) -> Any:
-    """``vllm.LLM`` on ``checkpoint`` with ``env`` set while the engine starts (then restored)."""
+def start_llm(checkpoint: Path, env: Mapping[str, str], **options: Any) -> Any:
+    """``vllm.LLM`` on ``checkpoint`` with ``env`` set while the engine starts (then restored); ``options`` go to ``vllm.LLM``."""
     import vllm
     import vllm.envs
 
@@ -29,7 +29,7 @@ def start_llm(checkpoint: Path, env: Mapping[str, str]) -> Any:
     try:
         return vllm.LLM(
             model=str(checkpoint), enforce_eager=True, dtype="bfloat16", max_model_len=256, seed=0,
-            kv_cache_memory_bytes=64 << 20,
+            kv_cache_memory_bytes=64 << 20, **options,
         )
     finally:
         for name, value in saved.items():

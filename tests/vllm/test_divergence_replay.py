@@ -4,10 +4,13 @@ The same tiny checkpoint runs through vLLM (CPU engine, bfloat16) and through
 transformers (float32) on the same tokens, both recorded by moetrace:
 
 1. vLLM generates each prompt alone (prefill, then one pass per decode step),
-   ``per_token`` trace; per-request routes are read back from it.
-2. transformers runs the same tokens in the same passes (prefill, then each of
-   vLLM's tokens fed back with the KV cache), ``per_token`` trace:
-   ``moetrace diff`` aligns the two traces by pass and position.
+   ``per_token`` trace; per-request routes are read back from it. Two more
+   requests: a long prompt prefilled in chunks, and one whose first 128 tokens
+   come from the prefix cache (no forward, so ``-1`` routes there).
+2. transformers runs the first eight requests' tokens in the same passes
+   (prefill, then each of vLLM's tokens fed back with the KV cache),
+   ``per_token`` trace: ``moetrace diff`` aligns the two traces by pass and
+   position.
 3. transformers runs the teacher-forced forward an RL trainer runs (the whole
    sequence in one pass), captured per request: ``moetrace diff`` aligns the
    routes files by request and position.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,8 +40,9 @@ from typer.testing import CliRunner
 
 from moetrace.analysis.divergence import diff_sources
 from moetrace.capturer import RoutedExpertsCapturer
-from moetrace.routes import save_routes, select_layers
+from moetrace.routes import load_routes, save_routes, select_layers
 from moetrace.trace.reader import open_trace
+from tests.divergence.oracle import assert_matches_oracle, oracle
 
 from .checkpoints import MODELS, build_checkpoint, prompt
 from .engine import start_llm, stop_llm
@@ -48,12 +53,21 @@ NEW_TOKENS = 8
 PROMPTS = [prompt(*np.random.default_rng(seed).integers(0, 125, size=int(n)).tolist()) for seed, n in enumerate([6, 9, 12, 15, 18, 21, 24, 30])]
 """Eight prompts of 6 to 30 tokens (about 200 routed positions with the generated tokens)."""
 
+CHUNK = 64
+"""``max_num_batched_tokens``: a longer prompt is prefilled in chunks of this many tokens, one pass each."""
+_LONG = np.random.default_rng(100).integers(0, 125, size=150).tolist()
+EXTRA = [prompt(*_LONG), prompt(*_LONG[:128], *np.random.default_rng(101).integers(0, 125, size=20).tolist())]
+"""A 150-token prompt (chunked prefill: 64 + 64 + 22), then one sharing its first 128 tokens (one CPU KV block:
+vLLM serves them from its prefix cache and computes, hence routes, only the rest)."""
+
 
 @dataclass
 class Request:
     tokens: list[int]  # prompt + every generated token
     prompt_len: int
-    vllm_logprobs: np.ndarray  # [len(tokens) - 1]: log p(tokens[j + 1] | tokens[: j + 1]) in vLLM
+    vllm_logprobs: np.ndarray  # [len(tokens) - 1]: log p(tokens[j + 1] | tokens[: j + 1]) in vLLM (NaN: not asked)
+    passes: int  # forward passes vLLM ran for it
+    cached: int  # prompt tokens vLLM served from its prefix cache (no forward, no routes)
 
 
 @dataclass
@@ -70,41 +84,51 @@ class Runs:
 def _vllm_run(checkpoint: Path, out: Path) -> tuple[list[Request], Path]:
     from vllm import SamplingParams
 
-    llm = start_llm(checkpoint, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    llm = start_llm(checkpoint, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, max_num_batched_tokens=CHUNK, enable_prefix_caching=True)
     try:
+        model = llm.apply_model(lambda m: m)[0]
+        forwards = [0]
+        counter = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
         handle = mt_vllm.instrument(llm, mode="per_token", output_dir=out)
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
         requests = []
         handle.recorder.start_record()
-        for prompt in PROMPTS:  # one request at a time: its passes are prefill + one per decode step
-            result = llm.generate([prompt], params, use_tqdm=False)[0]
+        for i, text in enumerate(PROMPTS + EXTRA):  # one request at a time: its passes are its prefill chunks + decode steps
+            extra = i >= len(PROMPTS)
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1,
+                                    prompt_logprobs=None if extra else 1)
+            before = forwards[0]
+            result = llm.generate([text], params, use_tqdm=False)[0]
             prompt_ids, generated = list(result.prompt_token_ids), list(result.outputs[0].token_ids)
-            tokens = prompt_ids + generated
-            logprobs = [entry[tok].logprob for entry, tok in zip(result.prompt_logprobs[1:], prompt_ids[1:], strict=True)]
+            logprobs = [math.nan] * (len(prompt_ids) - 1) if extra else [
+                entry[tok].logprob for entry, tok in zip(result.prompt_logprobs[1:], prompt_ids[1:], strict=True)]
             logprobs += [entry[tok].logprob for entry, tok in zip(result.outputs[0].logprobs, generated, strict=True)]
-            requests.append(Request(tokens, len(prompt_ids), np.asarray(logprobs)))
+            requests.append(Request(prompt_ids + generated, len(prompt_ids), np.asarray(logprobs), forwards[0] - before,
+                                    int(result.num_cached_tokens or 0)))
         handle.recorder.stop_record()
         path = handle.recorder.dump_record(out / "vllm.h5")
         handle.uninstrument()
+        counter.remove()
     finally:
         stop_llm(llm)
     return requests, path
 
 
 def _vllm_routes(trace_path: Path, requests: list[Request]) -> list[np.ndarray]:
-    """Per request ``[P + N - 1, L, k]``: its prefill pass, then one token per decode pass, in pass order."""
+    """Per request ``[P + N - 1, L, k]``: ``-1`` for prefix-cached positions, then its passes' tokens in pass order."""
     with open_trace(trace_path) as trace:
         chunks = list(trace.iter_tokens())
     ids = np.concatenate([c.topk_ids for c in chunks]).astype(np.int64)
     pass_id = np.concatenate([c.pass_id for c in chunks])
     passes = np.unique(pass_id)
-    assert len(passes) == len(requests) * NEW_TOKENS, "one prefill and NEW_TOKENS - 1 decode passes per request"
-    out = []
-    for i, req in enumerate(requests):
-        mine = passes[i * NEW_TOKENS : (i + 1) * NEW_TOKENS]
+    assert len(passes) == sum(r.passes for r in requests)
+    out, first = [], 0
+    for req in requests:
+        mine = passes[first : first + req.passes]
+        first += req.passes
         rows = np.concatenate([ids[pass_id == p] for p in mine])
-        assert (pass_id == mine[0]).sum() == req.prompt_len
-        out.append(rows)
+        cached = np.full((req.cached, *rows.shape[1:]), -1, dtype=np.int64)
+        out.append(np.concatenate([cached, rows]))
+        assert len(out[-1]) == len(req.tokens) - 1
     return out
 
 
@@ -113,7 +137,7 @@ def _hf_passes(model: torch.nn.Module, requests: list[Request], out: Path) -> Pa
     handle = hf.instrument(model, mode="per_token", output_dir=out)
     handle.recorder.start_record()
     with torch.no_grad():
-        for req in requests:
+        for req in requests[: len(PROMPTS)]:
             ids = torch.tensor([req.tokens])
             step = model(ids[:, : req.prompt_len], use_cache=True)
             for j in range(req.prompt_len, len(req.tokens) - 1):
@@ -170,17 +194,23 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def _gap(runs: Runs, which: str) -> tuple[float, float]:
     gaps = np.concatenate([np.abs(hf_lp - req.vllm_logprobs) for hf_lp, req in zip(runs.hf_logprobs[which], runs.requests, strict=True)])
-    return float(gaps.mean()), float(gaps.max())
+    return float(np.nanmean(gaps)), float(np.nanmax(gaps))
 
 
 def test_engines_diverge_and_diff_reports_it(runs: Runs) -> None:
     cli = CliRunner().invoke(app, ["diff", str(runs.vllm_trace), str(runs.hf_trace), "--json"])
     assert cli.exit_code == 0, cli.output
     passes = json.loads(cli.output)
-    assert passes["alignment"] == {"by": "pass and position", "matched_tokens": sum(len(r.tokens) - 1 for r in runs.requests), "only_in_a": 0, "only_in_b": 0}
+    base, extra = runs.requests[: len(PROMPTS)], runs.requests[len(PROMPTS) :]
+    # transformers replayed the pass structure of the first eight requests only.
+    assert passes["alignment"] == {"by": "pass and position", "matched_tokens": sum(len(r.tokens) - 1 for r in base),
+                                   "only_in_a": sum(len(r.tokens) - 1 - r.cached for r in extra), "only_in_b": 0}
     forward = diff_sources(runs.files["vllm"], runs.files["hf"])
-    assert forward.alignment["matched_tokens"] == passes["alignment"]["matched_tokens"]
-    assert forward.tokens == passes["tokens"] > 0
+    assert forward.alignment["matched_tokens"] == sum(len(r.tokens) - 1 for r in runs.requests)
+    assert forward.tokens == forward.alignment["matched_tokens"] - sum(r.cached for r in runs.requests)
+    # Figures equal the independent computation on these real routes.
+    a, b = (np.concatenate([v[1] for _, v in sorted(load_routes(runs.files[k]).requests.items())]) for k in ("vllm", "hf"))
+    assert_matches_oracle(forward, oracle(a, b, MODELS[runs.name]["num_experts"]))
     print(f"\n[{runs.name}] vLLM bf16 vs transformers fp32, same passes: router agreement {passes['router_agreement']:.4f}, "
           f"tokens with >= 1 differing layer {passes['tokens_any_differ']:.4f}, per layer set agreement "
           f"{[round(x['set_agreement'], 4) for x in passes['layers']]}, histogram {passes['differing_layers_histogram']}")
@@ -203,7 +233,18 @@ def test_replay_of_vllm_routes_agrees_fully_and_shrinks_the_logprob_gap(runs: Ru
     assert after[0] < before[0] and after[1] <= before[1]
 
 
-def test_vllm_routes_are_real_routes(runs: Runs) -> None:
-    """Sanity for the comparison: vLLM's routes file holds distinct in-range ids for every token and MoE layer."""
+def test_chunked_prefill_and_prefix_cached_tokens(runs: Runs) -> None:
+    """The long prompt took ceil(150 / CHUNK) prefill passes; the second one had 128 prefix-cached tokens without routes."""
+    long, shared = runs.requests[len(PROMPTS) :]
+    assert long.cached == 0 and long.passes == math.ceil(long.prompt_len / CHUNK) + NEW_TOKENS - 1
+    assert shared.cached == 128 and shared.passes == 1 + NEW_TOKENS - 1
+    vllm_routes = load_routes(runs.files["vllm"]).requests
+    replayed = load_routes(runs.files["replay"]).requests
+    hf_routes = load_routes(runs.files["hf"]).requests
+    last = str(len(runs.requests) - 1)
+    assert (vllm_routes[last][1][:128] == -1).all() and (vllm_routes[last][1][128:] >= 0).all()
+    # Cached positions keep transformers' own routing under replay; the rest follow vLLM.
+    np.testing.assert_array_equal(replayed[last][1][:128], hf_routes[last][1][:128])
+    np.testing.assert_array_equal(replayed[last][1][128:], vllm_routes[last][1][128:])
     data: dict[str, Any] = json.loads(runs.files["vllm"].read_text())
-    assert data["layer_ids"] == runs.layer_ids and len(data["requests"]) == len(PROMPTS)
+    assert data["layer_ids"] == runs.layer_ids and len(data["requests"]) == len(PROMPTS) + len(EXTRA)
