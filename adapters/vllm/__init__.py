@@ -43,6 +43,7 @@ from .layers import (
     VLLMMoELayer,
     check_vllm_version,
     find_moe_layers,
+    install_phase_timing,
     install_tap,
     vllm_version,
 )
@@ -190,6 +191,8 @@ def instrument_model(
     with unwinding(hooks, binding):
         for layer in layers:
             install_tap(hooks, layer, functools.partial(rec.on_select_experts, layer=layer.index))
+            if getattr(getattr(rec, "config", None), "timing", False):
+                install_phase_timing(hooks, layer, rec)
         if mark_passes:
             hooks.wrap_forward(model, forward_pass_wrapper(rec))
         return Instrumentation(

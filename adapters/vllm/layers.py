@@ -18,6 +18,12 @@ Hook point, per layer:
 
 Layers whose kernel routes inside one monolithic call never expose the ids to
 Python: :func:`find_moe_layers` refuses them with a clear error.
+
+Phase timing (a recorder with ``timing=True``, :func:`install_phase_timing`):
+the runner's ``router.select_experts`` is the ``route`` phase and its
+``routed_experts.forward_modular`` (the modular kernel: with EP its
+prepare/finalize hold the all-to-all, so dispatch and combine are inside) the
+``expert`` phase; dispatch and combine are not timed on their own.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ __all__ = [
     "VLLMMoELayer",
     "check_vllm_version",
     "find_moe_layers",
+    "install_phase_timing",
     "install_tap",
     "vllm_version",
 ]
@@ -184,6 +191,19 @@ class RouterTap:
     def set_downstream(self, capture_fn: Record | None) -> None:
         """Stands in for ``router.set_capture_fn`` while the tap is installed."""
         self.downstream = capture_fn
+
+
+def install_phase_timing(hooks: HookRegistry, layer: VLLMMoELayer, recorder: Any) -> None:
+    """Bracket ``router.select_experts`` as ``route`` and ``routed_experts.forward_modular`` as ``expert``."""
+    runner = layer.runner
+    for owner, name, phase in ((runner.router, "select_experts", "route"), (runner.routed_experts, "forward_modular", "expert")):
+        original = getattr(owner, name)
+
+        def timed(*args: Any, _original: Callable[..., Any] = original, _phase: str = phase, **kwargs: Any) -> Any:
+            with recorder.with_current_layer(layer.index), recorder.with_phase(_phase):
+                return _original(*args, **kwargs)
+
+        hooks.patch(owner, name, functools.wraps(original)(timed))
 
 
 def install_tap(hooks: HookRegistry, layer: VLLMMoELayer, record: Record) -> None:
