@@ -223,9 +223,9 @@ def _check_same(what: str, a: Any, b: Any, hint: str) -> None:
 
 def _trace_keys(trace: Any) -> np.ndarray:
     """One int64 key per ``/tokens`` row: pass id, rank (merged traces) and position."""
-    pass_id = trace._read("tokens/pass_id").astype(np.int64)
-    position = trace._read("tokens/position").astype(np.int64)
-    rank = trace._read("tokens/rank").astype(np.int64) if trace.has("tokens/rank") else np.zeros_like(pass_id)
+    pass_id = trace.read_tokens("pass_id").astype(np.int64)
+    position = trace.read_tokens("position").astype(np.int64)
+    rank = trace.read_tokens("rank").astype(np.int64) if trace.has("tokens/rank") else np.zeros_like(pass_id)
     return (pass_id << 40) | (rank << 32) | position
 
 
@@ -253,13 +253,12 @@ def _diff_traces(path_a: Path, path_b: Path, ignore_model: bool, chunk: int) -> 
             )
         maps = (ta.physical_to_logical, tb.physical_to_logical)
         acc = DivergenceAccumulator(ta.num_layers, ta.top_k, ta.num_logical_experts)
-        dataset_a, dataset_b = ta._file["tokens/topk_ids"], tb._file["tokens/topk_ids"]
         for start in range(0, ia.size, chunk):
             rows = []
-            for dataset, idx, mapping in ((dataset_a, ia, maps[0]), (dataset_b, ib, maps[1])):
+            for trace, idx, mapping in ((ta, ia, maps[0]), (tb, ib, maps[1])):
                 sel = idx[start : start + chunk]
                 lo, hi = int(sel.min()), int(sel.max()) + 1
-                block = np.asarray(dataset[lo:hi], dtype=np.int64)[sel - lo]
+                block = trace.read_tokens("topk_ids", lo, hi - lo).astype(np.int64)[sel - lo]
                 block = np.where(block < -1, -1, block)  # -2 marks an invalid id: not routable, left out
                 rows.append(logical_ids(block, mapping))
             acc.update(rows[0], rows[1])

@@ -317,6 +317,12 @@ class Trace:
                 position=self._slice("tokens/position", start, chunk),
             )
 
+    def read_tokens(self, column: str, start: int = 0, count: int | None = None) -> np.ndarray:
+        """Rows ``start .. start + count - 1`` (default: to the end) of ``/tokens/<column>``
+        (``topk_ids``, ``pass_id``, ``position``, or ``rank`` in merged traces)."""
+        name = f"tokens/{column}"
+        return self._slice(name, start, self.num_rows(name) - start if count is None else count)
+
     def _slice(self, name: str, start: int, count: int) -> np.ndarray:
         try:
             return np.asarray(self._file[name][start : start + count])
