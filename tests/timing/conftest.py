@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from moetrace import ExpertDistributionRecorder
-from moetrace.reference import EPSpec, ModelConfig, ReferenceMoEModel, launch, zipf_bias
+from moetrace.reference import (
+    EPSpec,
+    ModelConfig,
+    ReferenceMoEModel,
+    Request,
+    ServingLoop,
+    launch,
+    zipf_bias,
+)
 
 DELAY_S = 0.02
 PASSES = 10
@@ -36,7 +44,16 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
             recorder.dump_record(Path(out_dir) / f"{mode}-{'timed' if timing else 'plain'}.h5")
             snap = recorder.snapshot()
             counts[(mode, timing)] = (snap.physical_count, snap.send_count, snap.recv_count)
-    return {"counts": counts}
+    # The serving loop (continuous batching over forward_batch) times the same EP layers.
+    model = ReferenceMoEModel(MODEL, ep=EPSpec(world, rank, "exact"))
+    model.set_expert_delay(DELAY_S if rank == 1 else 0.0)
+    recorder = ExpertDistributionRecorder(model.recorder_config(timing=True, output_dir=out_dir))
+    loop = ServingLoop(model, max_running=4, max_tokens_per_pass=32, num_kv_slots=256, capture=False, recorder=recorder)
+    recorder.start_record()
+    loop.run([Request(rid=f"r{rank}-{i}", prompt=[1 + i, 2, 3], max_new_tokens=3) for i in range(3)])
+    recorder.stop_record()
+    serving = recorder.snapshot().timing
+    return {"counts": counts, "serving": serving}
 
 
 @pytest.fixture(scope="session")

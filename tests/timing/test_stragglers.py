@@ -70,3 +70,13 @@ def test_counts_identical_with_timing_on_and_off(ep_run, mode):
         np.testing.assert_array_equal(plain.send_count(), timed.send_count())
         assert not plain.has_timing and timed.has_timing
         assert analyze_timing(plain) is None
+
+
+def test_the_serving_loop_times_every_phase(ep_run):
+    _, results = ep_run
+    for rank, result in enumerate(results):
+        timing = result["serving"]
+        passes = timing["step_count"]
+        assert passes > 0 and (timing["phase_count"] == passes).all(), rank  # every phase, every layer, every pass
+    expert = [r["serving"]["phase_seconds_sum"][:, 2].sum() / r["serving"]["step_count"] for r in results]
+    assert expert[1] > expert[0] + 0.7 * DELAY_S * LAYERS  # the delayed rank shows in the serving loop too
