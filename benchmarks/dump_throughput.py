@@ -1,25 +1,37 @@
-"""Trace write throughput (MB/s of raw array bytes) vs a raw ``numpy.save`` of the same array.
+"""Streaming and dump throughput, per mode and per compression, side by side with numpy.save and a memory copy.
 
 Run: ``.venv/bin/python benchmarks/dump_throughput.py [--quick]``
 
-- ``stat`` dump: a full window of per-pass counts ``[W, L, P]`` int32 (DeepSeek-V3-like
-  L=61, P=256) plus totals; timed ``dump_record`` (temp file, gzip+shuffle, fsync,
-  rename) against ``numpy.save`` of the window array (no fsync).
-- ``per_token`` stream + dump: every token's ``[L, k]`` ids streamed by the background
-  writer while passes run, then ``dump_record``; timed from the first pass to the file
-  in place, against ``numpy.save`` of the same ``[M, L, k]`` int16 array. The routing is
-  skewed (Zipf) like real routing, which is what compression sees in practice.
+Everything is measured in one process, one variant after the other, against
+baselines taken in the same run on the same array:
+
+- ``per_token``: every token's ``[L, k]`` ids (L=16, k=8, E=64: int8 ids; Zipf-skewed
+  routing, which is what compression sees in practice) recorded through the hooks,
+  streamed by the background writer into rotating segments and dumped; timed from the
+  first pass to the trace in place. Per compression, plus: rotation into many segments
+  (``segment_bytes`` 8 MiB, the dump joins them), ``on_overflow="drop"`` (what the
+  forward keeps when the writer cannot), and the hooks alone (``stat`` mode, nothing
+  streamed) as the ceiling. Figures: million ids/s, MB/s of raw ids as int16 (the unit
+  of the issue's 26 MB/s and 150 MB/s figures: 2 bytes per id) and as stored (int8),
+  file size, segments, RSS growth (bounded memory).
+- baselines for the same ``[M, L, k]`` int8 array: ``numpy.save`` (no fsync) and a raw
+  memory copy (``numpy.copyto`` into a preallocated array).
+- ``per_pass``: ``[L, P]`` counts per pass (DeepSeek-V3-like L=61, P=256), per compression.
+- ``stat`` dump: a full window ``[W, L, P]`` int32 plus totals, per compression, against
+  ``numpy.save`` of the window array.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -27,6 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import write_results
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
+from moetrace.trace import open_trace
+
+LAYERS, EXPERTS, TOP_K, PER_PASS = 16, 64, 8, 2048
 
 
 def zipf_ids(rng: np.random.Generator, tokens: int, experts: int, top_k: int) -> np.ndarray:
@@ -36,15 +51,88 @@ def zipf_ids(rng: np.random.Generator, tokens: int, experts: int, top_k: int) ->
     return np.argsort(-keys, axis=1)[:, :top_k].astype(np.int64)
 
 
-def timed_numpy_save(array: np.ndarray, path: Path) -> float:
+def compressions() -> list[str]:
+    names = ["none", "lzf", "gzip:1"]
+    try:
+        import hdf5plugin  # noqa: F401
+    except ImportError:
+        return names
+    return [*names, "zstd:1", "blosc2:5"]
+
+
+def token_stream(tmp: Path, tokens_total: int, mode: str = "per_token", **config: object) -> dict[str, float]:
+    """Record ``tokens_total`` tokens through the hooks (and the writer) and dump; returns the figures."""
+    rng = np.random.default_rng(1)
+    routes = [torch.as_tensor(zipf_ids(rng, PER_PASS, EXPERTS, TOP_K)) for _ in range(LAYERS)]
+    rec = ExpertDistributionRecorder(RecorderConfig(num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K, mode=mode, output_dir=tmp, max_tokens_per_pass=PER_PASS, **config))  # type: ignore[arg-type]
+    passes = tokens_total // PER_PASS
+    process = psutil.Process()
+    gc.collect()
+    rss0 = process.memory_info().rss
+    rec.start_record()
     start = time.perf_counter()
-    np.save(path, array)
-    return time.perf_counter() - start
+    for _ in range(passes):
+        with rec.with_forward_pass():
+            for layer in range(LAYERS):
+                rec.on_select_experts(routes[layer], layer=layer)
+    recorded = time.perf_counter()
+    segments = len(list(tmp.glob(".moetrace-*-seg*.h5")))
+    path = rec.dump_record(tmp / f"{mode}.h5")
+    total = time.perf_counter() - start
+    rss = process.memory_info().rss - rss0
+    ids = passes * PER_PASS * LAYERS * TOP_K
+    with open_trace(path) as trace:
+        kept = int(trace.num_passes().sum())
+    out = {
+        "seconds": total, "record_seconds": recorded - start, "dump_seconds": total - (recorded - start),
+        "mids_per_s": ids / total / 1e6, "mb_s_int16": 2 * ids / total / 1e6, "mb_s_stored": ids / total / 1e6,
+        "file_mb": path.stat().st_size / 1e6, "raw_mb_stored": ids / 1e6, "segments_at_dump": segments + 1,
+        "rss_growth_mb": rss / 1e6, "dropped_passes": rec.dropped_passes, "kept_passes": kept, "passes": passes,
+    }
+    path.unlink()
+    return out
 
 
-def stat_dump(tmp: Path, window: int) -> dict[str, float]:
+def baselines(tmp: Path, tokens_total: int) -> dict[str, float]:
+    """numpy.save and a memory copy of the same ``[M, L, k]`` int8 array."""
+    rng = np.random.default_rng(1)
+    routes = np.stack([zipf_ids(rng, PER_PASS, EXPERTS, TOP_K) for _ in range(LAYERS)], axis=1).astype(np.int8)
+    array = np.tile(routes, (tokens_total // PER_PASS, 1, 1))
+    ids = array.size
+    start = time.perf_counter()
+    np.save(tmp / "tokens.npy", array)
+    save_s = time.perf_counter() - start
+    (tmp / "tokens.npy").unlink()
+    target = np.empty_like(array)
+    np.copyto(target, array)  # touch the pages first
+    start = time.perf_counter()
+    np.copyto(target, array)
+    copy_s = time.perf_counter() - start
+    return {"numpy_save_mids_per_s": ids / save_s / 1e6, "numpy_save_mb_s_int16": 2 * ids / save_s / 1e6,
+            "memcpy_mids_per_s": ids / copy_s / 1e6, "memcpy_mb_s_int16": 2 * ids / copy_s / 1e6}
+
+
+def pass_stream(tmp: Path, passes: int, compression: str) -> dict[str, float]:
     layers, experts = 61, 256
-    rec = ExpertDistributionRecorder(RecorderConfig(num_layers=layers, num_physical_experts=experts, top_k=8, window=window, output_dir=tmp))
+    rec = ExpertDistributionRecorder(RecorderConfig(num_layers=layers, num_physical_experts=experts, top_k=8, mode="per_pass", output_dir=tmp, compression=compression))
+    ids = torch.as_tensor(zipf_ids(np.random.default_rng(0), 256, experts, 8))
+    rec.start_record()
+    start = time.perf_counter()
+    for _ in range(passes):
+        with rec.with_forward_pass():
+            for layer in range(layers):
+                rec.on_select_experts(ids, layer=layer)
+    path = rec.dump_record(tmp / "passes.h5")
+    total = time.perf_counter() - start
+    raw = passes * layers * experts * 4  # the [N, L, P] int32 counts
+    out = {"passes_per_s": passes / total, "mb_s": raw / total / 1e6, "raw_mb": raw / 1e6, "file_mb": path.stat().st_size / 1e6}
+    path.unlink()
+    return out
+
+
+def stat_dump(tmp: Path, window: int, compression: str) -> dict[str, float]:
+    layers, experts = 61, 256
+    rec = ExpertDistributionRecorder(RecorderConfig(num_layers=layers, num_physical_experts=experts, top_k=8, window=window, output_dir=tmp, compression=compression, segment_seconds=0))
     rec.start_record()
     ids = torch.as_tensor(zipf_ids(np.random.default_rng(0), 256, experts, 8))
     for _ in range(window):
@@ -55,41 +143,43 @@ def stat_dump(tmp: Path, window: int) -> dict[str, float]:
     path = rec.dump_record(tmp / "stat.h5")
     dump_s = time.perf_counter() - start
     array = rec._window.counts.numpy()
-    raw = array.nbytes
-    save_s = timed_numpy_save(array, tmp / "stat.npy")
-    return {"raw_mb": raw / 1e6, "file_mb": path.stat().st_size / 1e6, "moetrace_mb_s": raw / 1e6 / dump_s, "numpy_mb_s": raw / 1e6 / save_s, "ratio": save_s / dump_s}
-
-
-def token_stream(tmp: Path, tokens_total: int) -> dict[str, float]:
-    layers, experts, top_k, per_pass = 16, 64, 8, 2048
-    rec = ExpertDistributionRecorder(RecorderConfig(num_layers=layers, num_physical_experts=experts, top_k=top_k, mode="per_token", output_dir=tmp, max_tokens_per_pass=per_pass))
-    rng = np.random.default_rng(1)
-    routes = [torch.as_tensor(zipf_ids(rng, per_pass, experts, top_k)) for _ in range(layers)]
-    passes = tokens_total // per_pass
-    rec.start_record()
     start = time.perf_counter()
-    for _ in range(passes):
-        with rec.with_forward_pass():
-            for layer in range(layers):
-                rec.on_select_experts(routes[layer], layer=layer)
-    path = rec.dump_record(tmp / "tokens.h5")
-    total_s = time.perf_counter() - start
-    array = np.tile(np.stack([r.numpy() for r in routes], axis=1).astype(np.int16), (passes, 1, 1))
-    raw = array.nbytes
-    save_s = timed_numpy_save(array, tmp / "tokens.npy")
-    return {"raw_mb": raw / 1e6, "file_mb": path.stat().st_size / 1e6, "moetrace_mb_s": raw / 1e6 / total_s, "numpy_mb_s": raw / 1e6 / save_s, "ratio": save_s / total_s}
+    np.save(tmp / "stat.npy", array)
+    save_s = time.perf_counter() - start
+    out = {"raw_mb": array.nbytes / 1e6, "file_mb": path.stat().st_size / 1e6, "moetrace_mb_s": array.nbytes / 1e6 / dump_s,
+           "numpy_mb_s": array.nbytes / 1e6 / save_s, "ratio": save_s / dump_s}
+    path.unlink()
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller arrays")
     args = parser.parse_args()
-    window, tokens = (64, 65536) if args.quick else (256, 262144)
-    with tempfile.TemporaryDirectory() as tmp:
-        results = {"stat_dump": stat_dump(Path(tmp), window), "per_token_record_stream_dump": token_stream(Path(tmp), tokens)}
-    print(f"{'what':<28}{'raw MB':>9}{'file MB':>9}{'moetrace MB/s':>15}{'numpy.save MB/s':>17}{'moetrace/numpy':>16}")
-    for name, r in results.items():
-        print(f"{name:<28}{r['raw_mb']:>9.1f}{r['file_mb']:>9.1f}{r['moetrace_mb_s']:>15.1f}{r['numpy_mb_s']:>17.1f}{r['ratio']:>16.2f}")
+    tokens, passes, window = (131072, 256, 64) if args.quick else (1048576, 1024, 256)
+    torch.set_num_threads(1)
+    results: dict[str, object] = {"workload": {"tokens": tokens, "layers": LAYERS, "experts": EXPERTS, "top_k": TOP_K, "tokens_per_pass": PER_PASS}}
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        results["baselines"] = baselines(tmp, tokens)
+        per_token: dict[str, dict[str, float]] = {"hooks only (stat mode)": token_stream(tmp, tokens, mode="stat", segment_seconds=0)}
+        for spec in compressions():
+            per_token[spec] = token_stream(tmp, tokens, compression=spec)
+        per_token["lzf, 8 MiB segments"] = token_stream(tmp, tokens, compression="lzf", segment_bytes=8 * 2**20)
+        per_token["none, 8 MiB segments"] = token_stream(tmp, tokens, compression="none", segment_bytes=8 * 2**20)
+        per_token["gzip:1, on_overflow=drop"] = token_stream(tmp, tokens, compression="gzip:1", on_overflow="drop")
+        results["per_token"] = per_token
+        results["per_pass"] = {spec: pass_stream(tmp, passes, spec) for spec in ("none", "lzf", "gzip:1")}
+        results["stat_dump"] = {spec: stat_dump(tmp, window, spec) for spec in ("none", "lzf", "gzip:1")}
+    base = results["baselines"]
+    print(f"baselines: numpy.save {base['numpy_save_mb_s_int16']:.0f} MB/s, memory copy {base['memcpy_mb_s_int16']:.0f} MB/s (int16-equivalent)")  # type: ignore[index]
+    print(f"{'per_token':<28}{'M ids/s':>9}{'MB/s i16':>10}{'file MB':>9}{'segments':>9}{'dump s':>8}{'dropped':>9}{'RSS MB':>8}")
+    for name, r in per_token.items():
+        print(f"{name:<28}{r['mids_per_s']:>9.1f}{r['mb_s_int16']:>10.0f}{r['file_mb']:>9.1f}{r['segments_at_dump']:>9.0f}{r['dump_seconds']:>8.2f}{r['dropped_passes']:>9.0f}{r['rss_growth_mb']:>8.0f}")
+    for name, r in results["per_pass"].items():  # type: ignore[union-attr]
+        print(f"per_pass {name:<19}{r['passes_per_s']:>9.0f} passes/s {r['mb_s']:>7.0f} MB/s  file {r['file_mb']:.1f} of {r['raw_mb']:.1f} MB")
+    for name, r in results["stat_dump"].items():  # type: ignore[union-attr]
+        print(f"stat dump {name:<18}{r['moetrace_mb_s']:>9.0f} MB/s vs numpy.save {r['numpy_mb_s']:.0f} MB/s = {r['ratio']:.2f}x  file {r['file_mb']:.1f} of {r['raw_mb']:.1f} MB")
     print(f"wrote {write_results('dump_throughput', results)}")
 
 

@@ -328,6 +328,10 @@ class TokenStream:
         self.lut = torch.arange(-2, p + 1, dtype=dtype, device=config.device)
         self.lut[0] = self.lut[p + 2] = -2
         self.pass_stage = torch.full((config.num_layers, config.max_tokens_per_pass, config.top_k), -1, dtype=dtype, device=config.device)
+        # The pass-end transpose [L, T, k] -> [T, L, k] moves each token's k ids as one wide word
+        # (e.g. 8 int8 ids as one int64): far fewer strided elements than id by id.
+        row_bytes = config.top_k * self.pass_stage.element_size()
+        self.word = next((w for n, w in ((8, torch.int64), (4, torch.int32), (2, torch.int16)) if row_bytes % n == 0), dtype)
         self.chunk = torch.full((config.stream_chunk_tokens, *row), -1, dtype=dtype, device=config.device)
         self.pool = HostBufferPool(tuple(self.chunk.shape), dtype, count=2, pin=config.device.type == "cuda")
         self.totals = _ChunkTotals(config, layout)
@@ -372,7 +376,8 @@ class TokenStream:
         if tokens == 0:
             return
         self._pad_unreached()
-        self.chunk[self.filled : self.filled + tokens].copy_(self.pass_stage[:, :tokens].transpose(0, 1))
+        target = self.chunk[self.filled : self.filled + tokens].view(self.word)
+        target.copy_(self.pass_stage[:, :tokens].view(self.word).transpose(0, 1))
         self.pass_id[self.filled : self.filled + tokens] = pass_id
         self.position[self.filled : self.filled + tokens] = np.arange(tokens, dtype=np.int32)
         self.filled += tokens

@@ -215,7 +215,7 @@ class ExpertDistributionRecorder:
         self._rotate_at = 0.0
         self._checkpoint_buffers: tuple[HostBufferPool, HostBufferPool] | None = None
         self._undumped_segments: list[SegmentInfo] = []  # closed segments taken by a dump that failed
-        self._compression = compression_options(cfg.compression)
+        self._compression = compression_options(cfg.resolved_compression)
         self.last_dump_path: Path | None = None
         self._errors: list[str] = []
 
@@ -470,7 +470,7 @@ class ExpertDistributionRecorder:
         passes, tokens = self._num_passes, self._num_tokens
 
         def build() -> tuple[object, int, int]:
-            rows, counts = totals.numpy()[None].copy(), window.numpy()[order][None]
+            rows, counts = totals.numpy()[None].copy(), [window.numpy()[order][None]]
             return (lambda writer: self._write_stat_file(writer, rows, np.array([[passes, tokens]]), meta[None], counts)), pass_id, passes
 
         def done() -> None:
@@ -741,17 +741,24 @@ class ExpertDistributionRecorder:
         assert self._window is not None
         timing = self._gather_timing(world, rows=True)
         rows = self._gather(self._counter.totals, world).cpu().numpy()
-        order = torch.as_tensor(self._window.order(), dtype=torch.long)
         w = self._window
+        order = w.order()
         slots = len(w.pass_id)
-        counts = torch.zeros_like(w.counts)
-        counts[: len(order)] = w.counts[order.to(self._device)]
         meta = np.full((slots, 3), -1.0)
-        meta[: len(order)] = np.stack([w.pass_id, w.timestamp, w.num_tokens], axis=1)[order.numpy()]
+        meta[: len(order)] = np.stack([w.pass_id, w.timestamp, w.num_tokens], axis=1)[order]
         passes = torch.tensor([self._num_passes, self._num_tokens], dtype=torch.int64, device=self._device)
-        all_counts = self._gather(counts, world).cpu().numpy()
-        all_meta = self._gather(torch.as_tensor(meta, dtype=torch.float64, device=self._device), world).cpu().numpy()
-        all_passes = self._gather(passes, world).cpu().numpy()
+        if world == 1:
+            # The ring as it is (no reordered copy): the oldest slots first, then the wrapped ones.
+            ring = w.counts.cpu().numpy()[None]
+            wrap = min(len(order), slots - int(order[0])) if len(order) else 0
+            all_counts = [ring[:, int(order[0]) : int(order[0]) + wrap], ring[:, : len(order) - wrap]] if len(order) else [ring[:, :0]]
+            all_meta, all_passes = meta[None], passes.cpu().numpy()[None]
+        else:
+            counts = torch.zeros_like(w.counts)
+            counts[: len(order)] = w.counts[torch.as_tensor(order, dtype=torch.long, device=self._device)]
+            all_counts = [self._gather(counts, world).cpu().numpy()]
+            all_meta = self._gather(torch.as_tensor(meta, dtype=torch.float64, device=self._device), world).cpu().numpy()
+            all_passes = self._gather(passes, world).cpu().numpy()
         if rank != 0:
             return target
         writer = TraceWriter(target, self._header(rank=-1 if world > 1 else rank, world_size=world), compression=self._compression)
@@ -763,16 +770,17 @@ class ExpertDistributionRecorder:
             writer.abort()
             raise
 
-    def _write_stat_file(self, writer: TraceWriter, rows: np.ndarray, passes: np.ndarray, meta: np.ndarray, counts: np.ndarray) -> None:
+    def _write_stat_file(self, writer: TraceWriter, rows: np.ndarray, passes: np.ndarray, meta: np.ndarray, counts: list[np.ndarray]) -> None:
         """``/stat`` and ``/window`` of a stat dump or checkpoint from host arrays: counter rows
         ``[R, L, C]``, ``(passes, tokens) [R, 2]``, window ``(pass_id, timestamp, tokens) [R, W, 3]``
-        (pass id -1 = empty slot) and window counts ``[R, W, L, P]``, oldest first."""
+        (pass id -1 = empty slot) and window counts as consecutive pieces ``[R, w_i, L, P]``
+        along the window axis, oldest first (their lengths add up to at least the filled slots)."""
         filled = int((meta[:, :, 0] >= 0).sum(axis=1).max()) if meta.size else 0
         self._write_totals(writer, rows, passes[:, 0], passes[:, 1])
         writer.write("window/pass_id", meta[:, :filled, 0].astype(np.int64))
         writer.write("window/timestamp", meta[:, :filled, 1])
         writer.write("window/num_tokens", meta[:, :filled, 2].astype(np.int64))
-        writer.write("window/physical_count", counts[:, :filled], compress=True)
+        writer.write_pieces("window/physical_count", counts, axis=1, length=filled, compress=True)
 
     def _write_totals(self, writer: TraceWriter, rows: np.ndarray, num_passes: np.ndarray, num_tokens: np.ndarray) -> None:
         """Write ``/stat`` from counter rows ``[R, L, C]``."""
@@ -802,7 +810,9 @@ class ExpertDistributionRecorder:
         sink = segment.sink
         assert isinstance(sink, SegmentWriter) and self._journal is not None
         taken = self._undumped_segments = self._undumped_segments + sink.take_completed()
-        if taken:
+        if len(taken) == 1 and self._clock is None and _rename(taken[0].path, target):
+            written = target  # one closed segment is already a complete trace of these passes
+        elif taken:
             written = concat_segments([info.path for info in taken], target, extra=lambda w: self._write_timing(w, timing), compression=self._compression)
         else:
             written = self._write_empty_stream(target, rank, world, timing)
@@ -884,6 +894,15 @@ class ExpertDistributionRecorder:
                 "output_dir": str(self.config.output_dir),
                 "errors": errors,
             }
+
+
+def _rename(source: Path, target: Path) -> bool:
+    """Atomically move ``source`` to ``target``; False when that needs a copy (another file system)."""
+    try:
+        os.replace(source, target)
+    except OSError:
+        return False
+    return True
 
 
 _OPEN_SEGMENTS: weakref.WeakSet[ExpertDistributionRecorder] = weakref.WeakSet()

@@ -183,6 +183,30 @@ class TraceWriter:
         """Write a complete dataset ``name`` (e.g. ``"stat/physical_count"``)."""
         self._guard(lambda: self._file.create_dataset(name, data=data, **(self._compression if compress and data.size > 1024 else {})))
 
+    def write_pieces(self, name: str, pieces: list[np.ndarray], axis: int, length: int, compress: bool = False) -> None:
+        """Write dataset ``name`` as the first ``length`` entries along ``axis`` of ``pieces``
+        laid end to end, without joining them in memory first."""
+        first = pieces[0]
+        shape = list(first.shape)
+        shape[axis] = length
+        options = self._compression if compress and int(np.prod(shape)) > 1024 else {}
+
+        def do() -> None:
+            dset = self._file.create_dataset(name, shape=tuple(shape), dtype=first.dtype, **options)
+            at = 0
+            for piece in pieces:
+                take = min(piece.shape[axis], length - at)
+                if take <= 0:
+                    break
+                index = [slice(None)] * len(shape)
+                index[axis] = slice(at, at + take)
+                source = [slice(None)] * len(shape)
+                source[axis] = slice(0, take)
+                dset[tuple(index)] = piece[tuple(source)]
+                at += take
+
+        self._guard(do)
+
     # -- streamed datasets --------------------------------------------------------
     def append(self, name: str, data: np.ndarray) -> None:
         """Append rows to a dataset resizable along axis 0, creating it on first use."""

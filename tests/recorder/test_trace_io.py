@@ -17,7 +17,8 @@ from tests.recorder.helpers import random_passes, replay
 
 
 def recorded(tmp_path, mode="stat") -> ExpertDistributionRecorder:
-    rec = ExpertDistributionRecorder(RecorderConfig(num_layers=2, num_physical_experts=8, top_k=2, mode=mode, output_dir=tmp_path, stream_chunk_passes=4, stream_chunk_tokens=64, max_tokens_per_pass=16))
+    # segment_bytes: several closed segments, so a streaming dump joins them into a new file
+    rec = ExpertDistributionRecorder(RecorderConfig(num_layers=2, num_physical_experts=8, top_k=2, mode=mode, output_dir=tmp_path, stream_chunk_passes=4, stream_chunk_tokens=64, max_tokens_per_pass=16, segment_bytes=64))
     rec.start_record()
     replay(rec, random_passes(np.random.default_rng(0), 9, 2, 8, 2, bad=False))
     return rec
