@@ -106,7 +106,7 @@ class TopKReplay(TorchFunctionMode):
 
 
 class ReplayState:
-    """The routes of the forward in progress, per MoE layer, built once per forward shape.
+    """The routes of the latest forward, per MoE layer, built once per forward shape.
 
     ``routes`` is ``[B, S, L, k]``; a forward over ``[B, S]`` tokens uses them
     as they are, one over ``[B, S + 1]`` gets a ``-1`` last position (a
@@ -141,14 +141,14 @@ class ReplayState:
             self.by_length[length] = [LayerRoutes(flat[:, layer], self.device) for layer in range(flat.shape[1])]
         self.current = self.by_length[length]
 
-    def end(self, *_: Any) -> None:
-        """The forward is over (usable as a forward hook)."""
-        self.current = None
-
     def layer(self, index: int, name: str) -> LayerRoutes:
-        """MoE layer ``index``'s routes for the forward in progress."""
+        """MoE layer ``index``'s routes for the latest forward.
+
+        They stay valid after that forward returns: activation checkpointing
+        runs the blocks again during ``backward()`` and must route them the same way.
+        """
         if self.current is None:
-            raise ReplayError(f"{name} ran outside a forward of the model replay was installed on; call that model's forward")
+            raise ReplayError(f"{name} ran before any forward of the model replay was installed on; call that model's forward")
         return self.current[index]
 
 

@@ -117,7 +117,7 @@ def replay(model: torch.nn.Module, routes: Any, *, top_k: int | None = None) -> 
     def begin(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         state.begin(*_input_shape(args, kwargs), _cache_length(kwargs))
 
-    handles = [model.register_forward_pre_hook(begin, with_kwargs=True), model.register_forward_hook(state.end, always_call=True)]
+    handles = [model.register_forward_pre_hook(begin, with_kwargs=True)]
     for site in sites:
         parent_name = site.name.rpartition(".")[0]
         block = modules[parent_name]

@@ -14,8 +14,8 @@ capturer see the replayed ids. Under EP every rank replays the routes of its
 own tokens (the router is replicated; ids are global logical ids).
 
 Covers :meth:`ReferenceMoEModel.forward` (teacher-forced); the serving
-loop's ``forward_batch`` is not replayed (a MoE layer reached outside
-``forward`` raises :class:`~moetrace.replay.ReplayError`).
+loop's ``forward_batch`` raises :class:`~moetrace.replay.ReplayError` while
+a replay is installed.
 """
 
 from __future__ import annotations
@@ -28,6 +28,21 @@ from ..replay import ReplayError, ReplayHandle, ReplayState, attach_block_replay
 from .model import ReferenceMoEModel
 
 __all__ = ["replay"]
+
+
+class _ServingRefusal:
+    """Shadows ``model.forward_batch`` with one that raises, until :meth:`remove`."""
+
+    def __init__(self, model: ReferenceMoEModel) -> None:
+        self.model = model
+
+        def forward_batch(*args: Any, **kwargs: Any) -> Any:
+            raise ReplayError("the serving loop's forward_batch is not replayed; remove the replay before serving")
+
+        model.forward_batch = forward_batch  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        self.model.__dict__.pop("forward_batch", None)
 
 
 def replay(model: ReferenceMoEModel, routes: Any) -> ReplayHandle:
@@ -55,7 +70,7 @@ def replay(model: ReferenceMoEModel, routes: Any) -> ReplayHandle:
             raise ReplayError("replay needs input_ids [B, S] to match the routes to the forward's tokens")
         state.begin(int(ids.shape[0]), int(ids.shape[1]))
 
-    handles = [model.register_forward_pre_hook(begin, with_kwargs=True), model.register_forward_hook(state.end, always_call=True)]
+    handles: list[Any] = [model.register_forward_pre_hook(begin, with_kwargs=True), _ServingRefusal(model)]
     for index, layer in enumerate(model.moe_layers):
         name = f"MoE layer {index} (model layer {layer.layer_id})"
         handles += attach_block_replay(

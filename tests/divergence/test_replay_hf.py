@@ -177,6 +177,33 @@ def test_gradients_reach_the_router_in_training_mode(name: str, models: dict[str
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
 
 
+def test_activation_checkpointing_recomputes_with_the_replayed_routes(models: dict[str, torch.nn.Module]) -> None:
+    """With gradient checkpointing the MoE blocks run again inside backward(): they must route as in the forward."""
+    model = models["mixtral"]
+    ids = _inputs()
+    rng = np.random.default_rng(5)
+    forced = np.stack([rng.permutation(8)[:2] for _ in range(ids.numel() * 2)]).reshape(*ids.shape, 2, 2)
+    router = model.model.layers[0].mlp.gate.weight
+
+    def router_grad(checkpointing: bool) -> torch.Tensor:
+        model.zero_grad()
+        model.train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        try:
+            with hf.replay(model, forced):
+                model(ids, labels=ids, use_cache=False).loss.backward()
+        finally:
+            model.activation_checkpointing_disable()
+            model.eval()
+        return router.grad.clone()
+
+    plain, recomputed = router_grad(False), router_grad(True)
+    model.zero_grad()
+    assert plain.abs().sum() > 0
+    torch.testing.assert_close(recomputed, plain, rtol=1e-6, atol=1e-9)
+
+
 def test_last_token_without_routes_keeps_its_own_top_k(models: dict[str, torch.nn.Module]) -> None:
     """A rollout's final token has no routes (slime#1045): routes [B, S-1] replay a forward over [B, S]."""
     model = models["mixtral"]
@@ -295,8 +322,8 @@ def test_kv_cache_continuation_and_wrong_batch_are_refused(models: dict[str, tor
             model(ids[:, :1], past_key_values=out.past_key_values)
         with pytest.raises(ReplayError, match="2 x 6 tokens"):
             model(ids.repeat(2, 1))
-        with pytest.raises(ReplayError, match="outside a forward"):
-            model.model.layers[0].mlp(torch.zeros(1, 6, 32))
+    with hf.replay(model, routes), pytest.raises(ReplayError, match="before any forward"):
+        model.model.layers[0].mlp(torch.zeros(1, 6, 32))
 
 
 def test_refused_family_says_why() -> None:

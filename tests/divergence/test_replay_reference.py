@@ -108,8 +108,12 @@ def test_replay_does_not_sync_host_and_device() -> None:
 
 def test_serving_forward_and_non_model_input_are_refused(model: ReferenceMoEModel) -> None:
     with replay(model, np.tile([0, 1], (1, 4, 3, 1))):
-        with pytest.raises(ReplayError, match="outside a forward"):
+        with pytest.raises(ReplayError, match="before any forward"):
             model.moe_layers[0](torch.zeros(4, 32), recorder=NoOpRecorder())
+        with pytest.raises(ReplayError, match="forward_batch is not replayed"):
+            ServingLoop(model, max_running=1, max_tokens_per_pass=8, chunk_size=8, num_kv_slots=16, max_len=16).run(
+                [Request("x", [1, 2, 3], 1, 0)])
+    assert "forward_batch" not in model.__dict__
     with pytest.raises(TypeError, match="ReferenceMoEModel"):
         replay(torch.nn.Linear(2, 2), np.zeros((1, 1, 1), dtype=np.int64))  # type: ignore[arg-type]
 
