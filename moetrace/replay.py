@@ -21,6 +21,7 @@ Engines use :func:`attach_block_replay` per MoE block (see
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "ReplayState",
     "TopKReplay",
     "attach_block_replay",
+    "check_not_replaying",
     "prepare_routes",
 ]
 
@@ -152,6 +154,15 @@ class ReplayState:
         return self.current[index]
 
 
+_REPLAYING: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def check_not_replaying(model: torch.nn.Module) -> None:
+    """Raise :class:`ReplayError` when ``model`` already has a live replay (two would fight over each top-k)."""
+    if model in _REPLAYING:
+        raise ReplayError(f"{type(model).__name__} is already replaying routes; remove() that replay (or leave its with block) first")
+
+
 class ReplayHandle:
     """A live replay: ``remove()`` (or leaving the ``with`` block) takes every hook off.
 
@@ -161,8 +172,10 @@ class ReplayHandle:
     """
 
     def __init__(self, model: torch.nn.Module, routes: np.ndarray, handles: list[Any]) -> None:
+        check_not_replaying(model)
         self.model, self.routes = model, routes
         self._handles = list(handles)
+        _REPLAYING.add(model)
 
     @property
     def active(self) -> bool:
@@ -173,6 +186,7 @@ class ReplayHandle:
         """Remove every hook (newest first); the model routes by itself again. Removing twice is harmless."""
         while self._handles:
             self._handles.pop().remove()
+        _REPLAYING.discard(self.model)
 
     def __enter__(self) -> ReplayHandle:
         return self

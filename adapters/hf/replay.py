@@ -33,6 +33,7 @@ from moetrace.replay import (
     ReplayHandle,
     ReplayState,
     attach_block_replay,
+    check_not_replaying,
     prepare_routes,
 )
 
@@ -105,6 +106,7 @@ def replay(model: torch.nn.Module, routes: Any, *, top_k: int | None = None) -> 
     from . import _check_version
 
     _check_version()
+    check_not_replaying(model)
     _refuse_family(model)
     sites = find_moe_sites(model)
     k = top_k if top_k is not None else model_top_k(model, sites)

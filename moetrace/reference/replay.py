@@ -24,7 +24,14 @@ from typing import Any
 
 import torch
 
-from ..replay import ReplayError, ReplayHandle, ReplayState, attach_block_replay, prepare_routes
+from ..replay import (
+    ReplayError,
+    ReplayHandle,
+    ReplayState,
+    attach_block_replay,
+    check_not_replaying,
+    prepare_routes,
+)
 from .model import ReferenceMoEModel
 
 __all__ = ["replay"]
@@ -59,6 +66,7 @@ def replay(model: ReferenceMoEModel, routes: Any) -> ReplayHandle:
     """
     if not isinstance(model, ReferenceMoEModel):
         raise TypeError(f"replay() takes a ReferenceMoEModel, got {type(model).__name__}; for transformers models use moetrace.adapters.hf.replay")
+    check_not_replaying(model)
     config = model.config
     layer_ids = list(model.moe_layer_ids)
     arr = prepare_routes(routes, num_moe_layers=len(layer_ids), layer_ids=layer_ids, num_experts=config.num_experts, top_k=config.top_k)

@@ -322,8 +322,12 @@ def test_kv_cache_continuation_and_wrong_batch_are_refused(models: dict[str, tor
             model(ids[:, :1], past_key_values=out.past_key_values)
         with pytest.raises(ReplayError, match="2 x 6 tokens"):
             model(ids.repeat(2, 1))
-    with hf.replay(model, routes), pytest.raises(ReplayError, match="before any forward"):
-        model.model.layers[0].mlp(torch.zeros(1, 6, 32))
+    with hf.replay(model, routes):
+        with pytest.raises(ReplayError, match="before any forward"):
+            model.model.layers[0].mlp(torch.zeros(1, 6, 32))
+        with pytest.raises(ReplayError, match="already replaying"):
+            hf.replay(model, routes)
+    hf.replay(model, routes).remove()  # after remove() a new replay is fine
 
 
 def test_refused_family_says_why() -> None:
