@@ -68,6 +68,19 @@ CostOpt = Annotated[Path | None, typer.Option("--cost-model", help="Cost model J
 UtilOpt = Annotated[float | None, typer.Option("--utilization", min=0.0, help="Scale the cost model so that full-prefill work / replica time is this (e.g. 0.9).")]
 Limit = Annotated[int | None, typer.Option("--limit", min=1, help="Replay only the first N requests.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+CacheThr = Annotated[float, typer.Option("--cache-threshold", min=0.0, max=1.0, help="cache_aware: prefix match rate needed to follow the prefix (SGLang default 0.5).")]
+BalAbs = Annotated[int, typer.Option("--balance-abs", min=0, help="cache_aware: imbalance when max - min load exceeds this (SGLang default 32)...")]
+BalRel = Annotated[float, typer.Option("--balance-rel", min=0.0, help="...and max load exceeds this times min load (SGLang default 1.0001).")]
+Overlap = Annotated[float, typer.Option("--overlap-weight", min=0.0, help="kv_cost: weight of prefill blocks (Dynamo default 1).")]
+Migrate = Annotated[int | None, typer.Option("--migrate-threshold", min=0, help="session_sticky: move a session when its owner's load exceeds the least loaded by more than this.")]
+Seed = Annotated[int, typer.Option("--seed", help="Seed of the random policy.")]
+
+
+def _config(cache_threshold: float, balance_abs: int, balance_rel: float, overlap_weight: float, migrate_threshold: int | None, seed: int) -> Any:
+    from moetrace.reference.replica_router import RouterConfig
+
+    return RouterConfig(cache_threshold=cache_threshold, balance_abs_threshold=balance_abs, balance_rel_threshold=balance_rel,
+                        overlap_weight=overlap_weight, migrate_threshold=migrate_threshold, seed=seed)
 
 
 @app.command("replay")
@@ -84,6 +97,12 @@ def replay(
     limit: Limit = None,
     plot_load: Annotated[Path | None, typer.Option("--plot-load", help="PNG of per-replica load over time.")] = None,
     as_json: AsJson = False,
+    cache_threshold: CacheThr = 0.5,
+    balance_abs: BalAbs = 32,
+    balance_rel: BalRel = 1.0001,
+    overlap_weight: Overlap = 1.0,
+    migrate_threshold: Migrate = None,
+    seed: Seed = 0,
 ) -> None:
     """Replay a request trace by its timestamps, in simulated time, through one routing policy."""
     from moetrace.replicas.analysis import compare_table, summarize
@@ -96,7 +115,8 @@ def replay(
         output_path(out)
     requests = _load(trace, block_size, limit)
     cost = _cost(requests, replicas, cost_model, utilization)
-    result = run_replay(requests, replicas, policy, block_size=block_size, cost=cost, cache_blocks=cache_blocks or None, out=out)
+    config = _config(cache_threshold, balance_abs, balance_rel, overlap_weight, migrate_threshold, seed)
+    result = run_replay(requests, replicas, policy, block_size=block_size, cost=cost, cache_blocks=cache_blocks or None, out=out, config=config)
     table = read_requests(result.path)
     summary = summarize(table)
     if plot_load is not None:
@@ -124,6 +144,12 @@ def compare(
     limit: Limit = None,
     plot_ttft: Annotated[Path | None, typer.Option("--plot-ttft", help="PNG of the TTFT CDF per policy.")] = None,
     as_json: AsJson = False,
+    cache_threshold: CacheThr = 0.5,
+    balance_abs: BalAbs = 32,
+    balance_rel: BalRel = 1.0001,
+    overlap_weight: Overlap = 1.0,
+    migrate_threshold: Migrate = None,
+    seed: Seed = 0,
 ) -> None:
     """Replay a request trace through every policy; one row per policy (cache, then latency evidence)."""
     from moetrace.reference.replica_router import POLICY_NAMES
@@ -140,10 +166,12 @@ def compare(
         output_path(plot_ttft)
     requests = _load(trace, block_size, limit)
     cost = _cost(requests, replicas, cost_model, utilization)
+    config = _config(cache_threshold, balance_abs, balance_rel, overlap_weight, migrate_threshold, seed)
     rows, tables = [], {}
     with tempfile.TemporaryDirectory(prefix="moetrace-compare-") as tmp:
         for name in names:
-            result = run_replay(requests, replicas, name, block_size=block_size, cost=cost, cache_blocks=cache_blocks or None, out=Path(tmp) / f"{name}.h5")
+            result = run_replay(requests, replicas, name, block_size=block_size, cost=cost, cache_blocks=cache_blocks or None,
+                                out=Path(tmp) / f"{name}.h5", config=config)
             table = read_requests(result.path)
             rows.append(summarize(table))
             tables[name] = table

@@ -90,3 +90,24 @@ def test_calibrate_writes_a_cost_model_replay_accepts(tmp_path):
     assert cost["prefill_per_token"] > 0 and cost["max_batch"] == 8
     result = runner.invoke(app, ["replicas", "replay", "mooncake", "--cost-model", str(path), "--json", "--limit", "200", "--replicas", "2"])
     assert result.exit_code == 0 and json.loads(result.output)["cost_model"] == cost
+
+
+def test_sessions_stick_and_migrate(tmp_path):
+    """A trace with session ids: session_sticky keeps turns on the owner until its load passes --migrate-threshold."""
+    lines = []
+    for i in range(40):  # 2 sessions, a burst of turns 2 ms apart, each prompt = the previous one + 4 new blocks
+        session = i % 2
+        blocks = [1000 * session + b for b in range(4 * (1 + i // 2))]
+        lines.append({"timestamp": 2 * i, "input_length": 512 * len(blocks), "output_length": 4, "hash_ids": blocks,
+                      "request_id": f"q{i}", "session_id": f"s{session}"})
+    trace = tmp_path / "sessions.jsonl"
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    base = ["replicas", "replay", str(trace), "--replicas", "3", "--policy", "session_sticky", "--json"]
+    sticky = json.loads(runner.invoke(app, [*base, "--out", str(tmp_path / "sticky.h5")]).output)["summary"]
+    assert sticky["migrations"] == 0 and sticky["reasons"] == {"session_owner": 38, "new_session": 2}
+    moved = json.loads(runner.invoke(app, [*base, "--migrate-threshold", "1", "--out", str(tmp_path / "moved.h5")]).output)["summary"]
+    assert moved["migrations"] > 0 and moved["reasons"]["session_migrated"] == moved["migrations"]
+    table = read_requests(tmp_path / "moved.h5")
+    rid = table.requests["id"][table.requests["reason"] == table.reasons.index("session_migrated")][0]
+    text = runner.invoke(app, ["replicas", "why", str(tmp_path / "moved.h5"), rid]).output
+    assert "reason=session_migrated" in text and "yes" in text  # the owner is marked among the candidates
