@@ -211,3 +211,17 @@ def test_cli_diff_table_and_json(traces: tuple[Path, Path, list[np.ndarray], lis
     assert mixed.exit_code == 2 and "one input is a trace" in mixed.output
     missing = runner.invoke(app, ["diff", str(path_a), str(tmp_path / "nope.h5")])
     assert missing.exit_code == 2 and "no such" in missing.output
+
+
+def test_mismatched_traces_are_refused(traces: tuple[Path, Path, list[np.ndarray], list[np.ndarray]], tmp_path: Path) -> None:
+    path_a, _, passes_a, _ = traces
+    per_pass = record(tmp_path, "per_pass", passes_a, EXPERTS, name="pp.h5")
+    with pytest.raises(DivergenceError, match="per_token"):
+        diff_sources(path_a, per_pass)
+    other_layers = record(tmp_path, "per_token", passes_a, EXPERTS + 4, name="layers.h5", layer_ids=(0, 2, 4, 6),
+                          physical_to_logical=np.tile(np.concatenate([np.arange(EXPERTS), np.arange(4)]), (LAYERS, 1)))
+    with pytest.raises(DivergenceError, match="MoE layers"):
+        diff_sources(path_a, other_layers)
+    fewer_experts = record(tmp_path, "per_token", [np.minimum(p, 11) for p in passes_a], 12, name="e12.h5")
+    with pytest.raises(DivergenceError, match="id spaces"):
+        diff_sources(path_a, fewer_experts)
