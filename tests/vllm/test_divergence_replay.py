@@ -40,7 +40,7 @@ from typer.testing import CliRunner
 
 from moetrace.analysis.divergence import diff_sources
 from moetrace.capturer import RoutedExpertsCapturer
-from moetrace.routes import load_routes, save_routes, select_layers
+from moetrace.routes import load_routes, pad_routes, save_routes, select_layers
 from moetrace.trace.reader import open_trace
 from tests.divergence.oracle import assert_matches_oracle, oracle
 
@@ -79,6 +79,8 @@ class Runs:
     hf_trace: Path
     files: dict[str, Path]  # routes files: vllm, hf (teacher-forced), replay
     hf_logprobs: dict[str, list[np.ndarray]]  # "own" / "replay": per request [len(tokens) - 1]
+    model: torch.nn.Module  # the transformers model (float32)
+    vllm_routes: list[np.ndarray]  # per request [len(tokens) - 1, L, k]
 
 
 def _vllm_run(checkpoint: Path, out: Path) -> tuple[list[Request], Path]:
@@ -148,10 +150,10 @@ def _hf_passes(model: torch.nn.Module, requests: list[Request], out: Path) -> Pa
     return path
 
 
-def _teacher_forced(model: torch.nn.Module, tokens: list[int], layer_ids: list[int], out: Path) -> tuple[np.ndarray, np.ndarray]:
+def _teacher_forced(model: torch.nn.Module, tokens: list[int], layer_ids: list[int], top_k: int, out: Path) -> tuple[np.ndarray, np.ndarray]:
     """Routes ``[S - 1, L, k]`` (MoE layers) and log p of each next token, of one forward over ``tokens[:-1]``."""
     length = len(tokens) - 1
-    capturer = RoutedExpertsCapturer(max(layer_ids) + 1, 2, max_tokens_per_pass=length, num_kv_slots=length)
+    capturer = RoutedExpertsCapturer(max(layer_ids) + 1, top_k, max_tokens_per_pass=length, num_kv_slots=length)
     handle = hf.instrument(model, capturer=capturer, capture_seq_len=length, output_dir=out)
     try:
         with torch.no_grad():
@@ -178,10 +180,10 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     hf_trace = _hf_passes(model, requests, out)
     own, replayed, own_lp, replay_lp = {}, {}, [], []
     for i, (req, routes) in enumerate(zip(requests, vllm_routes, strict=True)):
-        own[str(i)], lp = _teacher_forced(model, req.tokens, layer_ids, out)
+        own[str(i)], lp = _teacher_forced(model, req.tokens, layer_ids, int(MODELS[name]["top_k"]), out)
         own_lp.append(lp)
         with hf.replay(model, routes):
-            replayed[str(i)], lp = _teacher_forced(model, req.tokens, layer_ids, out)
+            replayed[str(i)], lp = _teacher_forced(model, req.tokens, layer_ids, int(MODELS[name]["top_k"]), out)
         replay_lp.append(lp)
     meta = {"model": name, "layer_ids": layer_ids, "num_experts": MODELS[name]["num_experts"]}
     files = {
@@ -189,7 +191,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         "hf": save_routes(out / "hf.json", own, **meta),
         "replay": save_routes(out / "hf_replay.json", replayed, **meta),
     }
-    return Runs(name, layer_ids, requests, vllm_trace, hf_trace, files, {"own": own_lp, "replay": replay_lp})
+    return Runs(name, layer_ids, requests, vllm_trace, hf_trace, files, {"own": own_lp, "replay": replay_lp}, model, vllm_routes)
 
 
 def _gap(runs: Runs, which: str) -> tuple[float, float]:
@@ -248,3 +250,26 @@ def test_chunked_prefill_and_prefix_cached_tokens(runs: Runs) -> None:
     np.testing.assert_array_equal(replayed[last][1][128:], vllm_routes[last][1][128:])
     data: dict[str, Any] = json.loads(runs.files["vllm"].read_text())
     assert data["layer_ids"] == runs.layer_ids and len(data["requests"]) == len(PROMPTS) + len(EXTRA)
+
+
+def test_one_padded_training_batch_replays_every_request(runs: Runs, tmp_path: Path) -> None:
+    """All ten rollouts in one right-padded batch (as a trainer sends them): each row follows its vLLM routes."""
+    length = max(len(r.tokens) - 1 for r in runs.requests)
+    ids = torch.zeros(len(runs.requests), length, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, req in enumerate(runs.requests):
+        ids[row, : len(req.tokens) - 1], mask[row, : len(req.tokens) - 1] = torch.tensor(req.tokens[:-1]), 1
+    top_k = int(MODELS[runs.name]["top_k"])
+    capturer = RoutedExpertsCapturer(max(runs.layer_ids) + 1, top_k, max_tokens_per_pass=ids.numel(), num_kv_slots=ids.numel())
+    with hf.replay(runs.model, pad_routes(runs.vllm_routes)):
+        handle = hf.instrument(runs.model, capturer=capturer, capture_seq_len=length, output_dir=tmp_path)
+        try:
+            with torch.no_grad():
+                runs.model(ids, attention_mask=mask)
+            got = [select_layers(handle.routed_experts(row, length, batch_size=len(runs.requests)).astype(np.int64), runs.layer_ids)
+                   for row in range(len(runs.requests))]
+        finally:
+            handle.uninstrument()
+    for row, routes in enumerate(runs.vllm_routes):
+        routed = (routes >= 0).all(-1).all(-1)
+        np.testing.assert_array_equal(got[row][: len(routes)][routed], routes[routed])
