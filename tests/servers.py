@@ -1,0 +1,63 @@
+"""Run an engine's HTTP server as its users do: a subprocess on a loopback port, stopped with its process group."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["free_port", "http_status", "serve"]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str, timeout: float = 5.0) -> int:
+    """HTTP status of ``GET url``; 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status
+    except OSError:
+        return 0
+
+
+@contextlib.contextmanager
+def serve(command: Sequence[str], env: Mapping[str, str], log: Path, health_url: str, timeout: float) -> Iterator[subprocess.Popen]:
+    """Start ``command`` (output to ``log``), wait until ``health_url`` answers 200, stop it on exit.
+
+    Raises ``RuntimeError`` with the log's tail when the server exits or does
+    not come up within ``timeout`` seconds.
+    """
+    with log.open("w") as out:
+        proc = subprocess.Popen(list(command), env=dict(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while http_status(health_url) != 200:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{command[2] if len(command) > 2 else command[0]} did not come up (exit {proc.poll()}); log tail:\n{log.read_text()[-4000:]}")
+            time.sleep(1.0)
+        yield proc
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (engines spawn worker processes), then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, 60.0), (signal.SIGKILL, 30.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
