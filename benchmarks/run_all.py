@@ -110,7 +110,7 @@ def _routing(d: dict) -> list[Row]:
     m = d["memory"]
     rows.append(("routing cost", f"RSS over {m['decisions']:,} decisions (first -> last sample)",
                  f"{m['rss_samples'][0]['rss_mb']:.0f} -> {m['rss_samples'][-1]['rss_mb']:.0f} MiB"))
-    rows += [("routing cost", f"Mooncake replay, {name} ({r['requests']} requests, {r['trace_seconds']:.0f} s of trace)", f"{r['wall_seconds']:.1f} s wall")
+    rows += [("routing cost", f"Mooncake replay, {name} ({r['requests']} requests, {r['trace_seconds']:.0f} s of trace)", f"{r['cpu_seconds']:.1f} s CPU ({r['wall_seconds']:.1f} s wall)")
              for name, r in d["replay"].items()]
     return rows
 
