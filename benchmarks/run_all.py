@@ -115,6 +115,17 @@ def _routing(d: dict) -> list[Row]:
     return rows
 
 
+def _placement(d: dict) -> list[Row]:
+    s, h = d["summary"], d["holdout"]
+    rows = [("placement backtest", f"realised next-window balancedness, {name} (plan on {d['window']} passes, deploy for {d['every']}; {d['rebalances']} rebalances)",
+             f"{s[name]['realized_mean']:.3f} (in-sample fit {s[name]['in_sample_mean']:.3f}); "
+             + ("" if name == "greedy" else f"below greedy in {s[name]['below_greedy_rebalances']:.0%} of rebalances; ")
+             + f"{s[name]['moved_per_rebalance']:.0f} replicas moved/rebalance")
+            for name in ("greedy", "moetrace-fit", "moetrace")]
+    rows.append(("placement hold-out", "plan on 75%, score on 25%: greedy vs moetrace", f"{h['greedy']['held_out_mean']:.3f} vs {h['moetrace']['held_out_mean']:.3f} (in-sample {h['greedy']['in_sample_mean']:.3f} vs {h['moetrace']['in_sample_mean']:.3f})"))
+    return rows
+
+
 #: name -> (script arguments in full / quick runs, headline extractor)
 BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] = {
     "recorder_overhead": ([], ["--quick"], _recorder),
@@ -128,6 +139,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] 
     "replay_overhead": ([], ["--rounds", "4"], _replay),
     "timing_overhead": ([], ["--quick"], _timing),
     "control_load": ([], ["--quick"], _control_load),
+    "placement_backtest": ([], ["--quick"], _placement),
 }
 
 

@@ -28,15 +28,15 @@ from moetrace.analysis.backtest import (
     BacktestResult,
     PassSeries,
     PlacementConfig,
-    RobustSettings,
     backtest,
     bucket_for,
+    held_out_estimate,
     holdout,
     load_series,
+    plan_placement,
     replicas_moved,
-    robust_rebalance,
 )
-from moetrace.analysis.placement import PlacementPlan, predicted_gpu_load, rebalance_experts
+from moetrace.analysis.placement import PlacementPlan, predicted_gpu_load
 from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.analysis.source import select_layers
 from moetrace.trace.reader import open_trace
@@ -48,8 +48,6 @@ from .options import existing_file, output_path, parse_layers, stdout_console
 __all__ = ["placement"]
 
 LAYERS_HELP = "Model layer ids to plan for, e.g. '0,7,12-15' (default: all)."
-#: The default held-out estimate plans on one of this many consecutive parts and scores on the next.
-ESTIMATE_PARTS = 5
 PLANNER_ORDER = ("current", "greedy", "moetrace-fit", "moetrace")
 
 
@@ -103,21 +101,6 @@ def _series(tr: Any, index: np.ndarray, bucket: int | None, required: bool) -> P
         if required:
             raise
         return None
-
-
-def _plan(weight: np.ndarray, series: PassSeries | None, config: PlacementConfig, current: np.ndarray | None) -> PlacementPlan:
-    """moetrace's plan on the whole trace: robust when time-ordered passes exist, else fitted to the totals."""
-    if series is None or len(series) < 2:
-        return rebalance_experts(weight, config.replicas, config.groups, config.nodes, config.gpus, current=current)
-    return robust_rebalance(series.logical, len(series), config, RobustSettings(), current)
-
-
-def _estimate(series: PassSeries | None, config: PlacementConfig) -> BacktestResult | None:
-    """The default held-out estimate: plan on one of ``ESTIMATE_PARTS`` parts, score on the next."""
-    if series is None or len(series) < ESTIMATE_PARTS:
-        return None
-    part = (len(series) // ESTIMATE_PARTS) * series.bucket
-    return backtest(series, part, part, config)
 
 
 def _in_sample_table(console: Console, layer_ids: list[int], figures: dict[str, np.ndarray | None], plan: PlacementPlan, config: PlacementConfig) -> None:
@@ -213,7 +196,7 @@ def placement(
         bucket = bucket_for(window, every) if run_backtest else None
         series = _series(tr, index, bucket, required=run_backtest or holdout_fraction is not None)
     expert_bytes = _expert_bytes(attrs, intermediate_size)
-    plan = _plan(weight, series, config, deployed)
+    plan = plan_placement(weight, series, config, deployed)
     greedy = greedy_rebalance(weight, config.replicas, config.groups, config.nodes, config.gpus)
     loads = {
         "current": metrics.rank_load(physical, gpus) if physical.shape[1] % gpus == 0 else None,
@@ -251,7 +234,7 @@ def placement(
         replay = backtest(series, window, every, config, expert_bytes=expert_bytes)
         document["backtest"] = replay.to_dict()
     else:
-        estimate = _estimate(series, config)
+        estimate = held_out_estimate(series, config)
         document["held_out_estimate"] = None if estimate is None else {
             "plan_passes": estimate.window, "scored_passes": estimate.every, "windows": len(estimate.first_pass),
             "realized": {k: v.tolist() for k, v in estimate.realized.items()},

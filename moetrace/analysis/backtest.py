@@ -50,6 +50,7 @@ from .placement_baseline import greedy_rebalance
 from .source import iter_pass_blocks, token_pass_block
 
 __all__ = [
+    "ESTIMATE_PARTS",
     "PLANNERS",
     "BacktestResult",
     "HoldoutResult",
@@ -57,8 +58,11 @@ __all__ = [
     "PlacementConfig",
     "RobustSettings",
     "backtest",
+    "bucket_for",
+    "held_out_estimate",
     "holdout",
     "load_series",
+    "plan_placement",
     "replicas_moved",
     "robust_inputs",
     "robust_rebalance",
@@ -190,7 +194,7 @@ class RobustSettings:
             plan lowers the expected peak by more than this fraction.
     """
 
-    subwindows: int = 8
+    subwindows: int = 10
     shrink: float = 0.25
     keep_tolerance: float = 0.02
 
@@ -467,6 +471,40 @@ def backtest(
     )
 
 
-def bucket_for(window: int, every: int) -> int:
-    """The bucket size that serves a backtest of ``window`` and ``every`` passes: their gcd."""
-    return math.gcd(window, every)
+#: :func:`held_out_estimate` plans on one of this many consecutive parts of a trace and scores on the next.
+ESTIMATE_PARTS = 5
+
+
+def plan_placement(weight: np.ndarray, series: PassSeries | None, config: PlacementConfig, current: np.ndarray | None = None) -> PlacementPlan:
+    """moetrace's plan to deploy now: robust on the time-ordered ``series`` when there is one, else fitted to ``weight [L, E]``.
+
+    The returned ``gpu_load`` is under the planner's own load estimate; score a
+    plan with :func:`~moetrace.analysis.placement.predicted_gpu_load`.
+    """
+    if series is None or len(series) < 2:
+        return rebalance_experts(weight, config.replicas, config.groups, config.nodes, config.gpus, current=current)
+    return robust_rebalance(series.logical, len(series), config, RobustSettings(), current)
+
+
+def held_out_estimate(series: PassSeries | None, config: PlacementConfig, parts: int = ESTIMATE_PARTS) -> BacktestResult | None:
+    """Held-out estimate of every planner: plan on one of ``parts`` consecutive parts, score on the next.
+
+    ``None`` when there is no series or it has fewer than ``parts`` buckets.
+    """
+    if series is None or len(series) < parts:
+        return None
+    part = (len(series) // parts) * series.bucket
+    return backtest(series, part, part, config)
+
+
+def bucket_for(window: int, every: int, parts: int = RobustSettings().subwindows) -> int:
+    """The bucket size that serves a backtest of ``window`` and ``every`` passes.
+
+    The largest divisor of both that still cuts a window into at least ``parts``
+    buckets (the robust planner's sub-windows), or 1.
+    """
+    common = math.gcd(window, every)
+    for size in sorted((d for d in range(1, common + 1) if common % d == 0), reverse=True):
+        if window // size >= parts:
+            return size
+    return 1

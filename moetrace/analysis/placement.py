@@ -210,16 +210,22 @@ def _refine_pack(weight: np.ndarray, pack: np.ndarray, num_packs: int) -> np.nda
     return pack
 
 
-def _peak_without(loads: np.ndarray, first: np.ndarray, second: np.ndarray) -> np.ndarray:
-    """Largest pack load per scenario excluding packs ``first`` and ``second``: ``[S, C]`` for ``C`` pairs.
+def _peak_without_pairs(loads: np.ndarray) -> np.ndarray:
+    """``[S, K, K]``: per scenario, the heaviest pack other than packs ``a`` and ``b`` (``-inf`` when none is left).
 
     ``loads`` is ``[S, K]``; only the three heaviest packs of each scenario can be the answer.
     """
-    top = min(3, loads.shape[1])
+    num_scenarios, packs = loads.shape
+    top = min(3, packs)
     index = np.argsort(-loads, axis=1, kind="stable")[:, :top]  # [S, 3]
     value = np.take_along_axis(loads, index, axis=1)
-    allowed = (index[:, None, :] != first[None, :, None]) & (index[:, None, :] != second[None, :, None])  # [S, C, 3]
-    return np.where(allowed, value[:, None, :], -np.inf).max(axis=2)
+    a = np.arange(packs)[:, None, None]
+    b = np.arange(packs)[None, :, None]
+    out = np.empty((num_scenarios, packs, packs))
+    for s in range(num_scenarios):
+        allowed = (index[s][None, None, :] != a) & (index[s][None, None, :] != b)  # [K, K, 3]
+        out[s] = np.where(allowed, value[s][None, None, :], -np.inf).max(axis=2)
+    return out
 
 
 def _refine_pack_scenarios(weight: np.ndarray, pack: np.ndarray, num_packs: int) -> np.ndarray:
@@ -247,7 +253,7 @@ def _refine_pack_scenarios(weight: np.ndarray, pack: np.ndarray, num_packs: int)
         delta = weight[:, a] - weight[:, b]  # [S, C]
         new_peak = np.maximum(
             np.maximum(np.take(loads, first, axis=1) - delta, np.take(loads, second, axis=1) + delta),
-            _peak_without(loads, first, second),
+            _peak_without_pairs(loads)[:, first, second],
         )
         gain = (peak[:, None] - new_peak).mean(axis=0)
         best = int(np.argmax(gain))

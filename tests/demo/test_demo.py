@@ -34,6 +34,8 @@ def check_outputs(out: Path, ranks: int, layers: int, experts: int) -> dict:
     assert 0 < report["overall"]["balancedness"] <= 1
     assert report["demo"]["bytes"]["ep_ideal"] > 0
     assert report["demo"]["placement"]["balancedness_after"] >= report["demo"]["placement"]["balancedness_before"] - 1e-9
+    held = report["demo"]["placement"]["held_out"]  # plan on earlier passes, score on later ones
+    assert held is None or 0 < held["moetrace"]["min"] <= held["moetrace"]["mean"] <= held["moetrace"]["max"] <= 1
     png = (out / "heatmap.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 5000
     placement = json.loads((out / "placement.json").read_text())
@@ -50,7 +52,7 @@ def test_demo_small_end_to_end(tmp_path, capsys):
     report = check_outputs(tmp_path / "demo", ranks=2, layers=2, experts=4)
     assert report["totals"]["assignments"] == 2 * report["totals"]["tokens"] * 2  # 2 layers x top-2
     printed = capsys.readouterr().out
-    for needle in ("Prometheus http://127.0.0.1:", "control http://127.0.0.1:", "balancedness", "All-to-all bytes", "routed experts", "placement plan"):
+    for needle in ("Prometheus http://127.0.0.1:", "control http://127.0.0.1:", "balancedness", "All-to-all bytes", "routed experts", "placement plan", "in-sample fit", "held-out estimate (planned on"):
         assert needle in printed
     wide = [line for line in printed.splitlines() if len(line) > 80]
     assert not wide, "lines wider than 80 columns:\n" + "\n".join(wide)
