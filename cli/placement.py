@@ -195,6 +195,8 @@ def placement(
         config, defaults = _sizes(weight.shape[1], gpus, replicas, groups, nodes)
         bucket = bucket_for(window, every) if run_backtest else None
         series = _series(tr, index, bucket, required=run_backtest or holdout_fraction is not None)
+    if series is not None:  # plan and score on the time-ordered passes (a stat trace's window may be shorter than its totals)
+        weight, physical = series.logical.sum(axis=0), series.physical.sum(axis=0)
     expert_bytes = _expert_bytes(attrs, intermediate_size)
     plan = plan_placement(weight, series, config, deployed)
     greedy = greedy_rebalance(weight, config.replicas, config.groups, config.nodes, config.gpus)

@@ -36,6 +36,7 @@ from moetrace.analysis.placement import (
 )
 from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.analysis.source import select_layers
+from moetrace.data import olmoe_counts
 from moetrace.reference.drift import DriftSpec, drift_routes
 from moetrace.trace import open_trace
 
@@ -235,6 +236,8 @@ def test_cli_defaults_and_held_out_estimate(drift, tmp_path):
     odd = invoke("placement", drift["token"], "--gpus", "6", "--json")
     assert odd.exit_code == 0, odd.stderr
     assert json.loads(odd.stdout)["num_replicas"] == 66 and "rounded up" in json.loads(odd.stdout)["defaults_used"][0]
+    stat = json.loads(invoke("placement", drift["stat"], "--gpus", "8", "--json").stdout)  # a stat trace's window is time-ordered too
+    assert stat["in_sample"]["passes"] == PASSES and stat["held_out_estimate"]["windows"] == 4
     moved = invoke("placement", drift["token"], "--gpus", "8", "--current", tmp_path / "plan.json", "--json")
     assert json.loads(moved.stdout)["replicas_moved_from_current"] == 0  # the same data: the deployed plan stays
 
@@ -284,3 +287,27 @@ def test_cli_refuses_what_it_cannot_evaluate(drift, tmp_path):
     wrong.write_text(json.dumps({"phy2log": [[0] * 64] * 3}))
     result = invoke("placement", drift["token"], "--gpus", "8", "--current", wrong)
     assert result.exit_code == 2 and "without a slot" in result.stderr
+
+
+# ------------------------------------------------------------------------- the drift data
+def test_drift_routes_drift_and_follow_the_real_skew():
+    spec = DriftSpec(num_passes=120, tokens_per_pass=32, seed=2)
+    passes, request_domain, domains = drift_routes(spec)
+    again, _, _ = drift_routes(spec)
+    assert len(passes) == 120 and passes[0].shape == (32, 3, 8) and passes[0].dtype == np.int64
+    assert all((a == b).all() for a, b in zip(passes, again, strict=True))  # seeded
+    assert all(len(np.unique(p[t, layer])) == 8 for p in passes[:5] for t in range(32) for layer in range(3))  # distinct top-8
+    assert sorted(domains) == sorted(olmoe_counts()["expert_counts"]) and request_domain.shape == (120, 4)
+    # The mix moves: the first and last 30 passes draw their requests from different domains.
+    first, last = (np.bincount(request_domain[s].ravel(), minlength=6) for s in (slice(0, 30), slice(90, 120)))
+    assert np.abs(first / first.sum() - last / last.sum()).sum() > 0.3
+    # The skew is real: a domain's hottest real experts stay hot in its routes.
+    counts = np.bincount(np.concatenate([p[:, 0].ravel() for p in passes]), minlength=64)
+    real = np.zeros(64)
+    for d, n in zip(*np.unique(request_domain, return_counts=True), strict=True):
+        real += n * np.asarray(olmoe_counts()["expert_counts"][domains[d]][0], dtype=np.float64) / np.sum(olmoe_counts()["expert_counts"][domains[d]][0])
+    assert np.corrcoef(np.argsort(np.argsort(counts)), np.argsort(np.argsort(real)))[0, 1] > 0.7
+    with pytest.raises(ValueError, match="multiple of requests_per_pass"):
+        DriftSpec(tokens_per_pass=30, requests_per_pass=4)
+    with pytest.raises(ValueError, match="positive integer"):
+        DriftSpec(num_passes=0)
