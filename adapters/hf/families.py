@@ -107,7 +107,10 @@ REPLAY_REFUSED: dict[str, str] = {
 }
 """Families the adapter observes but :func:`moetrace.adapters.hf.replay` refuses, with the reason."""
 
-REPLAY_TESTED: tuple[str, ...] = ("dbrx", "deepseek_v3", "gpt_oss", "jetmoe", "llama4", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+REPLAY_TESTED: tuple[str, ...] = (
+    "dbrx", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "glm4_moe", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "jetmoe", "llama4",
+    "minimax", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next",
+)
 """Families whose replay tests/divergence/test_replay_hf.py checks on tiny models (logits, routes, gradients)."""
 
 

@@ -15,10 +15,30 @@ from moetrace.analysis.divergence import route_divergence
 from moetrace.capturer import RoutedExpertsCapturer, encode_routed_experts
 from moetrace.replay import ReplayError
 from moetrace.routes import logical_ids, pad_routes
-from tests.adapters.hf_models import FAMILIES, VOCAB, hook_counts
+from tests.adapters.hf_models import COMMON, FAMILIES, VOCAB, _lm, hook_counts
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 NAMES = list(FAMILIES)
+
+# More families, replay-only (the adapter's own tests cover the nine above): (config, model, fields).
+MORE: dict[str, tuple[type, type, dict[str, object]]] = {
+    # GLM-4.5 MoE: sigmoid scores + selection bias, group-limited (2 groups, 1 kept), scaled.
+    "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM, dict(num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                                              topk_group=1, moe_intermediate_size=16, first_k_dense_replace=0, head_dim=8, **COMMON)),
+    "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM, dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, **COMMON)),
+    "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM, dict(num_hidden_layers=2, moe_num_experts=8, moe_k=2, moe_intermediate_size=16,
+                                                                            moe_layer_start_index=0, **COMMON)),
+    "hunyuan_v1_moe": (tf.HunYuanMoEV1Config, tf.HunYuanMoEV1ForCausalLM, dict(num_hidden_layers=2, num_experts=8, moe_topk=2, head_dim=8, **COMMON)),
+    "minimax": (tf.MiniMaxConfig, tf.MiniMaxForCausalLM, dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, head_dim=8,
+                                                              layer_types=["full_attention", "full_attention"], **COMMON)),
+    # DeepSeek-V2: group-limited greedy routing, MLA attention.
+    "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, dict(num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                                        first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                                        qk_nope_head_dim=8, v_head_dim=8, **{**COMMON, "num_key_value_heads": 4})),
+    "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                                     shared_expert_intermediate_size=16, head_dim=8,
+                                                                     layer_types=["full_attention", "full_attention"], **COMMON)),
+}
 
 
 def _inputs(batch: int = 2, length: int = 7, seed: int = 1) -> torch.Tensor:
@@ -55,7 +75,7 @@ def models() -> dict[str, torch.nn.Module]:
 
 
 def test_tested_families_are_the_ones_run_here() -> None:
-    assert set(REPLAY_TESTED) == set(NAMES)
+    assert set(REPLAY_TESTED) == set(NAMES) | set(MORE)
     coverage = replay_coverage()
     assert all(coverage[name] == "tested" for name in NAMES)
     assert all(coverage[name].startswith("refused") for name in REPLAY_REFUSED)
@@ -74,6 +94,25 @@ def test_replaying_own_routes_reproduces_logits_and_routes(name: str, models: di
     assert hook_counts(model) == baseline and not handle.active
     assert (replayed_logits - logits).abs().max().item() <= 1e-6
     np.testing.assert_array_equal(replayed_routes, routes)
+
+
+@pytest.mark.parametrize("name", sorted(MORE))
+def test_more_families_replay_own_and_forced_routes(name: str) -> None:
+    config, cls, fields = MORE[name]
+    model = _lm(config, cls, **fields)()
+    ids = _inputs()
+    logits, routes = capture(model, ids)
+    with hf.replay(model, routes):
+        replayed_logits, replayed = capture(model, ids)
+    assert (replayed_logits - logits).abs().max().item() <= 1e-6
+    np.testing.assert_array_equal(replayed, routes)
+    sites = hf.find_moe_sites(model)
+    experts, k = sites[0].num_experts, routes.shape[-1]
+    rng = np.random.default_rng(0)
+    forced = np.stack([rng.permutation(experts)[:k] for _ in range(ids.numel() * len(sites))]).reshape(*ids.shape, len(sites), k)
+    with hf.replay(model, forced):
+        _, followed = capture(model, ids)
+    np.testing.assert_array_equal(followed[..., [s.layer_id for s in sites], :], forced)
 
 
 @pytest.mark.parametrize("name", NAMES)
