@@ -108,8 +108,9 @@ REPLAY_REFUSED: dict[str, str] = {
 """Families the adapter observes but :func:`moetrace.adapters.hf.replay` refuses, with the reason."""
 
 REPLAY_TESTED: tuple[str, ...] = (
-    "dbrx", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "glm4_moe", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "jetmoe", "llama4",
-    "minimax", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next",
+    "afmoe", "cohere2_moe", "dbrx", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "glm4_moe",
+    "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "jetmoe", "laguna", "lfm2_moe", "llama4", "mellum",
+    "mimo_v2_flash", "minimax", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open",
 )
 """Families whose replay tests/divergence/test_replay_hf.py checks on tiny models (logits, routes, gradients)."""
 
