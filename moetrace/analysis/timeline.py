@@ -51,6 +51,7 @@ def build_timeline(trace: Trace, first: int | None = None, stop: int | None = No
         keep &= rows["pass_id"] < stop
     rows = {name: array[keep] for name, array in rows.items()}
     num_ranks = trace.timing_stat()["phase_seconds_sum"].shape[0]
+    labels = list(range(num_ranks)) if num_ranks > 1 else [max(int(trace.attrs["rank"]), 0)]  # a per-rank file: its rank
     pass_ids, grid = per_pass_matrix(rows, num_ranks)
     if not len(pass_ids):
         raise ValueError(f"{trace.path}: no pass in [{first}, {stop}) was timed on every rank; widen --passes")
@@ -59,33 +60,33 @@ def build_timeline(trace: Trace, first: int | None = None, stop: int | None = No
     per_token_bytes = int(trace.attrs.get("hidden_size", 0)) * int(trace.attrs.get("dtype_bytes", 0))
     epoch = float(np.min(grid["start_unix"]))
     events: list[dict[str, Any]] = []
-    for r in range(num_ranks):
-        events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
+    for pid in labels:
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"rank {pid}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
         for name, tid in PHASE_TID.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": name}})
-            events.append({"name": "thread_sort_index", "ph": "M", "pid": r, "tid": tid, "args": {"sort_index": tid}})
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
     for n, pass_id in enumerate(pass_ids):
         pid = int(pass_id)
-        for r in range(num_ranks):
+        for r, rank in enumerate(labels):
             base = (grid["start_unix"][n, r] - epoch) * 1e6
             tokens = received[n, :, r] if received is not None else None
-            events.append({"name": f"pass {pid}", "cat": "step", "ph": "X", "pid": r, "tid": PHASE_TID["step"],
+            events.append({"name": f"pass {pid}", "cat": "step", "ph": "X", "pid": rank, "tid": PHASE_TID["step"],
                            "ts": base, "dur": grid["step"][n, r] * 1e6, "args": {"pass": pid}})
             if tokens is not None:
-                events.append({"name": "tokens", "ph": "C", "pid": r, "tid": 0, "ts": base, "args": {"tokens": float(tokens.sum())}})
+                events.append({"name": "tokens", "ph": "C", "pid": rank, "tid": 0, "ts": base, "args": {"tokens": float(tokens.sum())}})
             for i, layer_id in enumerate(layers):
                 args = {"pass": pid, "layer": int(layer_id)}
                 if tokens is not None:
                     args.update(tokens=int(tokens[i]), bytes=int(tokens[i]) * per_token_bytes)
                 start = grid["layer_start"][n, r, i]
                 if np.isfinite(start):
-                    events.append({"name": f"layer {int(layer_id)}", "cat": "layer", "ph": "X", "pid": r, "tid": PHASE_TID["layer"],
+                    events.append({"name": f"layer {int(layer_id)}", "cat": "layer", "ph": "X", "pid": rank, "tid": PHASE_TID["layer"],
                                    "ts": base + start * 1e6, "dur": grid["layer"][n, r, i] * 1e6, "args": args})
                 for f, phase in enumerate(PHASES):
                     start = grid["phase_start"][n, r, i, f]
                     if np.isfinite(start):
-                        events.append({"name": phase, "cat": "phase", "ph": "X", "pid": r, "tid": PHASE_TID[phase],
+                        events.append({"name": phase, "cat": "phase", "ph": "X", "pid": rank, "tid": PHASE_TID[phase],
                                        "ts": base + start * 1e6, "dur": grid["phase"][n, r, i, f] * 1e6, "args": args})
     return {
         "traceEvents": events,

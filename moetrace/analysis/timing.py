@@ -32,9 +32,12 @@ def _finite(x: float) -> float | None:
 
 
 def per_pass_matrix(rows: dict[str, np.ndarray], num_ranks: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """``/timing`` rows -> ``(pass_ids [N], {name: [N, R, ...]})`` over the passes every rank timed."""
+    """``/timing`` rows -> ``(pass_ids [N], {name: [N, R, ...]})`` over the passes every rank timed.
+
+    A per-rank file (``num_ranks == 1``) holds one rank whatever its number.
+    """
     pass_ids, index = np.unique(rows["pass_id"], return_inverse=True)
-    rank = rows["rank"].astype(np.int64)
+    rank = rows["rank"].astype(np.int64) if num_ranks > 1 else np.zeros(len(index), dtype=np.int64)
     present = np.zeros((len(pass_ids), num_ranks), dtype=bool)
     present[index, rank] = True
     complete = present.all(axis=1)
@@ -89,7 +92,7 @@ def _corr(x: np.ndarray, y: np.ndarray) -> float | None:
     return _finite(float(np.corrcoef(x, y)[0, 1]))
 
 
-def _phase_table(stat: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+def _phase_table(stat: dict[str, np.ndarray], labels: list[int]) -> list[dict[str, Any]]:
     """Per rank and phase: total, layer-passes, mean and P50/P95/P99 (from the fixed-bucket histograms)."""
     table = []
     total = stat["phase_seconds_sum"].sum(axis=1)  # [R, F]
@@ -102,7 +105,7 @@ def _phase_table(stat: dict[str, np.ndarray]) -> list[dict[str, Any]]:
             if not count[r, f]:
                 continue
             table.append({
-                "rank": r, "phase": name, "total_seconds": float(total[r, f]), "layer_passes": int(count[r, f]),
+                "rank": labels[r], "phase": name, "total_seconds": float(total[r, f]), "layer_passes": int(count[r, f]),
                 "mean_seconds": float(total[r, f] / count[r, f]),
                 **{f"p{q}_seconds": _finite(float(v[r, f])) for q, v in quantiles.items()},
             })
@@ -116,6 +119,7 @@ def analyze_timing(trace: Trace) -> dict[str, Any] | None:
     stat = trace.timing_stat()
     rows = trace.timing_rows()
     num_ranks = stat["phase_seconds_sum"].shape[0]
+    labels = list(range(num_ranks)) if num_ranks > 1 else [max(int(trace.attrs["rank"]), 0)]
     pass_ids, grid = per_pass_matrix(rows, num_ranks) if len(rows.get("pass_id", ())) else (np.zeros(0, np.int64), None)
     out: dict[str, Any] = {
         "clock": str(trace.attrs.get("timing_clock", "")),
@@ -124,7 +128,8 @@ def analyze_timing(trace: Trace) -> dict[str, Any] | None:
         "passes": len(pass_ids),
         "dropped_passes": [int(x) for x in np.atleast_1d(stat["timing_dropped_passes"])],
         "peak_memory_bytes": [_finite(float(x)) for x in np.atleast_1d(stat["peak_memory_bytes"])],
-        "phase_table": _phase_table(stat),
+        "rank_labels": labels,
+        "phase_table": _phase_table(stat, labels),
     }
     hidden, width = int(trace.attrs.get("hidden_size", 0)), int(trace.attrs.get("dtype_bytes", 0))
     if trace.has("stat/send_count") and hidden and width and num_ranks == trace.ep_size:

@@ -12,6 +12,8 @@ import torch
 import moetrace
 from moetrace import PHASES, ExpertDistributionRecorder, RecorderConfig, RecorderStateError
 from moetrace.analysis.report import analyze_trace
+from moetrace.analysis.timeline import build_timeline
+from moetrace.analysis.timing import analyze_timing
 from moetrace.reference import EPSpec, ModelConfig, ReferenceMoEModel
 from moetrace.testing import assert_no_host_sync
 from moetrace.timing import HISTOGRAM_EDGES, bucket_quantile
@@ -146,6 +148,9 @@ def test_streaming_modes_write_timing_rows_and_merge_joins_them(tmp_path, mode):
             assert a.timing_stat()["step_count"][0] == 7 and b.timing_stat()["step_count"][0] == 1
         with h5py.File(first, "r+") as f:  # per-rank files of one run, as EP ranks would write them
             f.attrs["rank"], f.attrs["world_size"], f.attrs["run_id"] = rank, 2, "shared-run"
+        with open_trace(first) as trace:  # a per-rank file analyses and draws as that rank
+            assert analyze_timing(trace)["rank_labels"] == [rank]
+            assert {e["pid"] for e in build_timeline(trace)["traceEvents"]} == {rank}
         paths.append(first)
     merged = merge_traces(paths, tmp_path / f"{mode}-merged.h5")
     with open_trace(merged) as trace:
