@@ -26,6 +26,7 @@ SGLang loads plugins in every process). Options come from ``MOETRACE_MODE``,
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -248,14 +249,17 @@ def instrument(
             logger.exception("moetrace: could not attach to SGLang's recorder; SGLang runs without moetrace")
             return built
 
+    # functools.wraps: inspect.signature (and a second instrument()) sees SGLang's own signature
     if takes_server_args:
 
+        @functools.wraps(original_init_new)
         def init_new(server_args: Any, expert_location_metadata: Any, rank: int, *args: Any, **kwargs: Any) -> Any:
             built = original_init_new(server_args, expert_location_metadata, rank, *args, **kwargs)
             return attach(built, server_args, expert_location_metadata, rank)
 
     else:
 
+        @functools.wraps(original_init_new)
         def init_new(expert_location_metadata: Any, rank: int, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
             built = original_init_new(expert_location_metadata, rank, *args, **kwargs)
             return attach(built, None, expert_location_metadata, rank)

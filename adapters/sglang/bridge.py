@@ -136,9 +136,10 @@ class RecorderBridge:
     def on_expert_location_update(self) -> None:
         """SGLang rebalanced (``ExpertLocationMetadata.update``, between forward passes).
 
-        What moetrace recorded under the old map is dumped first (one trace,
-        one map), then the recorder maps physical to logical ids with the new
-        ``physical_to_logical_map``.
+        What moetrace recorded under the old map and has not dumped yet is
+        dumped first, the recorder is reset (so that no trace mixes two maps:
+        ``stat`` dumps are cumulative), and it then maps physical to logical
+        ids with the new ``physical_to_logical_map``.
         """
         if self._broken is not None or self.metadata is None:
             return
@@ -148,9 +149,10 @@ class RecorderBridge:
             old = config.physical_to_logical
             if old is not None and (old == new).all():
                 return
-            if self.moetrace.recording and self.moetrace.undumped_passes:
+            if self.moetrace.undumped_passes:
                 path = self.moetrace.dump_record()
                 logger.info("moetrace: EPLB rebalance; wrote what was recorded under the old expert map to %s", path)
+            self.moetrace.reset()
             self.moetrace.config = config.replace(physical_to_logical=new)
         except Exception as exc:
             self._disable(exc)

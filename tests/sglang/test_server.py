@@ -11,15 +11,11 @@ returned.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +28,7 @@ from moetrace.adapters.sglang import read_routed_experts
 
 from moetrace.trace.reader import open_trace
 
+from ..servers import free_port, http_status, serve
 from .checkpoint import NUM_EXPERTS, NUM_LAYERS, TOP_K, build_checkpoint
 from .engine import CPU_ENV, ENGINE_ARGS, GENERATION, PROMPTS
 
@@ -59,20 +56,6 @@ def _flags(args: dict[str, Any]) -> list[str]:
     return flags
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status
-    except OSError:
-        return 0
-
-
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
@@ -89,38 +72,17 @@ def _cli(*args: str) -> str:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("server")
     checkpoint = build_checkpoint(root / "qwen3_moe")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ, **CPU_ENV, "MOETRACE_ENABLED": "1", "MOETRACE_MODE": "stat",
         "MOETRACE_OUTPUT_DIR": str(root / "moetrace"), "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR": str(root / "sglang"),
     }
     args = {**ENGINE_ARGS, "expert_distribution_recorder_mode": "stat", "enable_return_routed_experts": True}
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(checkpoint), "--host", "127.0.0.1", "--port", str(port), *_flags(args)]
-    log = root / "server.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while _get(url + "/health") != 200:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"SGLang server did not come up (exit {proc.poll()}); log tail:\n{log.read_text()[-3000:]}")
-            time.sleep(1.0)
+    log = root / "server.log"
+    with serve(command, env, log, url + "/health", START_TIMEOUT):
         yield Server(url, root / "moetrace", root / "sglang", log)
-    finally:
-        _stop(proc)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (it spawns scheduler and detokenizer processes), then SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, 60.0), (signal.SIGKILL, 30.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @pytest.fixture(scope="module")
@@ -172,4 +134,4 @@ def test_sglang_endpoints_keep_working_over_http(server: Server, recorded: dict[
         with urllib.request.urlopen(request, timeout=60) as response:
             assert response.status == 200
     assert len(set(server.sglang_dir.glob("*.pt")) - before) == 1
-    assert _get(server.url + "/health") == 200
+    assert http_status(server.url + "/health") == 200

@@ -1,0 +1,187 @@
+"""The bridge against SGLang's real recorder classes in this process (no engine): what the live tests cannot provoke.
+
+SGLang's runtime context is published from a real ``ServerArgs`` (as its
+scheduler does), the ``ExpertLocationMetadata`` is built with SGLang's own
+constructor (10 physical slots: experts 0..7 plus replicas of 3 and 5), and
+SGLang's model runner is played by calling ``ExpertDistributionRecorder.init_new``
+and the recorder's context managers in the order ``model_runner.forward`` does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from moetrace.adapters import UnsupportedVersionError
+from moetrace.adapters import sglang as adapter
+
+from moetrace.testing import assert_no_host_sync
+from moetrace.trace.reader import open_trace
+
+from .checkpoint import NUM_EXPERTS, NUM_LAYERS, TOP_K, build_checkpoint
+from .engine import CPU_ENV, environment
+
+REPLICAS = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 3, 5])
+PHYSICAL = len(REPLICAS)
+
+
+@pytest.fixture(scope="module")
+def context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    checkpoint = build_checkpoint(tmp_path_factory.mktemp("qwen3_moe"))
+    with environment(CPU_ENV):  # before SGLang's modules load: they read it at import
+        from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+        from sglang.srt.server_args import ServerArgs
+
+        reset_context()
+        publish(ServerArgs(model_path=str(checkpoint), device="cpu", expert_distribution_recorder_mode="stat"), role="test", ranks=SpawnRanks(world_rank=0))
+        try:
+            yield
+        finally:
+            reset_context()
+
+
+@pytest.fixture
+def out(context: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MOETRACE_OUTPUT_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _metadata(physical_to_logical: torch.Tensor) -> Any:
+    from sglang.srt.eplb.expert_location import (
+        ExpertLocationMetadata,
+        _compute_logical_to_all_physical_map,
+    )
+
+    mapping = physical_to_logical.repeat(NUM_LAYERS, 1)
+    return ExpertLocationMetadata._init_raw(
+        ep_size=1, physical_to_logical_map=mapping, moe_ep_rank=0,
+        logical_to_all_physical_map=_compute_logical_to_all_physical_map(mapping, NUM_EXPERTS, 1, 0),
+    )
+
+
+def _module() -> Any:
+    from sglang.srt.eplb import expert_distribution
+
+    return expert_distribution
+
+
+def _pass(recorder: Any, pass_id: int, ids_of_layer: dict[int, torch.Tensor]) -> Any:
+    """One forward pass as SGLang's model runner and decoder layers drive the global recorder."""
+    with recorder.with_forward_pass(pass_id, None) as outputs:
+        for layer, ids in ids_of_layer.items():
+            with recorder.with_current_layer(layer):
+                recorder.on_select_experts(topk_ids=ids)
+    return outputs
+
+
+@pytest.fixture
+def bridged(out: Path) -> Iterator[tuple[Any, Any]]:
+    handle = adapter.instrument()
+    module = _module()
+    metadata = _metadata(REPLICAS)
+    module.set_global_expert_distribution_recorder(module.ExpertDistributionRecorder.init_new(metadata, 0))
+    yield handle, metadata
+    handle.uninstrument()
+
+
+def test_bridge_counts_physical_ids_and_yields_sglangs_outputs(bridged: tuple[Any, Any], out: Path) -> None:
+    handle, _ = bridged
+    bridge = _module().get_global_expert_distribution_recorder()
+    assert isinstance(bridge, adapter.RecorderBridge) and bridge is handle.bridge
+    cfg = handle.recorder.config
+    assert (cfg.num_layers, cfg.num_physical_experts, cfg.top_k, cfg.engine) == (NUM_LAYERS, PHYSICAL, TOP_K, "sglang")
+    bridge.start_record()
+    outputs = _pass(bridge, 0, {1: torch.tensor([[0, 8], [9, -1]])})  # -1: a padded row's slot
+    assert outputs == {}  # SGLang's own dict (the model runner reads .get("metrics"))
+    counts = handle.recorder.snapshot().physical_count
+    assert counts[1].tolist() == [1, 0, 0, 0, 0, 0, 0, 0, 1, 1] and counts.sum() == 3
+    np.testing.assert_array_equal(handle.recorder.snapshot().logical_count[1], [1, 0, 0, 1, 0, 1, 0, 0])
+
+
+def test_hooks_never_sync_host_and_device(bridged: tuple[Any, Any]) -> None:
+    handle, _ = bridged
+    bridge = handle.bridge
+    bridge.start_record()
+    ids = torch.randint(0, PHYSICAL, (6, TOP_K))
+    with bridge.with_forward_pass(0, None), bridge.with_current_layer(2), assert_no_host_sync():
+        bridge.on_select_experts(topk_ids=ids)
+    assert handle.recorder.snapshot().physical_count.sum() == 6 * TOP_K
+
+
+def test_a_moetrace_error_is_logged_once_and_never_reaches_sglang(bridged: tuple[Any, Any], caplog: pytest.LogCaptureFixture) -> None:
+    handle, _ = bridged
+    bridge = handle.bridge
+    bridge.start_record()
+    gatherer = bridge.sglang._single_pass_gatherers["primary"]
+    with caplog.at_level(logging.ERROR):
+        # e.g. fused shared experts append a column: 3 ids per token where moetrace expects top_k=2
+        _pass(bridge, 0, {0: torch.tensor([[1, 2, 3]]), 1: torch.tensor([[1, 2, 3]])})
+    assert bridge.error is not None and "top_k=2" in bridge.error
+    assert caplog.text.count("recording disabled") == 1
+    assert int(gatherer._data.sum()) == 6  # SGLang's recorder counted every id of both layers
+    _pass(bridge, 1, {0: torch.tensor([[1, 2]])})  # later passes run, moetrace stays off
+    assert handle.recorder.snapshot().physical_count.sum() == 0
+
+
+def test_fused_count_buffer_is_declined_while_moetrace_records(bridged: tuple[Any, Any]) -> None:
+    handle, _ = bridged
+    bridge = handle.bridge
+    bridge.start_record()
+    with bridge.with_forward_pass(0, None):
+        assert bridge.get_current_pass_count_buffer(0) is None  # SGLang takes its unfused path: on_select_experts
+    bridge.stop_record()
+    bridge.sglang.start_record()  # SGLang recording alone: its own buffer
+    with bridge.with_forward_pass(1, None):
+        theirs = bridge.sglang.get_current_pass_count_buffer(0)
+        assert theirs is not None and bridge.get_current_pass_count_buffer(0).data_ptr() == theirs.data_ptr()
+
+
+def test_eplb_rebalance_dumps_under_the_old_map_then_remaps(bridged: tuple[Any, Any], out: Path) -> None:
+    handle, metadata = bridged
+    bridge = handle.bridge
+    bridge.start_record()
+    _pass(bridge, 0, {0: torch.tensor([[8, 9]])})  # replicas of 3 and 5
+    rebalanced = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 1, 2])
+    metadata.update(_metadata(rebalanced), update_layer_ids=list(range(NUM_LAYERS)))  # what EPLB's updater calls
+    (before,) = out.glob("moetrace-*.h5")
+    with open_trace(before) as trace:
+        assert trace.logical_count()[0].tolist() == [0, 0, 0, 1, 0, 1, 0, 0]
+    np.testing.assert_array_equal(handle.recorder.config.physical_to_logical[0], rebalanced.numpy())
+    _pass(bridge, 1, {0: torch.tensor([[8, 9]])})  # the same slots now hold experts 1 and 2
+    assert handle.recorder.snapshot().logical_count[0].tolist() == [0, 1, 1, 0, 0, 0, 0, 0]  # only the new map's pass
+    metadata.update(_metadata(rebalanced), update_layer_ids=[0])  # no change: no dump
+    assert len(list(out.glob("moetrace-*.h5"))) == 1
+
+
+def test_late_plugin_bridges_the_existing_recorder_and_uninstrument_restores(out: Path) -> None:
+    from sglang.srt.eplb.expert_location import ExpertLocationMetadata
+
+    module = _module()
+    factory, update = vars(module.ExpertDistributionRecorder)["init_new"], ExpertLocationMetadata.update
+    inner = module.ExpertDistributionRecorder.init_new(_metadata(REPLICAS), 0)
+    module.set_global_expert_distribution_recorder(inner)
+    handle = adapter.instrument(mode="per_pass")
+    bridge = module.get_global_expert_distribution_recorder()
+    assert bridge is handle.bridge and bridge.sglang is inner and handle.recorder.mode == "per_pass"
+    assert adapter.instrument() is handle  # idempotent
+    assert handle.uninstrument() == []
+    assert module.get_global_expert_distribution_recorder() is inner
+    assert vars(module.ExpertDistributionRecorder)["init_new"] is factory and ExpertLocationMetadata.update is update
+
+
+def test_other_init_new_signatures_are_refused(context: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _module()
+    assert list(inspect.signature(module.ExpertDistributionRecorder.init_new).parameters) == ["expert_location_metadata", "rank"]
+
+    def init_new(metadata: Any) -> Any:
+        return None
+
+    monkeypatch.setattr(module.ExpertDistributionRecorder, "init_new", staticmethod(init_new))
+    with pytest.raises(UnsupportedVersionError, match=r"0\.5\.23: ExpertDistributionRecorder.init_new takes \['metadata'\]"):
+        adapter.instrument()
