@@ -33,6 +33,9 @@ def print_timing(timing: dict[str, Any] | None, console: Console) -> None:
                       _ms(row["p50_seconds"]), _ms(row["p95_seconds"]), _ms(row["p99_seconds"]))
     console.print(table)
     step = timing.get("step_seconds")
+    if not timing.get("expert_timed", True):
+        console.print("no expert phase was timed (the engine brackets other phases only): stragglers are not judged")
+        return
     if step is None:
         console.print("no pass was timed on every rank: no per-pass figures")
         return

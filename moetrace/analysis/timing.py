@@ -140,8 +140,9 @@ def analyze_timing(trace: Trace) -> dict[str, Any] | None:
             sent = exchanged_bytes(int(remote_copies(send[r], r).sum()), hidden, width)
             gbps.append(_finite(sent / exchange_s[r] / 1e9) if exchange_s[r] > 0 else None)
         out["alltoall_gbps"] = gbps
-    if grid is None or not len(pass_ids):
-        return out
+    out["expert_timed"] = bool(stat["phase_count"][..., _EXPERT].any())
+    if grid is None or not len(pass_ids) or not out["expert_timed"]:
+        return out  # no per-pass rows on every rank, or no expert phase: stragglers cannot be judged
     phase = np.nan_to_num(grid["phase"])  # [N, R, L, F]
     expert = phase[..., _EXPERT]  # [N, R, L]
     step = grid["step"].max(axis=1)  # [N] the slowest rank bounds the step

@@ -170,3 +170,15 @@ def test_version_1_traces_stay_readable(tmp_path):
     assert report.timing is None and report.to_dict()["timing"] is None
     with open_trace(path) as trace, pytest.raises(Exception, match="no phase timing"):
         trace.timing_rows()
+
+
+def test_without_an_expert_phase_stragglers_are_not_judged(tmp_path):
+    recorder = ExpertDistributionRecorder(_config(tmp_path))
+    recorder.start_record()
+    for _ in range(2):
+        with recorder.with_forward_pass(), recorder.with_current_layer(0), recorder.with_phase("route"):
+            pass
+    with open_trace(recorder.dump_record(tmp_path / "route-only.h5")) as trace:
+        report = analyze_timing(trace)
+    assert report["expert_timed"] is False and "slowest_rank_share" not in report
+    assert [row["phase"] for row in report["phase_table"]] == ["route"]
