@@ -107,7 +107,7 @@ def _in_sample_table(console: Console, layer_ids: list[int], figures: dict[str, 
     c = config
     table = Table(
         title=f"In-sample balancedness per layer: planned and scored on the same passes (a fit, not a forecast)\n"
-        f"{c.replicas} slots, {c.groups} groups, {c.nodes} nodes, {c.gpus} GPUs ({'hierarchical' if plan.hierarchical else 'global'})",
+        f"{c.replicas} slots, {c.groups} groups, {c.nodes} nodes, {c.gpus} GPUs ({'hierarchical' if plan.hierarchical and c.groups > 1 else 'global'})",
         title_justify="left",
     )
     for col in ("layer", "current", "greedy", "moetrace", "max replicas"):

@@ -215,17 +215,13 @@ def _peak_without_pairs(loads: np.ndarray) -> np.ndarray:
 
     ``loads`` is ``[S, K]``; only the three heaviest packs of each scenario can be the answer.
     """
-    num_scenarios, packs = loads.shape
-    top = min(3, packs)
-    index = np.argsort(-loads, axis=1, kind="stable")[:, :top]  # [S, 3]
-    value = np.take_along_axis(loads, index, axis=1)
-    a = np.arange(packs)[:, None, None]
-    b = np.arange(packs)[None, :, None]
-    out = np.empty((num_scenarios, packs, packs))
-    for s in range(num_scenarios):
-        allowed = (index[s][None, None, :] != a) & (index[s][None, None, :] != b)  # [K, K, 3]
-        out[s] = np.where(allowed, value[s][None, None, :], -np.inf).max(axis=2)
-    return out
+    packs = loads.shape[1]
+    index = np.argsort(-loads, axis=1, kind="stable")[:, : min(3, packs)]  # [S, 3]
+    value = np.take_along_axis(loads, index, axis=1)[:, None, None, :]
+    pack = np.arange(packs)
+    top = index[:, None, None, :]
+    allowed = (top != pack[None, :, None, None]) & (top != pack[None, None, :, None])  # [S, K, K, 3]
+    return np.where(allowed, value, -np.inf).max(axis=3)
 
 
 def _refine_pack_scenarios(weight: np.ndarray, pack: np.ndarray, num_packs: int) -> np.ndarray:
