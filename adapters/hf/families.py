@@ -109,8 +109,9 @@ REPLAY_REFUSED: dict[str, str] = {
 
 REPLAY_TESTED: tuple[str, ...] = (
     "afmoe", "cohere2_moe", "dbrx", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "glm4_moe",
-    "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "jetmoe", "laguna", "lfm2_moe", "llama4", "mellum",
-    "mimo_v2_flash", "minimax", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open",
+    "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "inkling", "inkling2",
+    "jetmoe", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "mistral4",
+    "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open",
 )
 """Families whose replay tests/divergence/test_replay_hf.py checks on tiny models (logits, routes, gradients)."""
 

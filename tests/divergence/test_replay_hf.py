@@ -100,8 +100,28 @@ def models() -> dict[str, torch.nn.Module]:
     return {name: FAMILIES[name].build() for name in NAMES}
 
 
+# Families whose configuration takes a subset of these fields (only the accepted ones are passed).
+_TINY = dict(num_hidden_layers=2, num_experts=8, n_routed_experts=8, num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8,
+             first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+             layer_types=None, pad_token_id=0, eos_token_id=1, bos_token_id=2, **{**COMMON, "num_key_value_heads": 4})
+GENERIC = {
+    "granitemoe_swa": "GraniteMoeSWAForCausalLM", "hy_v3": "HYV3ForCausalLM", "inkling": "InklingForCausalLM", "inkling2": "Inkling2ForCausalLM",
+    "kolibri1": "Kolibri1ForCausalLM", "lara_mini": "LaraMiniForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "mistral4": "Mistral4ForCausalLM",
+}
+
+
+def _generic(family: str) -> tuple[type, type, dict[str, object]]:
+    import importlib
+    import inspect
+
+    module = importlib.import_module(f"transformers.models.{family}")
+    cls = getattr(module, GENERIC[family])
+    accepted = inspect.signature(cls.config_class.__init__).parameters
+    return cls.config_class, cls, {k: v for k, v in _TINY.items() if k in accepted or k.endswith("_token_id")}
+
+
 def test_tested_families_are_the_ones_run_here() -> None:
-    assert set(REPLAY_TESTED) == set(NAMES) | set(MORE)
+    assert set(REPLAY_TESTED) == set(NAMES) | set(MORE) | set(GENERIC)
     coverage = replay_coverage()
     assert all(coverage[name] == "tested" for name in NAMES)
     assert all(coverage[name].startswith("refused") for name in REPLAY_REFUSED)
@@ -122,9 +142,9 @@ def test_replaying_own_routes_reproduces_logits_and_routes(name: str, models: di
     np.testing.assert_array_equal(replayed_routes, routes)
 
 
-@pytest.mark.parametrize("name", sorted(MORE))
+@pytest.mark.parametrize("name", sorted(MORE) + sorted(GENERIC))
 def test_more_families_replay_own_and_forced_routes(name: str) -> None:
-    config, cls, fields = MORE[name]
+    config, cls, fields = MORE[name] if name in MORE else _generic(name)
     model = _lm(config, cls, **fields)()
     ids = _inputs()
     logits, routes = capture(model, ids)
