@@ -13,18 +13,25 @@ baselines taken in the same run on the same array:
   forward keeps when the writer cannot), and the hooks alone (``stat`` mode, nothing
   streamed) as the ceiling. Figures: million ids/s, MB/s of raw ids as int16 (the unit
   of the issue's 26 MB/s and 150 MB/s figures: 2 bytes per id) and as stored (int8),
-  file size, segments, RSS growth (bounded memory).
+  file size, segments, RSS growth (bounded memory); variants interleaved over 3 rounds,
+  the median kept. ``--versus DIR`` also times the default ``per_token`` path of an
+  older moetrace source tree (``git archive <commit> | tar -x -C DIR``) against this one,
+  alternating fresh processes (median of 5).
 - baselines for the same ``[M, L, k]`` int8 array: ``numpy.save`` (no fsync) and a raw
   memory copy (``numpy.copyto`` into a preallocated array).
 - ``per_pass``: ``[L, P]`` counts per pass (DeepSeek-V3-like L=61, P=256), per compression.
 - ``stat`` dump: a full window ``[W, L, P]`` int32 plus totals, per compression, against
-  ``numpy.save`` of the window array.
+  ``numpy.save`` of the window array without and with ``fsync`` (the dump fsyncs):
+  medians of interleaved rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import write_results
+from harness import interleaved, write_results
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.trace import open_trace
@@ -130,7 +137,8 @@ def pass_stream(tmp: Path, passes: int, compression: str) -> dict[str, float]:
     return out
 
 
-def stat_dump(tmp: Path, window: int, compression: str) -> dict[str, float]:
+def stat_dump(tmp: Path, window: int, compression: str, rounds: int) -> dict[str, float]:
+    """Median of ``rounds`` interleaved dumps of one full window vs ``numpy.save`` (with and without fsync)."""
     layers, experts = 61, 256
     rec = ExpertDistributionRecorder(RecorderConfig(num_layers=layers, num_physical_experts=experts, top_k=8, window=window, output_dir=tmp, compression=compression, segment_seconds=0))
     rec.start_record()
@@ -139,38 +147,84 @@ def stat_dump(tmp: Path, window: int, compression: str) -> dict[str, float]:
         with rec.with_forward_pass():
             for layer in range(layers):
                 rec.on_select_experts(ids, layer=layer)
-    start = time.perf_counter()
-    path = rec.dump_record(tmp / "stat.h5")
-    dump_s = time.perf_counter() - start
     array = rec._window.counts.numpy()
-    start = time.perf_counter()
-    np.save(tmp / "stat.npy", array)
-    save_s = time.perf_counter() - start
-    out = {"raw_mb": array.nbytes / 1e6, "file_mb": path.stat().st_size / 1e6, "moetrace_mb_s": array.nbytes / 1e6 / dump_s,
-           "numpy_mb_s": array.nbytes / 1e6 / save_s, "ratio": save_s / dump_s}
-    path.unlink()
+
+    def save(sync: bool) -> None:
+        with open(tmp / "stat.npy", "wb") as fh:
+            np.save(fh, array)
+            if sync:
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    times = interleaved({"dump": lambda: rec.dump_record(tmp / "stat.h5"), "save": lambda: save(False), "save_fsync": lambda: save(True)}, rounds=rounds, warmup=1)
+    mb = array.nbytes / 1e6
+    out = {"raw_mb": mb, "file_mb": (tmp / "stat.h5").stat().st_size / 1e6, "moetrace_mb_s": mb / times["dump"], "numpy_mb_s": mb / times["save"],
+           "numpy_fsync_mb_s": mb / times["save_fsync"], "ratio": times["save"] / times["dump"], "ratio_fsync": times["save_fsync"] / times["dump"]}
+    (tmp / "stat.h5").unlink()
     return out
+
+
+def default_per_token(tokens: int) -> dict[str, float]:
+    """The per_token workload with the recorder's defaults only (an API every moetrace version has)."""
+    rng = np.random.default_rng(1)
+    routes = [torch.as_tensor(zipf_ids(rng, PER_PASS, EXPERTS, TOP_K)) for _ in range(LAYERS)]
+    with tempfile.TemporaryDirectory() as name:
+        rec = ExpertDistributionRecorder(RecorderConfig(num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K, mode="per_token", output_dir=name, max_tokens_per_pass=PER_PASS))
+        rec.start_record()
+        start = time.perf_counter()
+        for _ in range(tokens // PER_PASS):
+            with rec.with_forward_pass():
+                for layer in range(LAYERS):
+                    rec.on_select_experts(routes[layer], layer=layer)
+        path = rec.dump_record(Path(name) / "t.h5")
+        seconds = time.perf_counter() - start
+        ids = tokens // PER_PASS * PER_PASS * LAYERS * TOP_K
+        return {"mb_s_int16": 2 * ids / seconds / 1e6, "file_mb": path.stat().st_size / 1e6}
+
+
+def versus(source: Path, tokens: int, rounds: int) -> dict[str, object]:
+    """``default_per_token`` of the moetrace at ``source`` (e.g. an older checkout) and of this one,
+    alternating in fresh processes round by round; medians."""
+    figures: dict[str, list[dict[str, float]]] = {"before": [], "now": []}
+    here = Path(__file__).resolve()
+    for _ in range(rounds):
+        for label, path in (("before", source), ("now", here.parents[1])):
+            env = {**os.environ, "PYTHONPATH": str(path)}
+            out = subprocess.run([sys.executable, str(here), "--child-default", str(tokens)], env=env, capture_output=True, text=True, check=True)
+            figures[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    median = {label: float(np.median([f["mb_s_int16"] for f in runs])) for label, runs in figures.items()}
+    return {"source": str(source), "rounds": rounds, "tokens": tokens, "runs": figures, "median_mb_s_int16": median, "speedup": median["now"] / median["before"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller arrays")
+    parser.add_argument("--versus", type=Path, help="also time the default per_token path of the moetrace source tree at this path (an older checkout) against this one")
+    parser.add_argument("--child-default", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    tokens, passes, window = (131072, 256, 64) if args.quick else (1048576, 1024, 256)
     torch.set_num_threads(1)
+    if args.child_default:
+        print(json.dumps(default_per_token(args.child_default)))
+        return
+    tokens, passes, window = (131072, 256, 64) if args.quick else (524288, 1024, 256)
     results: dict[str, object] = {"workload": {"tokens": tokens, "layers": LAYERS, "experts": EXPERTS, "top_k": TOP_K, "tokens_per_pass": PER_PASS}}
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         results["baselines"] = baselines(tmp, tokens)
-        per_token: dict[str, dict[str, float]] = {"hooks only (stat mode)": token_stream(tmp, tokens, mode="stat", segment_seconds=0)}
-        for spec in compressions():
-            per_token[spec] = token_stream(tmp, tokens, compression=spec)
-        per_token["lzf, 8 MiB segments"] = token_stream(tmp, tokens, compression="lzf", segment_bytes=8 * 2**20)
-        per_token["none, 8 MiB segments"] = token_stream(tmp, tokens, compression="none", segment_bytes=8 * 2**20)
-        per_token["gzip:1, on_overflow=drop"] = token_stream(tmp, tokens, compression="gzip:1", on_overflow="drop")
+        variants: dict[str, dict[str, object]] = {"hooks only (stat mode)": {"mode": "stat", "segment_seconds": 0}}
+        variants.update({spec: {"compression": spec} for spec in compressions()})
+        variants["lzf, 8 MiB segments"] = {"compression": "lzf", "segment_bytes": 8 * 2**20}
+        variants["none, 8 MiB segments"] = {"compression": "none", "segment_bytes": 8 * 2**20}
+        variants["gzip:1, on_overflow=drop"] = {"compression": "gzip:1", "on_overflow": "drop"}
+        rounds: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+        for r in range(1 if args.quick else 3):  # interleaved rounds, rotated order; the median round is kept
+            names = list(variants)
+            for variant in names[r % len(names) :] + names[: r % len(names)]:
+                rounds[variant].append(token_stream(tmp, tokens, **variants[variant]))  # type: ignore[arg-type]
+        per_token = {name: sorted(runs, key=lambda f: f["mids_per_s"])[len(runs) // 2] for name, runs in rounds.items()}
         results["per_token"] = per_token
         results["per_pass"] = {spec: pass_stream(tmp, passes, spec) for spec in ("none", "lzf", "gzip:1")}
-        results["stat_dump"] = {spec: stat_dump(tmp, window, spec) for spec in ("none", "lzf", "gzip:1")}
+        results["stat_dump"] = {spec: stat_dump(tmp, window, spec, rounds=3 if args.quick else 7) for spec in ("none", "lzf", "gzip:1")}
     base = results["baselines"]
     print(f"baselines: numpy.save {base['numpy_save_mb_s_int16']:.0f} MB/s, memory copy {base['memcpy_mb_s_int16']:.0f} MB/s (int16-equivalent)")  # type: ignore[index]
     print(f"{'per_token':<28}{'M ids/s':>9}{'MB/s i16':>10}{'file MB':>9}{'segments':>9}{'dump s':>8}{'dropped':>9}{'RSS MB':>8}")
@@ -179,7 +233,11 @@ def main() -> None:
     for name, r in results["per_pass"].items():  # type: ignore[union-attr]
         print(f"per_pass {name:<19}{r['passes_per_s']:>9.0f} passes/s {r['mb_s']:>7.0f} MB/s  file {r['file_mb']:.1f} of {r['raw_mb']:.1f} MB")
     for name, r in results["stat_dump"].items():  # type: ignore[union-attr]
-        print(f"stat dump {name:<18}{r['moetrace_mb_s']:>9.0f} MB/s vs numpy.save {r['numpy_mb_s']:.0f} MB/s = {r['ratio']:.2f}x  file {r['file_mb']:.1f} of {r['raw_mb']:.1f} MB")
+        print(f"stat dump {name:<18}{r['moetrace_mb_s']:>9.0f} MB/s vs numpy.save {r['numpy_mb_s']:.0f} MB/s = {r['ratio']:.2f}x, "
+              f"vs numpy.save + fsync {r['numpy_fsync_mb_s']:.0f} MB/s = {r['ratio_fsync']:.2f}x  file {r['file_mb']:.1f} of {r['raw_mb']:.1f} MB")
+    if args.versus:
+        results["versus"] = v = versus(args.versus, tokens // 2, rounds=3 if args.quick else 5)
+        print(f"default per_token path, before ({args.versus}) vs now: {v['median_mb_s_int16']['before']:.0f} vs {v['median_mb_s_int16']['now']:.0f} MB/s = {v['speedup']:.1f}x")  # type: ignore[index]
     print(f"wrote {write_results('dump_throughput', results)}")
 
 

@@ -57,8 +57,18 @@ def _ep(d: dict) -> list[Row]:
 
 
 def _dump(d: dict) -> list[Row]:
-    return [("dump throughput", f"{name}: moetrace vs numpy.save", f"{r['moetrace_mb_s']:.0f} vs {r['numpy_mb_s']:.0f} MB/s ({r['file_mb']:.1f} MB file for {r['raw_mb']:.1f} MB raw)")
-            for name, r in d.items() if isinstance(r, dict) and "moetrace_mb_s" in r]
+    base, tok = d["baselines"], d["per_token"]
+    rows = [("dump throughput", f"per_token record + stream + dump, {name} (MB/s of ids as int16)",
+             f"{tok[name]['mb_s_int16']:.0f} vs numpy.save {base['numpy_save_mb_s_int16']:.0f}, memory copy {base['memcpy_mb_s_int16']:.0f} ({tok[name]['file_mb']:.0f} MB file)")
+            for name in ("hooks only (stat mode)", "none", "lzf", "zstd:1") if name in tok]
+    if "versus" in d:
+        v = d["versus"]
+        rows.append(("dump throughput", "per_token default path, before this change vs now (fresh processes, alternating)",
+                     f"{v['median_mb_s_int16']['before']:.0f} vs {v['median_mb_s_int16']['now']:.0f} MB/s = {v['speedup']:.1f}x"))
+    r = d["stat_dump"]["none"]
+    rows.append(("dump throughput", "stat dump (compression none) vs numpy.save; vs numpy.save + fsync",
+                 f"{r['ratio']:.2f}x; {r['ratio_fsync']:.2f}x ({r['moetrace_mb_s']:.0f} MB/s)"))
+    return rows
 
 
 def _analysis(d: dict) -> list[Row]:
