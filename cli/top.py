@@ -20,6 +20,7 @@ import dataclasses
 import select
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Annotated
@@ -46,6 +47,7 @@ class Endpoint:
 
     url: str
     error: str | None = None
+    gone: bool = True  # with ``error``: unreachable (True) or answering with an HTTP error (False)
     rank: int | None = None
     passes: float = 0.0
     recording: bool = False
@@ -60,14 +62,19 @@ def _metrics_url(url: str) -> str:
     return url if url.endswith("/metrics") else f"{url}/metrics"
 
 
-def scrape(url: str, timeout: float = 1.0) -> Endpoint:
-    """One scrape of ``url``; never raises for an unreachable or broken endpoint."""
+def scrape(url: str, timeout: float = 1.0, token: str | None = None) -> Endpoint:
+    """One scrape of ``url`` (bearer ``token`` for a protected control endpoint); never raises for an unreachable or broken endpoint."""
     point = Endpoint(url)
+    request = urllib.request.Request(_metrics_url(url), headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(_metrics_url(url), timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             text = response.read().decode("utf-8", "replace")
         families = list(text_string_to_metric_families(text))
-    except Exception as exc:  # any failure (refused, reset mid-response, garbage) shows the endpoint as gone
+    except urllib.error.HTTPError as exc:  # it answers, but not with metrics
+        hint = "; pass --token" if exc.code == 401 else ""
+        point.error, point.gone = f"HTTP {exc.code} {exc.reason}{hint}", False
+        return point
+    except Exception as exc:  # any other failure (refused, reset mid-response, garbage) shows the endpoint as gone
         reason = getattr(exc, "reason", exc)
         point.error = str(reason) or type(exc).__name__
         return point
@@ -89,7 +96,7 @@ def scrape(url: str, timeout: float = 1.0) -> Endpoint:
             elif sample.name == "moetrace_phase_seconds_count":
                 point.phase_count[labels["phase"]] = value
     if point.rank is None:
-        point.error = "no moetrace metrics at this URL (no recorder configured yet?)"
+        point.error, point.gone = "no moetrace metrics at this URL (no recorder configured yet?)", False
     return point
 
 
@@ -121,7 +128,7 @@ def render(points: list[Endpoint], previous: dict[str, Endpoint], interval: floa
                               f"{time.strftime('%H:%M:%S')}", style="bold")]
     for p in points:
         if p.error is not None:
-            lines.append(Text(f"  {p.url}: GONE ({p.error})"[:79], style="red"))
+            lines.append(Text(f"  {p.url}: {'GONE' if p.gone else 'ERROR'} ({p.error})"[:79], style="red"))
         else:
             state = "recording" if p.recording else "stopped"
             lines.append(Text(f"  rank {p.rank}: {state}, {p.passes:.0f} passes  {p.url}"[:79]))
@@ -196,6 +203,7 @@ def top(
     url: Annotated[list[str], typer.Option("--url", help="A rank's control or metrics endpoint (repeat for each rank).")],
     interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes.")] = 1.0,
     once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
+    token: Annotated[str | None, typer.Option("--token", envvar="MOETRACE_CONTROL_TOKEN", help="Bearer token of the control endpoints (or $MOETRACE_CONTROL_TOKEN).")] = None,
 ) -> None:
     """Live view of running ranks: balance, per-rank load, hottest experts, phase times, slowest rank."""
     if not url:
@@ -204,7 +212,7 @@ def top(
     previous: dict[str, Endpoint] = {}
 
     def frame() -> Group:
-        points = [scrape(u, timeout=min(1.0, interval)) for u in url]
+        points = [scrape(u, timeout=min(1.0, interval), token=token) for u in url]
         screen = render(points, previous, interval)
         previous.update({p.url: p for p in points if p.error is None})
         return screen
