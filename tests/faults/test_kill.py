@@ -144,3 +144,18 @@ def test_sweep_spares_live_writers(tmp_path):
     with open_trace(rec.dump_record(tmp_path / "t.h5")) as trace:
         assert trace.num_passes().tolist() == [CHUNK_TOKENS // TOKENS + 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]  # segments and journal consumed
+
+
+def test_per_pass_sigkill_recovers_exact_contiguous_passes(tmp_path):
+    out, logged = run_and_kill(tmp_path, "per_pass", seed=4)
+    [rank] = recover(out, tmp_path / "recovered.h5")
+    with open_trace(rank.path) as trace:
+        chunks = list(trace.iter_passes())
+    pid = np.concatenate([c.pass_id for c in chunks])
+    counts = np.concatenate([c.physical_count for c in chunks])
+    recovered = rank.last_pass + 1
+    np.testing.assert_array_equal(pid, np.arange(recovered))
+    expected = np.stack([np.stack([np.bincount(pass_ids(i)[:, layer].ravel(), minlength=EXPERTS) for layer in range(LAYERS)]) for i in range(recovered)])
+    np.testing.assert_array_equal(counts, expected)
+    lost = len(logged) - recovered
+    assert 0 <= lost <= max(segment_passes(out)) + 3 * 8, lost  # stream_chunk_passes=8 per hand-off
