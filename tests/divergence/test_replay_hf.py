@@ -104,9 +104,27 @@ def models() -> dict[str, torch.nn.Module]:
 _TINY = dict(num_hidden_layers=2, num_experts=8, n_routed_experts=8, num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8,
              first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
              layer_types=None, pad_token_id=0, eos_token_id=1, bos_token_id=2, **{**COMMON, "num_key_value_heads": 4})
-GENERIC = {
-    "granitemoe_swa": "GraniteMoeSWAForCausalLM", "hy_v3": "HYV3ForCausalLM", "inkling": "InklingForCausalLM", "inkling2": "Inkling2ForCausalLM",
-    "kolibri1": "Kolibri1ForCausalLM", "lara_mini": "LaraMiniForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM", "mistral4": "Mistral4ForCausalLM",
+_FULL = {"layer_types": ["full_attention", "full_attention"]}  # hybrid families: attention layers only
+_MLA = {"q_lora_rank": 16}
+GENERIC: dict[str, tuple[str, dict[str, object]]] = {
+    "axk1": ("AXK1ForCausalLM", _MLA),
+    "bailing_hybrid": ("BailingHybridForCausalLM", _FULL),
+    "dots3_note": ("Dots3NoteForCausalLM", _MLA),
+    "granitemoe_swa": ("GraniteMoeSWAForCausalLM", {}),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", {**_FULL, "mamba_n_heads": 4, "mamba_expand": 2, "mamba_d_head": 16}),
+    "hy_v3": ("HYV3ForCausalLM", {}),
+    "inkling": ("InklingForCausalLM", {}),
+    "inkling2": ("Inkling2ForCausalLM", {}),
+    "kimi_linear": ("KimiLinearForCausalLM", _FULL),
+    "kolibri1": ("Kolibri1ForCausalLM", {}),
+    "lara_mini": ("LaraMiniForCausalLM", {}),
+    # LongCat-Flash: routes to real and zero-compute (identity) experts; experts-call site.
+    "longcat_flash": ("LongcatFlashForCausalLM", {**_MLA, "num_layers": 1, "ffn_hidden_size": 32, "expert_ffn_hidden_size": 16, "zero_expert_num": 2,
+                                             "moe_topk": 2}),
+    "minimax_m2": ("MiniMaxM2ForCausalLM", {}),
+    "mistral4": ("Mistral4ForCausalLM", {}),
+    "nemotron_h": ("NemotronHForCausalLM", {}),
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", _FULL),
 }
 
 
@@ -114,10 +132,11 @@ def _generic(family: str) -> tuple[type, type, dict[str, object]]:
     import importlib
     import inspect
 
-    module = importlib.import_module(f"transformers.models.{family}")
-    cls = getattr(module, GENERIC[family])
+    name, overrides = GENERIC[family]
+    cls = getattr(importlib.import_module(f"transformers.models.{family}"), name)
     accepted = inspect.signature(cls.config_class.__init__).parameters
-    return cls.config_class, cls, {k: v for k, v in _TINY.items() if k in accepted or k.endswith("_token_id")}
+    fields = {k: v for k, v in {**_TINY, **overrides}.items() if k in accepted or k.endswith("_token_id") or k in overrides}
+    return cls.config_class, cls, fields
 
 
 def test_tested_families_are_the_ones_run_here() -> None:
