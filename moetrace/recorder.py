@@ -264,10 +264,10 @@ class ExpertDistributionRecorder:
         self._in_pass = True
         self._pass_active = self._recording
         self._pass_tokens = 0
-        if self._pass_active and self._clock is not None:
-            self._begin_timing()
         ok = False
         try:
+            if self._pass_active and self._clock is not None:
+                self._begin_timing()  # may refuse (CUDA-graph capture): the finally below still ends the pass
             yield pass_id
             ok = True
         finally:

@@ -182,3 +182,21 @@ def test_without_an_expert_phase_stragglers_are_not_judged(tmp_path):
         report = analyze_timing(trace)
     assert report["expert_timed"] is False and "slowest_rank_share" not in report
     assert [row["phase"] for row in report["phase_table"]] == ["route"]
+
+
+def test_a_refused_timed_pass_leaves_the_recorder_usable(tmp_path, monkeypatch):
+    """Timing refuses inside CUDA-graph capture (``TimingCaptureError``); the pass ends cleanly all the same."""
+    from moetrace.timing import TimingCaptureError
+
+    recorder = ExpertDistributionRecorder(_config(tmp_path))
+    recorder.start_record()
+
+    def refuse() -> None:
+        raise TimingCaptureError("phase timing cannot run inside CUDA-graph capture")
+
+    monkeypatch.setattr(recorder, "_begin_timing", refuse)
+    with pytest.raises(TimingCaptureError), recorder.with_forward_pass():
+        pass
+    monkeypatch.undo()
+    _sleepy_pass(recorder, 0.0)  # not "already active"
+    assert recorder.snapshot().timing["step_count"] == 1
