@@ -159,3 +159,24 @@ def test_per_pass_sigkill_recovers_exact_contiguous_passes(tmp_path):
     np.testing.assert_array_equal(counts, expected)
     lost = len(logged) - recovered
     assert 0 <= lost <= max(segment_passes(out)) + 3 * 8, lost  # stream_chunk_passes=8 per hand-off
+
+
+def test_recover_skips_segments_already_dumped_and_refuses_live_runs(tmp_path):
+    rec = make_recorder("per_token", tmp_path)
+    rec.start_record()
+    for pass_id in range(20):
+        feed(rec, pass_id)
+    dumped = rec.dump_record(tmp_path / "first.h5")
+    for pass_id in range(20, 45):
+        feed(rec, pass_id)
+    rec._rotate(44, wait=True)  # the passes after the dump sit in closed segments, as at a crash
+    rec._segment.drain()
+    with pytest.raises(TraceError, match="still being recorded by process"):
+        recover(tmp_path, tmp_path / "rec.h5")
+    [rank] = recover(tmp_path, tmp_path / "rec.h5", force=True)
+    assert rank.dumped_to == (str(dumped),) and (rank.first_pass, rank.last_pass) == (20, 44)
+    with open_trace(rank.path) as trace:
+        pid = np.concatenate([c.pass_id for c in trace.iter_tokens()])
+    np.testing.assert_array_equal(pid, np.repeat(np.arange(20, 45), TOKENS))
+    rec.stop_record()
+    rec.dump_record(tmp_path / "second.h5")
