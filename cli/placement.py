@@ -103,6 +103,16 @@ def _series(tr: Any, index: np.ndarray, bucket: int | None, required: bool) -> P
         return None
 
 
+def _many_series(traces: list[Path], layers: list[int] | None, bucket: int | None, scheduler: str | None) -> PassSeries:
+    from moetrace.analysis.distributed import dask_client, pass_series
+
+    files = [existing_file(t) for t in traces]
+    if scheduler is None:
+        return pass_series(files, layers=layers, bucket=bucket)
+    with dask_client(scheduler) as client:
+        return pass_series(files, layers=layers, bucket=bucket, client=client)
+
+
 def _in_sample_table(console: Console, layer_ids: list[int], figures: dict[str, np.ndarray | None], plan: PlacementPlan, config: PlacementConfig) -> None:
     c = config
     table = Table(
@@ -157,7 +167,7 @@ def _backtest_table(console: Console, result: BacktestResult) -> None:
 
 @guarded
 def placement(
-    trace: Annotated[Path, typer.Argument(help="A moetrace HDF5 trace whose logical counts are the loads.")],
+    traces: Annotated[list[Path], typer.Argument(help="A moetrace HDF5 trace whose logical counts are the loads, or the per-rank files / segments of one run.")],
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs K.")],
     replicas: Annotated[int | None, typer.Option("--replicas", help="Physical expert slots N in total (default: experts rounded up to a multiple of --gpus).")] = None,
     groups: Annotated[int | None, typer.Option("--groups", help="Expert groups G, a divisor of the expert count (default 1).")] = None,
@@ -172,6 +182,7 @@ def placement(
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON document (plan and figures) instead of tables.")] = False,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the plan (phy2log, log2phy, logcnt, figures) as JSON.")] = None,
     layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
+    scheduler: Annotated[str | None, typer.Option("--scheduler", help="Read several traces' passes on Dask (moetrace[dask]): 'local[:N]' or 'tcp://HOST:PORT'.")] = None,
 ) -> None:
     """Plan expert placement with replication; in-sample and held-out balancedness for current / greedy / moetrace."""
     if gpus <= 0:
@@ -186,6 +197,7 @@ def placement(
         if path is not None:
             output_path(path)
     deployed = None if current is None else _read_current(current)
+    trace, many = traces[0], len(traces) > 1 or scheduler is not None
     with open_trace(existing_file(trace)) as tr:
         index = select_layers(tr, parse_layers(layers))
         layer_ids = [int(x) for x in tr.layers[index]]
@@ -194,7 +206,9 @@ def placement(
         attrs = tr.attrs
         config, defaults = _sizes(weight.shape[1], gpus, replicas, groups, nodes)
         bucket = bucket_for(window, every) if run_backtest else None
-        series = _series(tr, index, bucket, required=run_backtest or holdout_fraction is not None)
+        series = None if many else _series(tr, index, bucket, required=run_backtest or holdout_fraction is not None)
+    if many:  # one run's per-rank files / segments: their passes in time order (moetrace.analysis.distributed)
+        series = _many_series(traces, parse_layers(layers), bucket, scheduler)
     if series is not None:  # plan and score on the time-ordered passes (a stat trace's window may be shorter than its totals)
         weight, physical = series.logical.sum(axis=0), series.physical.sum(axis=0)
     expert_bytes = _expert_bytes(attrs, intermediate_size)
@@ -209,7 +223,7 @@ def placement(
     document: dict[str, Any] = {
         "schema": "moetrace.placement",
         "schema_version": 2,
-        "trace": str(trace),
+        "trace": str(trace) if len(traces) == 1 else [str(t) for t in traces],
         "run_id": attrs.get("run_id"),
         "layers": layer_ids,
         "num_replicas": config.replicas,

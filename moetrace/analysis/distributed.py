@@ -38,22 +38,24 @@ from typing import Any
 import h5py
 import numpy as np
 
+from ..ids import to_logical
 from ..trace.merge import _SAME_ATTRS
 from ..trace.reader import PassChunk, TokenChunk, open_trace
 from ..trace.schema import TraceError
+from .backtest import MAX_BUCKETS, PassSeries
 from .coactivation import CoactivationAccumulator
 from .drift import WindowAccumulator
 from .report import DEFAULT_WINDOWS, AnalysisReport, _default_window, analyze_trace, progress_bar
 from .source import pass_block, select_layers, token_pass_block
 from .timing import analyze_timing
 
-__all__ = ["MAX_WINDOW_CELLS", "Partial", "Task", "analyze_traces", "dask_client", "make_tasks"]
+__all__ = ["MAX_WINDOW_CELLS", "Partial", "Task", "analyze_traces", "dask_client", "make_tasks", "pass_series"]
 
 _GROUP = {"per_pass": "passes", "per_token": "tokens"}
 _PASS_FIELDS = ("pass_id", "timestamp", "num_tokens", "physical_count", "invalid_ids", "send_count", "recv_count")
 _TOKEN_FIELDS = ("topk_ids", "pass_id", "position")
-#: Largest ``windows x layers x experts`` a partial may hold (int64 cells, 512 MiB).
-MAX_WINDOW_CELLS = 1 << 26
+#: Largest ``windows x layers x experts`` the reduction may hold (int64 cells, 2 GiB).
+MAX_WINDOW_CELLS = 1 << 28
 #: Rows per task by default: about 64 MiB of ids for a DeepSeek-sized per_token trace.
 DEFAULT_TASK_ROWS = {"per_pass": 1 << 16, "per_token": 1 << 18}
 
@@ -78,6 +80,7 @@ class _Context:
     num_logical: int
     window_starts: np.ndarray  # [W] first pass id of each window (sorted)
     chunk_rows: int
+    coactivation: bool = True  # also count co-activation and transitions (per_token)
 
 
 @dataclasses.dataclass
@@ -133,7 +136,7 @@ def task_partial(task: Task, ctx: _Context) -> Partial:
     """Read a task's rows with h5py, ``ctx.chunk_rows`` at a time, and fold them into a :class:`Partial`."""
     num_layers = len(ctx.layer_index)
     total = np.zeros((num_layers, ctx.num_physical), dtype=np.int64)
-    co = CoactivationAccumulator(ctx.physical_to_logical, ctx.layer_index, ctx.num_logical) if task.mode == "per_token" else None
+    co = CoactivationAccumulator(ctx.physical_to_logical, ctx.layer_index, ctx.num_logical) if task.mode == "per_token" and ctx.coactivation else None
     counts: np.ndarray | None = None
     tokens = np.zeros(0, dtype=np.int64)
     first = -1
@@ -144,7 +147,8 @@ def task_partial(task: Task, ctx: _Context) -> Partial:
             if task.mode == "per_token":
                 chunk = TokenChunk(**_rows(f, task.path, group, _TOKEN_FIELDS, start, stop))
                 block = token_pass_block(chunk, ctx.layer_index, ctx.num_physical)
-                co.add(chunk.topk_ids)  # type: ignore[union-attr]
+                if co is not None:
+                    co.add(chunk.topk_ids)
             else:
                 block = pass_block(PassChunk(**_rows(f, task.path, group, _PASS_FIELDS, start, stop)), ctx.layer_index)
             if not len(block.pass_id):
@@ -293,7 +297,7 @@ class _Inputs:
     notes: list[str]
 
 
-def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None) -> _Inputs:
+def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None, timing: bool = True) -> _Inputs:
     if not paths:
         raise TraceError("no traces to analyse")
     seen: dict[Path, Path | str] = {}
@@ -311,10 +315,10 @@ def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None) -> _
                 "passes": trace.num_passes(), "tokens": int(trace.num_tokens().sum()),
                 "invalid": int(trace.invalid_ids()[:, index].sum()), "dropped": int(trace.dropped_tokens()[:, index].sum()),
             }
-            timing = analyze_timing(trace) if len(paths) == 1 else None
+            timing_section = analyze_timing(trace) if timing and len(paths) == 1 else None
             window = _default_window(trace, trace.num_rows(f"{_GROUP.get(trace.mode, 'tokens')}/pass_id")) if len(paths) == 1 else 0
             infos.append((trace.path, dict(trace.attrs), index, trace.layers[index], trace.physical_to_logical[index],
-                          trace.num_physical_experts, trace.num_logical_experts, trace.ep_size, stat, trace.has_timing, timing, window))
+                          trace.num_physical_experts, trace.num_logical_experts, trace.ep_size, stat, trace.has_timing, timing_section, window))
     infos.sort(key=lambda info: (int(info[1]["rank"]), str(info[0])))  # the report does not depend on the order given
     first_path, first = infos[0][0], infos[0][1]
     for path, attrs, *_ in infos[1:]:
@@ -339,7 +343,7 @@ def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None) -> _
     world = int(first.get("world_size", 1))
     if len(paths) > 1 and world > 1 and sorted(set(ranks)) != list(range(world)):
         notes.append(f"ranks {sorted(set(range(world)) - set(ranks))} of {world} are not among the inputs")
-    if len(paths) > 1 and any(info[9] for info in infos):
+    if timing and len(paths) > 1 and any(info[9] for info in infos):
         notes.append("phase timing is not analysed across several traces yet; `moetrace merge` them and analyse the merged trace for it")
     attrs = dict(first)
     if len(set(ranks)) > 1:
@@ -372,6 +376,47 @@ def _check_segments(tasks: list[Task], ids: list[np.ndarray], ranks: dict[str, i
             if lo_b <= hi_a:
                 raise TraceError(f"{a} and {b} are both rank {rank} and hold overlapping passes "
                                  f"({lo_a}..{hi_a} and {lo_b}..{hi_b}): the same segment twice?")
+
+
+@dataclasses.dataclass
+class _Folded:
+    """The reduced partial of every row of the inputs, and the windows it is counted in."""
+
+    distinct: np.ndarray  # [n] sorted distinct pass ids of all inputs
+    per_window: int
+    total: Partial | None
+
+    def windows(self) -> Iterator[np.ndarray]:
+        """The pass ids of each window of ``total`` (``total.window_counts[w]`` counts window ``w``)."""
+        if self.total is not None:
+            for w in range(len(self.total.window_tokens)):
+                index = self.total.first_window + w
+                yield self.distinct[index * self.per_window : (index + 1) * self.per_window]
+
+
+def _fold(inputs: _Inputs, tasks: list[Task], per_window: Callable[[int], int], chunk_rows: int, client: Any,
+          progress: bool | None, coactivation: bool = True) -> _Folded:
+    """Run the tasks (in this process or on ``client``) and add their partials up.
+
+    ``per_window(n)`` gives the passes per window once the ``n`` distinct pass ids are known.
+    """
+    folded = _Folded(np.zeros(0, dtype=np.int64), 1, None)
+
+    def context(ids: list[np.ndarray]) -> _Context:
+        _check_segments(tasks, ids, inputs.ranks)
+        folded.distinct = np.unique(np.concatenate([np.zeros(0, np.int64), *ids]))
+        folded.per_window = n = per_window(len(folded.distinct))
+        windows = math.ceil(len(folded.distinct) / n)
+        cells = windows * len(inputs.layer_index) * inputs.num_physical
+        if cells > MAX_WINDOW_CELLS:
+            raise ValueError(f"{windows} windows x {len(inputs.layer_index)} layers x {inputs.num_physical} experts is too many "
+                             f"to reduce (> {MAX_WINDOW_CELLS} counts); pass a larger window (at least "
+                             f"{math.ceil(len(folded.distinct) * len(inputs.layer_index) * inputs.num_physical / MAX_WINDOW_CELLS)} passes)")
+        return _Context(inputs.layer_index, inputs.mapping, inputs.num_physical, inputs.num_logical,
+                        folded.distinct[::n].copy(), chunk_rows, coactivation)
+
+    _, folded.total = _run_local(tasks, context, progress) if client is None else _run_dask(client, tasks, context)
+    return folded
 
 
 def analyze_traces(
@@ -410,31 +455,13 @@ def analyze_traces(
         if single_stat:  # a stat trace is one small window: nothing to distribute
             return analyze_trace(paths[0], layers=layers, window=window, top=top, progress=progress)
     inputs = _read_inputs(paths, layers)
-    tasks = make_tasks(inputs.paths, task_rows)
-    passes_per_window = window or inputs.default_window
-    distinct = np.zeros(0, dtype=np.int64)
-
-    def context(ids: list[np.ndarray]) -> _Context:
-        nonlocal distinct
-        _check_segments(tasks, ids, inputs.ranks)
-        distinct = np.unique(np.concatenate([np.zeros(0, np.int64), *ids]))
-        windows = math.ceil(len(distinct) / passes_per_window)
-        cells = windows * len(inputs.layer_index) * inputs.num_physical
-        if cells > MAX_WINDOW_CELLS:
-            raise ValueError(f"{windows} drift windows x {len(inputs.layer_index)} layers x {inputs.num_physical} experts is too many "
-                             f"to reduce (> {MAX_WINDOW_CELLS} counts); pass a larger window (at least "
-                             f"{math.ceil(len(distinct) * len(inputs.layer_index) * inputs.num_physical / MAX_WINDOW_CELLS)} passes)")
-        return _Context(inputs.layer_index, inputs.mapping, inputs.num_physical, inputs.num_logical,
-                        distinct[::passes_per_window].copy(),
-                        chunk_tokens if inputs.mode == "per_token" else chunk_passes)
-
-    _, total = _run_local(tasks, context, progress) if client is None else _run_dask(client, tasks, context)
+    fold = _fold(inputs, make_tasks(inputs.paths, task_rows), lambda _: window or inputs.default_window,
+                 chunk_tokens if inputs.mode == "per_token" else chunk_passes, client, progress)
+    distinct, total, passes_per_window = fold.distinct, fold.total, fold.per_window
     drift = WindowAccumulator(passes_per_window, inputs.mapping, inputs.ep_size, inputs.layer_ids)
     coactivation = None
     if total is not None:
-        for w in range(len(total.window_tokens)):
-            index = total.first_window + w
-            members = distinct[index * passes_per_window : (index + 1) * passes_per_window]
+        for w, members in enumerate(fold.windows()):
             drift.add_window(int(members[0]), int(members[-1]), len(members), int(total.window_tokens[w]), total.window_counts[w])
         coactivation = total.coactivation
     series = drift.finish()
@@ -463,4 +490,53 @@ def analyze_traces(
         drift=series if len(series) else None,
         notes=notes,
         timing=inputs.timing,
+    )
+
+
+def pass_series(
+    paths: Sequence[Path | str],
+    *,
+    layers: Sequence[int] | None = None,
+    bucket: int | None = None,
+    task_rows: int | None = None,
+    chunk_tokens: int = 32768,
+    chunk_passes: int = 1024,
+    client: Any = None,
+) -> PassSeries:
+    """:func:`~.backtest.load_series` of the run's merged trace, from the same partials (``moetrace placement``).
+
+    ``bucket=None`` picks the bucket size ``load_series`` ends with: the
+    smallest power of two that keeps fewer than ``2 * MAX_BUCKETS`` completed
+    buckets.
+
+    Raises:
+        TraceError: as for :func:`analyze_traces`, or fewer than two passes.
+        ValueError: ``bucket`` is not positive.
+    """
+    if bucket is not None and bucket <= 0:
+        raise ValueError(f"bucket must be positive, got {bucket!r}")
+
+    def size(distinct: int) -> int:
+        if bucket is not None:
+            return int(bucket)
+        passes = 1
+        while distinct - 1 >= 2 * MAX_BUCKETS * passes:
+            passes *= 2
+        return passes
+
+    inputs = _read_inputs(paths, layers, timing=False)
+    fold = _fold(inputs, make_tasks(inputs.paths, task_rows), size, chunk_tokens if inputs.mode == "per_token" else chunk_passes,
+                 client, progress=False, coactivation=False)
+    members = list(fold.windows())
+    if fold.total is None or sum(len(m) for m in members) < 2:
+        raise TraceError(f"{', '.join(map(str, inputs.paths))}: hold-out and backtest need time-ordered passes, and these traces hold "
+                         f"{sum(len(m) for m in members)} pass(es); record over more passes")
+    physical = fold.total.window_counts
+    return PassSeries(
+        bucket=fold.per_window,
+        passes=np.asarray([len(m) for m in members], dtype=np.int64),
+        first_pass=np.asarray([m[0] for m in members], dtype=np.int64),
+        logical=to_logical(physical, inputs.mapping).astype(np.float64),
+        physical=physical,
+        physical_to_logical=inputs.mapping,
     )

@@ -25,11 +25,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from moetrace.cli.app import app
+from typer.testing import CliRunner
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.analysis import analyze_trace
-from moetrace.analysis.distributed import analyze_traces, dask_client, make_tasks
-from moetrace.trace import TraceError
+from moetrace.analysis.backtest import load_series
+from moetrace.analysis.distributed import analyze_traces, dask_client, make_tasks, pass_series
+from moetrace.trace import TraceError, open_trace
 from moetrace.trace.merge import merge_traces
 
 distributed = pytest.importorskip("distributed")  # the dev environment installs moetrace[dask]
@@ -183,3 +186,24 @@ def test_cli_scheduler_matches_without(rank_traces, client):
     assert on_dask.returncode == 0, on_dask.stderr
     assert "DASK_IMPORTED" in on_dask.stderr
     assert json.loads(on_dask.stdout) == json.loads(plain.stdout)
+
+
+@pytest.mark.slow
+def test_placement_over_many_traces(rank_traces, client, tmp_path):
+    """``moetrace placement TRACES...`` plans on the same passes as on the merged trace (the series on Dask too)."""
+    merged = merge_traces(rank_traces, tmp_path / "merged.h5")
+    for bucket in (None, 4):
+        with open_trace(merged) as trace:
+            expected = load_series(trace, np.arange(LAYERS), bucket)
+        got = pass_series(rank_traces, bucket=bucket, client=client, task_rows=300)
+        assert got.bucket == expected.bucket
+        for field in ("passes", "first_pass", "logical", "physical", "physical_to_logical"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(expected, field), err_msg=field)
+    runner = CliRunner()
+    args = ["--gpus", "4", "--json", "--holdout", "0.25"]
+    many = runner.invoke(app, ["placement", *map(str, rank_traces), *args])
+    one = runner.invoke(app, ["placement", str(merged), *args])
+    assert many.exit_code == 0 and one.exit_code == 0, (many.output, one.output)
+    plan_many, plan_one = json.loads(many.stdout), json.loads(one.stdout)
+    assert plan_many.pop("trace") == [str(p) for p in rank_traces] and plan_one.pop("trace") == str(merged)
+    assert plan_many == plan_one
