@@ -108,11 +108,11 @@ REPLAY_REFUSED: dict[str, str] = {
 """Families the adapter observes but :func:`moetrace.adapters.hf.replay` refuses, with the reason."""
 
 REPLAY_TESTED: tuple[str, ...] = (
-    "afmoe", "axk1", "bailing_hybrid", "cohere2_moe", "dbrx", "deepseek_v2", "deepseek_v3", "dots1", "dots3_note", "ernie4_5_moe",
-    "exaone_moe", "flex_olmo", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid",
-    "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "inkling", "inkling2", "jetmoe", "kimi_linear", "kolibri1", "laguna", "lara_mini",
-    "lfm2_moe", "llama4", "longcat_flash", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "mistral4", "mixtral", "nemotron_h",
-    "olmoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "solar_open",
+    "afmoe", "axk1", "axk2", "bailing_hybrid", "cohere2_moe", "dbrx", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "dots3_note",
+    "ernie4_5_moe", "exaone_moe", "flex_olmo", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
+    "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling", "inkling2", "jamba", "jetmoe", "kimi_linear",
+    "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4", "longcat_flash", "mellum", "mimo_v2_flash", "minimax", "minimax_m2",
+    "mistral4", "mixtral", "nemotron_h", "olmoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "solar_open",
 )
 """Families whose replay tests/divergence/test_replay_hf.py checks on tiny models (logits, routes, gradients)."""
 

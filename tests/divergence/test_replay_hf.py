@@ -108,13 +108,18 @@ _FULL = {"layer_types": ["full_attention", "full_attention"]}  # hybrid families
 _MLA = {"q_lora_rank": 16}
 GENERIC: dict[str, tuple[str, dict[str, object]]] = {
     "axk1": ("AXK1ForCausalLM", _MLA),
+    "axk2": ("AXK2ForCausalLM", _MLA),
     "bailing_hybrid": ("BailingHybridForCausalLM", _FULL),
+    "deepseek_v32": ("DeepseekV32ForCausalLM", _MLA),
     "dots3_note": ("Dots3NoteForCausalLM", _MLA),
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", _MLA),
     "granitemoe_swa": ("GraniteMoeSWAForCausalLM", {}),
     "granitemoehybrid": ("GraniteMoeHybridForCausalLM", {**_FULL, "mamba_n_heads": 4, "mamba_expand": 2, "mamba_d_head": 16}),
     "hy_v3": ("HYV3ForCausalLM", {}),
+    "hy_v4": ("HYV4ForCausalLM", _MLA),
     "inkling": ("InklingForCausalLM", {}),
     "inkling2": ("Inkling2ForCausalLM", {}),
+    "jamba": ("JambaForCausalLM", {"attn_layer_period": 1, "attn_layer_offset": 0, "expert_layer_period": 1, "expert_layer_offset": 0}),
     "kimi_linear": ("KimiLinearForCausalLM", _FULL),
     "kolibri1": ("Kolibri1ForCausalLM", {}),
     "lara_mini": ("LaraMiniForCausalLM", {}),
@@ -166,9 +171,9 @@ def test_more_families_replay_own_and_forced_routes(name: str) -> None:
     config, cls, fields = MORE[name] if name in MORE else _generic(name)
     model = _lm(config, cls, **fields)()
     ids = _inputs()
-    logits, routes = capture(model, ids)
+    logits, routes = capture(model, ids, use_cache=False)  # sparse-attention indexers (DSA) need no cache here
     with hf.replay(model, routes):
-        replayed_logits, replayed = capture(model, ids)
+        replayed_logits, replayed = capture(model, ids, use_cache=False)
     assert (replayed_logits - logits).abs().max().item() <= 1e-6
     np.testing.assert_array_equal(replayed, routes)
     sites = hf.find_moe_sites(model)
@@ -176,7 +181,7 @@ def test_more_families_replay_own_and_forced_routes(name: str) -> None:
     rng = np.random.default_rng(0)
     forced = np.stack([rng.permutation(experts)[:k] for _ in range(ids.numel() * len(sites))]).reshape(*ids.shape, len(sites), k)
     with hf.replay(model, forced):
-        _, followed = capture(model, ids)
+        _, followed = capture(model, ids, use_cache=False)
     np.testing.assert_array_equal(followed[..., [s.layer_id for s in sites], :], forced)
 
 
