@@ -84,6 +84,12 @@ def _scrape(d: dict) -> list[Row]:
     return rows
 
 
+def _analysis_dask(d: dict) -> list[Row]:
+    single, cluster = d["records_per_s"]["single process"], d["records_per_s"]["LocalCluster(2)"]
+    return [("distributed analysis", f"{d['ranks']} per-rank traces, {d['records']:,} tokens: single process vs LocalCluster(2)",
+             f"{single:,.0f} vs {cluster:,.0f} tokens/s ({d['speedup']:.2f}x; CPU efficiency {d['cpu_efficiency']:.2f}; load {d['load_average']:.1f})")]
+
+
 def _control_load(d: dict) -> list[Row]:
     rows = []
     for name, r in d["configs"].items():
@@ -149,6 +155,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] 
     "replay_overhead": ([], ["--rounds", "4"], _replay),
     "timing_overhead": ([], ["--quick"], _timing),
     "control_load": ([], ["--quick"], _control_load),
+    "analysis_dask": ([], ["--quick"], _analysis_dask),
     "placement_backtest": ([], ["--quick"], _placement),
 }
 
