@@ -45,14 +45,18 @@ def check_outputs(out: Path, ranks: int, layers: int, experts: int) -> dict:
 
 
 def test_demo_small_end_to_end(tmp_path, capsys):
-    settings = DemoSettings(ranks=2, requests=10, layers=2, experts=4, top_k=2, skew=1.0, out=tmp_path / "demo")
+    settings = DemoSettings(ranks=2, requests=10, layers=2, experts=4, top_k=2, skew=1.0, out=tmp_path / "demo", slow_rank=1, slow_ms=10)
     console = Console(width=80, force_terminal=False)  # an 80-column terminal
     summary = run_demo(settings, console)
     assert summary["served"] == 10 and not summary["interrupted"]
     report = check_outputs(tmp_path / "demo", ranks=2, layers=2, experts=4)
     assert report["totals"]["assignments"] == 2 * report["totals"]["tokens"] * 2  # 2 layers x top-2
+    assert report["timing"]["passes"] > 0 and report["timing"]["slowest_rank_share"][1] >= 0.9
+    timeline = json.loads((tmp_path / "demo" / "timeline.json").read_text())
+    assert summary["timeline"] == tmp_path / "demo" / "timeline.json"
+    assert {e["pid"] for e in timeline["traceEvents"]} == {0, 1} and any(e["ph"] == "X" for e in timeline["traceEvents"])
     printed = capsys.readouterr().out
-    for needle in ("Prometheus http://127.0.0.1:", "control http://127.0.0.1:", "balancedness", "All-to-all bytes", "routed experts", "placement plan", "in-sample fit", "held-out estimate (planned on"):
+    for needle in ("Phase time per layer-pass", "slowest rank (expert compute): rank 1", "timeline.json","Prometheus http://127.0.0.1:", "control http://127.0.0.1:", "balancedness", "All-to-all bytes", "routed experts", "placement plan", "in-sample fit", "held-out estimate (planned on"):
         assert needle in printed
     wide = [line for line in printed.splitlines() if len(line) > 80]
     assert not wide, "lines wider than 80 columns:\n" + "\n".join(wide)
