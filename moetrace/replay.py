@@ -98,10 +98,10 @@ class TopKReplay(TorchFunctionMode):
             return None
         self.hits += 1
         flat = scores.reshape(-1, self.num_experts)
-        ids = routes.ids
+        ids = routes.ids if routes.ids.device == scores.device else routes.ids.to(scores.device)  # layers split over devices
         if routes.partial:
             live = func(*args, **kwargs).indices.reshape(-1, self.top_k)
-            ids = torch.where(routes.valid, ids, live)
+            ids = torch.where(routes.valid.to(scores.device), ids, live)
         values = flat.gather(1, ids)
         shape = (*scores.shape[:-1], self.top_k)
         return torch.return_types.topk((values.reshape(shape), ids.reshape(shape)))
