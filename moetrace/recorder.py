@@ -449,10 +449,11 @@ class ExpertDistributionRecorder:
         assert self._window is not None and self._segment is not None
         if self._checkpoint_buffers is None:
             pin = self._cuda
-            self._checkpoint_buffers = (
-                HostBufferPool(tuple(self._counter.totals.shape), torch.int64, 1, pin),
-                HostBufferPool(tuple(self._window.counts.shape), torch.int32, 1, pin),
-            )
+            with torch.inference_mode(False):  # normal tensors, even when the first checkpoint runs under it
+                self._checkpoint_buffers = (
+                    HostBufferPool(tuple(self._counter.totals.shape), torch.int64, 1, pin),
+                    HostBufferPool(tuple(self._window.counts.shape), torch.int32, 1, pin),
+                )
         totals_pool, window_pool = self._checkpoint_buffers
         totals = totals_pool.acquire(block=wait)
         if totals is None:

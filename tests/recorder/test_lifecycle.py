@@ -200,3 +200,17 @@ def test_recorder_built_under_inference_mode_works_outside_it(tmp_path):
     one_pass(rec)
     with open_trace(rec.dump_record()) as trace:
         assert trace.num_rows("tokens/topk_ids") == 1
+
+
+def test_stat_checkpoint_first_written_under_inference_mode_works_outside_it(tmp_path):
+    """The checkpoint's host buffers are made on first use: inside inference_mode they must still be normal tensors."""
+    with torch.inference_mode():
+        rec = make(tmp_path, mode="stat")
+        rec.start_record()
+        one_pass(rec)
+        rec.stop_record()  # writes the first checkpoint
+    rec.start_record()
+    one_pass(rec)
+    rec.stop_record()  # a checkpoint outside inference_mode into the same buffers
+    with open_trace(rec.dump_record()) as trace:
+        assert trace.physical_count().sum() == rec.snapshot().physical_count.sum() > 0
