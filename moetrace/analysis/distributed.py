@@ -40,7 +40,7 @@ import numpy as np
 
 from ..ids import to_logical
 from ..trace.merge import _SAME_ATTRS
-from ..trace.reader import PassChunk, TokenChunk, open_trace
+from ..trace.reader import PassChunk, TokenChunk, Trace, open_trace
 from ..trace.schema import TraceError
 from .backtest import MAX_BUCKETS, PassSeries
 from .coactivation import CoactivationAccumulator
@@ -297,6 +297,54 @@ class _Inputs:
     notes: list[str]
 
 
+@dataclasses.dataclass
+class _File:
+    """One input: its identity and its ``/stat`` totals over the selected layers."""
+
+    path: Path
+    attrs: dict[str, object]
+    rank: int
+    layer_index: np.ndarray
+    layer_ids: np.ndarray
+    mapping: np.ndarray
+    physical: np.ndarray  # [L, P]
+    logical: np.ndarray  # [L, E]
+    passes: np.ndarray  # [R] per rank row of the file
+    tokens: int
+    invalid_ids: int
+    dropped: int
+    has_timing: bool
+
+
+def _read_file(trace: Trace, layers: Sequence[int] | None) -> _File:
+    index = select_layers(trace, layers)
+    return _File(
+        path=trace.path, attrs=dict(trace.attrs), rank=int(trace.attrs["rank"]), layer_index=index,
+        layer_ids=np.asarray(trace.layers[index]), mapping=trace.physical_to_logical[index],
+        physical=trace.physical_count()[index].astype(np.int64), logical=trace.logical_count()[index].astype(np.int64),
+        passes=np.atleast_1d(trace.num_passes()), tokens=int(trace.num_tokens().sum()),
+        invalid_ids=int(trace.invalid_ids()[:, index].sum()), dropped=int(trace.dropped_tokens()[:, index].sum()),
+        has_timing=trace.has_timing,
+    )
+
+
+def _check_same_run(files: list[_File]) -> None:
+    first = files[0]
+    for f in files[1:]:
+        if f.attrs.get("run_id") != first.attrs.get("run_id"):
+            raise TraceError(f"{f.path}: run_id {f.attrs.get('run_id')} differs from {first.path}'s {first.attrs.get('run_id')}; "
+                             "analyse each run on its own")
+        for key in _SAME_ATTRS:
+            if f.attrs.get(key) != first.attrs.get(key):
+                raise TraceError(f"{f.path}: {key}={f.attrs.get(key)!r} differs from {first.path}'s {first.attrs.get(key)!r}; not traces of one run")
+        if not (np.array_equal(f.layer_ids, first.layer_ids) and np.array_equal(f.mapping, first.mapping)):
+            raise TraceError(f"{f.path}: /layers or /physical_to_logical differs from {first.path}'s; not traces of one run")
+        if f.rank < 0:
+            raise TraceError(f"{f.path}: already holds every rank (rank=-1); analyse it alone, or its per-rank inputs")
+    if first.rank < 0 and len(files) > 1:
+        raise TraceError(f"{first.path}: already holds every rank (rank=-1); analyse it alone, or its per-rank inputs")
+
+
 def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None, timing: bool = True) -> _Inputs:
     if not paths:
         raise TraceError("no traces to analyse")
@@ -305,58 +353,41 @@ def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None, timi
         if Path(path).resolve() in seen:
             raise TraceError(f"{path}: given twice (as {seen[Path(path).resolve()]})")
         seen[Path(path).resolve()] = path
-    infos = []
+    files, timing_section, default_window = [], None, 0
     for path in paths:
         with open_trace(path) as trace:
-            index = select_layers(trace, layers)
-            stat = {
-                "physical": trace.physical_count()[index].astype(np.int64),
-                "logical": trace.logical_count()[index].astype(np.int64),
-                "passes": trace.num_passes(), "tokens": int(trace.num_tokens().sum()),
-                "invalid": int(trace.invalid_ids()[:, index].sum()), "dropped": int(trace.dropped_tokens()[:, index].sum()),
-            }
-            timing_section = analyze_timing(trace) if timing and len(paths) == 1 else None
-            window = _default_window(trace, trace.num_rows(f"{_GROUP.get(trace.mode, 'tokens')}/pass_id")) if len(paths) == 1 else 0
-            infos.append((trace.path, dict(trace.attrs), index, trace.layers[index], trace.physical_to_logical[index],
-                          trace.num_physical_experts, trace.num_logical_experts, trace.ep_size, stat, trace.has_timing, timing_section, window))
-    infos.sort(key=lambda info: (int(info[1]["rank"]), str(info[0])))  # the report does not depend on the order given
-    first_path, first = infos[0][0], infos[0][1]
-    for path, attrs, *_ in infos[1:]:
-        if attrs.get("run_id") != first.get("run_id"):
-            raise TraceError(f"{path}: run_id {attrs.get('run_id')} differs from {first_path}'s {first.get('run_id')}; "
-                             "analyse each run on its own")
-        for key in _SAME_ATTRS:
-            if attrs.get(key) != first.get(key):
-                raise TraceError(f"{path}: {key}={attrs.get(key)!r} differs from {first_path}'s {first.get(key)!r}; not traces of one run")
-    for path, _, _, lay, mp, *_ in infos[1:]:
-        if not (np.array_equal(lay, infos[0][3]) and np.array_equal(mp, infos[0][4])):
-            raise TraceError(f"{path}: /layers or /physical_to_logical differs from {first_path}'s; not traces of one run")
-    ranks = [int(attrs["rank"]) for _, attrs, *_ in infos]
-    if len(paths) > 1 and -1 in ranks:
-        raise TraceError(f"{paths[ranks.index(-1)]}: already holds every rank (rank=-1); analyse it alone, or its per-rank inputs")
-    passes_by_rank: dict[int, int] = {}
-    for rank, info in zip(ranks, infos, strict=True):
-        for r, n in enumerate(np.atleast_1d(info[8]["passes"])):
-            key = rank if rank >= 0 else r
+            files.append(_read_file(trace, layers))
+            if len(paths) == 1:  # exactly what analyze_trace reports for it
+                timing_section = analyze_timing(trace) if timing else None
+                default_window = _default_window(trace, trace.num_rows(f"{_GROUP.get(trace.mode, 'tokens')}/pass_id"))
+    files.sort(key=lambda f: (f.rank, str(f.path)))  # the report does not depend on the order given
+    _check_same_run(files)
+    first = files[0]
+    passes_by_rank: dict[int, int] = {}  # segments of a rank add up; a merged file has one row per rank
+    for f in files:
+        for r, n in enumerate(f.passes):
+            key = f.rank if f.rank >= 0 else r
             passes_by_rank[key] = passes_by_rank.get(key, 0) + int(n)
     notes = []
-    world = int(first.get("world_size", 1))
-    if len(paths) > 1 and world > 1 and sorted(set(ranks)) != list(range(world)):
+    ranks = sorted({f.rank for f in files})
+    world = int(first.attrs.get("world_size", 1))
+    if len(files) > 1 and world > 1 and ranks != list(range(world)):
         notes.append(f"ranks {sorted(set(range(world)) - set(ranks))} of {world} are not among the inputs")
-    if timing and len(paths) > 1 and any(info[9] for info in infos):
+    if timing and len(files) > 1 and any(f.has_timing for f in files):
         notes.append("phase timing is not analysed across several traces yet; `moetrace merge` them and analyse the merged trace for it")
-    attrs = dict(first)
-    if len(set(ranks)) > 1:
+    attrs = dict(first.attrs)
+    if len(ranks) > 1:
         attrs["rank"] = -1
     num_passes = max(passes_by_rank.values(), default=0)
     return _Inputs(
-        paths=[info[0] for info in infos], ranks={str(info[0]): rank for info, rank in zip(infos, ranks, strict=True)}, attrs=attrs, mode=str(first["mode"]), layer_index=infos[0][2], layer_ids=np.asarray(infos[0][3]),
-        mapping=infos[0][4], num_physical=infos[0][5], num_logical=infos[0][6], ep_size=infos[0][7],
-        physical=sum(info[8]["physical"] for info in infos), logical=sum(info[8]["logical"] for info in infos),
-        passes_by_rank=passes_by_rank, num_tokens=sum(info[8]["tokens"] for info in infos),
-        invalid_ids=sum(info[8]["invalid"] for info in infos), dropped=sum(info[8]["dropped"] for info in infos),
-        default_window=infos[0][11] if len(paths) == 1 else max(1, math.ceil(num_passes / DEFAULT_WINDOWS)),
-        timing=infos[0][10], notes=notes,
+        paths=[f.path for f in files], ranks={str(f.path): f.rank for f in files}, attrs=attrs, mode=str(first.attrs["mode"]),
+        layer_index=first.layer_index, layer_ids=first.layer_ids, mapping=first.mapping,
+        num_physical=int(first.attrs["num_physical_experts"]), num_logical=int(first.attrs["num_logical_experts"]),
+        ep_size=int(first.attrs["ep_size"]), physical=sum(f.physical for f in files), logical=sum(f.logical for f in files),
+        passes_by_rank=passes_by_rank, num_tokens=sum(f.tokens for f in files),
+        invalid_ids=sum(f.invalid_ids for f in files), dropped=sum(f.dropped for f in files),
+        default_window=default_window or max(1, math.ceil(num_passes / DEFAULT_WINDOWS)),
+        timing=timing_section, notes=notes,
     )
 
 

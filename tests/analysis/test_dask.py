@@ -207,3 +207,30 @@ def test_placement_over_many_traces(rank_traces, client, tmp_path):
     plan_many, plan_one = json.loads(many.stdout), json.loads(one.stdout)
     assert plan_many.pop("trace") == [str(p) for p in rank_traces] and plan_one.pop("trace") == str(merged)
     assert plan_many == plan_one
+
+
+def test_segments_of_one_rank_add_up_to_one_recording(tmp_path):
+    """Two dumps of one recording (each /stat covers its own passes) analyse as the recording dumped once."""
+    passes = rank_passes(0)
+    reports = {}
+    for name, cut in (("once", None), ("segments", len(passes) // 2)):
+        cfg = RecorderConfig(num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K, mode="per_token",
+                             output_dir=tmp_path / name, max_tokens_per_pass=64, stream_chunk_tokens=256, model="test-moe")
+        rec = ExpertDistributionRecorder(cfg)
+        rec.start_record()
+        files = []
+        for i, (pass_id, ids) in enumerate(passes):
+            if i == cut:
+                files.append(rec.dump_record(tmp_path / name / "first.h5"))
+            with rec.with_forward_pass(pass_id):
+                for layer in range(LAYERS):
+                    with rec.with_current_layer(layer):
+                        rec.on_select_experts(torch.as_tensor(ids[:, layer]))
+        rec.stop_record()
+        files.append(rec.dump_record(tmp_path / name / "last.h5"))
+        reports[name] = analyze_traces(files, window=5, task_rows=100).to_dict()
+    once, segments = reports["once"], reports["segments"]
+    assert len(once["drift"]["windows"]) == -(-len(passes) // 5)
+    for report in (once, segments):
+        report.pop("trace")
+    assert segments == once
