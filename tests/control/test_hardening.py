@@ -78,7 +78,7 @@ def test_idle_half_open_connections_and_a_flood(kind, budgets, tmp_path):
     ids = torch.randint(0, 16, (8, 2))
     quiet = hook_cost(rec, ids, 0.3)  # (and the recorder's own threads started)
     threads_before, sockets_before = threading.active_count(), open_sockets()
-    limits = ServerLimits(read_timeout=3.0)  # request and CPU budgets: the defaults
+    limits = ServerLimits()  # the defaults: 5 s read timeout, request and CPU budgets
     if not budgets:
         limits = dataclasses.replace(limits, max_requests_per_second=None, max_cpu_share=None)
     server, path = start(kind, rec, limits)
