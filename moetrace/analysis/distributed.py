@@ -62,7 +62,7 @@ DEFAULT_TASK_ROWS = {"per_pass": 1 << 16, "per_token": 1 << 18}
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """Rows ``[start, stop)`` of one trace's streamed group (``/passes`` or ``/tokens``)."""
+    """Rows ``[start, stop)`` of one trace's streamed group (``/passes`` or ``/tokens``); ``path`` is absolute."""
 
     path: str
     mode: str
@@ -191,7 +191,8 @@ def make_tasks(paths: Sequence[Path | str], task_rows: int | None = None) -> lis
             step = task_rows or DEFAULT_TASK_ROWS[trace.mode]
             if step < 1:
                 raise ValueError(f"task_rows must be positive, got {step}")
-            tasks += [Task(str(trace.path), trace.mode, s, min(s + step, rows)) for s in range(0, rows, step)]
+            path = str(trace.path.resolve())  # workers may run elsewhere: absolute paths
+            tasks += [Task(path, trace.mode, s, min(s + step, rows)) for s in range(0, rows, step)]
     return tasks
 
 
@@ -277,7 +278,7 @@ class _Inputs:
     """What the driver reads from every trace's attributes and ``/stat`` (small)."""
 
     paths: list[Path]
-    ranks: dict[str, int]  # path -> its rank attribute
+    ranks: dict[str, int]  # absolute path -> its rank attribute
     attrs: dict[str, object]
     mode: str
     layer_index: np.ndarray
@@ -380,7 +381,7 @@ def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None, timi
         attrs["rank"] = -1
     num_passes = max(passes_by_rank.values(), default=0)
     return _Inputs(
-        paths=[f.path for f in files], ranks={str(f.path): f.rank for f in files}, attrs=attrs, mode=str(first.attrs["mode"]),
+        paths=[f.path for f in files], ranks={str(f.path.resolve()): f.rank for f in files}, attrs=attrs, mode=str(first.attrs["mode"]),
         layer_index=first.layer_index, layer_ids=first.layer_ids, mapping=first.mapping,
         num_physical=int(first.attrs["num_physical_experts"]), num_logical=int(first.attrs["num_logical_experts"]),
         ep_size=int(first.attrs["ep_size"]), physical=sum(f.physical for f in files), logical=sum(f.logical for f in files),
