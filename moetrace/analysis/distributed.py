@@ -346,6 +346,53 @@ def _check_same_run(files: list[_File]) -> None:
         raise TraceError(f"{first.path}: already holds every rank (rank=-1); analyse it alone, or its per-rank inputs")
 
 
+class _RunView:
+    """Per-rank traces ``0..W-1`` of one run, read as their merged trace would be (for :func:`analyze_timing`).
+
+    ``/stat`` rows are stacked in rank order and ``/timing`` rows concatenated
+    with their rank column, as :func:`~moetrace.trace.merge.merge_traces`
+    writes them; the timing analysis does not depend on row order. The
+    streamed groups are read file after file. Runs in the driver process.
+    """
+
+    def __init__(self, traces: list[Trace]) -> None:
+        self._traces = traces
+        first = traces[0]
+        self.attrs = {**first.attrs, "rank": -1, "world_size": len(traces)}
+        self.ep_size, self.num_layers, self.num_physical_experts = first.ep_size, first.num_layers, first.num_physical_experts
+        self.has_timing = all(t.has_timing for t in traces)
+
+    def has(self, name: str) -> bool:
+        return self._traces[0].has(name)
+
+    def timing_stat(self) -> dict[str, np.ndarray]:
+        stats = [t.timing_stat() for t in self._traces]
+        out = {k: np.concatenate([np.atleast_1d(s[k]) for s in stats]) for k in stats[0] if k != "histogram_edges"}
+        return {**out, "histogram_edges": stats[0]["histogram_edges"]}
+
+    def timing_rows(self) -> dict[str, np.ndarray]:
+        rows = [t.timing_rows() for t in self._traces]
+        return {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+
+    def send_count(self) -> np.ndarray:
+        return np.concatenate([t.send_count() for t in self._traces])
+
+    def iter_passes(self, chunk: int = 1024) -> Iterator[PassChunk]:
+        for t in self._traces:
+            yield from t.iter_passes(chunk)
+
+    def iter_tokens(self, chunk: int = 65536) -> Iterator[TokenChunk]:
+        for t in self._traces:
+            yield from t.iter_tokens(chunk)
+
+
+def _run_timing(paths: list[Path]) -> dict[str, object] | None:
+    """The timing section of per-rank traces ``0..W-1`` (sorted by rank), as for their merged trace."""
+    with contextlib.ExitStack() as stack:
+        view = _RunView([stack.enter_context(open_trace(p)) for p in paths])
+        return analyze_timing(view)  # type: ignore[arg-type]
+
+
 def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None, timing: bool = True) -> _Inputs:
     if not paths:
         raise TraceError("no traces to analyse")
@@ -375,7 +422,11 @@ def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None, timi
     if len(files) > 1 and world > 1 and ranks != list(range(world)):
         notes.append(f"ranks {sorted(set(range(world)) - set(ranks))} of {world} are not among the inputs")
     if timing and len(files) > 1 and any(f.has_timing for f in files):
-        notes.append("phase timing is not analysed across several traces yet; `moetrace merge` them and analyse the merged trace for it")
+        if all(f.has_timing for f in files) and [f.rank for f in files] == list(range(world)):
+            timing_section = _run_timing([f.path for f in files])
+        else:
+            notes.append("phase timing is analysed across one file per rank 0..W-1, all timed; "
+                         "for these inputs `moetrace merge` them (or recover the segments) and analyse the result")
     attrs = dict(first.attrs)
     if len(ranks) > 1:
         attrs["rank"] = -1

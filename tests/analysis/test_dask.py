@@ -1,7 +1,8 @@
 """Distributed analysis (issue 16): 4 real per-rank traces on a real LocalCluster of 2 worker processes.
 
 Four gloo ranks record ``per_token`` routing (skewed differently per rank, a
-few passes only some ranks ran) and dump their per-rank files. The Dask report
+few passes only some ranks ran) with phase timing (rank 3 slower) and dump
+their per-rank files. The Dask report
 must equal, field for field, the in-process fold of the same files and
 ``analyze_trace`` of their merged trace; a worker SIGKILLed mid-run must not
 change the answer (Dask reruns what it lost).
@@ -61,14 +62,18 @@ def worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         cfg = RecorderConfig(num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K, ep_size=WORLD, ep_rank=rank,
-                             mode="per_token", output_dir=out, max_tokens_per_pass=64, stream_chunk_tokens=256, model="test-moe")
+                             mode="per_token", output_dir=out, max_tokens_per_pass=64, stream_chunk_tokens=256, model="test-moe",
+                             timing=True)
         rec = ExpertDistributionRecorder(cfg)
         rec.start_record()
         for pass_id, ids in rank_passes(rank):
             with rec.with_forward_pass(pass_id):
                 for layer in range(LAYERS):
                     with rec.with_current_layer(layer):
-                        rec.on_select_experts(torch.as_tensor(ids[:, layer]))
+                        with rec.with_phase("route"):
+                            rec.on_select_experts(torch.as_tensor(ids[:, layer]))
+                        with rec.with_phase("expert"):
+                            time.sleep(0.0001 * (1 + 3 * (rank == 3)))
         rec.stop_record()
         rec.dump_record(os.path.join(out, "run.h5"))
     finally:
@@ -121,6 +126,9 @@ def test_dask_report_equals_single_process(rank_traces, client, single_process, 
                  for r in range(WORLD) for _, ids in rank_passes(r))
     assert [row["assignments"] for row in single_process["per_layer"]] == counts.sum(axis=1).tolist()
     assert single_process["coactivation"] is not None and single_process["drift"]["num_windows"] == -(-PASSES // 7)
+    timing = single_process["timing"]  # phase timing of the 4 ranks, as for the merged trace
+    timed_by_all = set.intersection(*({pid for pid, _ in rank_passes(r)} for r in range(WORLD)))
+    assert timing is not None and timing["ranks"] == WORLD and timing["passes"] == len(timed_by_all)
     # One file on Dask (split into row ranges) equals analyze_trace of that file.
     assert analyze_traces([rank_traces[1]], client=client, task_rows=200).to_dict() == analyze_trace(rank_traces[1]).to_dict()
 
