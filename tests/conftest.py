@@ -3,14 +3,27 @@
 - Every test leaves the global recorder as it found it.
 - Tests run with one torch intra-op thread: their tensors are tiny, and two OpenMP
   threads spin-wait on each other on a busy 2-core machine.
+- The session runs in a temporary working directory: recorders default to
+  ``output_dir="."``, and what they leave there (dumps, crash-safe journals and
+  checkpoints) must never land in the checkout.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 import moetrace
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _work_outside_the_checkout(tmp_path_factory):
+    previous = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(previous)
 
 
 @pytest.fixture(autouse=True)
