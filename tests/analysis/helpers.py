@@ -30,14 +30,14 @@ def random_passes(rng: np.random.Generator, num_passes: int, num_layers: int, nu
     return out
 
 
-def record(tmp: Path, mode: str, passes: list[np.ndarray], num_experts: int, ep_size: int = 1, window: int = 1000, name: str | None = None, layer_ids: tuple[int, ...] | None = None, physical_to_logical: np.ndarray | None = None) -> Path:
-    """Replay ``passes`` through the real recorder in ``mode`` and dump a trace."""
+def record(tmp: Path, mode: str, passes: list[np.ndarray], num_experts: int, ep_size: int = 1, window: int = 1000, name: str | None = None, layer_ids: tuple[int, ...] | None = None, physical_to_logical: np.ndarray | None = None, hidden_size: int | None = None) -> Path:
+    """Replay ``passes`` (``[T, L, k]`` each) through the real recorder in ``mode`` and dump a trace."""
     num_layers, top_k = passes[0].shape[1:]
     cfg = RecorderConfig(
         num_layers=num_layers, num_physical_experts=num_experts, top_k=top_k, ep_size=ep_size, mode=mode,
         window=window, output_dir=tmp, layer_ids=layer_ids, physical_to_logical=physical_to_logical,
         max_tokens_per_pass=max(len(p) for p in passes), stream_chunk_tokens=max(4096, max(len(p) for p in passes)),
-        stream_chunk_passes=16, model="test-moe",
+        stream_chunk_passes=16, hidden_size=hidden_size, model="test-moe",
     )
     rec = ExpertDistributionRecorder(cfg)
     rec.start_record()

@@ -12,11 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from moetrace.cli.app import app
 from typer.testing import CliRunner
 
-from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.analysis import backtest as bt
 from moetrace.analysis.backtest import (
     PassSeries,
@@ -40,27 +38,16 @@ from moetrace.data import olmoe_counts
 from moetrace.reference.drift import DriftSpec, drift_routes
 from moetrace.trace import open_trace
 
+from .helpers import record
 from .test_placement import check_plan
 
 PASSES, TOKENS, HIDDEN = 240, 64, 32
 runner = CliRunner()
 
 
-def record_routes(path: Path, mode: str, passes: list[np.ndarray], ep_size: int = 8) -> Path:
-    """Replay routes ``[T, 3, 8]`` through the real recorder (64 experts, hidden size recorded)."""
-    cfg = RecorderConfig(
-        num_layers=3, num_physical_experts=64, top_k=8, ep_size=ep_size, mode=mode, window=len(passes), output_dir=path.parent,
-        layer_ids=(0, 7, 15), max_tokens_per_pass=TOKENS, stream_chunk_tokens=4096, stream_chunk_passes=16, hidden_size=HIDDEN, model="drift",
-    )
-    rec = ExpertDistributionRecorder(cfg)
-    rec.start_record()
-    for ids in passes:
-        with rec.with_forward_pass():
-            for layer in range(3):
-                with rec.with_current_layer(layer):
-                    rec.on_select_experts(torch.as_tensor(ids[:, layer]))
-    rec.stop_record()
-    return rec.dump_record(path)
+def record_routes(path: Path, mode: str, passes: list[np.ndarray]) -> Path:
+    """Replay routes ``[T, 3, 8]`` through the real recorder (64 experts on 8 EP ranks, hidden size recorded)."""
+    return record(path.parent, mode, passes, 64, ep_size=8, window=len(passes), name=path.name, layer_ids=(0, 7, 15), hidden_size=HIDDEN)
 
 
 @pytest.fixture(scope="module")
