@@ -95,6 +95,14 @@ def capture(model: torch.nn.Module, ids: torch.Tensor, **forward: object) -> tup
     return logits, routes
 
 
+def assert_replay_reproduces(model: torch.nn.Module, ids: torch.Tensor, given: object, logits: torch.Tensor, routes: np.ndarray, **forward: object) -> None:
+    """Under ``hf.replay(model, given)`` a forward over ``ids`` takes exactly ``routes`` and gives ``logits`` (to 1e-6)."""
+    with hf.replay(model, given):
+        replayed_logits, replayed = capture(model, ids, **forward)
+    np.testing.assert_array_equal(replayed, routes)
+    assert (replayed_logits - logits).abs().max().item() <= 1e-6
+
+
 @pytest.fixture(scope="module")
 def models() -> dict[str, torch.nn.Module]:
     return {name: FAMILIES[name].build() for name in NAMES}
@@ -172,10 +180,7 @@ def test_more_families_replay_own_and_forced_routes(name: str) -> None:
     model = _lm(config, cls, **fields)()
     ids = _inputs()
     logits, routes = capture(model, ids, use_cache=False)  # sparse-attention indexers (DSA) need no cache here
-    with hf.replay(model, routes):
-        replayed_logits, replayed = capture(model, ids, use_cache=False)
-    assert (replayed_logits - logits).abs().max().item() <= 1e-6
-    np.testing.assert_array_equal(replayed, routes)
+    assert_replay_reproduces(model, ids, routes, logits, routes, use_cache=False)
     sites = hf.find_moe_sites(model)
     experts, k = sites[0].num_experts, routes.shape[-1]
     rng = np.random.default_rng(0)
@@ -318,10 +323,7 @@ def test_last_token_without_routes_keeps_its_own_top_k(models: dict[str, torch.n
     model = models["mixtral"]
     ids = _inputs(length=8)
     logits, routes = capture(model, ids)
-    with hf.replay(model, routes[:, :-1]):
-        replayed_logits, replayed = capture(model, ids)
-    np.testing.assert_array_equal(replayed, routes)
-    assert (replayed_logits - logits).abs().max().item() <= 1e-6
+    assert_replay_reproduces(model, ids, routes[:, :-1], logits, routes)
     with pytest.raises(ReplayError, match="routes are for 2 x 6 positions"), hf.replay(model, routes[:, :-2]):
         model(ids)
 
@@ -361,10 +363,7 @@ def test_more_than_256_experts_through_the_wire_format() -> None:
     assert routes.max() > 255
     payload = encode_routed_experts(routes[0])
     assert payload["dtype"] == "uint16"
-    with hf.replay(model, payload):
-        replayed_logits, replayed = capture(model, ids)
-    np.testing.assert_array_equal(replayed, routes)
-    assert (replayed_logits - logits).abs().max().item() <= 1e-6
+    assert_replay_reproduces(model, ids, payload, logits, routes)
 
 
 def test_physical_ids_are_refused_and_logical_ones_replay(models: dict[str, torch.nn.Module]) -> None:
@@ -376,10 +375,7 @@ def test_physical_ids_are_refused_and_logical_ones_replay(models: dict[str, torc
     physical = np.where(routes < 4, routes + 8, routes)  # experts 0-3 served by their replicas
     with pytest.raises(ReplayError, match="physical ids"):
         hf.replay(model, physical)
-    with hf.replay(model, logical_ids(physical, phy2log)):
-        replayed_logits, replayed = capture(model, ids)
-    np.testing.assert_array_equal(replayed, routes)
-    assert (replayed_logits - logits).abs().max().item() <= 1e-6
+    assert_replay_reproduces(model, ids, logical_ids(physical, phy2log), logits, routes)
 
 
 def test_prefix_cached_positions_without_routes_route_themselves(models: dict[str, torch.nn.Module]) -> None:
