@@ -30,6 +30,14 @@ def random_passes(rng: np.random.Generator, num_passes: int, num_layers: int, nu
     return out
 
 
+def replay_pass(rec: ExpertDistributionRecorder, ids: np.ndarray, pass_id: int | None = None) -> None:
+    """Drive the hooks with one forward: ``ids`` ``[T, L, k]``, column ``l`` to compact layer ``l`` (pass id auto when ``None``)."""
+    with rec.with_forward_pass(pass_id):
+        for layer in range(ids.shape[1]):
+            with rec.with_current_layer(layer):
+                rec.on_select_experts(torch.as_tensor(ids[:, layer]))
+
+
 def record(tmp: Path, mode: str, passes: list[np.ndarray], num_experts: int, ep_size: int = 1, window: int = 1000, name: str | None = None, layer_ids: tuple[int, ...] | None = None, physical_to_logical: np.ndarray | None = None, hidden_size: int | None = None) -> Path:
     """Replay ``passes`` (``[T, L, k]`` each) through the real recorder in ``mode`` and dump a trace."""
     num_layers, top_k = passes[0].shape[1:]
@@ -42,10 +50,7 @@ def record(tmp: Path, mode: str, passes: list[np.ndarray], num_experts: int, ep_
     rec = ExpertDistributionRecorder(cfg)
     rec.start_record()
     for ids in passes:
-        with rec.with_forward_pass():
-            for layer in range(num_layers):
-                with rec.with_current_layer(layer):
-                    rec.on_select_experts(torch.as_tensor(ids[:, layer]))
+        replay_pass(rec, ids)
     rec.stop_record()
     return rec.dump_record(tmp / (name or f"{mode}.h5"))
 

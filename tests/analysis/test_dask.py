@@ -36,6 +36,8 @@ from moetrace.analysis.distributed import analyze_traces, dask_client, make_task
 from moetrace.trace import TraceError, open_trace
 from moetrace.trace.merge import merge_traces
 
+from .helpers import replay_pass
+
 distributed = pytest.importorskip("distributed")  # the dev environment installs moetrace[dask]
 
 WORLD, LAYERS, EXPERTS, TOP_K, PASSES = 4, 3, 16, 2, 60
@@ -230,10 +232,7 @@ def test_segments_of_one_rank_add_up_to_one_recording(tmp_path):
         for i, (pass_id, ids) in enumerate(passes):
             if i == cut:
                 files.append(rec.dump_record(tmp_path / name / "first.h5"))
-            with rec.with_forward_pass(pass_id):
-                for layer in range(LAYERS):
-                    with rec.with_current_layer(layer):
-                        rec.on_select_experts(torch.as_tensor(ids[:, layer]))
+            replay_pass(rec, ids, pass_id)
         rec.stop_record()
         files.append(rec.dump_record(tmp_path / name / "last.h5"))
         reports[name] = analyze_traces(files, window=5, task_rows=100).to_dict()

@@ -19,7 +19,7 @@ from moetrace.trace import TraceError, open_trace
 from moetrace.trace.convert import convert, convert_jsonl, convert_sglang
 from moetrace.trace.merge import merge_traces
 
-from .helpers import oracle_counts, write_stat_trace
+from .helpers import oracle_counts, replay_pass, write_stat_trace
 
 PASS_IDS = {0: [0, 1, 2, 3, 4, 5], 1: [0, 1, 3, 4, 5, 6]}  # rank 1 skips pass 2, adds 6
 
@@ -44,10 +44,7 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
             rec = ExpertDistributionRecorder(cfg)
             rec.start_record()
             for pass_id, ids in zip(PASS_IDS[rank], rank_routing(rank), strict=True):
-                with rec.with_forward_pass(pass_id):
-                    for layer in range(2):
-                        with rec.with_current_layer(layer):
-                            rec.on_select_experts(torch.as_tensor(ids[:, layer]))
+                replay_pass(rec, ids, pass_id)
             rec.stop_record()
             rec.dump_record(os.path.join(out, f"{mode}.h5"))
     finally:

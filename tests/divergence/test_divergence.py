@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from moetrace.cli.app import app
 from typer.testing import CliRunner
 
@@ -21,7 +20,7 @@ from moetrace.routes import (
     pad_routes,
     save_routes,
 )
-from tests.analysis.helpers import record
+from tests.analysis.helpers import record, replay_pass
 
 from .oracle import assert_matches_oracle, oracle, perturb, random_routes
 
@@ -241,10 +240,7 @@ def _ranked_worker(rank: int, world: int, out: str) -> dict[str, list[np.ndarray
         rec = ExpertDistributionRecorder(cfg)
         rec.start_record()
         for pass_id, ids in enumerate(data):
-            with rec.with_forward_pass(pass_id):
-                for layer in range(LAYERS):
-                    with rec.with_current_layer(layer):
-                        rec.on_select_experts(torch.as_tensor(ids[:, layer]))
+            replay_pass(rec, ids, pass_id)
         rec.stop_record()
         rec.dump_record(Path(out) / f"{run}.h5")
     return passes
