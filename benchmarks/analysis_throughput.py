@@ -32,7 +32,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import interleaved, write_results
 
-from moetrace.analysis import analyze_trace, metrics
+from moetrace import metrics
+from moetrace.analysis import analyze_trace
 from moetrace.analysis.placement import predicted_gpu_load, rebalance_experts
 from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.data import olmoe_counts
