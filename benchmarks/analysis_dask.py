@@ -33,12 +33,13 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from analysis_throughput import EXPERTS, LAYERS, TOP_K, write_token_trace
 from harness import write_results
 
 from moetrace.analysis.distributed import analyze_traces, make_tasks
-from moetrace.trace import TraceHeader, TraceWriter
+from moetrace.trace import TraceHeader
 
-RANKS, LAYERS, EXPERTS, TOP_K, TOKENS_PER_PASS = 4, 16, 64, 8, 256
+RANKS = 4
 
 
 def write_rank_trace(path: Path, rank: int, tokens: int, run_id: str) -> None:
@@ -48,24 +49,7 @@ def write_rank_trace(path: Path, rank: int, tokens: int, run_id: str) -> None:
     header = TraceHeader(mode="per_token", id_space="logical", num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K,
                          ep_size=RANKS, layer_ids=np.arange(LAYERS), physical_to_logical=np.tile(np.arange(EXPERTS), (LAYERS, 1)),
                          model="olmoe-like", rank=rank, world_size=RANKS, run_id=run_id)
-    writer = TraceWriter(path, header)
-    counts = np.zeros((LAYERS, EXPERTS), np.int64)
-    for start in range(0, tokens, 16384):
-        n = min(16384, tokens - start)
-        scores = logits[None, None, :] + rng.gumbel(size=(n, LAYERS, EXPERTS))
-        ids = np.argpartition(-scores, TOP_K, axis=2)[:, :, :TOP_K].astype(np.int16)
-        writer.append("tokens/topk_ids", ids)
-        writer.append("tokens/pass_id", (np.arange(start, start + n) // TOKENS_PER_PASS).astype(np.int64))
-        writer.append("tokens/position", (np.arange(start, start + n) % TOKENS_PER_PASS).astype(np.int32))
-        counts += np.stack([np.bincount(ids[:, layer].ravel(), minlength=EXPERTS) for layer in range(LAYERS)])
-    writer.write("stat/physical_count", counts[None])
-    writer.write("stat/logical_count", counts[None])
-    for name, shape in (("invalid_ids", (1, LAYERS)), ("dropped", (1, LAYERS)), ("send_count", (1, LAYERS, RANKS)),
-                        ("recv_count", (1, LAYERS, RANKS))):
-        writer.write(f"stat/{name}", np.zeros(shape, np.int64))
-    writer.write("stat/num_passes", np.array([-(-tokens // TOKENS_PER_PASS)]))
-    writer.write("stat/num_tokens", np.array([tokens]))
-    writer.commit()
+    write_token_trace(path, header, tokens, logits, rng)
 
 
 def timed(paths: list[Path], client: Any) -> tuple[float, float]:

@@ -47,10 +47,10 @@ def _header(mode: str) -> TraceHeader:
     return TraceHeader(mode=mode, id_space="logical", num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K, ep_size=EP, layer_ids=np.arange(LAYERS), physical_to_logical=np.tile(np.arange(EXPERTS), (LAYERS, 1)), model="olmoe-like")
 
 
-def _stat(writer: TraceWriter, counts: np.ndarray, passes: int, tokens: int) -> None:
+def _stat(writer: TraceWriter, counts: np.ndarray, passes: int, tokens: int, ep: int = EP) -> None:
     writer.write("stat/physical_count", counts[None])
     writer.write("stat/logical_count", counts[None])
-    for name, shape in (("invalid_ids", (1, LAYERS)), ("dropped", (1, LAYERS)), ("send_count", (1, LAYERS, EP)), ("recv_count", (1, LAYERS, EP))):
+    for name, shape in (("invalid_ids", (1, LAYERS)), ("dropped", (1, LAYERS)), ("send_count", (1, LAYERS, ep)), ("recv_count", (1, LAYERS, ep))):
         writer.write(f"stat/{name}", np.zeros(shape, np.int64))
     writer.write("stat/num_passes", np.array([passes]))
     writer.write("stat/num_tokens", np.array([tokens]))
@@ -58,9 +58,16 @@ def _stat(writer: TraceWriter, counts: np.ndarray, passes: int, tokens: int) -> 
 
 def make_token_trace(path: Path, tokens: int, seed: int = 0) -> None:
     """Skewed top-8 routing with distinct experts per token (Gumbel top-k)."""
-    rng = np.random.default_rng(seed)
     logits = np.log(np.arange(1, EXPERTS + 1, dtype=np.float64) ** -1.2)
-    writer = TraceWriter(path, _header("per_token"))
+    write_token_trace(path, _header("per_token"), tokens, logits, np.random.default_rng(seed))
+
+
+def write_token_trace(path: Path, header: TraceHeader, tokens: int, logits: np.ndarray, rng: np.random.Generator) -> None:
+    """A ``per_token`` trace of ``tokens`` tokens (LAYERS x EXPERTS, top-TOP_K, TOKENS_PER_PASS a pass) and its ``/stat``.
+
+    Each token takes TOP_K distinct experts per layer by Gumbel top-k on ``logits`` ``[EXPERTS]``.
+    """
+    writer = TraceWriter(path, header)
     counts = np.zeros((LAYERS, EXPERTS), np.int64)
     block = 16384
     for start in range(0, tokens, block):
@@ -72,7 +79,7 @@ def make_token_trace(path: Path, tokens: int, seed: int = 0) -> None:
         writer.append("tokens/position", (np.arange(start, start + n) % TOKENS_PER_PASS).astype(np.int32))
         for layer in range(LAYERS):
             counts[layer] += np.bincount(ids[:, layer].ravel(), minlength=EXPERTS)
-    _stat(writer, counts, -(-tokens // TOKENS_PER_PASS), tokens)
+    _stat(writer, counts, -(-tokens // TOKENS_PER_PASS), tokens, header.ep_size)
     writer.commit()
 
 
