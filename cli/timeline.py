@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +9,7 @@ import typer
 
 from moetrace.analysis.timeline import build_timeline
 from moetrace.trace.reader import open_trace
+from moetrace.trace.writer import write_json_atomic
 
 from .errors import CommandError, guarded
 from .options import existing_file, output_path
@@ -39,14 +37,7 @@ def write_timeline(trace_path: Path, out: Path, first: int | None = None, stop: 
     """Write the timeline of ``trace_path`` to ``out`` atomically; returns the number of events."""
     with open_trace(trace_path) as trace:
         document = build_timeline(trace, first, stop)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent if str(out.parent) else ".")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(document, fh)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json_atomic(out, document)
     return len(document["traceEvents"])
 
 

@@ -19,8 +19,6 @@ replay (:mod:`moetrace.replay`):
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .capturer import CaptureError, decode_routed_experts, encode_routed_experts
+from .trace.writer import write_json_atomic
 
 __all__ = [
     "ROUTES_FORMAT",
@@ -205,16 +204,7 @@ def save_routes(
             for rid, arr in requests.items()
         },
     }
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(body, f)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return write_json_atomic(path, body)
 
 
 def _decode(payload: Any, what: str) -> np.ndarray:

@@ -10,8 +10,10 @@ exception at any earlier point leaves no file under the target name, and
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -23,7 +25,7 @@ import numpy as np
 from .._version import __version__
 from .schema import COMPLETE_ATTR, SCHEMA_NAME, SCHEMA_VERSION, TraceWriteError
 
-__all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype"]
+__all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic"]
 
 _COMPRESS = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
 #: Accepted ``compression`` specs (``RecorderConfig.compression``); the last two need ``hdf5plugin``.
@@ -95,6 +97,23 @@ def check_writable_dir(directory: Path) -> Path:
         raise TraceWriteError(f"output directory {directory} is not writable; pass a writable output_dir")
     return directory
 
+
+
+def write_json_atomic(path: Path | str, document: object) -> Path:
+    """Write ``document`` as JSON to ``path`` atomically: a temporary beside it, then a rename.
+
+    A failure leaves ``path`` as it was and removes the temporary. Returns ``path``.
+    """
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(document, f)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
 
 @dataclasses.dataclass(frozen=True)
 class TraceHeader:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import h5py
@@ -12,7 +13,7 @@ import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.trace import SCHEMA_VERSION, TraceError, TraceWriteError, open_trace
-from moetrace.trace.writer import TraceWriter
+from moetrace.trace.writer import TraceWriter, write_json_atomic
 from tests.recorder.helpers import random_passes, replay
 
 
@@ -128,3 +129,15 @@ def test_trace_attributes_are_self_describing(tmp_path):
     assert attrs["model"] == "tiny" and attrs["engine"] == "reference" and attrs["mode"] == "stat"
     assert attrs["id_space"] == "logical" and attrs["ep_size"] == 2 and attrs["num_logical_experts"] == 8
     assert attrs["complete"] is True or attrs["complete"] == 1
+
+
+def test_write_json_atomic_replaces_whole_or_leaves_the_old_file(tmp_path):
+    """A document that fails to serialise leaves the previous file and no temporary; one that works replaces it."""
+    target = tmp_path / "doc.json"
+    assert write_json_atomic(target, {"v": 1}) == target
+    with pytest.raises(TypeError):
+        write_json_atomic(target, {"v": 2, "bad": object()})
+    assert json.loads(target.read_text()) == {"v": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.json"]
+    write_json_atomic(str(target), {"v": 3})
+    assert json.loads(target.read_text()) == {"v": 3} and sorted(p.name for p in tmp_path.iterdir()) == ["doc.json"]
