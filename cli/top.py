@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Annotated
 
 import numpy as np
@@ -100,6 +100,15 @@ def scrape(url: str, timeout: float = 1.0, token: str | None = None) -> Endpoint
     return point
 
 
+def _summed(entries: Iterable[dict[tuple[int, int], float]]) -> dict[tuple[int, int], float]:
+    """Key-wise sum of ``{(layer, column): value}`` maps (one per endpoint)."""
+    total: dict[tuple[int, int], float] = {}
+    for entry in entries:
+        for key, value in entry.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
 def _grid(entries: dict[tuple[int, int], float]) -> tuple[list[int], np.ndarray]:
     """``{(layer, column): value}`` -> (sorted layer ids, ``[L, C]`` array)."""
     layers = sorted({layer for layer, _ in entries})
@@ -133,10 +142,7 @@ def render(points: list[Endpoint], previous: dict[str, Endpoint], interval: floa
             state = "recording" if p.recording else "stopped"
             lines.append(Text(f"  rank {p.rank}: {state}, {p.passes:.0f} passes  {p.url}"[:79]))
     live = [p for p in points if p.error is None]
-    loads = {}
-    for p in live:
-        for key, value in p.rank_load.items():
-            loads[key] = loads.get(key, 0.0) + value
+    loads = _summed(p.rank_load for p in live)
     if loads:
         layers, load = _grid(loads)  # [L, R] summed over the endpoints (every source rank)
         lines.append(Text(f"balancedness over {load.shape[1]} EP ranks: {metrics.balancedness(load):.3f}  "
@@ -147,10 +153,7 @@ def render(points: list[Endpoint], previous: dict[str, Endpoint], interval: floa
         for r, value in enumerate(per_rank):
             bar = "#" * round(BAR_WIDTH * value / top)
             lines.append(Text(f"  rank {r:>2} {bar:<{BAR_WIDTH}} {value:>10.0f} {value / mean:4.2f}x"))
-    experts = {}
-    for p in live:
-        for key, value in p.experts.items():
-            experts[key] = experts.get(key, 0.0) + value
+    experts = _summed(p.experts for p in live)
     if experts:
         layers, counts = _grid(experts)
         lines.append(Text("hottest experts per layer (expert:x mean)", style="bold"))
