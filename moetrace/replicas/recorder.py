@@ -270,7 +270,7 @@ class RoutingRecorder:
         with self._lock:
             self._close_segment(discard=True)
             self._reset_state()
-            self._started = False
+            self._started = self._recording  # still recording: a dump of what follows is valid
             if self._recording:
                 self._open_segment()
 

@@ -130,3 +130,16 @@ def test_import_moetrace_stays_lean():
     code = "import sys, moetrace; print(any(m.startswith('moetrace.replicas') or m == 'moetrace.reference.replica_router' for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
     assert moetrace is not None
+
+
+def test_reset_while_recording_keeps_recording_and_dumps(tmp_path):
+    """reset() while recording forgets what was recorded and goes on recording; the next dump holds what followed."""
+    rec = RoutingRecorder(2, output_dir=tmp_path)
+    rec.start_record()
+    _drive(rec, "a", 0, 0.0)
+    rec.reset()
+    assert rec.recording
+    _drive(rec, "b", 1, 2.0)
+    t = read_requests(rec.dump_record(tmp_path / "after-reset.h5"))
+    rec.close()
+    assert list(t.requests["id"]) == ["b"]
