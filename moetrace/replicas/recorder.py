@@ -28,7 +28,6 @@ import bisect
 import dataclasses
 import math
 import os
-import queue
 import threading
 import time
 import uuid
@@ -46,6 +45,7 @@ from ..trace.requests import (
     RoutingHeader,
     routing_attrs,
 )
+from ..trace.stream import BackgroundTraceWriter, StreamJob
 from ..trace.writer import TraceWriter, check_writable_dir
 
 __all__ = [
@@ -134,41 +134,39 @@ class RoutingSnapshot:
 
 
 class _Segment:
-    """A hidden trace file fed by one writer thread; at most ``max_pending`` chunks wait (back-pressure)."""
+    """A hidden trace file fed by a :class:`BackgroundTraceWriter` (one thread); at most ``max_pending`` chunks wait (back-pressure).
+
+    It is the writer's sink: each job builds ``{dataset: rows}`` columns, appended in submission order.
+    """
 
     def __init__(self, writer: TraceWriter, max_pending: int = 2) -> None:
         self.writer = writer
-        self.error: BaseException | None = None
-        self._jobs: queue.Queue[Callable[[], dict[str, np.ndarray]] | threading.Event | None] = queue.Queue(maxsize=max_pending)
-        self._thread = threading.Thread(target=self._run, name="moetrace-routing-writer", daemon=True)
-        self._thread.start()
+        self._background = BackgroundTraceWriter(self, max_pending=max_pending, name="moetrace-routing-writer")
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if isinstance(job, threading.Event):
-                job.set()
-                continue
-            try:
-                if self.error is None:
-                    for name, rows in job().items():
-                        self.writer.append(name, rows)
-            except BaseException as exc:
-                self.error = exc
+    @property
+    def error(self) -> BaseException | None:
+        """The first write error, if any (later chunks are skipped)."""
+        return self._background.error
+
+    def write(self, columns: dict[str, np.ndarray] | None) -> None:
+        for name, rows in (columns or {}).items():
+            self.writer.append(name, rows)
+
+    def rotate(self) -> None:
+        """Never asked for: ``dump_record`` replaces the whole segment."""
 
     def submit(self, build: Callable[[], dict[str, np.ndarray]]) -> None:
-        self._jobs.put(build)
+        self._background.submit(StreamJob(event=None, build=build, done=_no_buffer))
 
     def drain(self) -> None:
-        done = threading.Event()
-        self._jobs.put(done)
-        done.wait()
+        self._background.drain()
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        self._background.close()
+
+
+def _no_buffer() -> None:
+    """``StreamJob.done`` of a routing chunk: no pooled buffer to release."""
 
 
 # Index of each field in a pending record (a list: cheaper than an object).

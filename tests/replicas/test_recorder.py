@@ -132,6 +132,26 @@ def test_import_moetrace_stays_lean():
     assert moetrace is not None
 
 
+def test_writer_failure_is_reported_at_dump_and_reset_recovers(tmp_path, monkeypatch):
+    """A failed background append surfaces as RoutingStateError at dump_record; after reset() recording works again."""
+    rec = RoutingRecorder(2, output_dir=tmp_path, chunk_rows=64)
+    rec.start_record()
+    _drive(rec, "a", 0, 0.0)
+
+    def broken(name, rows):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(rec._segment.writer, "append", broken)
+    with pytest.raises(RoutingStateError, match=r"background trace writer failed \(disk full\); call reset\(\)"):
+        rec.dump_record(tmp_path / "bad.h5")
+    assert not (tmp_path / "bad.h5").exists()
+    rec.reset()
+    _drive(rec, "b", 1, 2.0)
+    t = read_requests(rec.dump_record(tmp_path / "good.h5"))
+    rec.close()
+    assert list(t.requests["id"]) == ["b"]
+
+
 def test_reset_while_recording_keeps_recording_and_dumps(tmp_path):
     """reset() while recording forgets what was recorded and goes on recording; the next dump holds what followed."""
     rec = RoutingRecorder(2, output_dir=tmp_path)
