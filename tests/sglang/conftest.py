@@ -7,14 +7,6 @@ missing SGLang is an error, never a silent skip.
 
 from __future__ import annotations
 
-import importlib.util
-import os
+from ..engines import uncollected_without
 
-if importlib.util.find_spec("sglang") is None:
-    if os.environ.get("MOETRACE_REQUIRE_SGLANG") == "1":
-        raise RuntimeError(
-            "MOETRACE_REQUIRE_SGLANG=1 but SGLang is not importable in this interpreter; "
-            "bootstrap the SGLang environment with `make .venv-sglang/.installed` and run "
-            "`.venv-sglang/bin/python -m pytest tests/sglang`"
-        )
-    collect_ignore_glob = ["test_*.py"]
+collect_ignore_glob = uncollected_without("sglang", "MOETRACE_REQUIRE_SGLANG", ".venv-sglang")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["CPU_ENV", "ENGINE_ARGS", "GENERATION", "PROMPTS", "engine", "environment"]
+from ..engines import environment
+
+__all__ = ["CPU_ENV", "ENGINE_ARGS", "GENERATION", "PROMPTS", "engine"]
 
 PROMPTS = [[3, 7, 1, 9, 4], [12, 5, 8], [20, 21, 22, 23, 24, 25, 26]]
 """Three prompts of 5, 3 and 7 token ids."""
@@ -22,21 +23,6 @@ ENGINE_ARGS: dict[str, Any] = dict(
     mem_fraction_static=0.05, max_total_tokens=512, chunked_prefill_size=64, dtype="float32",
 )
 """The smallest engine that runs here; shared by ``sglang.Engine`` and ``sglang.launch_server``."""
-
-
-@contextlib.contextmanager
-def environment(env: Mapping[str, str]) -> Iterator[None]:
-    """``os.environ`` updated with ``env`` (SGLang's processes inherit it), restored afterwards."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @contextlib.contextmanager

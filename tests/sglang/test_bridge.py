@@ -24,8 +24,9 @@ from moetrace.adapters import sglang as adapter
 from moetrace.testing import assert_no_host_sync
 from moetrace.trace.reader import open_trace
 
+from ..engines import environment
 from .checkpoint import NUM_EXPERTS, NUM_LAYERS, TOP_K, build_checkpoint
-from .engine import CPU_ENV, environment
+from .engine import CPU_ENV
 
 REPLICAS = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 3, 5])
 PHYSICAL = len(REPLICAS)

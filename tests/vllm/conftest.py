@@ -7,14 +7,6 @@ is an error, never a silent skip.
 
 from __future__ import annotations
 
-import importlib.util
-import os
+from ..engines import uncollected_without
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("MOETRACE_REQUIRE_VLLM") == "1":
-        raise RuntimeError(
-            "MOETRACE_REQUIRE_VLLM=1 but vLLM is not importable in this interpreter; "
-            "bootstrap the vLLM environment with `make .venv-vllm/.installed` and run "
-            "`.venv-vllm/bin/python -m pytest tests/vllm`"
-        )
-    collect_ignore_glob = ["test_*.py"]
+collect_ignore_glob = uncollected_without("vllm", "MOETRACE_REQUIRE_VLLM", ".venv-vllm")

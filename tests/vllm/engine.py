@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..engines import environment
 from .checkpoints import prompt
 
 __all__ = ["GENERATION", "PROMPTS", "sampling_params", "start_llm", "stop_llm"]
@@ -23,20 +23,12 @@ def start_llm(checkpoint: Path, env: Mapping[str, str], **options: Any) -> Any:
     import vllm
     import vllm.envs
 
-    saved = {name: os.environ.get(name) for name in (*env, "HF_HUB_OFFLINE")}
-    os.environ.update({"HF_HUB_OFFLINE": "1", **env})
-    vllm.envs.disable_envs_cache()  # an earlier in-process engine froze the env it read
-    try:
+    with environment({"HF_HUB_OFFLINE": "1", **env}):
+        vllm.envs.disable_envs_cache()  # an earlier in-process engine froze the env it read
         return vllm.LLM(
             model=str(checkpoint), enforce_eager=True, dtype="bfloat16", max_model_len=256, seed=0,
             kv_cache_memory_bytes=64 << 20, **options,
         )
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def stop_llm(llm: Any, timeout: float = 120.0) -> None:
