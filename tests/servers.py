@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["free_port", "http_status", "serve"]
+__all__ = ["free_port", "http_status", "moetrace_cli", "post_json", "serve"]
 
 
 def free_port() -> int:
@@ -29,6 +32,20 @@ def http_status(url: str, timeout: float = 5.0) -> int:
             return response.status
     except OSError:
         return 0
+
+
+def post_json(url: str, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+    """``POST url`` with a JSON body; the decoded JSON answer."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def moetrace_cli(*args: str, timeout: float) -> str:
+    """Stdout of ``moetrace ARGS...`` run as a user runs it; fails the test on a non-zero exit."""
+    done = subprocess.run([sys.executable, "-m", "moetrace.cli", *args], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"moetrace {' '.join(args)} failed ({done.returncode}): {done.stderr}"
+    return done.stdout
 
 
 @contextlib.contextmanager

@@ -12,9 +12,9 @@ returned.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
-import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
@@ -28,7 +28,7 @@ from moetrace.adapters.sglang import read_routed_experts
 
 from moetrace.trace.reader import open_trace
 
-from ..servers import free_port, http_status, serve
+from ..servers import free_port, http_status, moetrace_cli, post_json, serve
 from .checkpoint import NUM_EXPERTS, NUM_LAYERS, TOP_K, build_checkpoint
 from .engine import CPU_ENV, ENGINE_ARGS, GENERATION, PROMPTS
 
@@ -56,16 +56,8 @@ def _flags(args: dict[str, Any]) -> list[str]:
     return flags
 
 
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
-
-
-def _cli(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "moetrace.cli", *args], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"moetrace {' '.join(args)} failed ({done.returncode}): {done.stderr}"
-    return done.stdout
+_post = functools.partial(post_json, timeout=120)
+_cli = functools.partial(moetrace_cli, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,10 @@ on CPU ("Model Runner V2 requires Triton").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
-import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from transformers import MixtralForCausalLM
 
 from moetrace.trace.reader import open_trace
 
-from ..servers import free_port, serve
+from ..servers import free_port, moetrace_cli, post_json, serve
 from .checkpoints import MODELS, build_checkpoint
 from .engine import GENERATION, PROMPTS
 
@@ -59,16 +58,8 @@ class Server:
     checkpoint: Path
 
 
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        return json.loads(response.read())
-
-
-def _cli(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "moetrace.cli", *args], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"moetrace {' '.join(args)} failed ({done.returncode}): {done.stderr}"
-    return done.stdout
+_post = functools.partial(post_json, timeout=300)
+_cli = functools.partial(moetrace_cli, timeout=300)
 
 
 @pytest.fixture(scope="module")
