@@ -40,7 +40,7 @@ from moetrace.analysis.placement import PlacementPlan, predicted_gpu_load
 from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.analysis.source import select_layers
 from moetrace.trace.reader import open_trace
-from moetrace.trace.schema import TraceError
+from moetrace.trace.schema import Attr, TraceError
 
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, parse_layers, stdout_console
@@ -88,10 +88,10 @@ def _expert_bytes(attrs: dict[str, Any], intermediate_size: int | None) -> int |
     """Bytes of one SwiGLU expert (gate, up, down: ``3·H·I·b``) from the trace's ``H`` and ``b``."""
     if intermediate_size is None:
         return None
-    hidden = int(attrs.get("hidden_size") or 0)
+    hidden = int(attrs.get(Attr.HIDDEN_SIZE) or 0)
     if hidden <= 0:
         raise CommandError("--intermediate-size needs the trace's hidden size, and this trace does not carry one (record with RecorderConfig(hidden_size=...))")
-    return 3 * hidden * intermediate_size * int(attrs.get("dtype_bytes") or 2)
+    return 3 * hidden * intermediate_size * int(attrs.get(Attr.DTYPE_BYTES) or 2)
 
 
 def _series(tr: Any, index: np.ndarray, bucket: int | None, required: bool) -> PassSeries | None:
@@ -224,7 +224,7 @@ def placement(
         "schema": "moetrace.placement",
         "schema_version": 2,
         "trace": str(trace) if len(traces) == 1 else [str(t) for t in traces],
-        "run_id": attrs.get("run_id"),
+        "run_id": attrs.get(Attr.RUN_ID),
         "layers": layer_ids,
         "num_replicas": config.replicas,
         "num_groups": config.groups,
@@ -260,7 +260,7 @@ def placement(
     if replay is not None and plot is not None:
         from moetrace.analysis.backtest_plot import plot_backtest
 
-        plot_backtest(replay, plot, title=str(attrs.get("model") or Path(trace).name))
+        plot_backtest(replay, plot, title=str(attrs.get(Attr.MODEL) or Path(trace).name))
     if out is not None:
         out.write_text(json.dumps(document))
     if as_json:

@@ -14,6 +14,7 @@ from rich.table import Table
 from moetrace.trace.convert import convert_jsonl, convert_sglang
 from moetrace.trace.merge import merge_traces, rank_stops
 from moetrace.trace.reader import open_trace
+from moetrace.trace.schema import Attr
 
 from .errors import guarded
 from .options import existing_file, output_path, stdout_console
@@ -118,7 +119,7 @@ def inspect(
         typer.echo(json.dumps({"path": str(trace), "file_bytes": trace.stat().st_size, "attrs": attrs, "datasets": datasets}, indent=2))
         return
     console = stdout_console()
-    console.print(f"[bold]{trace}[/bold]  {attrs.get('schema')} v{attrs.get('schema_version')}  {trace.stat().st_size} bytes on disk")
+    console.print(f"[bold]{trace}[/bold]  {attrs.get(Attr.SCHEMA)} v{attrs.get(Attr.SCHEMA_VERSION)}  {trace.stat().st_size} bytes on disk")
     table = Table(title="Root attributes", title_justify="left")
     table.add_column("attribute")
     table.add_column("value")

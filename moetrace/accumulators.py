@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .config import RecorderConfig
+from .trace.schema import Data
 from .trace.segments import StreamRows
 from .trace.stat import CounterLayout
 from .trace.stream import HostBufferPool, StreamJob
@@ -256,13 +257,13 @@ class PassStream:
             rows = host[:n].numpy()
             return StreamRows(
                 rows={
-                    "passes/pass_id": meta[:, 0].astype(np.int64),
-                    "passes/timestamp": meta[:, 1],
-                    "passes/num_tokens": meta[:, 2].astype(np.int64),
-                    "passes/physical_count": rows[:, :, layout.experts].copy(),
-                    "passes/invalid_ids": layout.invalid(rows),
-                    "passes/send_count": rows[:, :, layout.send].copy(),
-                    "passes/recv_count": rows[:, :, layout.recv].copy(),
+                    Data.PASSES_PASS_ID: meta[:, 0].astype(np.int64),
+                    Data.PASSES_TIMESTAMP: meta[:, 1],
+                    Data.PASSES_NUM_TOKENS: meta[:, 2].astype(np.int64),
+                    Data.PASSES_PHYSICAL_COUNT: rows[:, :, layout.experts].copy(),
+                    Data.PASSES_INVALID_IDS: layout.invalid(rows),
+                    Data.PASSES_SEND_COUNT: rows[:, :, layout.send].copy(),
+                    Data.PASSES_RECV_COUNT: rows[:, :, layout.recv].copy(),
                 },
                 totals=totals.numpy(),
                 passes=n,
@@ -386,7 +387,7 @@ class TokenStream:
         def build() -> StreamRows:
             return StreamRows(
                 # Views of the host buffers: the writer is done with them before ``done`` releases them.
-                rows={"tokens/topk_ids": host[:n].numpy(), "tokens/pass_id": pass_id, "tokens/position": position},
+                rows={Data.TOKENS_TOPK_IDS: host[:n].numpy(), Data.TOKENS_PASS_ID: pass_id, Data.TOKENS_POSITION: position},
                 totals=totals.numpy(),
                 passes=passes,
                 tokens=n,

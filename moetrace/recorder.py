@@ -57,7 +57,7 @@ from .timing import (
     make_clock,
     row_fields,
 )
-from .trace.schema import TraceWriteError
+from .trace.schema import Data, TraceWriteError, dataset
 from .trace.stream import StreamJob
 from .trace.writer import compression_options
 
@@ -388,7 +388,7 @@ class ExpertDistributionRecorder:
         """Streaming modes: submit the staged ``/timing`` rows to the segment writer."""
         if not self._timing_rows.pushed:
             return
-        rows = {f"timing/{name}": array for name, array in self._timing_rows.ordered().items()}
+        rows = {dataset(Data.TIMING, name): array for name, array in self._timing_rows.ordered().items()}
         self._timing_rows.reset()
         self._submit(StreamJob(event=None, build=lambda: rows, done=lambda: None))
 

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..routes import RoutesError, RouteSet, check_routes, load_routes, logical_ids, routed_rows
+from ..trace.schema import Attr, Data
 
 __all__ = [
     "DivergenceAccumulator",
@@ -225,7 +226,7 @@ def _trace_keys(trace: Any) -> np.ndarray:
     """One int64 key per ``/tokens`` row: pass id, rank (merged traces) and position."""
     pass_id = trace.read_tokens("pass_id").astype(np.int64)
     position = trace.read_tokens("position").astype(np.int64)
-    rank = trace.read_tokens("rank").astype(np.int64) if trace.has("tokens/rank") else np.zeros_like(pass_id)
+    rank = trace.read_tokens("rank").astype(np.int64) if trace.has(Data.TOKENS_RANK) else np.zeros_like(pass_id)
     return (pass_id << 40) | (rank << 32) | position
 
 
@@ -237,7 +238,7 @@ def _diff_traces(path_a: Path, path_b: Path, ignore_model: bool, chunk: int) -> 
             if trace.mode != "per_token":
                 raise DivergenceError(f"{trace.path}: mode {trace.mode!r} has no per-token routes; record with mode='per_token'")
         if not ignore_model:
-            _check_same("models", ta.attrs.get("model", ""), tb.attrs.get("model", ""), "compare runs of one model, or pass --ignore-model if they are the same model under two names")
+            _check_same("models", ta.attrs.get(Attr.MODEL, ""), tb.attrs.get(Attr.MODEL, ""), "compare runs of one model, or pass --ignore-model if they are the same model under two names")
         _check_same("top_k", ta.top_k, tb.top_k, "routes of different top-k cannot be compared")
         _check_same("MoE layers (model layer ids)", ta.layers.tolist(), tb.layers.tolist(), "the traces come from different models or layer layouts")
         _check_same("logical expert counts (id spaces)", ta.num_logical_experts, tb.num_logical_experts, "the traces come from different models")
