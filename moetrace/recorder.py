@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from .accumulators import CounterLayout, PassCounter, PassStream, StatWindow, TokenStream
 from .config import RecorderConfig
+from .graphs import is_capturing
 from .ids import to_logical
 from .snapshot import RecorderSnapshot
 from .timing import (
@@ -271,7 +272,7 @@ class ExpertDistributionRecorder:
             yield pass_id
             ok = True
         finally:
-            if self._pass_active and not (self._cuda and torch.cuda.is_current_stream_capturing()):
+            if self._pass_active and not is_capturing(self._device):
                 if ok:
                     self._end_pass(pass_id)
                 else:
@@ -281,7 +282,7 @@ class ExpertDistributionRecorder:
             self._live_clock = None
 
     def _begin_timing(self) -> None:
-        if self._cuda and torch.cuda.is_current_stream_capturing():
+        if is_capturing(self._device):
             raise TimingCaptureError(
                 "phase timing cannot run inside CUDA-graph capture (timed CUDA events are not capturable); "
                 "use RecorderConfig(timing=False) for a captured model, or capture outside with_forward_pass"
@@ -332,7 +333,7 @@ class ExpertDistributionRecorder:
         if self._pass_active:
             return True
         # Inside CUDA-graph capture with recording on: capture the (gated) counting ops.
-        return self._cuda and self._recording and torch.cuda.is_current_stream_capturing()
+        return self._recording and is_capturing(self._device)
 
     def _resolve_layer(self, layer: int | None, hook: str) -> int:
         if layer is None:
