@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from .accumulators import CounterLayout, PassCounter, PassStream, StatWindow, TokenStream
 from .config import RecorderConfig
+from .devices import resolve_device
 from .graphs import is_capturing
 from .ids import to_logical
 from .snapshot import RecorderSnapshot
@@ -88,12 +89,6 @@ class RecorderStateError(RuntimeError):
     """A lifecycle call that does not fit the recorder's state (e.g. start twice)."""
 
 
-def _normalise_device(device: torch.device) -> torch.device:
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def _dist_world() -> tuple[int, int]:
     """(rank, world size) of the default process group, or (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
@@ -123,48 +118,65 @@ class _LayerScope:
 
 
 class _SnapshotChannel:
-    """Two host buffers that receive the totals asynchronously at pass end.
+    """Two host buffers that receive the totals ``[L, C]`` and the token total asynchronously at pass end.
 
-    ``publish`` (forward thread) copies into the older buffer with
-    ``non_blocking=True`` and records an event; ``latest`` (any thread) returns
-    the newest buffer whose copy has completed, never waiting for the device.
-    Both run under the recorder's lock.
+    ``publish`` (forward thread, at pass end) first asks whether the copy in
+    flight has finished (``event.query()``, never blocks), then copies into the
+    buffer that does not hold the newest finished copy (``non_blocking=True``)
+    and records an event. ``latest`` (any thread: an exporter's scrape) returns
+    the newest finished copy from host memory only: it makes no CUDA call,
+    which from another thread could break a CUDA-graph capture in progress.
+    ``clear`` forgets both buffers without touching them (a copy may still be
+    landing in one); until the next finished copy ``latest`` reads zeros. All
+    run under the recorder's lock.
     """
 
     def __init__(self, shape: tuple[int, int], device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self._buffers = [torch.zeros(shape, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._events: list[torch.cuda.Event | None] = [None, None]
-        self._meta: list[tuple[int, int, float] | None] = [(0, 0, time.time()), None]
         self._cuda = device.type == "cuda"
-        self._newest = 0
-        self._cached: tuple[np.ndarray, tuple[int, int, float]] = (self._buffers[0].numpy().copy(), (0, 0, time.time()))
+        self._rows = [torch.zeros(shape, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
+        self._tokens = [torch.zeros(1, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
+        self._views = [(rows.numpy(), tokens.numpy()) for rows, tokens in zip(self._rows, self._tokens, strict=True)]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._passes = [0, 0]
+        self._timestamps = [0.0, 0.0]
+        self._done = -1  # slot of the newest finished copy (-1: none since clear)
+        self._flight = -1  # slot of the copy not yet known finished (-1: none)
+        self._empty = (np.zeros(shape, dtype=np.int64), (0, 0, time.time()))
 
-    def publish(self, totals: torch.Tensor, num_passes: int, num_tokens: int, timestamp: float) -> None:
-        slot = 1 - self._newest
-        self._buffers[slot].copy_(totals, non_blocking=True)
+    def _settle(self) -> None:
+        slot = self._flight
+        if slot >= 0:
+            event = self._events[slot]
+            if event is None or event.query():
+                self._done, self._flight = slot, -1
+
+    def publish(self, totals: torch.Tensor, tokens: torch.Tensor, num_passes: int, timestamp: float) -> None:
+        """Start copying ``totals [L, C]`` and ``tokens [1]`` (device) after ``num_passes`` passes."""
+        self._settle()
+        slot = 1 if self._done == 0 else 0
+        self._rows[slot].copy_(totals, non_blocking=True)
+        self._tokens[slot].copy_(tokens, non_blocking=True)
+        event = None
         if self._cuda:
             event = torch.cuda.Event()
             event.record()
-            self._events[slot] = event
-        self._meta[slot] = (num_passes, num_tokens, timestamp)
-        self._newest = slot
+        self._events[slot] = event
+        self._passes[slot], self._timestamps[slot] = num_passes, timestamp
+        self._flight = slot
+        if event is None:
+            self._settle()
 
     def latest(self) -> tuple[np.ndarray, tuple[int, int, float]]:
-        for slot in (self._newest, 1 - self._newest):
-            event, meta = self._events[slot], self._meta[slot]
-            if meta is not None and (event is None or event.query()):
-                self._cached = (self._buffers[slot].numpy().copy(), meta)
-                break
-        return self._cached
+        """``(rows [L, C], (passes, tokens, timestamp))`` of the newest finished copy."""
+        slot = self._done
+        if slot < 0:
+            return self._empty[0].copy(), self._empty[1]
+        rows, tokens = self._views[slot]
+        return rows.copy(), (self._passes[slot], int(tokens[0]), self._timestamps[slot])
 
     def clear(self) -> None:
-        for buf in self._buffers:
-            buf.zero_()
-        self._events = [None, None]
-        self._meta = [(0, 0, time.time()), None]
-        self._newest = 0
-        self._cached = (self._buffers[0].numpy().copy(), self._meta[0])  # type: ignore[assignment]
+        self._done = self._flight = -1
+        self._empty = (self._empty[0], (0, 0, time.time()))
 
 
 class ExpertDistributionRecorder:
@@ -175,7 +187,7 @@ class ExpertDistributionRecorder:
     """
 
     def __init__(self, config: RecorderConfig) -> None:
-        self.config = config.replace(device=_normalise_device(config.device))  # type: ignore[arg-type]
+        self.config = config.replace(device=resolve_device(config.device))  # type: ignore[arg-type]
         cfg = self.config
         self._device: torch.device = cfg.device  # type: ignore[assignment]
         self._cuda = self._device.type == "cuda"
@@ -186,8 +198,8 @@ class ExpertDistributionRecorder:
             self._counter = PassCounter(cfg, self._layout)
             self._counter.set_gate(False)
             self._window = StatWindow(cfg, self._layout) if cfg.mode == "stat" else None
-            self._pass_stream = PassStream(cfg, self._layout, self._submit) if cfg.mode == "per_pass" else None
-            self._token_stream = TokenStream(cfg, self._layout, self._submit) if cfg.mode == "per_token" else None
+            self._pass_stream = PassStream(cfg, self._layout, self._submit, self._settle_writer) if cfg.mode == "per_pass" else None
+            self._token_stream = TokenStream(cfg, self._layout, self._submit, self._settle_writer) if cfg.mode == "per_token" else None
             self._snapshots = _SnapshotChannel((cfg.num_layers, self._layout.width), self._device)
         # Phase timing (host-side): the clock, aggregates over all passes and per-pass rows.
         self._clock = make_clock(cfg.num_layers, self._device, cfg.timing_ring) if cfg.timing else None
@@ -200,14 +212,13 @@ class ExpertDistributionRecorder:
         self._started = False
         self._in_pass = False
         self._pass_active = False
-        self._pass_tokens = 0
+        self._pass_rows = 0  # per_token: most rows a hook wrote in this pass (host bound, not a token count)
+        self._captured_rows = 0  # per_token: most rows a hook wrote while being captured into a CUDA graph
         self._next_pass_id = 0
         self._layer: int | None = None
         self._disabled = 0
         self._num_passes = 0
-        self._num_tokens = 0
         self._dumped_passes = 0
-        self._dumped_tokens = 0
         self._run_id = uuid.uuid4().hex
         # Crash safety: streaming modes write rotating segments through a writer thread,
         # stat mode checkpoints through one (see moetrace.trace.segments).
@@ -264,11 +275,11 @@ class ExpertDistributionRecorder:
         self._next_pass_id = pass_id + 1
         self._in_pass = True
         self._pass_active = self._recording
-        self._pass_tokens = 0
+        self._pass_rows = 0
         ok = False
         try:
-            if self._pass_active and self._clock is not None:
-                self._begin_timing()  # may refuse (CUDA-graph capture): the finally below still ends the pass
+            if self._clock is not None and (self._pass_active or is_capturing(self._device)):
+                self._begin_timing()  # refuses a CUDA-graph capture: the finally below still ends the pass
             yield pass_id
             ok = True
         finally:
@@ -285,7 +296,7 @@ class ExpertDistributionRecorder:
         if is_capturing(self._device):
             raise TimingCaptureError(
                 "phase timing cannot run inside CUDA-graph capture (timed CUDA events are not capturable); "
-                "use RecorderConfig(timing=False) for a captured model, or capture outside with_forward_pass"
+                "build the recorder with RecorderConfig(timing=False) for a model run as CUDA graphs (its hooks are captured whether recording or not)"
             )
         assert self._clock is not None
         self._clock.begin_pass()
@@ -332,8 +343,13 @@ class ExpertDistributionRecorder:
             return False
         if self._pass_active:
             return True
-        # Inside CUDA-graph capture with recording on: capture the (gated) counting ops.
-        return self._recording and is_capturing(self._device)
+        # Being captured into a CUDA graph (engines capture at start-up, before any start_record):
+        # queue the gated counting ops whether recording or not; the gate decides at each replay.
+        if not is_capturing(self._device):
+            return False
+        if self._clock is not None:
+            self._begin_timing()  # raises: timed events cannot be captured
+        return True
 
     def _resolve_layer(self, layer: int | None, hook: str) -> int:
         if layer is None:
@@ -377,10 +393,12 @@ class ExpertDistributionRecorder:
         if self._token_stream is not None and tokens > self.config.max_tokens_per_pass:
             raise ValueError(f"pass of {tokens} tokens exceeds max_tokens_per_pass={self.config.max_tokens_per_pass}; raise it in RecorderConfig")
         index = self._counter.add_select(layer, ids)
-        if tokens > self._pass_tokens:
-            self._pass_tokens = tokens
         if self._token_stream is not None:
             self._token_stream.add_layer(layer, index)
+            if tokens > self._pass_rows:
+                self._pass_rows = tokens
+            if tokens > self._captured_rows and is_capturing(self._device):
+                self._captured_rows = tokens  # a replay of this graph writes this many rows, no hook telling
 
     def on_dispatch(
         self,
@@ -416,20 +434,21 @@ class ExpertDistributionRecorder:
         with self._lock:
             for timing in timings:
                 self._add_timing(timing)
-            counter, tokens, timestamp = self._counter, self._pass_tokens, time.time()
+            counter, timestamp = self._counter, time.time()
             counter.fold()
             if self._window is not None:
-                self._window.push(counter.current, pass_id, timestamp, tokens)
+                self._window.push(counter.current, counter.pass_tokens, pass_id, timestamp)
             if self._pass_stream is not None:
-                self._pass_stream.push(counter.current, pass_id, timestamp, tokens)
+                self._pass_stream.push(counter.current, pass_id, timestamp)
             if self._token_stream is not None:
-                self._token_stream.end_pass(pass_id, counter.current)
+                self._token_stream.end_pass(pass_id, counter.current, max(self._pass_rows, self._captured_rows))
             counter.clear()
             self._num_passes += 1
-            self._num_tokens += tokens
-            self._snapshots.publish(counter.totals, self._num_passes, self._num_tokens, timestamp)
-            if self._segment is not None and time.monotonic() >= self._rotate_at:
-                self._rotate(pass_id)
+            self._snapshots.publish(counter.totals, counter.token_total, self._num_passes, timestamp)
+            if self._segment is not None:
+                self._segment.poll()
+                if time.monotonic() >= self._rotate_at:
+                    self._rotate(pass_id)
 
     def _rotate(self, pass_id: int, wait: bool = False) -> None:
         """Segment due (``segment_seconds``): hand what is staged to the writer thread, which closes
@@ -448,34 +467,43 @@ class ExpertDistributionRecorder:
         writer thread write the checkpoint; skipped when the previous one is still being
         written, unless ``wait``."""
         assert self._window is not None and self._segment is not None
+        w = self._window
+        slots = len(w.pass_id)
         if self._checkpoint_buffers is None:
             pin = self._cuda
             with torch.inference_mode(False):  # normal tensors, even when the first checkpoint runs under it
                 self._checkpoint_buffers = (
                     HostBufferPool(tuple(self._counter.totals.shape), torch.int64, 1, pin),
-                    HostBufferPool(tuple(self._window.counts.shape), torch.int32, 1, pin),
+                    HostBufferPool(tuple(w.counts.shape), torch.int32, 1, pin),
+                    HostBufferPool((slots + 1,), torch.int64, 1, pin),
                 )
-        totals_pool, window_pool = self._checkpoint_buffers
+        totals_pool, window_pool, tokens_pool = self._checkpoint_buffers
+        if wait:
+            self._settle_writer()  # the previous checkpoint's copy, so that its buffers come back
         totals = totals_pool.acquire(block=wait)
         if totals is None:
             return
-        window = window_pool.acquire()
-        assert window is not None
+        window, tokens = window_pool.acquire(), tokens_pool.acquire()
+        assert window is not None and tokens is not None
         totals.copy_(self._counter.totals, non_blocking=True)
-        window.copy_(self._window.counts, non_blocking=True)
+        window.copy_(w.counts, non_blocking=True)
+        tokens[:slots].copy_(w.tokens, non_blocking=True)  # each window slot's tokens, then the token total
+        tokens[slots:].copy_(self._counter.token_total, non_blocking=True)
         event = torch.cuda.Event() if self._cuda else None
         if event is not None:
             event.record()
-        w = self._window
         order = w.order()
-        meta = np.stack([w.pass_id, w.timestamp, w.num_tokens], axis=1)[order]
-        passes, tokens = self._num_passes, self._num_tokens
+        meta = np.stack([w.pass_id, w.timestamp], axis=1)[order]
+        passes = self._num_passes
 
         def build() -> tuple[object, int, int]:
             rows, counts = totals.numpy()[None].copy(), [window.numpy()[order][None]]
-            return (lambda writer: self._write_stat_file(writer, rows, np.array([[passes, tokens]]), meta[None], counts)), pass_id, passes
+            host_tokens = tokens.numpy()
+            full = np.concatenate([meta, host_tokens[order][:, None].astype(np.float64)], axis=1)
+            return (lambda writer: self._write_stat_file(writer, rows, np.array([[passes, int(host_tokens[slots])]]), full[None], counts)), pass_id, passes
 
         def done() -> None:
+            tokens_pool.release(tokens)
             window_pool.release(window)
             totals_pool.release(totals)
 
@@ -509,13 +537,18 @@ class ExpertDistributionRecorder:
         with self._lock:
             self._counter.clear()
             if self._token_stream is not None:
-                self._token_stream.discard_pass()
+                self._token_stream.discard_pass(max(self._pass_rows, self._captured_rows))
 
     def _submit(self, job: StreamJob) -> None:
         if self._segment is None:
             job.done()
             return
         self._segment.submit(job)
+
+    def _settle_writer(self) -> None:
+        """Hand the writer thread every copy still in flight (waits for their events on this thread)."""
+        if self._segment is not None:
+            self._segment.settle()
 
     # ------------------------------------------------------------------ lifecycle
     def start_record(self) -> None:
@@ -560,9 +593,7 @@ class ExpertDistributionRecorder:
         self._timing_rows.reset()
         self._dumped_timing = None
         self._num_passes = 0
-        self._num_tokens = 0
         self._dumped_passes = 0
-        self._dumped_tokens = 0
         self._errors = []
 
     def _shared_run_id(self) -> str:
@@ -747,8 +778,8 @@ class ExpertDistributionRecorder:
         order = w.order()
         slots = len(w.pass_id)
         meta = np.full((slots, 3), -1.0)
-        meta[: len(order)] = np.stack([w.pass_id, w.timestamp, w.num_tokens], axis=1)[order]
-        passes = torch.tensor([self._num_passes, self._num_tokens], dtype=torch.int64, device=self._device)
+        meta[: len(order)] = np.stack([w.pass_id, w.timestamp, w.tokens.cpu().numpy()], axis=1)[order]
+        passes = torch.cat([torch.tensor([self._num_passes], dtype=torch.int64, device=self._device), self._counter.token_total])
         if world == 1:
             # The ring as it is (no reordered copy): the oldest slots first, then the wrapped ones.
             ring = w.counts.cpu().numpy()[None]
@@ -823,7 +854,7 @@ class ExpertDistributionRecorder:
         for info in taken:
             info.path.unlink(missing_ok=True)
         self._undumped_segments = []
-        self._dumped_passes, self._dumped_tokens = self._num_passes, self._num_tokens
+        self._dumped_passes = self._num_passes
         self._dumped_timing = self._timing_stats.arrays() if self._clock is not None else None
         if not self._recording:
             self._close_segment(keep=False)
@@ -883,6 +914,7 @@ class ExpertDistributionRecorder:
     def status(self) -> dict[str, object]:
         """A JSON-ready summary for control endpoints."""
         with self._lock:
+            tokens = self._snapshots.latest()[1][1]
             segment_error = self._segment.error if self._segment is not None else None
             errors = [*self._errors, *([f"streaming write failed: {segment_error}"] if segment_error else [])]
             return {
@@ -890,7 +922,7 @@ class ExpertDistributionRecorder:
                 "recording": self._recording,
                 "mode": self.config.mode,
                 "passes": self._num_passes,
-                "tokens": self._num_tokens,
+                "tokens": tokens,
                 "dropped_passes": self.dropped_passes,
                 "last_dump_path": str(self.last_dump_path) if self.last_dump_path else None,
                 "output_dir": str(self.config.output_dir),

@@ -167,7 +167,7 @@ def _copy_back(captured: Any, result: Any) -> None:
         if not _same_memory(captured, result):
             captured.copy_(result)
     elif isinstance(captured, (list, tuple)) and isinstance(result, (list, tuple)):
-        for c, r in zip(captured, result):
+        for c, r in zip(captured, result, strict=True):
             _copy_back(c, r)
 
 
