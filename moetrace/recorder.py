@@ -127,8 +127,10 @@ class _SnapshotChannel:
     the newest finished copy from host memory only: it makes no CUDA call,
     which from another thread could break a CUDA-graph capture in progress.
     ``clear`` forgets both buffers without touching them (a copy may still be
-    landing in one); until the next finished copy ``latest`` reads zeros. All
-    run under the recorder's lock.
+    landing in one); until the next finished copy ``latest`` reads zeros. While
+    recording, scrapes therefore lag the device by up to one pass; ``settle``
+    (``stop_record``, ``dump_record``) waits for the last copy. All run under the
+    recorder's lock.
     """
 
     def __init__(self, shape: tuple[int, int], device: torch.device) -> None:
@@ -173,6 +175,15 @@ class _SnapshotChannel:
             return self._empty[0].copy(), self._empty[1]
         rows, tokens = self._views[slot]
         return rows.copy(), (self._passes[slot], int(tokens[0]), self._timestamps[slot])
+
+    def settle(self) -> None:
+        """Wait for the copy in flight (a lifecycle call: the forward thread may be idle from now on)."""
+        slot = self._flight
+        if slot >= 0:
+            event = self._events[slot]
+            if event is not None:
+                event.synchronize()
+            self._done, self._flight = slot, -1
 
     def clear(self) -> None:
         self._done = self._flight = -1
@@ -570,6 +581,7 @@ class ExpertDistributionRecorder:
                 raise RecorderStateError("not recording; call start_record() first")
             self._recording = False
             self._counter.set_gate(False)
+            self._snapshots.settle()
             if self._segment is not None:  # everything recorded so far goes into closed segments / a checkpoint
                 self._rotate(self._next_pass_id - 1, wait=True)
 
@@ -710,6 +722,7 @@ class ExpertDistributionRecorder:
         with self._lock:
             if not self._started:
                 raise RecorderStateError("nothing recorded yet: call start_record() before dump_record()")
+            self._snapshots.settle()
             target = Path(path) if path is not None else self._default_path()
             if target.suffix != ".h5":
                 target = target.with_name(target.name + ".h5")

@@ -123,3 +123,15 @@ def test_scrapes_read_host_memory_only_and_clear_drops_copies_in_flight(monkeypa
     rows, (passes, num_tokens, _) = scrape(channel)
     assert rows.sum() == 18 and (passes, num_tokens) == (1, 15)  # the new recording's copy, never the stale one
     assert callers() == {threading.get_ident()}  # the scrape threads made no event call
+
+
+def test_a_lifecycle_call_settles_the_last_copy(monkeypatch):
+    """An idle engine publishes no more passes: stop_record/dump_record wait for the copy in flight."""
+    FakeEvent.calls = []
+    channel = cuda_channel(monkeypatch)
+    channel.publish(torch.ones((2, 3), dtype=torch.int64), torch.tensor([4]), 1, 10.0)
+    assert scrape(channel)[1][:2] == (0, 0)
+    channel.settle()
+    rows, (passes, tokens, _) = scrape(channel)
+    assert rows.sum() == 6 and (passes, tokens) == (1, 4)
+    assert ("synchronize", threading.get_ident()) in FakeEvent.calls and callers() == {threading.get_ident()}
