@@ -15,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from moetrace.recorder import _SnapshotChannel
+from moetrace.snapshot import SnapshotChannel
 from moetrace.trace.stream import BackgroundTraceWriter, StreamJob
 
 
@@ -87,14 +87,14 @@ def test_a_full_queue_settles_instead_of_deadlocking():
     assert sink.parts == [0, 1, 2, 3] and callers() == {threading.get_ident()}
 
 
-def cuda_channel(monkeypatch) -> _SnapshotChannel:
+def cuda_channel(monkeypatch) -> SnapshotChannel:
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    channel = _SnapshotChannel((2, 3), torch.device("cpu"))
+    channel = SnapshotChannel((2, 3), torch.device("cpu"))
     channel._cuda = True  # events as on a GPU; host buffers stay unpinned here
     return channel
 
 
-def scrape(channel: _SnapshotChannel) -> tuple[np.ndarray, tuple[int, int, float]]:
+def scrape(channel: SnapshotChannel) -> tuple[np.ndarray, tuple[int, int, float]]:
     out: list[tuple[np.ndarray, tuple[int, int, float]]] = []
     thread = threading.Thread(target=lambda: out.append(channel.latest()))
     thread.start()
