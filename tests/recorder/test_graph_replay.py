@@ -100,6 +100,22 @@ def replay_all(engine: Engine, graph: CpuGraph, passes: list[np.ndarray]) -> Non
             graph.replay()
 
 
+def record_replays(tmp_path, mode: str, seed: int, within_pass: bool = False) -> tuple[ExpertDistributionRecorder, list[np.ndarray]]:
+    """Capture at start-up (recording off), then start recording and replay ``real_passes(seed)``."""
+    rec = make(tmp_path, mode)
+    engine = Engine(rec)
+    graph = captured(engine, within_pass)
+    rec.start_record()
+    passes = real_passes(seed)
+    replay_all(engine, graph, passes)
+    return rec, passes
+
+
+def column(chunks: list, name: str) -> np.ndarray:
+    """One field of a trace's pass or token chunks, concatenated."""
+    return np.concatenate([getattr(c, name) for c in chunks])
+
+
 def oracle(passes: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     counts, invalid = numpy_counts([list(p) for p in passes], EXPERTS)
     return counts, invalid, np.array([p.shape[1] for p in passes])
@@ -107,12 +123,7 @@ def oracle(passes: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 @pytest.mark.parametrize("within_pass", [False, True])
 def test_stat_mode_under_replay_is_exact(tmp_path, within_pass):
-    rec = make(tmp_path, "stat")
-    engine = Engine(rec)
-    graph = captured(engine, within_pass)
-    rec.start_record()
-    passes = real_passes()
-    replay_all(engine, graph, passes)
+    rec, passes = record_replays(tmp_path, "stat", seed=0, within_pass=within_pass)
     counts, _, tokens = oracle(passes)
     snap = rec.snapshot()
     assert snap.num_passes == len(passes) and snap.num_tokens == tokens.sum()
@@ -129,39 +140,23 @@ def test_stat_mode_under_replay_is_exact(tmp_path, within_pass):
 
 
 def test_per_pass_mode_under_replay_is_exact(tmp_path):
-    rec = make(tmp_path, "per_pass")
-    engine = Engine(rec)
-    graph = captured(engine, within_pass=False)
-    rec.start_record()
-    passes = real_passes(seed=1)
-    replay_all(engine, graph, passes)
+    rec, passes = record_replays(tmp_path, "per_pass", seed=1)
     with open_trace(rec.dump_record(tmp_path / "pp.h5")) as trace:
         rows = list(trace.iter_passes())
-        num_tokens = np.concatenate([c.num_tokens for c in rows])
-        physical = np.concatenate([c.physical_count for c in rows])
-        send = np.concatenate([c.send_count for c in rows])
-        np.testing.assert_array_equal(num_tokens, oracle(passes)[2])
-        np.testing.assert_array_equal(physical, np.stack([numpy_counts([list(p)], EXPERTS)[0] for p in passes]))
-        np.testing.assert_array_equal(send.sum(axis=0), send_oracle(passes))
+        np.testing.assert_array_equal(column(rows, "num_tokens"), oracle(passes)[2])
+        np.testing.assert_array_equal(column(rows, "physical_count"), np.stack([numpy_counts([list(p)], EXPERTS)[0] for p in passes]))
+        np.testing.assert_array_equal(column(rows, "send_count").sum(axis=0), send_oracle(passes))
         assert int(trace.num_tokens().sum()) == oracle(passes)[2].sum()
 
 
 def test_per_token_mode_under_replay_streams_every_real_token(tmp_path):
-    rec = make(tmp_path, "per_token")
-    engine = Engine(rec)
-    graph = captured(engine, within_pass=False)
-    rec.start_record()
-    passes = real_passes(seed=2)
-    replay_all(engine, graph, passes)
+    rec, passes = record_replays(tmp_path, "per_token", seed=2)
     with open_trace(rec.dump_record(tmp_path / "pt.h5")) as trace:
         chunks = list(trace.iter_tokens())
-        ids = np.concatenate([c.topk_ids for c in chunks])
-        pass_id = np.concatenate([c.pass_id for c in chunks])
-        position = np.concatenate([c.position for c in chunks])
         expected = np.concatenate([p.transpose(1, 0, 2) for p in passes])
-        np.testing.assert_array_equal(ids, expected)
-        np.testing.assert_array_equal(pass_id, np.concatenate([np.full(p.shape[1], i) for i, p in enumerate(passes)]))
-        np.testing.assert_array_equal(position, np.concatenate([np.arange(p.shape[1]) for p in passes]))
+        np.testing.assert_array_equal(column(chunks, "topk_ids"), expected)
+        np.testing.assert_array_equal(column(chunks, "pass_id"), np.concatenate([np.full(p.shape[1], i) for i, p in enumerate(passes)]))
+        np.testing.assert_array_equal(column(chunks, "position"), np.concatenate([np.arange(p.shape[1]) for p in passes]))
         np.testing.assert_array_equal(trace.physical_count(), oracle(passes)[0])
         assert int(trace.num_tokens().sum()) == len(expected)
         assert int(trace.num_passes().sum()) == len(passes)
