@@ -44,6 +44,7 @@ import torch.distributed as dist
 from .accumulators import CounterLayout, PassCounter, PassStream, StatWindow, TokenStream
 from .config import RecorderConfig
 from .ids import to_logical
+from .layout import RankLayout
 from .snapshot import RecorderSnapshot
 from .timing import (
     HISTOGRAM_EDGES,
@@ -570,7 +571,24 @@ class ExpertDistributionRecorder:
             dist.broadcast_object_list(run_id, src=0)
         return run_id[0]
 
-    def _header(self, rank: int, world_size: int) -> TraceHeader:
+    def rank_layout(self) -> RankLayout:
+        """This rank's parallel layout: the configured one, else every rank holding its own tokens."""
+        cfg = self.config
+        if cfg.layout is not None:
+            return cfg.layout
+        rank, world = _dist_world()
+        return RankLayout.independent(rank, world, cfg.ep_size, cfg.ep_rank)
+
+    def _gather_layouts(self, world: int) -> tuple[RankLayout, ...]:
+        """Every rank's layout in rank order (a collective when ``world > 1``; dump time only)."""
+        mine = self.rank_layout()
+        if world == 1:
+            return (mine,)
+        gathered: list[object] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        return tuple(gathered)  # type: ignore[arg-type]
+
+    def _header(self, rank: int, world_size: int, layouts: tuple[RankLayout, ...] | None = None) -> TraceHeader:
         cfg = self.config
         return TraceHeader(
             mode=cfg.mode,
@@ -588,6 +606,7 @@ class ExpertDistributionRecorder:
             world_size=world_size,
             hidden_size=cfg.hidden_size or 0,
             dtype_bytes=cfg.dtype_bytes,
+            layouts=(self.rank_layout(),) if layouts is None else layouts,
         )
 
     def _streamed_schema(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -741,6 +760,7 @@ class ExpertDistributionRecorder:
     def _dump_stat(self, target: Path, rank: int, world: int) -> Path:
         assert self._window is not None
         timing = self._gather_timing(world, rows=True)
+        layouts = self._gather_layouts(world)
         rows = self._gather(self._counter.totals, world).cpu().numpy()
         w = self._window
         order = w.order()
@@ -762,7 +782,7 @@ class ExpertDistributionRecorder:
             all_passes = self._gather(passes, world).cpu().numpy()
         if rank != 0:
             return target
-        writer = TraceWriter(target, self._header(rank=-1 if world > 1 else rank, world_size=world), compression=self._compression)
+        writer = TraceWriter(target, self._header(rank=-1 if world > 1 else rank, world_size=world, layouts=layouts), compression=self._compression)
         try:
             self._write_stat_file(writer, rows, all_passes, all_meta, all_counts)
             self._write_timing(writer, timing)
@@ -877,6 +897,7 @@ class ExpertDistributionRecorder:
             errors=errors,
             dropped_passes=self.dropped_passes,
             timing=timing,
+            layout=self.rank_layout(),
         )
 
     def status(self) -> dict[str, object]:
@@ -894,6 +915,7 @@ class ExpertDistributionRecorder:
                 "last_dump_path": str(self.last_dump_path) if self.last_dump_path else None,
                 "output_dir": str(self.config.output_dir),
                 "errors": errors,
+                "layout": self.rank_layout().as_dict(),
             }
 
 

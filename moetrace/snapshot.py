@@ -12,6 +12,7 @@ import numpy as np
 
 from . import metrics
 from .dispatch import ep_ideal_bytes, exchanged_bytes, remote_copies
+from .layout import RankLayout
 
 __all__ = ["RecorderSnapshot"]
 
@@ -41,6 +42,8 @@ class RecorderSnapshot(metrics.LoadMetrics):
             writer was behind (``on_overflow="drop"``).
         timing: phase-timing aggregates since ``start_record``
             (:meth:`moetrace.timing.TimingStats.arrays`), ``None`` when timing is off.
+        layout: the rank's parallel layout (``None``: not known, the rank's
+            view counts as its own tokens).
     """
 
     timestamp: float
@@ -67,6 +70,19 @@ class RecorderSnapshot(metrics.LoadMetrics):
     errors: tuple[str, ...] = ()
     dropped_passes: int = 0
     timing: dict[str, np.ndarray] | None = None
+    layout: RankLayout | None = None
+
+    @property
+    def replicates_tokens(self) -> bool:
+        """True when another rank of the same TP (attention) group routes these same tokens and counts them."""
+        return self.layout is not None and self.layout.replicates_tokens
+
+    def counted(self, value: np.ndarray | int) -> np.ndarray | int:
+        """``value`` as this rank adds it to run-wide counters: zeros on a rank whose view replicates
+        another's (TP attention), so that the sum over ranks counts each token once."""
+        if not self.replicates_tokens:
+            return value
+        return 0 if isinstance(value, (int, np.integer)) else np.zeros_like(value)
 
     @property
     def phase_histogram(self) -> np.ndarray:
