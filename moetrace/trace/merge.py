@@ -30,6 +30,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ..layout import RankLayout
 from .ranks import read_layouts
 from .reader import open_trace
 from .schema import LAYOUT_ATTRS, TraceError
@@ -189,13 +190,10 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
         TraceWriteError: ``out`` could not be written (nothing is left under that name).
     """
     ordered, attrs, layers, mapping = _check_inputs([Path(p) for p in paths])
-    files = [h5py.File(p, "r") for p in ordered]
-    try:
-        layouts = tuple(layout for f in files for layout in read_layouts(f))
-    except BaseException:
-        for f in files:
-            f.close()
-        raise
+    layouts: list[RankLayout] = []
+    for path in ordered:
+        with h5py.File(path, "r") as f:
+            layouts.extend(read_layouts(f))
     header = TraceHeader(
         mode=str(attrs["mode"]),
         id_space=str(attrs["id_space"]),
@@ -212,28 +210,26 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
         world_size=len(ordered),
         hidden_size=int(attrs.get("hidden_size", 0)),
         dtype_bytes=int(attrs.get("dtype_bytes", 0)),
-        layouts=layouts if len(layouts) == len(ordered) else (),
+        layouts=tuple(layouts) if len(layouts) == len(ordered) else (),
     )
-    writer = TraceWriter(out, header)
+    files = [h5py.File(p, "r") for p in ordered]
     try:
-        _stack_static(files, "stat", writer)
-        _stack_static(files, "window", writer)
-        group = _STREAM_GROUP.get(header.mode)
-        if group is not None and group in files[0]:
-            _merge_stream(files, group, writer, chunk_rows)
-        if "timing" in files[0]:
-            _merge_stream(files, "timing", writer, chunk_rows)
-        for key, value in files[0].attrs.items():
-            if key.startswith("timing_"):
-                writer.set_attr(key, value)
-        writer.set_attr("merged_from", json.dumps([p.name for p in ordered]))
-        stops = rank_stops(ordered)
-        if stops:
-            writer.set_attr("recovered_ranks", json.dumps(stops))
-        return writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
+        with TraceWriter(out, header) as writer:
+            _stack_static(files, "stat", writer)
+            _stack_static(files, "window", writer)
+            group = _STREAM_GROUP.get(header.mode)
+            if group is not None and group in files[0]:
+                _merge_stream(files, group, writer, chunk_rows)
+            if "timing" in files[0]:
+                _merge_stream(files, "timing", writer, chunk_rows)
+            for key, value in files[0].attrs.items():
+                if key.startswith("timing_"):
+                    writer.set_attr(key, value)
+            writer.set_attr("merged_from", json.dumps([p.name for p in ordered]))
+            stops = rank_stops(ordered)
+            if stops:
+                writer.set_attr("recovered_ranks", json.dumps(stops))
+            return writer.commit()
     finally:
         for f in files:
             f.close()

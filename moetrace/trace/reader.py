@@ -16,6 +16,7 @@ import h5py
 import numpy as np
 
 from ..layout import CountedRows, RankLayout
+from .files import parse_temporary, process_alive
 from .ranks import counted_of, read_layouts
 from .schema import COMPLETE_ATTR, REQUIRED_ATTRS, SCHEMA_NAME, SCHEMA_VERSION, TraceError
 
@@ -94,8 +95,6 @@ def _check_filters(file: h5py.File, path: Path) -> None:
 
 def _unfinished_hint(path: Path) -> str:
     """For a writer's temporary file: whose it is and what to do instead."""
-    from .segments import parse_temporary, process_alive
-
     parsed = parse_temporary(path)
     if parsed is None:
         return ""
