@@ -12,7 +12,7 @@ import sys
 import pytest
 
 #: The core: configuration, recording, capture, dispatch, snapshot, balance metric definitions,
-#: id spaces and trace I/O. Nothing else of moetrace may load with it.
+#: id spaces, rank layouts and trace I/O. Nothing else of moetrace may load with it.
 CORE = {
     "moetrace",
     "moetrace._version",
@@ -21,6 +21,7 @@ CORE = {
     "moetrace.config",
     "moetrace.dispatch",
     "moetrace.ids",
+    "moetrace.layout",
     "moetrace.metrics",
     "moetrace.recorder",
     "moetrace.snapshot",
