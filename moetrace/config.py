@@ -215,6 +215,13 @@ class RecorderConfig:
             return "lzf" if self.mode == "per_pass" else "none"
         return self.compression
 
+    def rank_layout(self, rank: int = 0, world_size: int = 1) -> RankLayout:
+        """This rank's parallel layout: ``layout`` when given, else every rank holding its own tokens
+        (``rank`` of ``world_size``, this config's EP coordinates)."""
+        if self.layout is not None:
+            return self.layout
+        return RankLayout.independent(rank, world_size, self.ep_size, self.ep_rank)
+
     @property
     def experts_per_rank(self) -> int:
         """Physical experts each EP rank owns (``P / R``)."""
