@@ -238,7 +238,7 @@ def histogram_samples(spec: HistogramSpec, snap: RecorderSnapshot) -> Iterator[t
 
 def info_labels(snap: RecorderSnapshot) -> dict[str, str]:
     """Label values of the info metric (plus ``rank``)."""
-    layout = snap.layout
+    layout = snap.rank_layout
     coords = {"layout": layout.describe(), "global_rank": str(layout.rank), "tp_rank": str(layout.tp_rank),
               "dp_rank": str(layout.dp_rank), "pp_rank": str(layout.pp_rank)} if layout is not None else \
         {"layout": "", "global_rank": "", "tp_rank": "", "dp_rank": "", "pp_rank": ""}

@@ -575,7 +575,7 @@ class ExpertDistributionRecorder:
         return RecorderSnapshot.of_rows(
             self.config, self._layout, rows, progress, recording=recording, id_space=self.id_space,
             last_dump_path=str(last) if last else None, errors=errors, dropped_passes=self.dropped_passes, timing=timing,
-            layout=self.config.rank_layout(*dist_world()),
+            rank_layout=self.config.rank_layout(*dist_world()),
         )
 
     def status(self) -> dict[str, object]:

@@ -48,8 +48,8 @@ class RecorderSnapshot(metrics.LoadMetrics):
             writer was behind (``on_overflow="drop"``).
         timing: phase-timing aggregates since ``start_record``
             (:meth:`moetrace.timing.TimingStats.arrays`), ``None`` when timing is off.
-        layout: the rank's parallel layout (``None``: not known, the rank's
-            view counts as its own tokens).
+        rank_layout: the rank's parallel layout (``None``: not known, the
+            rank's view counts as its own tokens).
     """
 
     timestamp: float
@@ -76,12 +76,12 @@ class RecorderSnapshot(metrics.LoadMetrics):
     errors: tuple[str, ...] = ()
     dropped_passes: int = 0
     timing: dict[str, np.ndarray] | None = None
-    layout: RankLayout | None = None
+    rank_layout: RankLayout | None = None
 
     @property
     def replicates_tokens(self) -> bool:
         """True when another rank of the same TP (attention) group routes these same tokens and counts them."""
-        return self.layout is not None and self.layout.replicates_tokens
+        return self.rank_layout is not None and self.rank_layout.replicates_tokens
 
     def counted(self, value: np.ndarray | int) -> np.ndarray | int:
         """``value`` as this rank adds it to run-wide counters: zeros on a rank whose view replicates
@@ -141,7 +141,7 @@ class RecorderSnapshot(metrics.LoadMetrics):
         """The snapshot of counter rows ``[L, C]`` (columns of ``layout``) after ``(passes, tokens, unix time)``.
 
         ``state``: the remaining fields (``recording``, ``id_space``, ``last_dump_path``, ``errors``,
-        ``dropped_passes``, ``timing``, ``layout``).
+        ``dropped_passes``, ``timing``, ``rank_layout``).
         """
         num_passes, num_tokens, timestamp = progress
         physical = rows[:, layout.experts]
