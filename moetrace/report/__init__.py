@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["SIZE_BOUND", "build_report"]
+if TYPE_CHECKING:
+    from .evidence import Evidence
+
+__all__ = ["SIZE_BOUND", "build_report", "write_report"]
 
 #: What the report embeds at most, whatever the trace length (docs/report.md).
 SIZE_BOUND = (
@@ -35,9 +39,20 @@ def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | st
         ValueError: nothing to report on.
     """
     from .evidence import gather
-    from .page import write_page
-    from .sections import MAX_HEATMAP_CELLS, MAX_POINTS, MAX_REQUEST_TOKENS, MAX_REQUESTS, build_sections
 
-    evidence = gather([Path(p) for p in paths], None if routes is None else Path(routes), top=top)
+    return write_report(gather([Path(p) for p in paths], None if routes is None else Path(routes), top=top), out)
+
+
+def write_report(evidence: Evidence, out: Path | str) -> Path:
+    """Write the HTML report of gathered ``evidence`` (:func:`.evidence.gather`) to ``out``; returns the path."""
+    from .page import write_page
+    from .sections import (
+        MAX_HEATMAP_CELLS,
+        MAX_POINTS,
+        MAX_REQUEST_TOKENS,
+        MAX_REQUESTS,
+        build_sections,
+    )
+
     bound = SIZE_BOUND.format(points=MAX_POINTS, cells=MAX_HEATMAP_CELLS, requests=MAX_REQUESTS, tokens=MAX_REQUEST_TOKENS)
     return write_page(Path(out), build_sections(evidence), evidence.inputs, bound)

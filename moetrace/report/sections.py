@@ -9,6 +9,7 @@ summarised (experts grouped, buckets merged, requests or positions left out).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -129,7 +130,7 @@ def _rank_load(ev: ExpertEvidence) -> Section | None:
             balance = np.asarray([metrics.balancedness(b) for b in per_bucket])
             size = ev.series.bucket * merged
             figs.append(("fig-rank-time", figures.lines(
-                first, {f"rank {i}": share[:, i] for i in range(r.ep_size)}, f"Share of token copies per rank over time ({size} passes a point)",
+                first, {f"rank {i}": share[:, i] for i in range(r.ep_size)}, f"Share of token copies per rank over time ({size} pass{'es' if size > 1 else ''} per point)",
                 "first pass of the bucket", "share of copies", secondary={"balancedness": balance}, secondary_label="balancedness")))
             parts.append(f"over time balancedness {balance.min():.3f}-{balance.max():.3f}")
     if drift is not None and len(drift) > 1:
@@ -311,7 +312,7 @@ def _routing(runs: list[RoutingEvidence]) -> Section | None:
         if len(ttft):
             counts, edges = np.histogram(ttft, bins=TTFT_BINS)
             figs.append((f"fig-ttft-{i}", figures.bar_groups(
-                [f"{1e3 * lo:.3g}-{1e3 * hi:.3g}" for lo, hi in zip(edges[:-1], edges[1:], strict=True)], {"requests": counts},
+                [f"{1e3 * lo:.3g}-{1e3 * hi:.3g}" for lo, hi in itertools.pairwise(edges)], {"requests": counts},
                 f"{name}: TTFT distribution of {len(ttft):,} finished requests (ms)", "requests")))
         replica = q["replica"]
         reused = np.bincount(replica[done & (replica >= 0)], weights=q["cached_tokens"][done & (replica >= 0)], minlength=table.num_replicas)
