@@ -24,18 +24,24 @@ __all__ = [
     "transitions_sankey",
 ]
 
+#: The look of every figure: set once in the page (:mod:`.page`), not copied into each figure.
 TEMPLATE = "plotly_white"
 
 
+def _figure(*traces: object) -> go.Figure:
+    """A figure with an empty template (the page applies :data:`TEMPLATE`: cheaper and smaller than one per figure)."""
+    return go.Figure(data=list(traces), layout={"template": {}})
+
+
 def _layout(fig: go.Figure, title: str, height: int = 380, **axes: object) -> go.Figure:
-    fig.update_layout(template=TEMPLATE, title={"text": title, "x": 0, "font": {"size": 14}}, height=height,
+    fig.update_layout(title={"text": title, "x": 0, "font": {"size": 14}}, height=height,
                       margin={"l": 60, "r": 20, "t": 40, "b": 50}, **axes)
     return fig
 
 
 def headline(items: Sequence[tuple[str, float, str]]) -> go.Figure:
     """Big numbers: ``(label, value, d3 format)`` each, side by side."""
-    fig = go.Figure()
+    fig = _figure()
     n = len(items)
     for i, (label, value, fmt) in enumerate(items):
         fig.add_trace(go.Indicator(mode="number", value=float(value), number={"valueformat": fmt, "font": {"size": 34}},
@@ -54,7 +60,7 @@ def expert_heatmap(layer_ids: np.ndarray, counts: np.ndarray, group: int = 1) ->
     columns = np.arange(counts.shape[1]) * group
     labels = [str(c) if group == 1 else f"{c}-{c + group - 1}" for c in columns]
     layers = [f"L{x}" for x in layer_ids]
-    fig = go.Figure(go.Heatmap(
+    fig = _figure(go.Heatmap(
         z=counts, x=labels, y=layers, customdata=ratio, colorscale="Viridis", colorbar={"title": {"text": "tokens"}},
         hovertemplate="expert %{x}<br>layer %{y}<br>count %{z:,.0f}<br>x mean %{customdata:.2f}<extra></extra>",
     ))
@@ -68,7 +74,7 @@ def rank_heatmap(layer_ids: np.ndarray, load: np.ndarray) -> go.Figure:
     load = np.asarray(load, dtype=np.float64)
     mean = load.mean(axis=1, keepdims=True)
     ratio = np.divide(load, mean, out=np.zeros_like(load), where=mean > 0)
-    fig = go.Figure(go.Heatmap(
+    fig = _figure(go.Heatmap(
         z=load, x=[f"rank {r}" for r in range(load.shape[1])], y=[f"L{x}" for x in layer_ids], customdata=ratio,
         colorscale="Blues", colorbar={"title": {"text": "tokens"}},
         text=np.vectorize(lambda v: f"{v:.2f}x")(ratio), texttemplate="%{text}" if load.size <= 400 else None,
@@ -81,7 +87,7 @@ def rank_heatmap(layer_ids: np.ndarray, load: np.ndarray) -> go.Figure:
 def lines(x: np.ndarray, series: dict[str, np.ndarray], title: str, xlabel: str, ylabel: str,
           secondary: dict[str, np.ndarray] | None = None, secondary_label: str = "", shape: str = "linear") -> go.Figure:
     """One line per named series over ``x``; ``secondary`` series on a right-hand axis."""
-    fig = go.Figure()
+    fig = _figure()
     for name, y in series.items():
         fig.add_trace(go.Scatter(x=x, y=y, name=name, mode="lines+markers" if len(x) <= 60 else "lines", line={"shape": shape}))
     axes: dict[str, object] = {"xaxis": {"title": {"text": xlabel}}, "yaxis": {"title": {"text": ylabel}}}
@@ -98,7 +104,7 @@ def bar_groups(categories: Sequence[str], groups: dict[str, Sequence[float]], ti
                errors: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None, stack: bool = False,
                yrange: tuple[float, float] | None = None) -> go.Figure:
     """Bars per category, one colour per group (side by side, or stacked); ``errors`` = (minus, plus) per group."""
-    fig = go.Figure()
+    fig = _figure()
     for name, values in groups.items():
         err = (errors or {}).get(name)
         error_y = None if err is None else {"type": "data", "symmetric": False, "array": list(err[1]), "arrayminus": list(err[0])}
@@ -115,7 +121,7 @@ def phase_stack(rank_labels: Sequence[int], layer_ids: np.ndarray, phases: Seque
     seconds = np.asarray(seconds, dtype=np.float64)
     ranks = [f"rank {r}" for r in rank_labels for _ in layer_ids]
     layers = [f"L{x}" for _ in rank_labels for x in layer_ids]
-    fig = go.Figure()
+    fig = _figure()
     for f, name in enumerate(phases):
         fig.add_trace(go.Bar(x=[ranks, layers], y=1e3 * seconds[:, :, f].ravel(), name=name,
                              hovertemplate="%{x}<br>" + name + ": %{y:.2f} ms<extra></extra>"))
@@ -127,7 +133,7 @@ def phase_stack(rank_labels: Sequence[int], layer_ids: np.ndarray, phases: Seque
 def routes_grid(positions: np.ndarray, layer_ids: Sequence[int], ids: np.ndarray, num_experts: int, title: str) -> go.Figure:
     """One request's experts: ``ids [T, L', k]`` as a layers x tokens grid coloured by the first expert."""
     z, text = routes_cells(ids)
-    fig = go.Figure(go.Heatmap(
+    fig = _figure(go.Heatmap(
         z=z, x=positions, y=[f"L{x}" for x in layer_ids], text=text, texttemplate="%{text}" if ids.shape[0] <= 48 else None,
         zmin=0, zmax=max(num_experts - 1, 1), colorscale="Turbo", colorbar={"title": {"text": "expert (slot 0)"}},
         hovertemplate="position %{x}<br>layer %{y}<br>experts %{text}<extra></extra>", xgap=1, ygap=1,
@@ -150,7 +156,7 @@ def pairs_bars(rows: list[dict[str, object]]) -> go.Figure:
     """Top co-activated pairs: ``rows`` of ``{"layer", "a", "b", "count", "lift"}``, a horizontal bar each."""
     labels = [f"L{r['layer']}  {r['a']}+{r['b']}" for r in rows]
     lift = [float(r["lift"]) for r in rows]  # type: ignore[arg-type]
-    fig = go.Figure(go.Bar(
+    fig = _figure(go.Bar(
         y=labels, x=[r["count"] for r in rows], orientation="h", customdata=lift,
         marker={"color": lift, "colorscale": "RdBu", "cmid": 1.0, "colorbar": {"title": {"text": "lift"}}},
         hovertemplate="%{y}<br>tokens with both %{x:,}<br>lift %{customdata:.2f} (observed / independent)<extra></extra>",
@@ -174,7 +180,7 @@ def transitions_sankey(rows: list[dict[str, object]]) -> go.Figure:
             value.append(float(t["share"]))
             label.append(f"L{row['from_layer']} e{t['a']} -> L{row['to_layer']} e{t['b']}")
     names = [f"L{layer} e{expert}" for (layer, expert) in nodes]
-    fig = go.Figure(go.Sankey(
+    fig = _figure(go.Sankey(
         arrangement="snap",
         node={"label": names, "pad": 12, "thickness": 14},
         link={"source": source, "target": target, "value": value, "customdata": label,

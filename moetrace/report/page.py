@@ -19,6 +19,7 @@ from plotly.offline import get_plotlyjs
 
 from .._version import __version__
 from ..trace.writer import write_text_atomic
+from .figures import TEMPLATE
 from .sections import Section
 
 __all__ = ["render", "write_page"]
@@ -40,8 +41,10 @@ select { font-size: 14px; margin: 4px 0 8px; }
 _SCRIPT = """
 (function () {
   const figures = JSON.parse(document.getElementById("mt-figures").textContent);
+  const template = JSON.parse(document.getElementById("mt-template").textContent);
   const config = {responsive: true, displaylogo: false};
   for (const [id, fig] of Object.entries(figures)) {
+    fig.layout.template = template;
     Plotly.newPlot(id, fig.data, fig.layout, config);
   }
   const choice = document.getElementById("mt-routes-data");
@@ -103,6 +106,7 @@ def render(sections: Sequence[Section], inputs: Sequence[Path], bound: str) -> s
         f'<p class="bound">{html.escape(bound)}</p>',
         f"<nav>{nav}</nav></header>",
         *(_section_html(s) for s in sections),
+        f'<script type="application/json" id="mt-template">{_json(pio.templates[TEMPLATE].to_plotly_json())}</script>',
         f'<script type="application/json" id="mt-figures">{_safe(figures)}</script>',
         routes,
         f"<script>{_SCRIPT}</script>",

@@ -128,3 +128,32 @@ def pixel_stats(png: bytes) -> dict[str, float]:
     ink = (flat < 245).any(axis=1).mean()
     colours = len(np.unique(flat[:: max(1, len(flat) // 200000)], axis=0))
     return {"ink": float(ink), "colours": float(colours), "height": float(image.shape[0]), "width": float(image.shape[1])}
+
+
+def check_page(view: PageView, sections: list[str]) -> None:
+    """The checks every report must pass: no console error, the expected sections, every figure drawn, not blank."""
+    assert view.errors == [], f"browser console errors: {view.errors}"
+    assert view.sections == sections
+    assert view.undrawn() == [], f"figures without drawn data points: {view.undrawn()}"
+    assert {f["section"] for f in view.figures} == set(sections), "a section without a figure"
+    stats = pixel_stats(view.screenshot)
+    assert stats["ink"] > 0.03 and stats["colours"] > 50, f"the screenshot looks blank: {stats}"
+
+
+_GRID_JS = """
+const gd = document.getElementById('fig-routes');
+const img = gd.querySelector('.hm image');
+return {title: gd._fullLayout.title.text, z: gd._fullData[0].z, image: img ? img.getAttribute('href') : null};
+"""
+
+
+def choose_request(driver: Any, index: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Pick option ``index`` of the request selector; the routes grid (title, cells, drawn image) before and after."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    before = driver.execute_script(_GRID_JS)
+    Select(driver.find_element(By.ID, "mt-request")).select_by_index(index)
+    WebDriverWait(driver, 30).until(lambda d: d.execute_script(_GRID_JS)["title"] != before["title"])
+    WebDriverWait(driver, 30).until(lambda d: d.execute_script(_GRID_JS)["image"] != before["image"])
+    return before, driver.execute_script(_GRID_JS)
