@@ -2,17 +2,17 @@
 
 Serves a batch of mixed-length requests through the reference MoE model on
 ``--ranks`` expert-parallel gloo ranks with a skewed router, with the recorder
-on (``per_token`` mode, which keeps the ``stat`` totals too) and per-request
-routed-experts capture on. While it runs, every rank serves a Prometheus
-endpoint and a control endpoint on loopback. Afterwards the per-rank traces are
-merged into ``<out>/trace.h5`` and analysed: ``report.json``, ``heatmap.png``,
-the analysis table, one request's routed experts, bytes exchanged, and a
-placement plan with its in-sample fit and its held-out estimate. Phase timing is on: the
-timing table (per rank and phase, step time, slowest rank, wait cost) is
-printed and ``timeline.json`` (Chrome trace events, ui.perfetto.dev) written;
+on (``per_token`` mode, which keeps the ``stat`` totals too), phase timing on,
+and per-request routed-experts capture on. While it runs, every rank serves a
+Prometheus endpoint (per-expert series too, for ``moetrace top``) and a control
+endpoint on loopback. Afterwards the per-rank traces are merged into
+``<out>/trace.h5`` and analysed, and the demo writes ``report.html``
+(``moetrace report``: every figure, offline), ``routes.json`` (every finished
+request's routed experts), ``timeline.json`` (Perfetto), ``report.json``,
+``placement.json`` and ``heatmap.png``, then prints one screen (80 columns,
+about 40 lines: :mod:`.demo_summary`); the full tables are ``moetrace analyze``'s.
 ``--slow-rank R --slow-ms X`` makes rank R sleep X ms in every layer's expert
-compute so that the straggler shows. The Prometheus endpoints export
-per-expert series too, for ``moetrace top``.
+compute so that the straggler shows.
 
 Ctrl-C stops serving on every rank at the next step; what was recorded so far
 is dumped and merged into a valid trace.
@@ -310,7 +310,7 @@ def demo(
     slow_rank: Annotated[int | None, typer.Option("--slow-rank", min=0, help="Delay this rank's expert compute (with --slow-ms).")] = None,
     slow_ms: Annotated[float, typer.Option("--slow-ms", min=0.0, help="Milliseconds --slow-rank sleeps in every layer's expert phase.")] = 0.0,
 ) -> None:
-    """Serve requests through the reference runtime with moetrace on, then analyse what was recorded."""
+    """Serve requests through the reference runtime with moetrace on, then analyse it: a one-screen summary and report.html."""
     if experts % ranks:
         raise CommandError(f"--experts {experts} must be a multiple of --ranks {ranks}")
     if top_k > experts:

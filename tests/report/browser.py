@@ -113,7 +113,7 @@ def open_report(driver: Any, path: Path, full_page: bool = False) -> PageView:
     sections = driver.execute_script("return Array.from(document.querySelectorAll('section.mt-section')).map(function (s) { return s.id; });")
     if full_page:
         height = int(driver.execute_script("return document.documentElement.scrollHeight;"))
-        driver.set_window_size(1280, min(height, 12000))
+        driver.set_window_size(1280, min(height + 240, 12000))  # the window frame takes some of it
         wait_drawn(driver)
     shot = driver.get_screenshot_as_png()
     return PageView(console_errors(driver), sections, figures, shot)
