@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("trace", ("moetrace.trace",), "the HDF5 trace: schema (every name), writers, readers, segments, merge"),
     ("core", ("moetrace.config", "moetrace.accumulators", "moetrace.timing", "moetrace.snapshot",
               "moetrace.recorder", "moetrace.session", "moetrace.dump", "moetrace.capturer", "moetrace.routes",
-              "moetrace.replay", "moetrace.testing", "moetrace.settings"),
+              "moetrace.replay", "moetrace.replay_audit", "moetrace.testing", "moetrace.settings"),
      "what runs inside an engine's forward: config, hooks, recorder, session, dump, capturer, replay"),
     ("http", ("moetrace.http", "moetrace.guarded_http"), "HTTP serving infrastructure: guarded server, server handle"),
     ("replicas", ("moetrace.replicas",), "request→replica routing: recorder, router, prefix cache, simulation, analysis"),
@@ -49,7 +49,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("reference", ("moetrace.reference",), "the reference MoE runtime: router, experts, EP layer, model, serving loop"),
     ("drivers", ("moetrace.replicas.live", "moetrace.replicas.http_replica"),
      "replica drivers that run reference engines behind the router"),
-    ("adapters", ("moetrace.adapters",), "engine adapters and plugins: Hugging Face, SGLang, vLLM"),
+    ("adapters", ("moetrace.adapters",), "engine adapters and plugins: Hugging Face, SGLang, vLLM, Megatron-Core"),
     ("facade", ("moetrace",), "the package root: `import moetrace` (the core, control on first use)"),
     ("cli", ("moetrace.cli",), "the `moetrace` command"),
 )
