@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("exporters", ("moetrace.exporters",), "Prometheus and OpenTelemetry views of the recorders' snapshots"),
     ("control", ("moetrace.control",), "the HTTP control endpoint of a running process"),
     ("analysis", ("moetrace.analysis",), "offline analysis of traces: balance, drift, placement, reports, plots"),
+    ("report", ("moetrace.report",), "the HTML report of a run: plotly figures of the analyses"),
     ("reference", ("moetrace.reference",), "the reference MoE runtime: router, experts, EP layer, model, serving loop"),
     ("drivers", ("moetrace.replicas.live", "moetrace.replicas.http_replica"),
      "replica drivers that run reference engines behind the router"),
