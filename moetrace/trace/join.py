@@ -14,8 +14,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from .ranks import read_layouts
 from .reader import open_trace
-from .schema import SAME_SEGMENT_ATTRS, Data, TraceError
+from .schema import RANKS_GROUP, SAME_SEGMENT_ATTRS, Data, TraceError
 from .writer import TraceHeader, TraceWriter
 
 __all__ = ["concat_segments"]
@@ -61,11 +62,11 @@ def concat_segments(
     try:
         _check_same(paths, files)
         first = files[0]
-        header = TraceHeader.of_attrs(dict(first.attrs), np.asarray(first[Data.LAYERS][()]), np.asarray(first[Data.PHYSICAL_TO_LOGICAL][()]))
+        header = TraceHeader.of_attrs(dict(first.attrs), np.asarray(first[Data.LAYERS][()]), np.asarray(first[Data.PHYSICAL_TO_LOGICAL][()]), layouts=read_layouts(first))
         with TraceWriter(out, header, compression=compression) as writer:
             if len(files) == 1:
                 for group in first:
-                    if isinstance(first[group], h5py.Group):
+                    if isinstance(first[group], h5py.Group) and group != RANKS_GROUP:  # /ranks is part of the header
                         writer.copy_group(first, group)
             else:
                 _join(files, writer, block_rows)
@@ -89,7 +90,7 @@ def _join(files: Sequence[h5py.File], writer: TraceWriter, block_rows: int) -> N
     for f in files:
         f.visititems(collect)
     for name, ds in names.items():
-        if name in (Data.LAYERS, Data.PHYSICAL_TO_LOGICAL):
+        if name in (Data.LAYERS, Data.PHYSICAL_TO_LOGICAL) or name.split("/", 1)[0] == RANKS_GROUP:  # header: written with it
             continue
         if name.split("/", 1)[0] == _ADDITIVE:
             total = sum(np.asarray(f[name][()]) for f in files if name in f)

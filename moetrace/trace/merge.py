@@ -9,6 +9,8 @@ the result stays valid when the inputs move or are deleted) into one trace:
 - root attributes of rank 0, with ``rank = -1`` (gathered), ``world_size = W``,
   the same ``run_id`` and ``merged_from`` (JSON list of the input file names);
 - ``/stat/*``: each input's single rank row stacked in rank order ``[W, ...]``;
+- ``/ranks/*`` and the layout root attributes: each input's parallel layout, in rank
+  order (inputs must agree on the layout sizes), so that readers count each token once;
 - ``/window/*`` (``stat`` mode): stacked ``[W, Wmax, ...]``, shorter windows
   padded with ``pass_id = -1`` and zero counts;
 - ``/passes/*`` or ``/tokens/*``: every row of every rank, ordered by
@@ -28,6 +30,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ..layout import RankLayout
+from .ranks import read_layouts
 from .reader import open_trace
 from .schema import SAME_RUN_ATTRS, STREAM_GROUP, Attr, Data, TraceError, dataset
 from .writer import TraceHeader, TraceWriter
@@ -183,7 +187,12 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
         TraceWriteError: ``out`` could not be written (nothing is left under that name).
     """
     ordered, attrs, layers, mapping = _check_inputs([Path(p) for p in paths])
-    header = TraceHeader.of_attrs(attrs, layers, mapping, rank=-1, world_size=len(ordered))
+    layouts: list[RankLayout] = []
+    for path in ordered:
+        with h5py.File(path, "r") as f:
+            layouts.extend(read_layouts(f))
+    header = TraceHeader.of_attrs(attrs, layers, mapping, rank=-1, world_size=len(ordered),
+                                  layouts=tuple(layouts) if len(layouts) == len(ordered) else ())
     files = [h5py.File(p, "r") for p in ordered]
     try:
         with TraceWriter(out, header) as writer:

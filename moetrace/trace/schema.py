@@ -21,12 +21,16 @@ import h5py
 import numpy as np
 
 from .._version import __version__
+from ..layout import RankLayout
 
 __all__ = [
     "CANDIDATE_FIELDS",
     "COMPLETE_ATTR",
+    "LAYOUT_ATTRS",
     "MIGRATION_FIELDS",
     "PASS_FIELDS",
+    "RANKS_GROUP",
+    "RANK_COORDINATES",
     "REQUEST_FIELDS",
     "REQUIRED_ATTRS",
     "SAME_RUN_ATTRS",
@@ -70,6 +74,25 @@ REQUIRED_ATTRS = (
     "rank",
     "world_size",
 )
+
+#: Root attributes of the parallel layout that produced the rank rows (with ``ep_size``), keyed
+#: by the :class:`moetrace.layout.RankLayout` field each holds. Absent in traces written before
+#: layouts were recorded: every rank row then reads as holding its own tokens.
+LAYOUT_ATTRS = {
+    "world_size": "layout_world_size",
+    "tp_size": "tp_size",
+    "dp_size": "dp_size",
+    "pp_size": "pp_size",
+    "attn_tp_size": "attn_tp_size",
+    "router_tp_size": "router_tp_size",
+    "source": "layout_source",
+}
+#: Group of per-rank-row layout datasets ``[R]`` (one row per ``/stat`` rank row).
+RANKS_GROUP = "ranks"
+#: Datasets of :data:`RANKS_GROUP` (:class:`moetrace.layout.RankLayout` attributes of the same
+#: name): global rank, coordinates, and the token group (rows of one group route the same
+#: tokens; totals count one of them).
+RANK_COORDINATES = ("rank", "tp_rank", "dp_rank", "ep_rank", "pp_rank", "attn_tp_rank", "router_rank", "token_group")
 
 
 
@@ -162,6 +185,7 @@ class Data:
     TOKENS_POSITION = "tokens/position"
     TOKENS_RANK = "tokens/rank"
     TIMING = "timing"
+    RANKS = RANKS_GROUP
     REQUESTS = "requests"
     REQUESTS_CANDIDATES = "requests/candidates"
     REQUESTS_MIGRATIONS = "requests/migrations"
@@ -169,7 +193,7 @@ class Data:
 
 #: Root attributes every rank of one recording shares (``merge`` and distributed analysis check them).
 SAME_RUN_ATTRS = (Attr.MODE, Attr.ID_SPACE, Attr.NUM_LAYERS, Attr.NUM_LOGICAL_EXPERTS, Attr.NUM_PHYSICAL_EXPERTS, Attr.TOP_K,
-                  Attr.EP_SIZE, Attr.WORLD_SIZE, Attr.HIDDEN_SIZE, Attr.DTYPE_BYTES)
+                  Attr.EP_SIZE, Attr.WORLD_SIZE, Attr.HIDDEN_SIZE, Attr.DTYPE_BYTES, *LAYOUT_ATTRS.values())
 #: Root attributes the segments of one rank's recording share (``concat_segments`` checks them).
 SAME_SEGMENT_ATTRS = (Attr.RUN_ID, Attr.RANK, Attr.MODE, Attr.NUM_LAYERS, Attr.NUM_PHYSICAL_EXPERTS, Attr.TOP_K, Attr.EP_SIZE)
 #: Fields of ``/passes`` (``per_pass``) and ``/tokens`` (``per_token``), in reading order.
@@ -269,14 +293,16 @@ class TraceHeader:
     world_size: int = 1
     hidden_size: int = 0
     dtype_bytes: int = 0
+    #: Parallel layout of each rank row, in row order (``()``: not known; see :mod:`moetrace.trace.ranks`).
+    layouts: tuple[RankLayout, ...] = ()
 
     @property
     def num_logical_experts(self) -> int:
         return int(np.max(self.physical_to_logical)) + 1
 
     @classmethod
-    def of_config(cls, config: HeaderSource, run_id: str, rank: int, world_size: int) -> TraceHeader:
-        """The header of a recording with ``config`` (a :class:`~moetrace.config.RecorderConfig`)."""
+    def of_config(cls, config: HeaderSource, run_id: str, rank: int, world_size: int, layouts: tuple[RankLayout, ...] = ()) -> TraceHeader:
+        """The header of a recording with ``config`` (a :class:`~moetrace.config.RecorderConfig`); ``layouts``: each rank row's."""
         cfg: Any = config
         return cls(
             mode=cfg.mode,
@@ -294,11 +320,12 @@ class TraceHeader:
             world_size=world_size,
             hidden_size=cfg.hidden_size or 0,
             dtype_bytes=cfg.dtype_bytes,
+            layouts=layouts,
         )
 
     @classmethod
     def of_attrs(cls, attrs: Mapping[str, Any], layers: np.ndarray, mapping: np.ndarray, **changes: Any) -> TraceHeader:
-        """A header that reproduces a trace's root attributes (``changes`` replace fields, e.g. ``rank=-1``)."""
+        """A header that reproduces a trace's root attributes (``changes`` replace fields, e.g. ``rank=-1``, ``layouts=...``)."""
         header = cls(
             mode=str(attrs[Attr.MODE]),
             id_space=str(attrs[Attr.ID_SPACE]),

@@ -19,9 +19,10 @@ import h5py
 import numpy as np
 
 from .files import temporary_path
+from .ranks import write_layouts
 from .schema import COMPLETE_ATTR, Data, TraceHeader, TraceWriteError
 
-__all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic"]
+__all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic", "write_text_atomic"]
 
 _COMPRESS = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
 #: Accepted ``compression`` specs (``RecorderConfig.compression``); the last two need ``hdf5plugin``.
@@ -95,8 +96,8 @@ def check_writable_dir(directory: Path) -> Path:
 
 
 
-def write_json_atomic(path: Path | str, document: object) -> Path:
-    """Write ``document`` as JSON to ``path`` atomically: a temporary beside it, then a rename.
+def write_text_atomic(path: Path | str, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically: a temporary beside it, then a rename.
 
     A failure leaves ``path`` as it was and removes the temporary. Returns ``path``.
     """
@@ -104,12 +105,17 @@ def write_json_atomic(path: Path | str, document: object) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else ".")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(document, f)
+            f.write(text)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def write_json_atomic(path: Path | str, document: object) -> Path:
+    """Write ``document`` as JSON to ``path`` atomically (:func:`write_text_atomic`). Returns ``path``."""
+    return write_text_atomic(path, json.dumps(document))
 
 class TraceWriter:
     """Write one trace file atomically.
@@ -157,6 +163,7 @@ class TraceWriter:
             f.attrs[key] = value
         f.create_dataset(Data.LAYERS, data=np.asarray(h.layer_ids, dtype=np.int32))
         f.create_dataset(Data.PHYSICAL_TO_LOGICAL, data=np.asarray(h.physical_to_logical, dtype=np.int32))
+        write_layouts(f, h.layouts)
 
     # -- whole datasets ---------------------------------------------------------
     def write(self, name: str, data: np.ndarray, compress: bool = False) -> None:

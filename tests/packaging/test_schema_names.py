@@ -21,7 +21,7 @@ from .import_graph import ROOTS
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = Path("moetrace/trace/schema.py")
-GROUPS = ("stat", "passes", "tokens", "window", "timing", "requests")
+GROUPS = ("stat", "passes", "tokens", "window", "timing", "ranks", "requests")
 _PATH = re.compile(rf"^/?({'|'.join(GROUPS)})/")
 #: Fields of the streamed groups (``f"{group}/pass_id"`` is a dataset path too).
 _FIELDS = {"pass_id", "timestamp", "num_tokens", "physical_count", "topk_ids", "position", "rank"}
