@@ -12,6 +12,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from moetrace.analysis.deployment import group_recordings
 from moetrace.analysis.plots import PLOT_KINDS, plot_report
 from moetrace.analysis.report import AnalysisReport, analyze_trace
 
@@ -121,7 +122,7 @@ def print_report(report: AnalysisReport, console: Console) -> None:
 
 @guarded
 def analyze(
-    traces: Annotated[list[Path], typer.Argument(help="A moetrace HDF5 trace, or the per-rank files / segments of one run (analysed as one).")],
+    traces: Annotated[list[Path], typer.Argument(help="A moetrace HDF5 trace, the per-rank files / segments of one run (analysed as one), or the recordings of one deployment (a time series).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report (schema in docs/analysis.md) instead of tables.")] = False,
     layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
     window: Annotated[int | None, typer.Option("--window", min=1, help="Passes per drift window (default: about 20 windows).")] = None,
@@ -136,6 +137,10 @@ def analyze(
         from moetrace.analysis.distributed import analyze_traces, dask_client
 
         files = [existing_file(t) for t in traces]
+        recordings = group_recordings(files) if len(files) > 1 else [files]
+        if len(recordings) > 1:  # several runs: the deployment series (moetrace.analysis.deployment)
+            _analyze_deployment(files, parse_layers(layers), top, scheduler, as_json)
+            return
         options = {"layers": parse_layers(layers), "window": window, "top": top}
         if scheduler is None:
             report = analyze_traces(files, progress=progress, **options)  # type: ignore[arg-type]
@@ -158,6 +163,23 @@ def analyze(
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         print_report(report, stdout_console())
+
+
+def _analyze_deployment(files: list[Path], layers: list[int] | None, top: int, scheduler: str | None, as_json: bool) -> None:
+    from moetrace.analysis.deployment import analyze_deployment
+    from moetrace.analysis.distributed import dask_client
+
+    from .deployment import print_deployment
+
+    if scheduler is None:
+        report = analyze_deployment(files, layers=layers, top=top)
+    else:
+        with dask_client(scheduler) as client:
+            report = analyze_deployment(files, layers=layers, top=top, client=client)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        print_deployment(report, stdout_console())
 
 
 @guarded
