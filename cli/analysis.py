@@ -129,9 +129,23 @@ def analyze(
     top: Annotated[int, typer.Option("--top", min=1, help="Hottest experts, pairs and transitions listed per layer (the expert table shows at most 3).")] = 5,
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Run on Dask (moetrace[dask]): 'local[:N]' starts N worker processes (default one per core), 'tcp://HOST:PORT' uses a running scheduler.")] = None,
+    by: Annotated[str | None, typer.Option("--by", help="Attribution on a routes file: 'request', 'label' or 'label:NAME' (who drives the hot experts and ranks).")] = None,
+    ep_size: Annotated[int, typer.Option("--ep-size", min=1, help="With --by: EP ranks for the hottest-rank figures (contiguous placement).")] = 1,
 ) -> None:
     """Expert and rank balance, entropy, dead/hot experts, EP projection, co-activation, transitions and drift of a trace."""
     from moetrace.trace.requests import is_routing_trace
+
+    if by is not None:  # which requests / labels drive the load: moetrace.analysis.attribution
+        from .attribution import print_attribution, run_attribution
+
+        if len(traces) != 1:
+            raise CommandError("--by takes one routes file")
+        result = run_attribution(existing_file(traces[0], "routes"), by, ep_size, top)
+        if as_json:
+            typer.echo(json.dumps(result.to_dict(), indent=2))
+        else:
+            print_attribution(result, stdout_console())
+        return
 
     if len(traces) > 1 or scheduler is not None:  # several files, or Dask: moetrace.analysis.distributed
         from moetrace.analysis.distributed import analyze_traces, dask_client

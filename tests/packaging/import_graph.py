@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("trace", ("moetrace.trace",), "the HDF5 trace: schema (every name), writers, readers, segments, merge"),
     ("core", ("moetrace.config", "moetrace.accumulators", "moetrace.timing", "moetrace.snapshot",
               "moetrace.recorder", "moetrace.session", "moetrace.dump", "moetrace.capturer", "moetrace.routes",
-              "moetrace.replay", "moetrace.testing", "moetrace.settings"),
+              "moetrace.replay", "moetrace.testing", "moetrace.settings", "moetrace.labels"),
      "what runs inside an engine's forward: config, hooks, recorder, session, dump, capturer, replay"),
     ("http", ("moetrace.http", "moetrace.guarded_http"), "HTTP serving infrastructure: guarded server, server handle"),
     ("replicas", ("moetrace.replicas",), "request→replica routing: recorder, router, prefix cache, simulation, analysis"),
