@@ -93,7 +93,7 @@ def test_planted_population_is_named_and_figures_match_numpy(workload):
 
 
 def test_labels_mixed_at_random_name_no_culprit(workload):
-    path, requests, labels = workload
+    path, requests, _ = workload
     rng = np.random.default_rng(11)
     mixed = {rid: {"workload": str(rng.choice(["code", "chat"]))} for rid in requests}
     control = save_routes(path.with_name("mixed.json"), requests, num_experts=E, labels=mixed)
@@ -104,7 +104,7 @@ def test_labels_mixed_at_random_name_no_culprit(workload):
 
 
 def test_by_request_ranks_requests_of_the_planted_population_first(workload):
-    path, requests, labels = workload
+    path, _, labels = workload
     doc = attribute(load_routes(path), by="request", top=5).to_dict()
     assert doc["culprits"] == []  # no significance test for single requests
     assert all(labels[g["who"]]["workload"] == "code" for g in doc["groups"])
