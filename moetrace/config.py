@@ -14,6 +14,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from .trace.retention import RetentionPolicy
+
 __all__ = ["MODES", "CaptureConfig", "RecorderConfig", "RecorderMode"]
 
 RecorderMode = Literal["stat", "per_pass", "per_token"]
@@ -76,6 +78,10 @@ class RecorderConfig:
             waits (the forward stalls, nothing is lost) or ``"drop"`` drops
             the staged passes whole, counts them (``dropped_passes``) and
             never waits.
+        retention: bounded disk for a long-running recorder
+            (:class:`~moetrace.trace.retention.RetentionPolicy`: keep the last N
+            dumps / D seconds / B bytes of ``output_dir``, older streaming dumps
+            compacted to their totals), applied after every dump; ``None``: keep all.
     """
 
     num_layers: int
@@ -102,6 +108,7 @@ class RecorderConfig:
     segment_bytes: int = 256 * 2**20
     compression: str = "auto"
     on_overflow: str = "block"
+    retention: RetentionPolicy | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -131,6 +138,8 @@ class RecorderConfig:
         from .trace.writer import compression_options
 
         compression_options(self.resolved_compression)  # raises ValueError naming the accepted specs
+        if self.retention is not None and not isinstance(self.retention, RetentionPolicy):
+            raise ValueError(f"retention must be a moetrace.trace.retention.RetentionPolicy or None, got {type(self.retention).__name__}")
         if self.on_overflow not in ("block", "drop"):
             raise ValueError(f"on_overflow must be 'block' or 'drop', got {self.on_overflow!r}")
         if self.stream_chunk_tokens < self.max_tokens_per_pass:

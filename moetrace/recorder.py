@@ -55,6 +55,7 @@ from .timing import (
     make_clock,
     row_fields,
 )
+from .trace.retention import Retention
 from .trace.schema import TraceWriteError
 from .trace.segments import (
     CheckpointWriter,
@@ -218,6 +219,7 @@ class ExpertDistributionRecorder:
         self._compression = compression_options(cfg.resolved_compression)
         self.last_dump_path: Path | None = None
         self._errors: list[str] = []
+        self._retention = Retention(cfg.retention, cfg.output_dir) if cfg.retention is not None else None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -433,7 +435,7 @@ class ExpertDistributionRecorder:
     def _rotate(self, pass_id: int, wait: bool = False) -> None:
         """Segment due (``segment_seconds``): hand what is staged to the writer thread, which closes
         the segment (streaming) or writes a checkpoint (stat). Only enqueues: never waits."""
-        self._rotate_at = time.monotonic() + self.config.segment_seconds
+        self._rotate_at = time.monotonic() + (self.config.segment_seconds or float("inf"))  # 0: no time bound
         if self._window is not None:
             self._checkpoint(pass_id, wait)
             return
@@ -690,7 +692,9 @@ class ExpertDistributionRecorder:
                     target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
                 written = self._dump_stream(target, rank, world)
             self.last_dump_path = written
-            return written
+        if self._retention is not None:  # bounded disk: after the dump, outside the lock (file I/O only)
+            self._retention.apply()
+        return written
 
     def _gather(self, tensor: torch.Tensor, world: int) -> torch.Tensor:
         if world == 1:
@@ -877,6 +881,7 @@ class ExpertDistributionRecorder:
             errors=errors,
             dropped_passes=self.dropped_passes,
             timing=timing,
+            retention=self._retention.stats.to_dict() if self._retention is not None else None,
         )
 
     def status(self) -> dict[str, object]:
@@ -894,6 +899,7 @@ class ExpertDistributionRecorder:
                 "last_dump_path": str(self.last_dump_path) if self.last_dump_path else None,
                 "output_dir": str(self.config.output_dir),
                 "errors": errors,
+                "retention": self._retention.stats.to_dict() if self._retention is not None else None,
             }
 
 

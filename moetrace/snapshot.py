@@ -41,6 +41,8 @@ class RecorderSnapshot(metrics.LoadMetrics):
             writer was behind (``on_overflow="drop"``).
         timing: phase-timing aggregates since ``start_record``
             (:meth:`moetrace.timing.TimingStats.arrays`), ``None`` when timing is off.
+        retention: what the retention policy removed and compacted in ``output_dir``
+            (:class:`moetrace.trace.retention.RetentionStats`), ``None`` without a policy.
     """
 
     timestamp: float
@@ -67,6 +69,7 @@ class RecorderSnapshot(metrics.LoadMetrics):
     errors: tuple[str, ...] = ()
     dropped_passes: int = 0
     timing: dict[str, np.ndarray] | None = None
+    retention: dict[str, object] | None = None
 
     @property
     def phase_histogram(self) -> np.ndarray:

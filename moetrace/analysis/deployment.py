@@ -5,8 +5,9 @@ schedule) start and stop its recorder, it dumps every N minutes. Each
 recording has its own ``run_id``, rank layout and physical expert map. This
 module reads any number of them as one series, ordered by wall-clock time:
 
-- a *recording* is the set of input files that share a ``run_id`` (one
-  gathered file, or the per-rank files / segments of one run), summarised
+- a *recording* is one dump of one run: the input files that share a
+  ``run_id`` (one gathered file, or the per-rank files of one dump; a run
+  that dumped several times gives one recording per dump), summarised
   by :func:`summarise_recording` with exactly the figures ``moetrace
   analyze`` gives for it alone;
 - the series compares recordings in **logical** expert space, so an EPLB
@@ -36,7 +37,7 @@ import numpy as np
 
 from .. import metrics
 from ..trace.reader import open_trace
-from ..trace.schema import TraceError
+from ..trace.schema import COMPACTED_FROM_ATTR, TraceError
 
 __all__ = [
     "DEPLOYMENT_SCHEMA",
@@ -139,16 +140,21 @@ def _digest(mapping: np.ndarray) -> str:
 
 
 def group_recordings(paths: Sequence[Path | str]) -> list[list[Path]]:
-    """Group input files by ``run_id``, each group sorted by path, groups in wall-clock order.
+    """Group input files into recordings, each sorted by path, recordings in wall-clock order.
+
+    A recording is one dump of one run: the files of one ``run_id`` (its ranks'
+    files), and when a run dumped several times (streaming dumps hold the
+    passes since the previous one), each rank's ``i``-th dump, by
+    ``created_unix``, belongs to recording ``i`` of that run.
 
     Raises:
-        TraceError: a file is not a readable trace, is given twice, or recordings
-            are of different models (the message names the file and the attribute).
+        TraceError: a file is not a readable trace, is given twice, recordings
+            are of different models (the message names the file and the
+            attribute), or a run has several cumulative ``stat`` dumps of one rank.
     """
     if not paths:
         raise TraceError("no traces to analyse")
-    groups: dict[str, list[Path]] = {}
-    created: dict[str, float] = {}
+    by_rank: dict[tuple[str, int], list[tuple[float, Path, dict[str, Any]]]] = {}
     first: tuple[Path, dict[str, Any], np.ndarray] | None = None
     seen: set[Path] = set()
     for raw in paths:
@@ -163,11 +169,20 @@ def group_recordings(paths: Sequence[Path | str]) -> list[list[Path]]:
             first = (path, attrs, layers)
         else:
             _check_same_model(path, attrs, layers, *first)
-        run = str(attrs["run_id"])
-        groups.setdefault(run, []).append(path)
-        created[run] = min(created.get(run, math.inf), float(attrs.get("created_unix", 0.0)))
-    order = sorted(groups, key=lambda run: (created[run], run))
-    return [sorted(groups[run], key=str) for run in order]
+        by_rank.setdefault((str(attrs["run_id"]), int(attrs["rank"])), []).append((float(attrs.get("created_unix", 0.0)), path, attrs))
+    groups: dict[tuple[str, int], list[Path]] = {}
+    created: dict[tuple[str, int], float] = {}
+    for (run, rank), dumps in by_rank.items():
+        dumps.sort(key=lambda d: (d[0], str(d[1])))
+        cumulative = [d[1] for d in dumps if d[2]["mode"] == "stat" and COMPACTED_FROM_ATTR not in d[2]]
+        if len(dumps) > 1 and cumulative:
+            raise TraceError(f"{cumulative[0]}: run {run} rank {rank} has {len(dumps)} dumps and stat dumps are cumulative "
+                             "(every pass since start_record); give only its last stat dump, or record per_pass")
+        for i, (when, path, _) in enumerate(dumps):
+            groups.setdefault((run, i), []).append(path)
+            created[(run, i)] = min(created.get((run, i), math.inf), when)
+    order = sorted(groups, key=lambda g: (created[g], g))
+    return [sorted(groups[g], key=str) for g in order]
 
 
 def _check_same_model(path: Path, attrs: dict[str, Any], layers: np.ndarray, first_path: Path, first: dict[str, Any], first_layers: np.ndarray) -> None:
