@@ -16,6 +16,7 @@ import pytest
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.analysis.deployment import analyze_deployment
+from moetrace.trace.files import SEGMENT_RE
 from moetrace.trace.reader import open_trace
 from moetrace.trace.retention import Retention, RetentionPolicy
 from tests.analysis.helpers import random_passes, replay_pass
@@ -132,8 +133,8 @@ def test_no_time_bound_means_no_segment_per_pass_after_a_dump(tmp_path):
     rec.dump_record(tmp_path / "first.h5")
     for ids in random_passes(rng, 20, L, E, K):
         replay_pass(rec, ids)
-    segments = [p for p in tmp_path.iterdir() if "-seg" in p.name]
-    assert segments == []  # nothing closes a segment before the next dump: no size or time bound was reached
+    closed = [p for p in tmp_path.iterdir() if SEGMENT_RE.match(p.name)]
+    assert closed == []  # nothing closes a segment before the next dump: no size or time bound was reached
     rec.dump_record(tmp_path / "second.h5")
     with open_trace(tmp_path / "second.h5") as t:
         assert int(t.num_passes().sum()) == 20
