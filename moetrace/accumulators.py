@@ -6,11 +6,9 @@ All buffers are allocated once, at construction, and sized from the
 ``torch.where``, ``scatter_add_`` and slice copies. Pass-end methods run on the
 host thread between passes, still without reading device values.
 
-Column layout of a per-layer counter row (width ``C = P + 4 + 2R``):
-``0`` invalid ids below -1, ``1`` padding ids (-1), ``[2, P+2)`` expert counts,
-``P+2`` invalid ids ``>= P``, ``[P+3, P+3+R)`` send counts, ``[P+3+R, P+3+2R)``
-receive counts, ``P+3+2R`` dropped copies. Counting id ``i`` is then three ops:
-column ``clamp(i + 2, 0, P + 2)`` and one ``scatter_add_``.
+Counter rows ``[L, C]`` have the columns of
+:class:`~moetrace.trace.stat.CounterLayout` (re-exported here): counting id
+``i`` is three ops, column ``clamp(i + 2, 0, P + 2)`` and one ``scatter_add_``.
 """
 
 from __future__ import annotations
@@ -22,32 +20,13 @@ import torch
 
 from .config import RecorderConfig
 from .trace.segments import StreamRows
+from .trace.stat import CounterLayout
 from .trace.stream import HostBufferPool, StreamJob
 from .trace.writer import token_id_dtype
 
 __all__ = ["CounterLayout", "PassCounter", "PassStream", "StatWindow", "TokenStream"]
 
 Submit = Callable[[StreamJob], None]
-
-
-class CounterLayout:
-    """Column offsets of the ``[L, C]`` counter rows for ``P`` experts and ``R`` ranks."""
-
-    def __init__(self, num_physical_experts: int, ep_size: int) -> None:
-        p, r = num_physical_experts, ep_size
-        self.num_experts = p
-        self.below = 0
-        self.padding = 1
-        self.experts = slice(2, p + 2)
-        self.above = p + 2
-        self.send = slice(p + 3, p + 3 + r)
-        self.recv = slice(p + 3 + r, p + 3 + 2 * r)
-        self.dropped = p + 3 + 2 * r
-        self.width = p + 4 + 2 * r
-
-    def invalid(self, rows: np.ndarray) -> np.ndarray:
-        """Invalid ids (below -1 or ``>= P``) of counter rows ``[..., C]`` -> ``[...]``."""
-        return rows[..., self.below] + rows[..., self.above]
 
 
 def _event_after_copy(device: torch.device) -> torch.cuda.Event | None:

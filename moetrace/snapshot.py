@@ -1,19 +1,25 @@
-"""``RecorderSnapshot``: the host copy of a recorder's totals that exporters read.
+"""The snapshot channel: ``RecorderSnapshot``, the host copy of a recorder's totals that exporters read.
 
 A snapshot is immutable plain numpy; building it never touches device tensors
-beyond the asynchronous copy the recorder made at the end of a pass.
+beyond the asynchronous copy the recorder made at the end of a pass
+(:class:`SnapshotChannel`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
+import torch
 
 from . import metrics
+from .config import RecorderConfig
 from .dispatch import ep_ideal_bytes, exchanged_bytes, remote_copies
+from .ids import to_logical
+from .trace.stat import CounterLayout
 
-__all__ = ["RecorderSnapshot"]
+__all__ = ["RecorderSnapshot", "SnapshotChannel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,3 +112,90 @@ class RecorderSnapshot(metrics.LoadMetrics):
         """Bytes this rank sent to other ranks per layer ``[L]`` (dispatch + combine); zeros when H is unknown."""
         remote = remote_copies(self.send_count, self.rank)
         return np.array([exchanged_bytes(int(c), self.hidden_size, self.dtype_bytes) for c in remote], dtype=np.float64)
+
+    @classmethod
+    def of_rows(
+        cls,
+        config: RecorderConfig,
+        layout: CounterLayout,
+        rows: np.ndarray,
+        progress: tuple[int, int, float],
+        **state: object,
+    ) -> RecorderSnapshot:
+        """The snapshot of counter rows ``[L, C]`` (columns of ``layout``) after ``(passes, tokens, unix time)``.
+
+        ``state``: the remaining fields (``recording``, ``id_space``, ``last_dump_path``, ``errors``,
+        ``dropped_passes``, ``timing``).
+        """
+        num_passes, num_tokens, timestamp = progress
+        physical = rows[:, layout.experts]
+        return cls(
+            timestamp=timestamp,
+            mode=config.mode,
+            model=config.model,
+            engine=config.engine,
+            rank=config.ep_rank,
+            ep_size=config.ep_size,
+            top_k=config.top_k,
+            hidden_size=config.hidden_size or 0,
+            dtype_bytes=config.dtype_bytes,
+            layer_ids=np.asarray(config.layer_ids),
+            num_passes=num_passes,
+            num_tokens=num_tokens,
+            physical_count=physical,
+            logical_count=to_logical(physical, config.physical_to_logical),  # type: ignore[arg-type]
+            invalid_ids=layout.invalid(rows),
+            send_count=rows[:, layout.send],
+            recv_count=rows[:, layout.recv],
+            dropped=rows[:, layout.dropped],
+            **state,  # type: ignore[arg-type]
+        )
+
+
+class SnapshotChannel:
+    """Two host buffers that receive the totals asynchronously at pass end.
+
+    ``publish`` (forward thread) copies into the older buffer with
+    ``non_blocking=True`` and records an event; ``latest`` (any thread) returns
+    the newest buffer whose copy has completed, never waiting for the device.
+    Both run under the recorder's lock.
+
+    Args:
+        shape: ``(L, C)`` of the counter rows.
+    """
+
+    def __init__(self, shape: tuple[int, int], device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self._buffers = [torch.zeros(shape, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._meta: list[tuple[int, int, float] | None] = [(0, 0, time.time()), None]
+        self._cuda = device.type == "cuda"
+        self._newest = 0
+        self._cached: tuple[np.ndarray, tuple[int, int, float]] = (self._buffers[0].numpy().copy(), (0, 0, time.time()))
+
+    def publish(self, totals: torch.Tensor, num_passes: int, num_tokens: int, timestamp: float) -> None:
+        slot = 1 - self._newest
+        self._buffers[slot].copy_(totals, non_blocking=True)
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[slot] = event
+        self._meta[slot] = (num_passes, num_tokens, timestamp)
+        self._newest = slot
+
+    def latest(self) -> tuple[np.ndarray, tuple[int, int, float]]:
+        """The newest completed copy ``[L, C]`` and its ``(passes, tokens, unix time)``."""
+        for slot in (self._newest, 1 - self._newest):
+            event, meta = self._events[slot], self._meta[slot]
+            if meta is not None and (event is None or event.query()):
+                self._cached = (self._buffers[slot].numpy().copy(), meta)
+                break
+        return self._cached
+
+    def clear(self) -> None:
+        for buf in self._buffers:
+            buf.zero_()
+        self._events = [None, None]
+        self._meta = [(0, 0, time.time()), None]
+        self._newest = 0
+        self._cached = (self._buffers[0].numpy().copy(), self._meta[0])  # type: ignore[assignment]

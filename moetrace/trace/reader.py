@@ -15,6 +15,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from .files import parse_temporary, process_alive
 from .schema import COMPLETE_ATTR, REQUIRED_ATTRS, SCHEMA_NAME, SCHEMA_VERSION, TraceError
 
 __all__ = ["PassChunk", "TokenChunk", "Trace", "Window", "open_trace"]
@@ -92,8 +93,6 @@ def _check_filters(file: h5py.File, path: Path) -> None:
 
 def _unfinished_hint(path: Path) -> str:
     """For a writer's temporary file: whose it is and what to do instead."""
-    from .segments import parse_temporary, process_alive
-
     parsed = parse_temporary(path)
     if parsed is None:
         return ""

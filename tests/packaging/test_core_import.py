@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-#: The core: configuration, recording, capture, dispatch, snapshot, balance metric definitions,
-#: id spaces and trace I/O. Nothing else of moetrace may load with it.
+#: The core: configuration, recording (hooks, session, dump), capture, dispatch, snapshot, balance
+#: metric definitions, id spaces and trace I/O. Nothing else of moetrace may load with it.
 CORE = {
     "moetrace",
     "moetrace._version",
@@ -20,9 +20,11 @@ CORE = {
     "moetrace.capturer",
     "moetrace.config",
     "moetrace.dispatch",
+    "moetrace.dump",
     "moetrace.ids",
     "moetrace.metrics",
     "moetrace.recorder",
+    "moetrace.session",
     "moetrace.snapshot",
     "moetrace.timing",
 }
