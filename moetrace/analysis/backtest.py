@@ -40,18 +40,20 @@ from ..ids import to_logical
 from ..trace.reader import Trace
 from ..trace.schema import TraceError
 from .placement import (
+    PlacementConfig,
     PlacementError,
     PlacementPlan,
     align_to,
     check_current,
     check_placement_args,
     log2phy_from_phy2log,
+    moved_per_gpu,
     predicted_gpu_load,
     rebalance_experts,
+    replicas_moved,
 )
 from .placement_select import BASELINE, Selection, ValidatedPlanner
 from .planners import CANDIDATES, Planner, RobustSettings, robust_inputs, robust_rebalance
-from .rebalance_cost import moved_per_gpu, replicas_moved
 from .source import iter_pass_blocks, token_pass_block
 
 __all__ = [
@@ -181,16 +183,6 @@ def load_series(trace: Trace, layer_index: np.ndarray, bucket: int | None = None
 
 
 # ---------------------------------------------------------------------- planners
-@dataclasses.dataclass(frozen=True)
-class PlacementConfig:
-    """Sizes of a placement: ``N`` slots, ``G`` groups, ``M`` nodes, ``K`` GPUs."""
-
-    replicas: int
-    groups: int
-    nodes: int
-    gpus: int
-
-
 def default_planners(every: int | None = None) -> dict[str, Planner]:
     """The planners a backtest compares, ``moetrace`` (the deployed default) first.
 

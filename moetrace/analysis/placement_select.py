@@ -23,17 +23,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import metrics
-from .placement import align_to, predicted_gpu_load
+from .placement import PlacementConfig, align_to, predicted_gpu_load, replicas_moved
 from .planners import CANDIDATES, Planner
-from .rebalance_cost import replicas_moved
-
-if TYPE_CHECKING:
-    from .backtest import PlacementConfig
 
 __all__ = ["BASELINE", "PlanCache", "Selection", "SelectionRule", "ValidatedPlanner", "select_planner", "validation_folds"]
 

@@ -22,15 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .placement import PlacementPlan, rebalance_experts
+from .placement import PlacementConfig, PlacementPlan, rebalance_experts
 from .placement_baseline import greedy_rebalance
-
-if TYPE_CHECKING:
-    from .backtest import PlacementConfig
 
 __all__ = [
     "CANDIDATES",
@@ -43,7 +39,7 @@ __all__ = [
 ]
 
 #: ``planner(history [t, L, E], window buckets, config, deployed phy2log or None) -> phy2log [L, N]``.
-Planner = Callable[[np.ndarray, int, "PlacementConfig", "np.ndarray | None"], np.ndarray]
+Planner = Callable[[np.ndarray, int, PlacementConfig, "np.ndarray | None"], np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,29 +28,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .backtest import BacktestResult
 
-__all__ = ["RebalanceValue", "moved_per_gpu", "rebalance_value", "recommendation", "replicas_moved"]
-
-
-def moved_per_gpu(before: np.ndarray, after: np.ndarray, num_gpus: int) -> np.ndarray:
-    """Expert replicas each GPU must receive, ``[K]`` summed over layers, to go from ``before`` to ``after`` (both ``phy2log [L, N]``).
-
-    Per layer and GPU, the multiset of experts it holds after minus the one it
-    held before; slots reordered within a GPU move nothing.
-    """
-    num_layers, num_slots = after.shape
-    num_experts = int(max(before.max(), after.max())) + 1
-    gpu = np.arange(num_slots) // (num_slots // num_gpus)
-    key = (np.arange(num_layers)[:, None] * num_gpus + gpu[None, :]) * num_experts
-    size = num_layers * num_gpus * num_experts
-    held_before = np.bincount((key + before).ravel(), minlength=size)
-    held_after = np.bincount((key + after).ravel(), minlength=size)
-    received = np.maximum(held_after - held_before, 0).reshape(num_layers, num_gpus, num_experts)
-    return received.sum(axis=(0, 2))
-
-
-def replicas_moved(before: np.ndarray, after: np.ndarray, num_gpus: int) -> int:
-    """Expert replicas copied to GPUs in all, to go from ``before`` to ``after`` (:func:`moved_per_gpu` summed)."""
-    return int(moved_per_gpu(before, after, num_gpus).sum())
+__all__ = ["RebalanceValue", "rebalance_value", "recommendation"]
 
 
 @dataclasses.dataclass(frozen=True)

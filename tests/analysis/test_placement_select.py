@@ -22,7 +22,7 @@ from moetrace.analysis.backtest import (
     oracle_plan,
     plan_with_selection,
 )
-from moetrace.analysis.placement import predicted_gpu_load
+from moetrace.analysis.placement import moved_per_gpu, predicted_gpu_load
 from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.analysis.placement_select import (
     BASELINE,
@@ -32,7 +32,7 @@ from moetrace.analysis.placement_select import (
     validation_folds,
 )
 from moetrace.analysis.planners import CANDIDATES
-from moetrace.analysis.rebalance_cost import moved_per_gpu, rebalance_value, recommendation
+from moetrace.analysis.rebalance_cost import rebalance_value, recommendation
 from moetrace.reference.drift import DriftSpec, olmoe_domains
 from moetrace.reference.regimes import REGIMES, regime_mix, regime_routes
 
