@@ -12,11 +12,12 @@ rebalancing schedule: plan on the last ``W`` passes, deploy for the next ``S``,
 score the realised balancedness there. Planners:
 
 - ``moetrace``: the default: the candidate chosen by validation on the
-  planning data's own past (``ValidatedPlanner``; greedy unless another held better);
-- ``moetrace+hedges``: the same selection with the hedges below as extra candidates;
-  (``subwindows``: robust without shrinkage, ``ewma``: an exponentially
-  weighted forecast, ``spread``: variance-aware replication);
-- the candidates ``greedy`` (EPLB's method), ``moetrace-fit``, ``moetrace-robust``;
+  planning data's own past (``ValidatedPlanner``; greedy unless another held
+  better) among greedy, moetrace-fit, moetrace-robust and the hedges
+  moetrace-subwindows (no shrinkage) and moetrace-spread (variance-aware replication);
+- ``moetrace-3``: the same selection without the two hedges;
+- ``moetrace+ewma``: the same with the dropped hedge (an exponentially weighted forecast) added;
+- the candidates ``greedy`` (EPLB's method), ``moetrace-fit``, ``moetrace-robust`` alone;
 - ``oracle``: the plan fitted to the scored window itself (the headroom).
 
 Also per regime: a hold-out split (plan on the first 75%, score on the rest),
@@ -58,13 +59,15 @@ CONFIGS = [bt.PlacementConfig(64, 1, 1, 8), bt.PlacementConfig(80, 8, 2, 8)]
 INTERVALS = (25, 50, 100, 200)
 LINK_BYTES_PER_S = 25e9
 DEFAULT = "moetrace"
+THREE = ("greedy", "moetrace-fit", "moetrace-robust")  # the candidates before the hedges were added
 
 
 def planners(every: int, cache: PlanCache) -> dict[str, bt.Planner]:
     return {
         DEFAULT: ValidatedPlanner(every, cache=cache),
-        "moetrace+hedges": ValidatedPlanner(every, candidates={**CANDIDATES, **HEDGES}, cache=cache),
-        **CANDIDATES,
+        "moetrace-3": ValidatedPlanner(every, candidates={k: CANDIDATES[k] for k in THREE}, cache=cache),
+        "moetrace+ewma": ValidatedPlanner(every, candidates={**CANDIDATES, **HEDGES}, cache=cache),
+        **{k: CANDIDATES[k] for k in THREE},
     }
 
 

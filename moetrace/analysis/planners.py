@@ -11,11 +11,16 @@ placement in service (or ``None``). Candidates (:data:`CANDIDATES`):
   the window's total (swap search; it fits the window's noise);
 - ``moetrace-robust``: :func:`robust_rebalance`: loads shrunk toward the longer
   history, packing chosen for the mean peak over the window's sub-windows, and a
-  layer keeps its deployed placement unless the new one is clearly better.
+  layer keeps its deployed placement unless the new one is clearly better;
+- ``moetrace-subwindows``: the same without shrinkage (it follows a switch at
+  once instead of being pulled back toward the old load);
+- ``moetrace-spread``: variance-aware replication: replica counts and the
+  starting packing from the sub-windows' mean + 1 standard deviation, so the
+  experts whose load varies most get the spare replicas.
 
-Hedges tried and dropped (they did not help on more than one regime, see
-docs/analysis.md) are not candidates; :data:`HEDGES` keeps them for the
-benchmark that measures them.
+The two hedges were kept because the validated default chose them on several
+regimes and gained there (docs/analysis.md); :data:`HEDGES` keeps the one
+measured and dropped (an exponentially weighted forecast).
 """
 
 from __future__ import annotations
@@ -118,11 +123,11 @@ CANDIDATES: dict[str, Planner] = {
     "greedy": lambda h, w, c, cur: greedy_rebalance(h[-w:].sum(axis=0), c.replicas, c.groups, c.nodes, c.gpus),
     "moetrace-fit": lambda h, w, c, cur: _fit(h[-w:].sum(axis=0), c),
     "moetrace-robust": lambda h, w, c, cur: robust_rebalance(h, w, c, RobustSettings(), cur).phy2log,
+    "moetrace-subwindows": lambda h, w, c, cur: robust_rebalance(h, w, c, RobustSettings(shrink=0.0), cur).phy2log,
+    "moetrace-spread": _spread_rebalance,
 }
 
-#: Hedges measured by ``benchmarks/placement_backtest.py`` (kept as candidates only if they help on more than one regime).
+#: Hedges measured by ``benchmarks/placement_backtest.py`` and dropped (not candidates: they did not help on more than one regime).
 HEDGES: dict[str, Planner] = {
-    "subwindows": lambda h, w, c, cur: robust_rebalance(h, w, c, RobustSettings(shrink=0.0), cur).phy2log,
     "ewma": lambda h, w, c, cur: _fit(ewma_estimate(h, w), c),
-    "spread": _spread_rebalance,
 }

@@ -36,6 +36,9 @@ from moetrace.analysis.rebalance_cost import rebalance_value, recommendation
 from moetrace.reference.drift import DriftSpec, olmoe_domains
 from moetrace.reference.regimes import REGIMES, regime_mix, regime_routes
 
+#: The candidates that hedge against the next window's load (the sub-window scenario planners).
+HEDGED = {"moetrace-robust", "moetrace-subwindows", "moetrace-spread"}
+
 
 def series_of(logical: np.ndarray) -> PassSeries:
     n, layers, experts = logical.shape
@@ -67,18 +70,19 @@ def test_the_hedge_wins_where_the_window_total_hides_the_next_window():
     loads, config = alternating(61), PlacementConfig(16, 1, 1, 4)
     history, nxt = loads[:60], loads[60, 0][None]  # the next bucket: an even one
     selection = select_planner(history, 10, 1, config)
-    assert selection.chosen == "moetrace-robust" and selection.margin > 0.1
+    assert selection.chosen in HEDGED and selection.margin > 0.1
     assert len(selection.fold_ends) == 8 and "held best on 8 folds" in selection.reason
     # The choice was right: on the next window the hedge beats greedy by far.
-    hedge = CANDIDATES["moetrace-robust"](history, 10, config, None)
+    hedge = CANDIDATES[selection.chosen](history, 10, config, None)
     greedy = greedy_rebalance(history[-10:].sum(axis=0), 16, 1, 1, 4)
     assert balance(nxt, hedge, 4) > balance(nxt, greedy, 4) + 0.1
 
 
 def test_greedy_wins_where_the_hedge_is_dragged_back_by_stale_history():
     loads, config = stale_switch(), PlacementConfig(12, 1, 1, 4)
-    selection = select_planner(loads[:96], 5, 2, config)
+    selection = select_planner(loads[:96], 5, 2, config, {k: CANDIDATES[k] for k in (BASELINE, "moetrace-robust")})
     assert selection.chosen == BASELINE and selection.margin == 0.0
+    assert select_planner(loads[:96], 5, 2, config).chosen != "moetrace-robust"  # among all candidates too
     robust = np.asarray(selection.realized["moetrace-robust"])
     assert (robust < np.asarray(selection.realized["greedy"])).all() and "moetrace-robust" in selection.reason and "(not kept)" in selection.reason
     # The choice was right: greedy also holds better on the next window.
@@ -128,12 +132,12 @@ def test_the_validated_planner_in_a_backtest_is_greedy_until_validated_then_the_
     loads, config = alternating(40), PlacementConfig(16, 1, 1, 4)
     result = backtest(series_of(loads), 10, 1, config)
     chosen = result.chosen["moetrace"]
-    assert chosen[:3] == [BASELINE] * 3 and set(chosen[3:]) == {"moetrace-robust"}
+    assert chosen[:3] == [BASELINE] * 3 and set(chosen[3:]) <= HEDGED
     realized, greedy, oracle = result.realized["moetrace"], result.realized["greedy"], result.realized["oracle"]
     np.testing.assert_allclose(realized[:3], greedy[:3])  # the baseline deployed: the same balance
     assert realized[3:].mean() > greedy[3:].mean() + 0.1 and (oracle >= greedy - 1e-12).all()
     summary = result.summary()
-    assert summary["moetrace"]["chosen_share"] == {BASELINE: 3 / 30, "moetrace-robust": 27 / 30}
+    assert summary["moetrace"]["chosen_share"][BASELINE] == 3 / 30 and sum(summary["moetrace"]["chosen_share"].values()) == pytest.approx(1)
     closed = summary["moetrace"]["gap_closed"]
     assert closed == pytest.approx((realized.mean() - greedy.mean()) / (oracle.mean() - greedy.mean())) and 0.5 < closed <= 1.0
     assert "held best" in result.reasons["moetrace"] and set(default_planners()) == {"moetrace", "moetrace-robust", "moetrace-fit", "greedy"}
@@ -142,8 +146,8 @@ def test_the_validated_planner_in_a_backtest_is_greedy_until_validated_then_the_
 def test_plan_with_selection_explains_the_deployed_plan():
     loads, config = alternating(60), PlacementConfig(16, 1, 1, 4)
     plan, selection = plan_with_selection(loads.sum(axis=0), series_of(loads), config)
-    assert selection.chosen == "moetrace-robust" and selection.window == selection.every == 12 and len(selection.fold_ends) == 4
-    np.testing.assert_array_equal(plan.phy2log, CANDIDATES["moetrace-robust"](loads, 60, config, None))
+    assert selection.chosen in HEDGED and selection.window == selection.every == 12 and len(selection.fold_ends) == 4
+    np.testing.assert_array_equal(plan.phy2log, CANDIDATES[selection.chosen](loads, 60, config, None))
     # No time-ordered passes: nothing to validate, the baseline is deployed.
     weight = loads.sum(axis=0)
     plan, selection = plan_with_selection(weight, None, config)
