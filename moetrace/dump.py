@@ -21,8 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .accumulators import StatWindow
+from .accumulators import PassCounter, StatWindow
 from .config import RecorderConfig
+from .layout import RankLayout
 from .session import RecordingSession
 from .timing import HISTOGRAM_EDGES, PHASES
 from .trace.join import concat_segments
@@ -98,7 +99,8 @@ class TraceDump:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         return Path(self.config.output_dir) / f"moetrace-{self.config.mode}-{stamp}-{os.getpid()}.h5"
 
-    def header(self, run_id: str, rank: int, world_size: int) -> TraceHeader:
+    def header(self, run_id: str, rank: int, world_size: int, layouts: tuple[RankLayout, ...] | None = None) -> TraceHeader:
+        """The trace header; ``layouts``: each rank row's layout (default: this rank's alone)."""
         cfg = self.config
         return TraceHeader(
             mode=cfg.mode,
@@ -116,6 +118,7 @@ class TraceDump:
             world_size=world_size,
             hidden_size=cfg.hidden_size or 0,
             dtype_bytes=cfg.dtype_bytes,
+            layouts=(cfg.rank_layout(*dist_world()),) if layouts is None else layouts,
         )
 
     # ------------------------------------------------------------------ pieces
@@ -153,22 +156,24 @@ class TraceDump:
             writer.write(f"timing/{name}", array[order])
 
     # ------------------------------------------------------------------ dumps
-    def stat(self, target: Path, run_id: str, rank: int, world: int, totals: torch.Tensor, window: StatWindow,
-             num_passes: int, num_tokens: int, timing: TimingParts | None) -> Path:
+    def stat(self, target: Path, run_id: str, rank: int, world: int, counter: PassCounter, window: StatWindow,
+             num_passes: int, timing: TimingParts | None) -> Path:
         """``stat`` mode (collective under ``torch.distributed``): gather to rank 0, which writes ``target``.
 
         Args:
-            totals: ``[L, C]`` counter rows on the device.
+            counter: the pass counter (``totals [L, C]`` and ``token_total [1]`` on the device).
             window: the window of the last passes.
         """
+        totals = counter.totals
         device = totals.device
+        layouts = tuple(gather_objects(self.config.rank_layout(rank, world), world))  # every rank row's layout
         rows = gather(totals, world).cpu().numpy()
         w = window
         order = w.order()
         slots = len(w.pass_id)
         meta = np.full((slots, 3), -1.0)
-        meta[: len(order)] = np.stack([w.pass_id, w.timestamp, w.num_tokens], axis=1)[order]
-        passes = torch.tensor([num_passes, num_tokens], dtype=torch.int64, device=device)
+        meta[: len(order)] = np.stack([w.pass_id, w.timestamp, w.tokens.cpu().numpy()], axis=1)[order]
+        passes = torch.cat([torch.tensor([num_passes], dtype=torch.int64, device=device), counter.token_total])
         if world == 1:
             # The ring as it is (no reordered copy): the oldest slots first, then the wrapped ones.
             ring = w.counts.cpu().numpy()[None]
@@ -183,7 +188,8 @@ class TraceDump:
             all_passes = gather(passes, world).cpu().numpy()
         if rank != 0:
             return target
-        with TraceWriter(target, self.header(run_id, rank=-1 if world > 1 else rank, world_size=world), compression=self.compression) as writer:
+        header = self.header(run_id, rank=-1 if world > 1 else rank, world_size=world, layouts=layouts)  # type: ignore[arg-type]
+        with TraceWriter(target, header, compression=self.compression) as writer:
             self.write_stat_file(writer, rows, all_passes, all_meta, all_counts)
             self.write_timing(writer, timing)
             return writer.commit()
