@@ -15,14 +15,15 @@ score the realised balancedness there. Planners:
   planning data's own past (``ValidatedPlanner``; greedy unless another held
   better) among greedy, moetrace-fit, moetrace-robust and the hedges
   moetrace-subwindows (no shrinkage) and moetrace-spread (variance-aware replication);
-- ``moetrace-3``: the same selection without the two hedges;
-- ``moetrace+ewma``: the same with the dropped hedge (an exponentially weighted forecast) added;
+- with ``--hedges``: ``moetrace-3``, the same selection without the two
+  hedges, and ``moetrace+ewma``, with the dropped hedge (an exponentially
+  weighted forecast) added;
 - the candidates ``greedy`` (EPLB's method), ``moetrace-fit``, ``moetrace-robust`` alone;
 - ``oracle``: the plan fitted to the scored window itself (the headroom).
 
 Also per regime: a hold-out split (plan on the first 75%, score on the rest),
 and the cost of rebalancing against its benefit for intervals ``S`` of 25, 50,
-100, 200 passes (default planner and greedy, 64 slots on 8 GPUs).
+100, 200 passes (default planner and greedy, 64 slots on 8 GPUs; seeds of ``--cost-seeds``).
 
 Run: ``.venv/bin/python benchmarks/placement_backtest.py [--quick]``.
 Writes ``benchmarks/results/placement_backtest.json``.
@@ -62,11 +63,11 @@ DEFAULT = "moetrace"
 THREE = ("greedy", "moetrace-fit", "moetrace-robust")  # the candidates before the hedges were added
 
 
-def planners(every: int, cache: PlanCache) -> dict[str, bt.Planner]:
+def planners(every: int, cache: PlanCache, hedges: bool) -> dict[str, bt.Planner]:
     return {
         DEFAULT: ValidatedPlanner(every, cache=cache),
-        "moetrace-3": ValidatedPlanner(every, candidates={k: CANDIDATES[k] for k in THREE}, cache=cache),
-        "moetrace+ewma": ValidatedPlanner(every, candidates={**CANDIDATES, **HEDGES}, cache=cache),
+        **({"moetrace-3": ValidatedPlanner(every, candidates={k: CANDIDATES[k] for k in THREE}, cache=cache),
+            "moetrace+ewma": ValidatedPlanner(every, candidates={**CANDIDATES, **HEDGES}, cache=cache)} if hedges else {}),
         **{k: CANDIDATES[k] for k in THREE},
     }
 
@@ -120,10 +121,13 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=100)
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--regimes", default=",".join(REGIMES), help="comma-separated subset of the regimes")
+    parser.add_argument("--hedges", action="store_true", help="also run the default without the hedges and with the dropped one")
+    parser.add_argument("--cost-seeds", default="0", help="comma-separated seeds of the interval sweep")
     args = parser.parse_args()
     seeds = [0] if args.quick else [0, 1, 2]
     regimes = args.regimes.split(",")
     intervals = (args.every,) if args.quick else INTERVALS
+    cost_seeds = [int(x) for x in args.cost_seeds.split(",")]
     cases: list[dict[str, object]] = []
     holdouts: dict[str, list[dict[str, object]]] = {r: [] for r in regimes}
     costs: dict[int, list[dict[str, object]]] = {s: [] for s in intervals}
@@ -141,7 +145,7 @@ def main() -> None:
                     free = bt.load_series(tr, index)
                 for config in CONFIGS:
                     main_series = series[args.every]
-                    chosen = planners(args.every // main_series.bucket, PlanCache())
+                    chosen = planners(args.every // main_series.bucket, PlanCache(), args.hedges)
                     timed = {name: p if isinstance(p, ValidatedPlanner) else _timed(p, name, plan_seconds) for name, p in chosen.items()}
                     result = bt.backtest(main_series, args.window, args.every, config, timed, expert_bytes=EXPERT_BYTES)
                     plan_count += len(result.first_pass)
@@ -150,13 +154,13 @@ def main() -> None:
                     holdouts[regime].append({"seed": seed, "config": dataclasses.asdict(config), **held.to_dict()})
                     line = "  ".join(f"{k} {v.mean():.4f}" for k, v in result.realized.items())
                     print(f"{regime} seed {seed} {config}: {line} [{time.perf_counter() - started:.0f} s]", flush=True)
-                for every in intervals:
+                for every in intervals if seed in cost_seeds else ():
                     s = series[every]
                     runs = {DEFAULT: ValidatedPlanner(every // s.bucket), "greedy": CANDIDATES["greedy"]}
                     result = bt.backtest(s, args.window, every, CONFIGS[0], runs, expert_bytes=EXPERT_BYTES)
                     costs[every].append({"regime": regime, "seed": seed, **{
                         n: rebalance_value(result, n, EXPERT_BYTES, LINK_BYTES_PER_S).to_dict() for n in runs}})
-    names = [*planners(1, PlanCache()), "oracle"]
+    names = [*planners(1, PlanCache(), args.hedges), "oracle"]
     by_regime = {r: regime_summary([c for c in cases if c["regime"] == r], names) for r in regimes}
     overall = regime_summary(cases, names)
     hold = {r: _holdout_summary(h) for r, h in holdouts.items()}
@@ -177,6 +181,7 @@ def main() -> None:
             "data": "real OLMoE-1B-7B domain skews (reference routers) scheduled by labelled regimes (moetrace.reference.regimes), recorded per_token",
             "regimes": {r: REGIMES[r] for r in regimes},
             "seeds": seeds,
+            "cost_seeds": cost_seeds,
             "passes": args.passes,
             "tokens_per_pass": args.tokens_per_pass,
             "window": args.window,
