@@ -25,6 +25,7 @@ from ..layout import RankLayout
 
 __all__ = [
     "CANDIDATE_FIELDS",
+    "COMPACTED_FROM_ATTR",
     "COMPLETE_ATTR",
     "LAYOUT_ATTRS",
     "MIGRATION_FIELDS",
@@ -55,6 +56,8 @@ SCHEMA_NAME = "moetrace"
 SCHEMA_VERSION = 2
 #: Root attribute set to True as the very last write before the atomic rename.
 COMPLETE_ATTR = "complete"
+#: Root attribute of a trace that retention compacted to its ``/stat`` totals: the mode it was written in.
+COMPACTED_FROM_ATTR = "compacted_from"
 #: Root attributes every trace (v1 and v2) carries.
 REQUIRED_ATTRS = (
     "schema",
