@@ -155,11 +155,10 @@ def _captured(model: ReferenceMoEModel, ids: torch.Tensor) -> np.ndarray:
 
 
 def test_diff_replay_audit_and_the_metric(tmp_path) -> None:
-    from prometheus_client import generate_latest
-    from typer.testing import CliRunner
-
     from moetrace.cli.app import app
     from moetrace.exporters import replay_audit as audit_metrics
+    from prometheus_client import generate_latest
+    from typer.testing import CliRunner
 
     model = ReferenceMoEModel(CONFIG)
     ids = _ids(batch=1)
