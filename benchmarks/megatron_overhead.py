@@ -15,7 +15,9 @@ over 8 x 128 tokens per rank, cross-entropy, backward. Variants, interleaved in 
 
 Each variant is attached just before and detached just after its own steps. Reported per
 rank: median ms per step and the median over rounds of each run's ratio to the same
-round's ``plain`` run (with its inter-quartile range). Megatron runs on CPU through the
+round's ``plain`` run (with its inter-quartile range), and the time spent inside the taps
+(``LayerTap.topk`` / ``dispatched`` / ``received``, every layer) per step, which does not
+depend on the machine's load the way end-to-end ratios do. Megatron runs on CPU through the
 test harness's stand-ins for its CUDA-only calls (tests/megatron/shims.py). Run::
 
     .venv-megatron/bin/python benchmarks/megatron_overhead.py [--rounds 12]
@@ -50,6 +52,8 @@ def _rank(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
     model = harness.build(spec)
     ids = torch.randint(0, spec.vocab, (8, 128), generator=torch.Generator().manual_seed(rank))
     previous = moetrace.get_recorder()
+    hook_seconds = {v: 0.0 for v in VARIANTS}
+    hook_steps = {v: 0 for v in VARIANTS}
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
@@ -61,6 +65,9 @@ def _rank(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
         if variant != "plain":
             handle = mt.instrument(model, timing=variant.endswith("timing"), output_dir=str(ROOT / "benchmarks" / "results"))
             handle.recorder.start_record()
+            for tap in handle.taps:  # "hooks alone": time spent inside the taps
+                for name in ("topk", "dispatched", "received"):
+                    setattr(tap, name, _timed(getattr(tap, name), hook_seconds, variant))
         torch.distributed.barrier()
         start = time.perf_counter()
         for _ in range(steps):
@@ -68,6 +75,7 @@ def _rank(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
         torch.distributed.barrier()
         elapsed = (time.perf_counter() - start) / steps
         if handle is not None:
+            hook_steps[variant] += steps
             handle.recorder.stop_record()
             handle.recorder.reset()
             handle.uninstrument()
@@ -76,6 +84,8 @@ def _rank(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
 
     for variant in VARIANTS:  # warm-up
         run(variant)
+    for variant in VARIANTS:
+        hook_seconds[variant], hook_steps[variant] = 0.0, 0
     samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
     ratios: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for r in range(rounds):
@@ -90,10 +100,26 @@ def _rank(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
         q = statistics.quantiles(values, n=4)
         return [q[0], q[2]]
 
-    return {
-        variant: {"ms": statistics.median(samples[variant]) * 1e3, "ratio": statistics.median(ratios[variant]), "ratio_iqr": iqr(ratios[variant])}
-        for variant in VARIANTS
-    }
+    plain_ms = statistics.median(samples["plain"]) * 1e3
+    out: dict[str, Any] = {}
+    for variant in VARIANTS:
+        row = {"ms": statistics.median(samples[variant]) * 1e3, "ratio": statistics.median(ratios[variant]), "ratio_iqr": iqr(ratios[variant])}
+        if hook_steps[variant]:
+            row["taps_ms_per_step"] = hook_seconds[variant] / hook_steps[variant] * 1e3
+            row["taps_share_of_plain"] = row["taps_ms_per_step"] / plain_ms
+        out[variant] = row
+    return out
+
+
+def _timed(method: Any, totals: dict[str, float], variant: str) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            totals[variant] += time.perf_counter() - start
+
+    return timed
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -117,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path = write_results("megatron_overhead", payload)
     for rank, result in enumerate(per_rank):
         for variant, r in result.items():
-            print(f"rank {rank} {variant:16s} {r['ms']:8.1f} ms/step  x{r['ratio']:.3f} plain (IQR {r['ratio_iqr'][0]:.3f}-{r['ratio_iqr'][1]:.3f})")
+            taps = f"; taps {r['taps_ms_per_step']:.2f} ms/step ({100 * r['taps_share_of_plain']:.2f}% of plain)" if "taps_ms_per_step" in r else ""
+            print(f"rank {rank} {variant:16s} {r['ms']:8.1f} ms/step  x{r['ratio']:.3f} plain (IQR {r['ratio_iqr'][0]:.3f}-{r['ratio_iqr'][1]:.3f}){taps}")
     print(f"written {path}")
     return payload
 
