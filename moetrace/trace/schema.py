@@ -7,6 +7,7 @@ place where the names live.
 from __future__ import annotations
 
 __all__ = [
+    "COMPACTED_FROM_ATTR",
     "COMPLETE_ATTR",
     "LAYOUT_ATTRS",
     "RANKS_GROUP",
@@ -24,6 +25,8 @@ SCHEMA_NAME = "moetrace"
 SCHEMA_VERSION = 2
 #: Root attribute set to True as the very last write before the atomic rename.
 COMPLETE_ATTR = "complete"
+#: Root attribute of a trace that retention compacted to its ``/stat`` totals: the mode it was written in.
+COMPACTED_FROM_ATTR = "compacted_from"
 #: Root attributes every trace (v1 and v2) carries.
 REQUIRED_ATTRS = (
     "schema",
