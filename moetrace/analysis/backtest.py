@@ -183,14 +183,15 @@ def load_series(trace: Trace, layer_index: np.ndarray, bucket: int | None = None
 
 
 # ---------------------------------------------------------------------- planners
-def default_planners(every: int | None = None) -> dict[str, Planner]:
+def default_planners(every: int | None = None, passes_per_bucket: int = 1) -> dict[str, Planner]:
     """The planners a backtest compares, ``moetrace`` (the deployed default) first.
 
     ``moetrace`` is a fresh :class:`~moetrace.analysis.placement_select.ValidatedPlanner`
-    whose folds are scored on ``every`` buckets (``None``: fifths of the history);
+    whose folds are scored on ``every`` buckets (``None``: fifths of the history; its
+    explanation counts ``passes_per_bucket`` passes a bucket);
     the others are the :data:`~moetrace.analysis.planners.CANDIDATES` it chooses from.
     """
-    return {"moetrace": ValidatedPlanner(every), **{name: CANDIDATES[name] for name in ("moetrace-robust", "moetrace-fit", "greedy")}}
+    return {"moetrace": ValidatedPlanner(every, passes_per_bucket=passes_per_bucket), **{name: CANDIDATES[name] for name in ("moetrace-robust", "moetrace-fit", "greedy")}}
 
 
 def oracle_plan(load: np.ndarray, config: PlacementConfig) -> np.ndarray:
@@ -292,7 +293,7 @@ def holdout(series: PassSeries, fraction: float, config: PlacementConfig, num_wi
     held_out: dict[str, float | None] = {}
     spread: dict[str, list[float]] = {}
     plans: dict[str, np.ndarray] = {}
-    planners = default_planners()
+    planners = default_planners(passes_per_bucket=series.bucket)
     for name, planner in planners.items():
         phy2log = planner(history, len(history), config, None)
         plans[name] = phy2log
@@ -435,7 +436,7 @@ def backtest(
             f"the trace has {int(series.passes.sum())} passes; a backtest needs at least --window + --every = {window + every}; "
             "pass a smaller --window/--every or record longer"
         )
-    planners = default_planners(s) if planners is None else planners
+    planners = default_planners(s, series.bucket) if planners is None else planners
     deployed_start = series.physical_to_logical if series.physical_to_logical.shape[1] == config.replicas else None
     realized: dict[str, list[float]] = {name: [] for name in planners}
     in_sample: dict[str, list[float]] = {name: [] for name in planners}
@@ -506,7 +507,7 @@ def plan_with_selection(
     replicas where ``current`` has them.
     """
     if series is not None and len(series) >= 2:
-        planner = ValidatedPlanner()
+        planner = ValidatedPlanner(passes_per_bucket=series.bucket)
         phy2log = planner(series.logical, len(series), config, current)
         selection = planner.selection
         assert selection is not None

@@ -65,6 +65,7 @@ class Selection:
         fold_ends: ``[F]`` bucket index where each fold's scored part starts (oldest first).
         realized: candidate -> ``[F]`` balancedness on each fold's scored part.
         margin: chosen's mean minus the baseline's mean over the folds (0 when the baseline is chosen).
+        passes_per_bucket: passes in one bucket of the history (the explanation counts passes).
     """
 
     chosen: str
@@ -74,6 +75,7 @@ class Selection:
     fold_ends: list[int]
     realized: dict[str, list[float]]
     margin: float
+    passes_per_bucket: int = 1
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -81,6 +83,8 @@ class Selection:
             "reason": self.reason,
             "window_buckets": self.window,
             "every_buckets": self.every,
+            "window_passes": self.window * self.passes_per_bucket,
+            "every_passes": self.every * self.passes_per_bucket,
             "folds": len(self.fold_ends),
             "margin_over_baseline": self.margin,
             "validation_mean": {k: float(np.mean(v)) if v else None for k, v in self.realized.items()},
@@ -130,11 +134,13 @@ def select_planner(
     candidates: Mapping[str, Planner] | None = None,
     rule: SelectionRule = SelectionRule(),
     cache: PlanCache | None = None,
+    passes_per_bucket: int = 1,
 ) -> Selection:
     """Backtest ``candidates`` on rolling folds of ``history [t, L, E]`` and pick one (see the module docstring).
 
     Candidates are planned without a deployed placement (their forecast is
     what is compared). ``candidates`` must hold :data:`BASELINE`.
+    ``passes_per_bucket`` only words the explanation in passes.
 
     Raises:
         ValueError: no baseline among the candidates, or non-positive ``window``/``every``.
@@ -154,10 +160,10 @@ def select_planner(
             realized[name].append(_balance(nxt, phy2log, config.gpus))
 
     def done(chosen: str, reason: str, margin: float = 0.0) -> Selection:
-        return Selection(chosen, reason, window, every, ends, realized, margin)
+        return Selection(chosen, reason, window, every, ends, realized, margin, passes_per_bucket)
 
     if len(ends) < rule.min_folds:
-        return done(BASELINE, f"{len(ends)} validation fold(s) fit in the planning data (plan on {window} buckets, score on the next {every}); "
+        return done(BASELINE, f"{len(ends)} validation fold(s) fit in the planning data (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket}); "
                     f"{rule.min_folds} are needed to trust anything but the baseline, so {BASELINE} is deployed")
     base = np.asarray(realized[BASELINE])
     verdicts = []
@@ -173,7 +179,7 @@ def select_planner(
         verdicts.append(f"{name} {mean:+.4f} ± {error:.4f}, below in {losses:.0%}{'' if ok else ' (not kept)'}")
         if ok and base.mean() + mean > best_mean:
             best, best_mean = name, float(base.mean()) + mean
-    folds = f"{len(ends)} folds of the planning data (plan on {window} buckets, score on the next {every})"
+    folds = f"{len(ends)} folds of the planning data (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket})"
     vs = f"mean gain over {BASELINE} (± std error): " + "; ".join(verdicts)
     if best == BASELINE:
         return done(BASELINE, f"no candidate beat {BASELINE} by more than {rule.z:g} std error(s) with at most {rule.max_loss_share:.0%} of folds below it on {folds}; {vs}")
@@ -192,8 +198,14 @@ class ValidatedPlanner:
     """
 
     def __init__(
-        self, every: int | None = None, candidates: Mapping[str, Planner] | None = None, rule: SelectionRule = SelectionRule(), cache: PlanCache | None = None
+        self,
+        every: int | None = None,
+        candidates: Mapping[str, Planner] | None = None,
+        rule: SelectionRule = SelectionRule(),
+        cache: PlanCache | None = None,
+        passes_per_bucket: int = 1,
     ) -> None:
+        self.passes_per_bucket = passes_per_bucket
         self.every = every
         self.candidates = dict(CANDIDATES if candidates is None else candidates)
         self.rule = rule
@@ -203,9 +215,9 @@ class ValidatedPlanner:
     def __call__(self, history: np.ndarray, window: int, config: PlacementConfig, current: np.ndarray | None) -> np.ndarray:
         if self.every is None:
             fold = max(len(history) // 5, 1)
-            self.selection = select_planner(history, fold, fold, config, self.candidates, self.rule, self._cache)
+            self.selection = select_planner(history, fold, fold, config, self.candidates, self.rule, self._cache, self.passes_per_bucket)
         else:
-            self.selection = select_planner(history, window, self.every, config, self.candidates, self.rule, self._cache)
+            self.selection = select_planner(history, window, self.every, config, self.candidates, self.rule, self._cache, self.passes_per_bucket)
         phy2log = self.candidates[self.selection.chosen](history, window, config, current)
         if current is not None and current.shape == phy2log.shape:
             aligned = align_to(current, phy2log, config.nodes if config.groups % config.nodes == 0 else 1, config.gpus)

@@ -255,6 +255,7 @@ def test_cli_holdout_and_backtest(drift, tmp_path):
     assert value["rebalances"] == 5 and value["bytes_moved"] == pytest.approx(value["moved"] * 3 * HIDDEN * 128 * 2)
     assert value["stall_s"] == pytest.approx(value["moved_peak"] * 3 * HIDDEN * 128 * 2 / 25e9) and value["recommendation"].startswith("rebalancing every 30 passes")
     assert len(as_json["backtest"]["chosen"]["moetrace"]) == 6 and as_json["backtest"]["summary"]["oracle"]["realized_mean"] > 0.99
+    assert "(plan on 60 passes, score on the next 30)" in as_json["backtest"]["reasons"]["moetrace"]  # 6-pass buckets, explained in passes
 
 
 @pytest.mark.parametrize(
