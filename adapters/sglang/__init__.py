@@ -45,6 +45,7 @@ from ..base import (
     resolve_recorder,
     unwinding,
 )
+from ..settings import PluginSettings, env_flag
 from .bridge import RecorderBridge
 from .routed import read_routed_experts, routed_experts_payload
 
@@ -121,9 +122,9 @@ def _server_args(given: Any) -> Any:
 
 
 def _model_top_k(server_args: Any) -> int:
-    env = os.environ.get("MOETRACE_TOP_K")
-    if env:
-        return int(env)
+    top_k = PluginSettings.from_env(force=True).top_k
+    if top_k is not None:
+        return top_k
     from transformers import AutoConfig
 
     from ..hf.layers import config_top_k
@@ -212,12 +213,8 @@ def instrument(
         if recorder is not None:
             rec = check_recorder(recorder, num_layers, num_physical, top_k)
         else:
-            options = {
-                "mode": os.environ.get("MOETRACE_MODE", "stat"),
-                "output_dir": os.environ.get("MOETRACE_OUTPUT_DIR", "."),
-                "window": int(os.environ.get("MOETRACE_WINDOW", "1000")),
-                **recorder_options,
-            }
+            settings = PluginSettings.from_env(force=True)
+            options = {"mode": settings.mode, "output_dir": settings.output_dir, "window": settings.window, **recorder_options}
             defaults = {
                 "engine": "sglang",
                 "model": str(getattr(args, "model_path", "")),
@@ -305,7 +302,12 @@ def plugin() -> None:
     logged, never raised into SGLang's start-up.
     """
     global _PLUGIN_HANDLE
-    if os.environ.get("MOETRACE_ENABLED", "").lower() not in ("1", "true", "yes"):
+    try:
+        enabled = env_flag(os.environ, "MOETRACE_ENABLED", False)
+    except ValueError:
+        logger.exception("moetrace: the SGLang plugin is off")
+        return
+    if not enabled:
         return
     if _PLUGIN_HANDLE is not None and _PLUGIN_HANDLE.active:
         return
