@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .accumulators import StatWindow
 from .config import RecorderConfig
+from .layout import RankLayout
 from .session import RecordingSession
 from .timing import HISTOGRAM_EDGES, PHASES
 from .trace.join import concat_segments
@@ -98,7 +99,8 @@ class TraceDump:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         return Path(self.config.output_dir) / f"moetrace-{self.config.mode}-{stamp}-{os.getpid()}.h5"
 
-    def header(self, run_id: str, rank: int, world_size: int) -> TraceHeader:
+    def header(self, run_id: str, rank: int, world_size: int, layouts: tuple[RankLayout, ...] | None = None) -> TraceHeader:
+        """The trace header; ``layouts``: each rank row's layout (default: this rank's alone)."""
         cfg = self.config
         return TraceHeader(
             mode=cfg.mode,
@@ -116,6 +118,7 @@ class TraceDump:
             world_size=world_size,
             hidden_size=cfg.hidden_size or 0,
             dtype_bytes=cfg.dtype_bytes,
+            layouts=(cfg.rank_layout(*dist_world()),) if layouts is None else layouts,
         )
 
     # ------------------------------------------------------------------ pieces
@@ -162,6 +165,7 @@ class TraceDump:
             window: the window of the last passes.
         """
         device = totals.device
+        layouts = tuple(gather_objects(self.config.rank_layout(rank, world), world))  # every rank row's layout
         rows = gather(totals, world).cpu().numpy()
         w = window
         order = w.order()
@@ -183,7 +187,8 @@ class TraceDump:
             all_passes = gather(passes, world).cpu().numpy()
         if rank != 0:
             return target
-        with TraceWriter(target, self.header(run_id, rank=-1 if world > 1 else rank, world_size=world), compression=self.compression) as writer:
+        header = self.header(run_id, rank=-1 if world > 1 else rank, world_size=world, layouts=layouts)  # type: ignore[arg-type]
+        with TraceWriter(target, header, compression=self.compression) as writer:
             self.write_stat_file(writer, rows, all_passes, all_meta, all_counts)
             self.write_timing(writer, timing)
             return writer.commit()

@@ -575,6 +575,7 @@ class ExpertDistributionRecorder:
         return RecorderSnapshot.of_rows(
             self.config, self._layout, rows, progress, recording=recording, id_space=self.id_space,
             last_dump_path=str(last) if last else None, errors=errors, dropped_passes=self.dropped_passes, timing=timing,
+            rank_layout=self.config.rank_layout(*dist_world()),
         )
 
     def status(self) -> dict[str, object]:
@@ -592,6 +593,7 @@ class ExpertDistributionRecorder:
                 "last_dump_path": str(self.last_dump_path) if self.last_dump_path else None,
                 "output_dir": str(self.config.output_dir),
                 "errors": errors,
+                "layout": self.config.rank_layout(*dist_world()).as_dict(),
             }
 
 

@@ -17,6 +17,7 @@ from . import metrics
 from .config import RecorderConfig
 from .dispatch import ep_ideal_bytes, exchanged_bytes, remote_copies
 from .ids import to_logical
+from .layout import RankLayout
 from .trace.stat import CounterLayout
 
 __all__ = ["RecorderSnapshot", "SnapshotChannel"]
@@ -47,6 +48,8 @@ class RecorderSnapshot(metrics.LoadMetrics):
             writer was behind (``on_overflow="drop"``).
         timing: phase-timing aggregates since ``start_record``
             (:meth:`moetrace.timing.TimingStats.arrays`), ``None`` when timing is off.
+        rank_layout: the rank's parallel layout (``None``: not known, the
+            rank's view counts as its own tokens).
     """
 
     timestamp: float
@@ -73,6 +76,19 @@ class RecorderSnapshot(metrics.LoadMetrics):
     errors: tuple[str, ...] = ()
     dropped_passes: int = 0
     timing: dict[str, np.ndarray] | None = None
+    rank_layout: RankLayout | None = None
+
+    @property
+    def replicates_tokens(self) -> bool:
+        """True when another rank of the same TP (attention) group routes these same tokens and counts them."""
+        return self.rank_layout is not None and self.rank_layout.replicates_tokens
+
+    def counted(self, value: np.ndarray | int) -> np.ndarray | int:
+        """``value`` as this rank adds it to run-wide counters: zeros on a rank whose view replicates
+        another's (TP attention), so that the sum over ranks counts each token once."""
+        if not self.replicates_tokens:
+            return value
+        return 0 if isinstance(value, (int, np.integer)) else np.zeros_like(value)
 
     @property
     def phase_histogram(self) -> np.ndarray:
@@ -125,7 +141,7 @@ class RecorderSnapshot(metrics.LoadMetrics):
         """The snapshot of counter rows ``[L, C]`` (columns of ``layout``) after ``(passes, tokens, unix time)``.
 
         ``state``: the remaining fields (``recording``, ``id_space``, ``last_dump_path``, ``errors``,
-        ``dropped_passes``, ``timing``).
+        ``dropped_passes``, ``timing``, ``rank_layout``).
         """
         num_passes, num_tokens, timestamp = progress
         physical = rows[:, layout.experts]

@@ -3,7 +3,8 @@
 Every mode is turned into the same thing: consecutive blocks of per-pass
 counts (:class:`PassBlock`), read a chunk at a time:
 
-- ``stat``: rows of ``/window`` (the last ``W`` passes), summed over ranks,
+- ``stat``: rows of ``/window`` (the last ``W`` passes), summed over the counted
+  rank rows (:meth:`Trace.counted`: each token once under TP attention),
   sliced straight from HDF5;
 - ``per_pass``: rows of ``/passes`` via :meth:`Trace.iter_passes`;
 - ``per_token``: rows of ``/tokens`` via :meth:`Trace.iter_tokens`, counted
@@ -112,6 +113,7 @@ def pass_block(chunk: PassChunk, layer_index: np.ndarray) -> PassBlock:
 
 
 def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterator[PassBlock]:
+    counted = trace.counted()  # rank rows that replicate another's view are not added (TP attention)
     with h5py.File(trace.path, "r") as f:
         if "window/pass_id" not in f:
             return
@@ -126,15 +128,15 @@ def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterato
             filled = pid.max(axis=0) >= 0  # a row is a pass when any rank filled it
             yield PassBlock(
                 pass_id=pid.max(axis=0)[filled],
-                num_tokens=np.where(pid >= 0, tok, 0).sum(axis=0)[filled],
-                physical_count=cnt.sum(axis=0, dtype=np.int64)[filled][:, layer_index],
+                num_tokens=np.where(pid >= 0, tok, 0)[counted.tokens].sum(axis=0)[filled],
+                physical_count=cnt[counted.assignments].sum(axis=0, dtype=np.int64)[filled][:, layer_index],
             )
 
 
 def iter_pass_blocks(trace: Trace, layer_index: np.ndarray, chunk_passes: int = 1024) -> Iterator[PassBlock]:
     """Per-pass counts of a ``stat`` (window) or ``per_pass`` trace, in blocks of ``chunk_passes`` rows."""
     if trace.mode == "per_pass":
-        for part in trace.iter_passes(chunk_passes):
+        for part in trace.iter_passes(chunk_passes, counted_only=True):
             yield pass_block(part, layer_index)
     elif trace.mode == "stat":
         yield from _window_blocks(trace, layer_index, chunk_passes)

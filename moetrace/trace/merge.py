@@ -9,6 +9,8 @@ the result stays valid when the inputs move or are deleted) into one trace:
 - root attributes of rank 0, with ``rank = -1`` (gathered), ``world_size = W``,
   the same ``run_id`` and ``merged_from`` (JSON list of the input file names);
 - ``/stat/*``: each input's single rank row stacked in rank order ``[W, ...]``;
+- ``/ranks/*`` and the layout root attributes: each input's parallel layout, in rank
+  order (inputs must agree on the layout sizes), so that readers count each token once;
 - ``/window/*`` (``stat`` mode): stacked ``[W, Wmax, ...]``, shorter windows
   padded with ``pass_id = -1`` and zero counts;
 - ``/passes/*`` or ``/tokens/*``: every row of every rank, ordered by
@@ -28,13 +30,16 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ..layout import RankLayout
+from .ranks import read_layouts
 from .reader import open_trace
-from .schema import TraceError
+from .schema import LAYOUT_ATTRS, TraceError
 from .writer import TraceHeader, TraceWriter
 
 __all__ = ["merge_traces", "rank_stops"]
 
-_SAME_ATTRS = ("mode", "id_space", "num_layers", "num_logical_experts", "num_physical_experts", "top_k", "ep_size", "world_size", "hidden_size", "dtype_bytes")
+_SAME_ATTRS = ("mode", "id_space", "num_layers", "num_logical_experts", "num_physical_experts", "top_k", "ep_size", "world_size", "hidden_size",
+               "dtype_bytes", *LAYOUT_ATTRS.values())
 _STREAM_GROUP = {"per_pass": "passes", "per_token": "tokens"}
 _WINDOW_FILL = {"pass_id": -1, "timestamp": 0.0, "num_tokens": 0, "physical_count": 0}
 
@@ -185,6 +190,10 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
         TraceWriteError: ``out`` could not be written (nothing is left under that name).
     """
     ordered, attrs, layers, mapping = _check_inputs([Path(p) for p in paths])
+    layouts: list[RankLayout] = []
+    for path in ordered:
+        with h5py.File(path, "r") as f:
+            layouts.extend(read_layouts(f))
     header = TraceHeader(
         mode=str(attrs["mode"]),
         id_space=str(attrs["id_space"]),
@@ -201,6 +210,7 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
         world_size=len(ordered),
         hidden_size=int(attrs.get("hidden_size", 0)),
         dtype_bytes=int(attrs.get("dtype_bytes", 0)),
+        layouts=tuple(layouts) if len(layouts) == len(ordered) else (),
     )
     files = [h5py.File(p, "r") for p in ordered]
     try:

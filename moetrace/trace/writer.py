@@ -22,7 +22,9 @@ import h5py
 import numpy as np
 
 from .._version import __version__
+from ..layout import RankLayout
 from .files import temporary_path
+from .ranks import write_layouts
 from .schema import COMPLETE_ATTR, SCHEMA_NAME, SCHEMA_VERSION, TraceWriteError
 
 __all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic"]
@@ -134,6 +136,8 @@ class TraceHeader:
     world_size: int = 1
     hidden_size: int = 0
     dtype_bytes: int = 0
+    #: Parallel layout of each rank row, in row order (``()``: not known; see :mod:`moetrace.trace.ranks`).
+    layouts: tuple[RankLayout, ...] = ()
 
     @property
     def num_logical_experts(self) -> int:
@@ -207,6 +211,7 @@ class TraceWriter:
             f.attrs[key] = value
         f.create_dataset("layers", data=np.asarray(h.layer_ids, dtype=np.int32))
         f.create_dataset("physical_to_logical", data=np.asarray(h.physical_to_logical, dtype=np.int32))
+        write_layouts(f, h.layouts)
 
     # -- whole datasets ---------------------------------------------------------
     def write(self, name: str, data: np.ndarray, compress: bool = False) -> None:

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 #: The core: configuration, recording (hooks, session, dump), capture, dispatch, snapshot, balance
-#: metric definitions, id spaces and trace I/O. Nothing else of moetrace may load with it.
+#: metric definitions, id spaces, rank layouts and trace I/O. Nothing else of moetrace may load with it.
 CORE = {
     "moetrace",
     "moetrace._version",
@@ -22,6 +22,7 @@ CORE = {
     "moetrace.dispatch",
     "moetrace.dump",
     "moetrace.ids",
+    "moetrace.layout",
     "moetrace.metrics",
     "moetrace.recorder",
     "moetrace.session",
