@@ -47,6 +47,7 @@ from ..base import (
     unwinding,
 )
 from .bridge import RecorderBridge
+from .layout import sglang_layout
 from .phases import watch_phases
 from .routed import read_routed_experts, routed_experts_payload
 
@@ -149,6 +150,15 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
+def _layout(ep_size: int, ep_rank: int) -> Any:
+    """This process's :func:`~.layout.sglang_layout`, or ``None`` (every rank its own tokens) when SGLang published none."""
+    try:
+        return sglang_layout(ep_size, ep_rank)
+    except (AttributeError, RuntimeError, ValueError) as exc:
+        logger.warning("moetrace: SGLang's parallel layout is not readable (%s); each rank's view is counted as its own tokens", exc)
+        return None
+
+
 def _rank_of(recorder: Any) -> int:
     """The EP rank a real SGLang recorder was built for (its accumulator keeps it since 0.5.19)."""
     for owner in (recorder, getattr(recorder, "_accumulator", None)):
@@ -231,6 +241,7 @@ def instrument(
                 "physical_to_logical": _physical_to_logical(metadata),
                 "ep_size": ep_size,
                 "ep_rank": int(rank) % ep_size,
+                "layout": _layout(ep_size, int(rank) % ep_size),
                 "device": torch.device(getattr(args, "device", None) or "cpu"),
             }
             rec = resolve_recorder(None, num_layers, num_physical, top_k, range(num_layers), defaults=defaults, **options).recorder

@@ -125,6 +125,14 @@ def _realised_rank_load(run: Run) -> np.ndarray:
     return np.stack([metrics.rank_load(views[r], RANKS)[:, r] for r in range(RANKS)], axis=1)
 
 
+def test_each_rank_records_its_ep_coordinates(trivial: Run) -> None:
+    layouts = []
+    for path in trivial.files:
+        with open_trace(path) as trace:
+            layouts.extend(trace.layouts)
+    assert [(x.rank, x.tp_rank, x.ep_rank, x.ep_size, x.tp_size, x.attention) for x in layouts] == [(0, 0, 0, 2, 2, "tp"), (1, 1, 1, 2, 2, "tp")]
+
+
 def test_physical_counts_per_rank_equal_an_independent_count(checkpoint: Path, trivial: Run) -> None:
     """Trivial placement with 2 redundant slots: every rank routes every token (TP attention), rank r computes its 5 slots."""
     expected = _independent(checkpoint, trivial, None)
