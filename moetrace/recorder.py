@@ -45,7 +45,9 @@ import torch.distributed as dist
 from . import session as sessions
 from .accumulators import CounterLayout, PassCounter, PassStream, StatWindow, TokenStream
 from .config import RecorderConfig
+from .devices import resolve_device
 from .dump import TimingParts, TraceDump, dist_world, gather_objects, streamed_schema
+from .graphs import is_capturing
 from .session import RecordingSession, Staged
 from .snapshot import RecorderSnapshot, SnapshotChannel
 from .timing import (
@@ -79,12 +81,6 @@ class RecorderStateError(RuntimeError):
     """A lifecycle call that does not fit the recorder's state (e.g. start twice)."""
 
 
-def _normalise_device(device: torch.device) -> torch.device:
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 class _LayerScope:
     __slots__ = ("_layer", "_previous", "_recorder")
 
@@ -114,7 +110,7 @@ class ExpertDistributionRecorder:
     """
 
     def __init__(self, config: RecorderConfig) -> None:
-        self.config = config.replace(device=_normalise_device(config.device))  # type: ignore[arg-type]
+        self.config = config.replace(device=resolve_device(config.device))  # type: ignore[arg-type]
         cfg = self.config
         self._device: torch.device = cfg.device  # type: ignore[assignment]
         self._cuda = self._device.type == "cuda"
@@ -125,8 +121,8 @@ class ExpertDistributionRecorder:
             self._counter = PassCounter(cfg, self._layout)
             self._counter.set_gate(False)
             self._window = StatWindow(cfg, self._layout) if cfg.mode == "stat" else None
-            self._pass_stream = PassStream(cfg, self._layout, self._submit) if cfg.mode == "per_pass" else None
-            self._token_stream = TokenStream(cfg, self._layout, self._submit) if cfg.mode == "per_token" else None
+            self._pass_stream = PassStream(cfg, self._layout, self._submit, self._settle_writer) if cfg.mode == "per_pass" else None
+            self._token_stream = TokenStream(cfg, self._layout, self._submit, self._settle_writer) if cfg.mode == "per_token" else None
             self._snapshots = SnapshotChannel((cfg.num_layers, self._layout.width), self._device)
         # Phase timing (host-side): the clock, aggregates over all passes and per-pass rows.
         self._clock = make_clock(cfg.num_layers, self._device, cfg.timing_ring) if cfg.timing else None
@@ -139,14 +135,13 @@ class ExpertDistributionRecorder:
         self._started = False
         self._in_pass = False
         self._pass_active = False
-        self._pass_tokens = 0
+        self._pass_rows = 0  # per_token: most rows a hook wrote in this pass (host bound, not a token count)
+        self._captured_rows = 0  # per_token: most rows a hook wrote while being captured into a CUDA graph
         self._next_pass_id = 0
         self._layer: int | None = None
         self._disabled = 0
         self._num_passes = 0
-        self._num_tokens = 0
         self._dumped_passes = 0
-        self._dumped_tokens = 0
         self._run_id = uuid.uuid4().hex
         streams = tuple(s for s in (self._pass_stream, self._token_stream) if s is not None)
         self._staged = Staged(self._counter, self._window, streams, self._flush_timing_rows)
@@ -203,15 +198,15 @@ class ExpertDistributionRecorder:
         self._next_pass_id = pass_id + 1
         self._in_pass = True
         self._pass_active = self._recording
-        self._pass_tokens = 0
+        self._pass_rows = 0
         ok = False
         try:
-            if self._pass_active and self._clock is not None:
-                self._begin_timing()  # may refuse (CUDA-graph capture): the finally below still ends the pass
+            if self._clock is not None and (self._pass_active or is_capturing(self._device)):
+                self._begin_timing()  # refuses a CUDA-graph capture: the finally below still ends the pass
             yield pass_id
             ok = True
         finally:
-            if self._pass_active and not (self._cuda and torch.cuda.is_current_stream_capturing()):
+            if self._pass_active and not is_capturing(self._device):
                 if ok:
                     self._end_pass(pass_id)
                 else:
@@ -221,10 +216,10 @@ class ExpertDistributionRecorder:
             self._live_clock = None
 
     def _begin_timing(self) -> None:
-        if self._cuda and torch.cuda.is_current_stream_capturing():
+        if is_capturing(self._device):
             raise TimingCaptureError(
                 "phase timing cannot run inside CUDA-graph capture (timed CUDA events are not capturable); "
-                "use RecorderConfig(timing=False) for a captured model, or capture outside with_forward_pass"
+                "build the recorder with RecorderConfig(timing=False) for a model run as CUDA graphs (its hooks are captured whether recording or not)"
             )
         assert self._clock is not None
         self._clock.begin_pass()
@@ -271,8 +266,13 @@ class ExpertDistributionRecorder:
             return False
         if self._pass_active:
             return True
-        # Inside CUDA-graph capture with recording on: capture the (gated) counting ops.
-        return self._cuda and self._recording and torch.cuda.is_current_stream_capturing()
+        # Being captured into a CUDA graph (engines capture at start-up, before any start_record):
+        # queue the gated counting ops whether recording or not; the gate decides at each replay.
+        if not is_capturing(self._device):
+            return False
+        if self._clock is not None:
+            self._begin_timing()  # raises: timed events cannot be captured
+        return True
 
     def _resolve_layer(self, layer: int | None, hook: str) -> int:
         if layer is None:
@@ -316,10 +316,12 @@ class ExpertDistributionRecorder:
         if self._token_stream is not None and tokens > self.config.max_tokens_per_pass:
             raise ValueError(f"pass of {tokens} tokens exceeds max_tokens_per_pass={self.config.max_tokens_per_pass}; raise it in RecorderConfig")
         index = self._counter.add_select(layer, ids)
-        if tokens > self._pass_tokens:
-            self._pass_tokens = tokens
         if self._token_stream is not None:
             self._token_stream.add_layer(layer, index)
+            if tokens > self._pass_rows:
+                self._pass_rows = tokens
+            if tokens > self._captured_rows and is_capturing(self._device):
+                self._captured_rows = tokens  # a replay of this graph writes this many rows, no hook telling
 
     def on_dispatch(
         self,
@@ -355,26 +357,27 @@ class ExpertDistributionRecorder:
         with self._lock:
             for timing in timings:
                 self._add_timing(timing)
-            counter, tokens, timestamp = self._counter, self._pass_tokens, time.time()
+            counter, timestamp = self._counter, time.time()
             counter.fold()
             if self._window is not None:
-                self._window.push(counter.current, pass_id, timestamp, tokens)
+                self._window.push(counter.current, counter.pass_tokens, pass_id, timestamp)
             if self._pass_stream is not None:
-                self._pass_stream.push(counter.current, pass_id, timestamp, tokens)
+                self._pass_stream.push(counter.current, pass_id, timestamp)
             if self._token_stream is not None:
-                self._token_stream.end_pass(pass_id, counter.current)
+                self._token_stream.end_pass(pass_id, counter.current, max(self._pass_rows, self._captured_rows))
             counter.clear()
             self._num_passes += 1
-            self._num_tokens += tokens
-            self._snapshots.publish(counter.totals, self._num_passes, self._num_tokens, timestamp)
-            if self._session is not None and self._session.due():
-                self._rotate(pass_id)
+            self._snapshots.publish(counter.totals, counter.token_total, self._num_passes, timestamp)
+            if self._session is not None:
+                self._session.poll()
+                if self._session.due():
+                    self._rotate(pass_id)
 
     def _rotate(self, pass_id: int, wait: bool = False) -> None:
         """Segment due (``segment_seconds``): the session hands what is staged to its writer thread.
         Only enqueues: never waits (``wait``: for a free checkpoint buffer)."""
         assert self._session is not None
-        self._session.rotate(pass_id, self._num_passes, self._num_tokens, wait)
+        self._session.rotate(pass_id, self._num_passes, wait)
 
     def _add_timing(self, timing: PassTiming) -> None:
         """Fold one resolved pass's timing into the aggregates and rows (streaming: hand full blocks over)."""
@@ -404,13 +407,18 @@ class ExpertDistributionRecorder:
         with self._lock:
             self._counter.clear()
             if self._token_stream is not None:
-                self._token_stream.discard_pass()
+                self._token_stream.discard_pass(max(self._pass_rows, self._captured_rows))
 
     def _submit(self, job: StreamJob) -> None:
         if self._session is None:
             job.done()
             return
         self._session.submit(job)
+
+    def _settle_writer(self) -> None:
+        """Hand the writer thread every copy still in flight (waits for their events on this thread)."""
+        if self._session is not None:
+            self._session.settle()
 
     # ------------------------------------------------------------------ lifecycle
     def start_record(self) -> None:
@@ -432,6 +440,7 @@ class ExpertDistributionRecorder:
                 raise RecorderStateError("not recording; call start_record() first")
             self._recording = False
             self._counter.set_gate(False)
+            self._snapshots.settle()
             if self._session is not None:  # everything recorded so far goes into closed segments / a checkpoint
                 self._rotate(self._next_pass_id - 1, wait=True)
 
@@ -455,9 +464,7 @@ class ExpertDistributionRecorder:
         self._timing_rows.reset()
         self._dumped_timing = None
         self._num_passes = 0
-        self._num_tokens = 0
         self._dumped_passes = 0
-        self._dumped_tokens = 0
         self._errors = []
 
     def _shared_run_id(self) -> str:
@@ -514,6 +521,7 @@ class ExpertDistributionRecorder:
         with self._lock:
             if not self._started:
                 raise RecorderStateError("nothing recorded yet: call start_record() before dump_record()")
+            self._snapshots.settle()
             target = Path(path) if path is not None else self._dump.default_path()
             if target.suffix != ".h5":
                 target = target.with_name(target.name + ".h5")
@@ -521,7 +529,7 @@ class ExpertDistributionRecorder:
             if self.config.mode == "stat":
                 assert self._window is not None
                 timing = self._gather_timing(world, rows=True)
-                written = self._dump.stat(target, self._run_id, rank, world, self._counter.totals, self._window, self._num_passes, self._num_tokens, timing)
+                written = self._dump.stat(target, self._run_id, rank, world, self._counter, self._window, self._num_passes, timing)
                 self._dumped_passes = self._num_passes  # stat dumps are cumulative: every pass is in this one
             else:
                 if world > 1:
@@ -559,7 +567,7 @@ class ExpertDistributionRecorder:
             self._errors.append(f"streaming write failed: {error}")
             raise TraceWriteError(f"the background trace writer failed earlier ({error}); the passes since then are lost, call reset() or start_record()") from error
         written = self._dump.stream(target, self._run_id, rank, world, session, timing)
-        self._dumped_passes, self._dumped_tokens = self._num_passes, self._num_tokens
+        self._dumped_passes = self._num_passes
         self._dumped_timing = self._timing_stats.arrays() if self._clock is not None else None
         if not self._recording:
             self._close_session(keep=False)
@@ -581,6 +589,7 @@ class ExpertDistributionRecorder:
     def status(self) -> dict[str, object]:
         """A JSON-ready summary for control endpoints."""
         with self._lock:
+            tokens = self._snapshots.latest()[1][1]
             segment_error = self._session.error if self._session is not None else None
             errors = [*self._errors, *([f"streaming write failed: {segment_error}"] if segment_error else [])]
             return {
@@ -588,7 +597,7 @@ class ExpertDistributionRecorder:
                 "recording": self._recording,
                 "mode": self.config.mode,
                 "passes": self._num_passes,
-                "tokens": self._num_tokens,
+                "tokens": tokens,
                 "dropped_passes": self.dropped_passes,
                 "last_dump_path": str(self.last_dump_path) if self.last_dump_path else None,
                 "output_dir": str(self.config.output_dir),

@@ -107,11 +107,15 @@ class ReplayAudit:
         layers: a name per replayed MoE layer (compact order).
         device: where the counters live (the model's device).
         engine: label for reports.
+        observable: per layer, whether an independent point reads the experts it used
+            (default: all). An unobservable layer is checked for reach only; its rows are
+            not counted as requested, and reports list it under ``unobserved``.
     """
 
-    def __init__(self, layers: Sequence[str], device: torch.device | str, engine: str = "") -> None:
+    def __init__(self, layers: Sequence[str], device: torch.device | str, engine: str = "", observable: Sequence[bool] | None = None) -> None:
         self.layers = tuple(layers)
         self.engine = engine
+        self.observable = tuple(observable) if observable is not None else (True,) * len(self.layers)
         self._requested = np.zeros(len(self.layers), dtype=np.int64)
         self._matched = torch.zeros(len(self.layers), dtype=torch.int64, device=device)
         self._reached = [0] * len(self.layers)
@@ -127,7 +131,8 @@ class ReplayAudit:
             return
         self._targets = [(layer, rows) for layer, rows in targets if rows > 0]
         for layer, rows in self._targets:
-            self._requested[layer] += rows
+            if self.observable[layer]:
+                self._requested[layer] += rows
         self._at_begin = list(self._reached)
 
     def reached(self, layer: int) -> None:
@@ -175,4 +180,5 @@ class ReplayAudit:
             unreached=tuple(self._unreached),
             forwards=self.forwards,
             engine=self.engine,
+            extra={"unobserved": [name for name, seen in zip(self.layers, self.observable, strict=True) if not seen]},
         )

@@ -102,7 +102,7 @@ class RecordingSession:
             sink = SegmentWriter(directory, header, streamed, layout, config.physical_to_logical, config.segment_bytes, self.journal, compression)  # type: ignore[arg-type]
         self.writer = BackgroundTraceWriter(sink)
         self._rotate_at = time.monotonic() + (config.segment_seconds or float("inf"))
-        self._checkpoint_buffers: tuple[HostBufferPool, HostBufferPool] | None = None
+        self._checkpoint_buffers: tuple[HostBufferPool, HostBufferPool, HostBufferPool] | None = None
         self._undumped: list[SegmentInfo] = []  # closed segments taken by a dump that failed
 
     @property
@@ -113,54 +113,71 @@ class RecordingSession:
     def submit(self, job: StreamJob) -> None:
         self.writer.submit(job)
 
+    def poll(self) -> None:
+        """Pass end (forward thread): hand the writer the copies that have finished (never blocks)."""
+        self.writer.poll()
+
+    def settle(self) -> None:
+        """Wait for every copy in flight and hand it to the writer (a lifecycle call, or before blocking)."""
+        self.writer.settle()
+
     def due(self) -> bool:
         """Whether ``segment_seconds`` have passed since the last rotation."""
         return time.monotonic() >= self._rotate_at
 
-    def rotate(self, pass_id: int, passes: int, tokens: int, wait: bool = False) -> None:
+    def rotate(self, pass_id: int, passes: int, wait: bool = False) -> None:
         """Hand what is staged to the writer thread, which closes the segment (streaming) or writes a
-        checkpoint (``stat``: totals of ``passes`` passes, ``tokens`` tokens, up to ``pass_id``).
+        checkpoint (``stat``: totals of ``passes`` passes up to ``pass_id``; tokens from the device).
         Only enqueues (``wait``: block for a free checkpoint buffer instead of skipping)."""
         self._rotate_at = time.monotonic() + self.config.segment_seconds
         if self._staged.window is not None:
-            self._checkpoint(pass_id, passes, tokens, wait)
+            self._checkpoint(pass_id, passes, wait)
             return
         self._staged.flush_timing()
         for stream in self._staged.streams:
             stream.flush(rotate=True, wait=wait)
 
-    def _checkpoint(self, pass_id: int, passes: int, tokens: int, wait: bool) -> None:
+    def _checkpoint(self, pass_id: int, passes: int, wait: bool) -> None:
         """Stat mode: copy totals and window to host buffers (asynchronously) and let the
         writer thread write the checkpoint; skipped when the previous one is still being
         written, unless ``wait``."""
         counter, w = self._staged.counter, self._staged.window
         assert w is not None
+        slots = len(w.pass_id)
         if self._checkpoint_buffers is None:
             with torch.inference_mode(False):  # normal tensors, even when the first checkpoint runs under it
                 self._checkpoint_buffers = (
                     HostBufferPool(tuple(counter.totals.shape), torch.int64, 1, self._cuda),
                     HostBufferPool(tuple(w.counts.shape), torch.int32, 1, self._cuda),
+                    HostBufferPool((slots + 1,), torch.int64, 1, self._cuda),
                 )
-        totals_pool, window_pool = self._checkpoint_buffers
+        totals_pool, window_pool, tokens_pool = self._checkpoint_buffers
+        if wait:
+            self.settle()  # the previous checkpoint's copy, so that its buffers come back
         totals = totals_pool.acquire(block=wait)
         if totals is None:
             return
-        window = window_pool.acquire()
-        assert window is not None
+        window, tokens = window_pool.acquire(), tokens_pool.acquire()
+        assert window is not None and tokens is not None
         totals.copy_(counter.totals, non_blocking=True)
         window.copy_(w.counts, non_blocking=True)
+        tokens[:slots].copy_(w.tokens, non_blocking=True)  # each window slot's tokens, then the token total
+        tokens[slots:].copy_(counter.token_total, non_blocking=True)
         event = torch.cuda.Event() if self._cuda else None
         if event is not None:
             event.record()
         order = w.order()
-        meta = np.stack([w.pass_id, w.timestamp, w.num_tokens], axis=1)[order]
+        meta = np.stack([w.pass_id, w.timestamp], axis=1)[order]
         fill = self._fill_stat
 
         def build() -> tuple[object, int, int]:
             rows, counts = totals.numpy()[None].copy(), [window.numpy()[order][None]]
-            return (lambda writer: fill(writer, rows, np.array([[passes, tokens]]), meta[None], counts)), pass_id, passes
+            host_tokens = tokens.numpy()
+            full = np.concatenate([meta, host_tokens[order][:, None].astype(np.float64)], axis=1)
+            return (lambda writer: fill(writer, rows, np.array([[passes, int(host_tokens[slots])]]), full[None], counts)), pass_id, passes
 
         def done() -> None:
+            tokens_pool.release(tokens)
             window_pool.release(window)
             totals_pool.release(totals)
 

@@ -169,49 +169,76 @@ class RecorderSnapshot(metrics.LoadMetrics):
 
 
 class SnapshotChannel:
-    """Two host buffers that receive the totals asynchronously at pass end.
+    """Two host buffers that receive the totals ``[L, C]`` and the token total asynchronously at pass end.
 
-    ``publish`` (forward thread) copies into the older buffer with
-    ``non_blocking=True`` and records an event; ``latest`` (any thread) returns
-    the newest buffer whose copy has completed, never waiting for the device.
-    Both run under the recorder's lock.
+    ``publish`` (forward thread, at pass end) first asks whether the copy in
+    flight has finished (``event.query()``, never blocks), then copies into the
+    buffer that does not hold the newest finished copy (``non_blocking=True``)
+    and records an event. ``latest`` (any thread: an exporter's scrape) returns
+    the newest finished copy from host memory only: it makes no CUDA call,
+    which from another thread could break a CUDA-graph capture in progress.
+    ``clear`` forgets both buffers without touching them (a copy may still be
+    landing in one); until the next finished copy ``latest`` reads zeros. While
+    recording, scrapes therefore lag the device by up to one pass; ``settle``
+    (``stop_record``, ``dump_record``) waits for the last copy. All run under the
+    recorder's lock.
 
     Args:
         shape: ``(L, C)`` of the counter rows.
     """
 
     def __init__(self, shape: tuple[int, int], device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self._buffers = [torch.zeros(shape, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._events: list[torch.cuda.Event | None] = [None, None]
-        self._meta: list[tuple[int, int, float] | None] = [(0, 0, time.time()), None]
         self._cuda = device.type == "cuda"
-        self._newest = 0
-        self._cached: tuple[np.ndarray, tuple[int, int, float]] = (self._buffers[0].numpy().copy(), (0, 0, time.time()))
+        self._rows = [torch.zeros(shape, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
+        self._tokens = [torch.zeros(1, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
+        self._views = [(rows.numpy(), tokens.numpy()) for rows, tokens in zip(self._rows, self._tokens, strict=True)]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._passes = [0, 0]
+        self._timestamps = [0.0, 0.0]
+        self._done = -1  # slot of the newest finished copy (-1: none since clear)
+        self._flight = -1  # slot of the copy not yet known finished (-1: none)
+        self._empty = (np.zeros(shape, dtype=np.int64), (0, 0, time.time()))
 
-    def publish(self, totals: torch.Tensor, num_passes: int, num_tokens: int, timestamp: float) -> None:
-        slot = 1 - self._newest
-        self._buffers[slot].copy_(totals, non_blocking=True)
+    def _settle(self) -> None:
+        slot = self._flight
+        if slot >= 0:
+            event = self._events[slot]
+            if event is None or event.query():
+                self._done, self._flight = slot, -1
+
+    def publish(self, totals: torch.Tensor, tokens: torch.Tensor, num_passes: int, timestamp: float) -> None:
+        """Start copying ``totals [L, C]`` and ``tokens [1]`` (device) after ``num_passes`` passes."""
+        self._settle()
+        slot = 1 if self._done == 0 else 0
+        self._rows[slot].copy_(totals, non_blocking=True)
+        self._tokens[slot].copy_(tokens, non_blocking=True)
+        event = None
         if self._cuda:
             event = torch.cuda.Event()
             event.record()
-            self._events[slot] = event
-        self._meta[slot] = (num_passes, num_tokens, timestamp)
-        self._newest = slot
+        self._events[slot] = event
+        self._passes[slot], self._timestamps[slot] = num_passes, timestamp
+        self._flight = slot
+        if event is None:
+            self._settle()
 
     def latest(self) -> tuple[np.ndarray, tuple[int, int, float]]:
-        """The newest completed copy ``[L, C]`` and its ``(passes, tokens, unix time)``."""
-        for slot in (self._newest, 1 - self._newest):
-            event, meta = self._events[slot], self._meta[slot]
-            if meta is not None and (event is None or event.query()):
-                self._cached = (self._buffers[slot].numpy().copy(), meta)
-                break
-        return self._cached
+        """``(rows [L, C], (passes, tokens, timestamp))`` of the newest finished copy."""
+        slot = self._done
+        if slot < 0:
+            return self._empty[0].copy(), self._empty[1]
+        rows, tokens = self._views[slot]
+        return rows.copy(), (self._passes[slot], int(tokens[0]), self._timestamps[slot])
+
+    def settle(self) -> None:
+        """Wait for the copy in flight (a lifecycle call: the forward thread may be idle from now on)."""
+        slot = self._flight
+        if slot >= 0:
+            event = self._events[slot]
+            if event is not None:
+                event.synchronize()
+            self._done, self._flight = slot, -1
 
     def clear(self) -> None:
-        for buf in self._buffers:
-            buf.zero_()
-        self._events = [None, None]
-        self._meta = [(0, 0, time.time()), None]
-        self._newest = 0
-        self._cached = (self._buffers[0].numpy().copy(), self._meta[0])  # type: ignore[assignment]
+        self._done = self._flight = -1
+        self._empty = (self._empty[0], (0, 0, time.time()))

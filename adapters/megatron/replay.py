@@ -26,7 +26,6 @@ them, and reordered here. The audit reads the ``routing_map`` each dispatcher re
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,7 +44,7 @@ from ..base import HookRegistry
 from .hooks import TopKSlot
 from .layers import MegatronMoELayer, find_moe_layers
 
-__all__ = ["MegatronReplay", "load_replay_routes", "replay"]
+__all__ = ["MegatronReplay", "replay"]
 
 
 class MegatronReplay(ReplayHandle):
@@ -75,21 +74,6 @@ class _Undo:
         self.hooks.remove_all()
 
 
-def load_replay_routes(routes: Any) -> Any:
-    """A routes file path (``moetrace-routes`` JSON) becomes its one request's ``[T, L, k]`` array; anything else passes through."""
-    if not isinstance(routes, (str, Path)):
-        return routes
-    from moetrace.routes import load_routes
-
-    routeset = load_routes(routes)
-    if len(routeset.requests) != 1:
-        raise ReplayError(
-            f"{routes} holds {len(routeset.requests)} requests; replay one forward's routes at a time: pass "
-            "load_routes(path).requests[name] (or moetrace.routes.pad_routes over the requests of a batch)"
-        )
-    return next(iter(routeset.requests.values()))
-
-
 def _uses_router_replay(layers: list[MegatronMoELayer], arr: np.ndarray) -> bool:
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -117,7 +101,7 @@ def replay(model: torch.nn.Module, routes: Any) -> MegatronReplay:
     layers = find_moe_layers(model)
     first = layers[0]
     arr = prepare_routes(
-        load_replay_routes(routes), num_moe_layers=len(layers), layer_ids=[layer.layer_id for layer in layers],
+        routes, num_moe_layers=len(layers), layer_ids=[layer.layer_id for layer in layers],
         num_experts=first.num_experts, top_k=first.top_k,
     )
     batch, seq = arr.shape[:2]

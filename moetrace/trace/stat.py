@@ -20,9 +20,11 @@ __all__ = ["CounterLayout", "write_stat"]
 class CounterLayout:
     """Column offsets of the ``[L, C]`` counter rows for ``P`` experts and ``R`` ranks.
 
-    Width ``C = P + 4 + 2R``: ``0`` invalid ids below -1, ``1`` padding ids (-1),
+    Width ``C = P + 5 + 2R``: ``0`` invalid ids below -1, ``1`` padding ids (-1),
     ``[2, P+2)`` expert counts, ``P+2`` invalid ids ``>= P``, ``[P+3, P+3+R)``
-    send counts, ``[P+3+R, P+3+2R)`` receive counts, ``P+3+2R`` dropped copies.
+    send counts, ``[P+3+R, P+3+2R)`` receive counts, ``P+3+2R`` dropped copies,
+    ``P+4+2R`` tokens (rows with at least one id that is not -1; counted on the
+    device so that it stays right under CUDA-graph replay).
     """
 
     def __init__(self, num_physical_experts: int, ep_size: int) -> None:
@@ -35,7 +37,8 @@ class CounterLayout:
         self.send = slice(p + 3, p + 3 + r)
         self.recv = slice(p + 3 + r, p + 3 + 2 * r)
         self.dropped = p + 3 + 2 * r
-        self.width = p + 4 + 2 * r
+        self.tokens = p + 4 + 2 * r
+        self.width = p + 5 + 2 * r
 
     def invalid(self, rows: np.ndarray) -> np.ndarray:
         """Invalid ids (below -1 or ``>= P``) of counter rows ``[..., C]`` -> ``[...]``."""

@@ -27,7 +27,7 @@ from .files import temporary_path
 from .ranks import write_layouts
 from .schema import COMPLETE_ATTR, SCHEMA_NAME, SCHEMA_VERSION, TraceWriteError
 
-__all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic"]
+__all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic", "write_text_atomic"]
 
 _COMPRESS = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
 #: Accepted ``compression`` specs (``RecorderConfig.compression``); the last two need ``hdf5plugin``.
@@ -101,8 +101,8 @@ def check_writable_dir(directory: Path) -> Path:
 
 
 
-def write_json_atomic(path: Path | str, document: object) -> Path:
-    """Write ``document`` as JSON to ``path`` atomically: a temporary beside it, then a rename.
+def write_text_atomic(path: Path | str, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically: a temporary beside it, then a rename.
 
     A failure leaves ``path`` as it was and removes the temporary. Returns ``path``.
     """
@@ -110,12 +110,17 @@ def write_json_atomic(path: Path | str, document: object) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else ".")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(document, f)
+            f.write(text)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def write_json_atomic(path: Path | str, document: object) -> Path:
+    """Write ``document`` as JSON to ``path`` atomically (:func:`write_text_atomic`). Returns ``path``."""
+    return write_text_atomic(path, json.dumps(document))
 
 @dataclasses.dataclass(frozen=True)
 class TraceHeader:

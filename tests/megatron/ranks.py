@@ -282,3 +282,144 @@ def _with_dispatcher(model: harness.MoEStack, dispatcher: object) -> harness.MoE
     model.layers[0].router.router_replay = None
     model.layers[0].token_dispatcher = dispatcher
     return model
+
+
+def _forced_routes(rank: int, batch: int, seq: int, layers: int, experts: int, top_k: int, seed: int = 7) -> np.ndarray:
+    """``[B, S, L, k]`` distinct random ids per row, different per rank."""
+    gen = np.random.default_rng(seed + rank)
+    return np.argsort(gen.random((batch, seq, layers, experts)), axis=-1)[..., :top_k].astype(np.int64)
+
+
+def _expected_local(routes: np.ndarray, local: slice, experts: int) -> np.ndarray:
+    """``[L, E_local]`` copies the local experts must receive when every rank's routes are used (all-reduced)."""
+    counts = np.stack([np.bincount(routes[:, :, layer].ravel(), minlength=experts) for layer in range(routes.shape[2])])
+    return _all_sum(counts)[:, local]
+
+
+def _router_grads(model: harness.MoEStack) -> list[torch.Tensor]:
+    return [layer.router.weight.grad.detach().clone() for layer in model.layers]
+
+
+def replay_checks(rank: int, world: int) -> dict[str, Any]:
+    """Forced routes are used exactly (Megatron's experts' input), audit 100%, both mechanisms; own routes reproduce."""
+    from moetrace.adapters import megatron as mt
+
+    from moetrace.replay_audit import ReplayUnreachedError
+
+    out: dict[str, Any] = {}
+    harness.setup_parallel(world)
+    ids = _ids(rank)
+    batch, seq = ids.shape
+    for routing_replay in (False, True):
+        model = harness.build(harness.StackSpec(routing_replay=routing_replay))
+        spec = model.spec
+        local = slice(model.layers[0].local_expert_indices[0], model.layers[0].local_expert_indices[-1] + 1)
+        routes = _forced_routes(rank, batch, seq, spec.num_layers, spec.num_experts, spec.top_k)
+        seen = ExpertInputs(model)
+        with mt.replay(model, routes) as handle:
+            _step(model, ids)
+            report = handle.audit_report()
+        seen.remove()
+        grads = _router_grads(model)
+        out[f"forced_{routing_replay}"] = {
+            "mechanism": handle.mechanism,
+            "received": seen.counts.tolist(),  # Megatron's experts' input
+            "expected": _expected_local(routes, local, spec.num_experts).tolist(),  # what the forced routes ask
+            "audit": report.to_dict(),
+            "router_grad_norms": [float(g.norm()) for g in grads],
+        }
+    # replaying a run's own routes (recorded by Megatron's RouterReplay) reproduces loss and router gradients
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    harness.shims.reset_megatron_state()
+    recorder_model = harness.build(harness.StackSpec(routing_replay=True))
+    plain = harness.build(harness.StackSpec())  # same seed: the same weights, no RouterReplay
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+    own_logits, _ = _step(recorder_model, ids)
+    own_grads = _router_grads(recorder_model)
+    recorded = [t.clone() for t in RouterReplay.get_recorded_data()]  # [S*B, k] per layer, sequence-major
+    RouterReplay.clear_global_router_replay_action()
+    own = torch.stack(recorded, 1).reshape(seq, batch, len(recorded), -1).transpose(0, 1).numpy()  # [B, S, L, k]
+    base_logits, _ = _step(plain, ids)
+    base_grads = _router_grads(plain)
+    with mt.replay(plain, own) as handle:
+        replay_logits, _ = _step(plain, ids)
+        replayed = _router_grads(plain)
+        own_report = handle.audit_report()
+    with mt.replay(recorder_model, own) as handle:
+        rr_logits, _ = _step(recorder_model, ids)
+        rr_grads = _router_grads(recorder_model)
+        rr_mechanism = handle.mechanism
+    out["own"] = {
+        "same_weights_same_run": bool(torch.equal(own_logits, base_logits)),
+        "logits_equal": bool(torch.equal(replay_logits, base_logits)) and bool(torch.equal(rr_logits, own_logits)),
+        "router_grads_equal": all(torch.equal(a, b) for a, b in zip(replayed, base_grads, strict=True))
+        and all(torch.equal(a, b) for a, b in zip(rr_grads, own_grads, strict=True)),
+        "max_grad_diff": max(float((a - b).abs().max()) for a, b in zip(replayed, base_grads, strict=True)),
+        "audit": own_report.to_dict(),
+        "router_replay_mechanism": rr_mechanism,
+    }
+    # negative controls: a skipped layer, and a router that selects without the hook, are never reached
+    unreached = {}
+    for name, damage in (("skipped_layer", "skip"), ("own_topk_router", "router")):
+        model = harness.build(harness.StackSpec())
+        if damage == "skip":
+            model.skip = {1}
+        else:
+            _route_without_hook(model.layers[0].router)
+        routes = _forced_routes(rank, batch, seq, model.spec.num_layers, model.spec.num_experts, model.spec.top_k)
+        with mt.replay(model, routes) as handle:
+            try:
+                model(ids)
+                raised = ""
+            except ReplayUnreachedError as exc:
+                raised = str(exc)
+            report = handle.audit_report()
+        unreached[name] = {"raised": raised, "audit": report.to_dict()}
+    out["unreached"] = unreached
+    # the audit can fail: over capacity, dropped copies are not used, and the share says so
+    model = harness.build(harness.StackSpec(capacity_factor=0.5))
+    routes = _forced_routes(rank, batch, seq, model.spec.num_layers, model.spec.num_experts, model.spec.top_k)
+    with mt.replay(model, routes) as handle:
+        _step(model, ids)
+        out["capacity_audit"] = handle.audit_report().to_dict()
+    # a routes file (one request [S, L, k], batch 1), as SGLang's routed_experts are saved
+    import tempfile
+
+    from moetrace.routes import save_routes
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = harness.build(harness.StackSpec())
+        one = _forced_routes(rank, 1, seq, model.spec.num_layers, model.spec.num_experts, model.spec.top_k)[0]
+        path = save_routes(f"{tmp}/routes-{rank}.json", {"req-0": one}, num_experts=model.spec.num_experts)
+        seen = ExpertInputs(model)
+        with mt.replay(model, str(path)) as handle:
+            _step(model, ids[:1])
+        seen.remove()
+        local = slice(model.layers[0].local_expert_indices[0], model.layers[0].local_expert_indices[-1] + 1)
+        out["file"] = {
+            "audit": handle.audit_report().to_dict(),
+            "received": seen.counts.tolist(),
+            "expected": _expected_local(one[None], local, model.spec.num_experts).tolist(),
+        }
+    # partial routes: -1 rows keep the router's own choice and are not audited
+    model = harness.build(harness.StackSpec())
+    routes = _forced_routes(rank, batch, seq, model.spec.num_layers, model.spec.num_experts, model.spec.top_k)
+    routes[:, -1] = -1
+    with mt.replay(model, routes) as handle:
+        _step(model, ids)
+        out["partial"] = {"mechanism": handle.mechanism, "audit": handle.audit_report().to_dict()}
+    harness.teardown_parallel()
+    return out
+
+
+def _route_without_hook(router: torch.nn.Module) -> None:
+    """A router whose routing picks its top-k itself, never through ``router_replay`` (a custom router)."""
+
+    def routing(logits: torch.Tensor, padding_mask: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = logits.view(-1, router.config.num_moe_experts)
+        values, top = torch.topk(logits, router.topk, dim=1)
+        probs = torch.zeros_like(logits).scatter(1, top, torch.softmax(values, -1))
+        return probs, torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+
+    router.routing = routing
