@@ -9,8 +9,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
 from moetrace.adapters.sglang.layout import sglang_layout
+
 from moetrace.layout import counted_rows
 
 
