@@ -14,6 +14,7 @@ from rich.table import Table
 from moetrace.trace.convert import convert_jsonl, convert_sglang
 from moetrace.trace.merge import merge_traces, rank_stops
 from moetrace.trace.reader import open_trace
+from moetrace.trace.schema import Attr, Data
 
 from .errors import guarded
 from .options import existing_file, output_path, stdout_console
@@ -113,7 +114,7 @@ def inspect(
     """Schema, root attributes, the parallel layout of each rank row, datasets (shape, dtype, size raw / on disk) of a trace."""
     with open_trace(existing_file(trace)) as tr:
         attrs = {k: _plain(v) for k, v in sorted(tr.attrs.items())}
-        counted = tr.counted() if tr.has("stat/num_tokens") else None
+        counted = tr.counted() if tr.has(Data.STAT_NUM_TOKENS) else None
         ranks = [{**layout.as_dict(), "counted": bool(counted.assignments[i]) if counted is not None else True,
                   "tokens": int(tr.num_tokens()[i]) if counted is not None else None} for i, layout in enumerate(tr.layouts)]
         served = tr.tokens_served() if counted is not None else None
@@ -123,7 +124,7 @@ def inspect(
                                "tokens_served": served, "datasets": datasets}, indent=2))
         return
     console = stdout_console()
-    console.print(f"[bold]{trace}[/bold]  {attrs.get('schema')} v{attrs.get('schema_version')}  {trace.stat().st_size} bytes on disk")
+    console.print(f"[bold]{trace}[/bold]  {attrs.get(Attr.SCHEMA)} v{attrs.get(Attr.SCHEMA_VERSION)}  {trace.stat().st_size} bytes on disk")
     table = Table(title="Root attributes", title_justify="left")
     table.add_column("attribute")
     table.add_column("value")

@@ -23,7 +23,7 @@ import h5py
 import numpy as np
 
 from ..trace.reader import PassChunk, TokenChunk, Trace
-from ..trace.schema import TraceError
+from ..trace.schema import Data, TraceError
 
 __all__ = [
     "PassBlock",
@@ -70,12 +70,12 @@ def select_layers(trace: Trace, layers: Sequence[int] | None) -> np.ndarray:
 def count_records(trace: Trace) -> tuple[str, int]:
     """``(unit, count)`` of the time-ordered records a full read visits."""
     if trace.mode == "per_token":
-        return "tokens", trace.num_rows("tokens/topk_ids")
+        return "tokens", trace.num_rows(Data.TOKENS_TOPK_IDS)
     if trace.mode == "per_pass":
-        return "passes", trace.num_rows("passes/pass_id")
-    if trace.has("window/pass_id"):
+        return "passes", trace.num_rows(Data.PASSES_PASS_ID)
+    if trace.has(Data.WINDOW_PASS_ID):
         with h5py.File(trace.path, "r") as f:
-            return "passes", int(f["window/pass_id"].shape[1])
+            return "passes", int(f[Data.WINDOW_PASS_ID].shape[1])
     return "passes", 0
 
 
@@ -115,9 +115,9 @@ def pass_block(chunk: PassChunk, layer_index: np.ndarray) -> PassBlock:
 def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterator[PassBlock]:
     counted = trace.counted()  # rank rows that replicate another's view are not added (TP attention)
     with h5py.File(trace.path, "r") as f:
-        if "window/pass_id" not in f:
+        if Data.WINDOW_PASS_ID not in f:
             return
-        pass_ids, tokens, counts = f["window/pass_id"], f["window/num_tokens"], f["window/physical_count"]
+        pass_ids, tokens, counts = f[Data.WINDOW_PASS_ID], f[Data.WINDOW_NUM_TOKENS], f[Data.WINDOW_PHYSICAL_COUNT]
         for start in range(0, pass_ids.shape[1], chunk):
             try:
                 pid = np.asarray(pass_ids[:, start : start + chunk])

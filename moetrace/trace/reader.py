@@ -18,7 +18,16 @@ import numpy as np
 from ..layout import CountedRows, RankLayout
 from .files import parse_temporary, process_alive
 from .ranks import counted_of, read_layouts
-from .schema import COMPLETE_ATTR, REQUIRED_ATTRS, SCHEMA_NAME, SCHEMA_VERSION, TraceError
+from .schema import (
+    COMPLETE_ATTR,
+    REQUIRED_ATTRS,
+    SCHEMA_NAME,
+    SCHEMA_VERSION,
+    Attr,
+    Data,
+    TraceError,
+    dataset,
+)
 
 __all__ = ["PassChunk", "TokenChunk", "Trace", "Window", "open_trace"]
 
@@ -126,9 +135,9 @@ class Trace:
 
     def _validate(self) -> None:
         attrs = self._file.attrs
-        if attrs.get("schema") != SCHEMA_NAME:
-            raise TraceError(f"{self.path}: not a moetrace trace (root attribute schema={attrs.get('schema')!r})")
-        version = int(attrs.get("schema_version", -1))
+        if attrs.get(Attr.SCHEMA) != SCHEMA_NAME:
+            raise TraceError(f"{self.path}: not a moetrace trace (root attribute schema={attrs.get(Attr.SCHEMA)!r})")
+        version = int(attrs.get(Attr.SCHEMA_VERSION, -1))
         if version > SCHEMA_VERSION:
             raise TraceError(
                 f"{self.path}: schema version {version} is newer than this moetrace understands "
@@ -170,35 +179,35 @@ class Trace:
 
     @property
     def mode(self) -> str:
-        return str(self._file.attrs["mode"])
+        return str(self._file.attrs[Attr.MODE])
 
     @property
     def id_space(self) -> str:
-        return str(self._file.attrs["id_space"])
+        return str(self._file.attrs[Attr.ID_SPACE])
 
     @property
     def num_layers(self) -> int:
-        return self._int("num_layers")
+        return self._int(Attr.NUM_LAYERS)
 
     @property
     def num_physical_experts(self) -> int:
-        return self._int("num_physical_experts")
+        return self._int(Attr.NUM_PHYSICAL_EXPERTS)
 
     @property
     def num_logical_experts(self) -> int:
-        return self._int("num_logical_experts")
+        return self._int(Attr.NUM_LOGICAL_EXPERTS)
 
     @property
     def top_k(self) -> int:
-        return self._int("top_k")
+        return self._int(Attr.TOP_K)
 
     @property
     def ep_size(self) -> int:
-        return self._int("ep_size")
+        return self._int(Attr.EP_SIZE)
 
     @property
     def run_id(self) -> str:
-        return str(self._file.attrs["run_id"])
+        return str(self._file.attrs[Attr.RUN_ID])
 
     @property
     def layers(self) -> np.ndarray:
@@ -222,7 +231,7 @@ class Trace:
         """Which ``/stat`` rank rows the totals count: one view per group of ranks that route the same
         tokens (TP attention replicas count once), every row when ranks hold their own tokens or the
         trace has no layout. See ``docs/trace-format.md``, "What a rank row means"."""
-        return counted_of(self.layouts, int(self._file["stat/num_tokens"].shape[0]) if "stat/num_tokens" in self._file else len(self.layouts))
+        return counted_of(self.layouts, int(self._file[Data.STAT_NUM_TOKENS].shape[0]) if Data.STAT_NUM_TOKENS in self._file else len(self.layouts))
 
     def counted_ranks(self) -> set[int] | None:
         """Global ranks whose streamed rows (``rank`` column of a merged trace) are counted; ``None``: all."""
@@ -255,25 +264,25 @@ class Trace:
     # -- stat -------------------------------------------------------------------------
     def physical_count(self, per_rank: bool = False) -> np.ndarray:
         """Total counts per physical expert: ``[L, P]`` over the counted rank rows (:meth:`counted`), or every row's view ``[R, L, P]``."""
-        counts = self._read("stat/physical_count")
+        counts = self._read(Data.STAT_PHYSICAL_COUNT)
         return counts if per_rank else counts[self.counted().assignments].sum(axis=0)
 
     def logical_count(self, per_rank: bool = False) -> np.ndarray:
         """Total counts per logical expert: ``[L, E]`` over the counted rank rows, or every row's view ``[R, L, E]``."""
-        counts = self._read("stat/logical_count")
+        counts = self._read(Data.STAT_LOGICAL_COUNT)
         return counts if per_rank else counts[self.counted().assignments].sum(axis=0)
 
     def invalid_ids(self) -> np.ndarray:
         """Out-of-range ids seen per rank and layer ``[R, L]``."""
-        return self._read("stat/invalid_ids")
+        return self._read(Data.STAT_INVALID_IDS)
 
     def send_count(self) -> np.ndarray:
         """Token copies each rank sent to each EP rank ``[R, L, R_ep]``."""
-        return self._read("stat/send_count")
+        return self._read(Data.STAT_SEND_COUNT)
 
     def recv_count(self) -> np.ndarray:
         """Token copies each rank received from each EP rank ``[R, L, R_ep]``."""
-        return self._read("stat/recv_count")
+        return self._read(Data.STAT_RECV_COUNT)
 
     def dispatch_matrix(self) -> np.ndarray:
         """Token copies sent from each EP rank to each EP rank ``[L, R_src, R_dst]`` (from ``/stat/send_count``).
@@ -299,36 +308,36 @@ class Trace:
 
     def dropped_tokens(self) -> np.ndarray:
         """Token copies dropped over capacity per rank and layer ``[R, L]``."""
-        return self._read("stat/dropped")
+        return self._read(Data.STAT_DROPPED)
 
     def num_passes(self) -> np.ndarray:
         """Forward passes recorded per rank ``[R]``."""
-        return self._read("stat/num_passes")
+        return self._read(Data.STAT_NUM_PASSES)
 
     def dropped_passes(self) -> np.ndarray:
         """Streaming passes dropped whole per rank ``[R]`` (``on_overflow="drop"``; zeros when absent)."""
-        if "stat/dropped_passes" not in self._file:
+        if Data.STAT_DROPPED_PASSES not in self._file:
             return np.zeros(self.num_passes().shape, dtype=np.int64)
-        return self._read("stat/dropped_passes")
+        return self._read(Data.STAT_DROPPED_PASSES)
 
     def num_tokens(self) -> np.ndarray:
         """Tokens recorded per rank row ``[R]`` (each row's own view; :meth:`tokens_served` counts each token once)."""
-        return self._read("stat/num_tokens")
+        return self._read(Data.STAT_NUM_TOKENS)
 
     def window(self) -> Window:
         """The ``stat`` mode's time-ordered window (oldest first)."""
         return Window(
-            pass_id=self._read("window/pass_id"),
-            timestamp=self._read("window/timestamp"),
-            num_tokens=self._read("window/num_tokens"),
-            physical_count=self._read("window/physical_count"),
+            pass_id=self._read(Data.WINDOW_PASS_ID),
+            timestamp=self._read(Data.WINDOW_TIMESTAMP),
+            num_tokens=self._read(Data.WINDOW_NUM_TOKENS),
+            physical_count=self._read(Data.WINDOW_PHYSICAL_COUNT),
         )
 
     # -- timing (schema v2) ------------------------------------------------------------
     @property
     def has_timing(self) -> bool:
         """Whether the trace holds phase timing (recorded with ``RecorderConfig(timing=True)``)."""
-        return "timing_phases" in self._file.attrs
+        return Attr.TIMING_PHASES in self._file.attrs
 
     def timing_stat(self) -> dict[str, np.ndarray]:
         """Timing aggregates per rank: ``phase_seconds_sum [R, L, F]``, ``phase_histogram [R, L, F, B]``, ... (see docs/trace-format.md)."""
@@ -336,17 +345,17 @@ class Trace:
             raise TraceError(f"{self.path}: holds no phase timing (record with RecorderConfig(timing=True))")
         names = ("phase_seconds_sum", "phase_seconds_max", "phase_count", "phase_histogram", "step_seconds_sum",
                  "step_seconds_max", "step_count", "step_histogram", "peak_memory_bytes", "timing_dropped_passes")
-        out = {name: self._read(f"stat/{name}") for name in names}
-        out["histogram_edges"] = np.asarray(self._file.attrs["timing_histogram_edges"])
+        out = {name: self._read(dataset(Data.STAT, name)) for name in names}
+        out["histogram_edges"] = np.asarray(self._file.attrs[Attr.TIMING_HISTOGRAM_EDGES])
         return out
 
     def timing_rows(self) -> dict[str, np.ndarray]:
         """Every ``/timing`` row (one per pass and rank), with a ``rank [N]`` column even in a per-rank file."""
         if not self.has_timing:
             raise TraceError(f"{self.path}: holds no phase timing (record with RecorderConfig(timing=True))")
-        rows = {name: self._read(f"timing/{name}") for name in self._file["timing"]} if "timing" in self._file else {}
+        rows = {name: self._read(dataset(Data.TIMING, name)) for name in self._file[Data.TIMING]} if Data.TIMING in self._file else {}
         if "rank" not in rows:
-            rank = max(int(self._file.attrs["rank"]), 0)
+            rank = max(int(self._file.attrs[Attr.RANK]), 0)
             rows["rank"] = np.full(len(rows.get("pass_id", ())), rank, dtype=np.int32)
         return rows
 
@@ -358,9 +367,9 @@ class Trace:
         another rank's (see :meth:`counted_ranks`), so that totals count each token once.
         """
         names = ("pass_id", "timestamp", "num_tokens", "physical_count", "invalid_ids", "send_count", "recv_count")
-        for start in range(0, self.num_rows("passes/pass_id"), chunk):
+        for start in range(0, self.num_rows(Data.PASSES_PASS_ID), chunk):
             keep = self._counted_mask("passes", start, chunk) if counted_only else None
-            rows = {n: self._slice(f"passes/{n}", start, chunk) for n in names}
+            rows = {n: self._slice(dataset(Data.PASSES, n), start, chunk) for n in names}
             if keep is not None:
                 rows = {n: a[keep] for n, a in rows.items()}
             if len(rows["pass_id"]):
@@ -368,9 +377,9 @@ class Trace:
 
     def iter_tokens(self, chunk: int = 65536, counted_only: bool = False) -> Iterator[TokenChunk]:
         """``/tokens`` in chunks of at most ``chunk`` tokens (bounded memory); ``counted_only`` as for :meth:`iter_passes`."""
-        for start in range(0, self.num_rows("tokens/topk_ids"), chunk):
+        for start in range(0, self.num_rows(Data.TOKENS_TOPK_IDS), chunk):
             keep = self._counted_mask("tokens", start, chunk) if counted_only else None
-            rows = {n: self._slice(f"tokens/{n}", start, chunk) for n in ("topk_ids", "pass_id", "position")}
+            rows = {n: self._slice(dataset(Data.TOKENS, n), start, chunk) for n in ("topk_ids", "pass_id", "position")}
             if keep is not None:
                 rows = {n: a[keep] for n, a in rows.items()}
             if len(rows["pass_id"]):
@@ -379,14 +388,14 @@ class Trace:
     def _counted_mask(self, group: str, start: int, count: int) -> np.ndarray | None:
         """Rows ``[n]`` of a merged stream that come from counted ranks; ``None`` when every row counts."""
         keep = self.counted_ranks()
-        if keep is None or f"{group}/rank" not in self._file or len(keep) == len(self.layouts):
+        if keep is None or dataset(group, "rank") not in self._file or len(keep) == len(self.layouts):
             return None
-        return np.isin(self._slice(f"{group}/rank", start, count), sorted(keep))
+        return np.isin(self._slice(dataset(group, "rank"), start, count), sorted(keep))
 
     def read_tokens(self, column: str, start: int = 0, count: int | None = None) -> np.ndarray:
         """Rows ``start .. start + count - 1`` (default: to the end) of ``/tokens/<column>``
         (``topk_ids``, ``pass_id``, ``position``, or ``rank`` in merged traces)."""
-        name = f"tokens/{column}"
+        name = dataset(Data.TOKENS, column)
         return self._slice(name, start, self.num_rows(name) - start if count is None else count)
 
     def _slice(self, name: str, start: int, count: int) -> np.ndarray:

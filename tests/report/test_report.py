@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import os
 import sys
 from pathlib import Path
 
@@ -88,6 +89,10 @@ def test_sections_only_where_the_trace_holds_the_data(tmp_path):
     # stat, one rank, no timing, no routes, no per-token ids: headline, expert load and the EP projection only
     assert [s.key for s in sections] == ["headline", "experts", "placement"]
     assert all(s.reading for s in sections)
+    html = build_report([tmp_path / "s.h5"], tmp_path / "s.html")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert html.stat().st_mode & 0o777 == 0o666 & ~umask  # readable like any file the user writes, not mkstemp's 0600
     two = build_sections(gather([write_stat_trace(tmp_path / "t.h5", counts, top_k=2, ep_size=2, layer_ids=[0, 1, 2])]))
     assert [s.key for s in two] == ["headline", "experts", "ranks", "placement"]  # rank load and a plan (in-sample only)
     placement = next(s for s in two if s.key == "placement")
