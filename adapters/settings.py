@@ -16,6 +16,7 @@ variable                   default     meaning
 ``MOETRACE_CONTROL_PORT``  unset       (vLLM) serve the HTTP control endpoint on this port
 ``MOETRACE_CONTROL_HOST``  127.0.0.1   (vLLM) control endpoint bind address
 ``MOETRACE_TOP_K``         unset       (SGLang) experts per token when the model config lacks it
+``MOETRACE_TIMING``        ``0``       (SGLang) phase timing inside the MoE layers
 =========================  ==========  ================================================
 
 Booleans accept ``1/true/yes/on`` and ``0/false/no/off`` (any case).
@@ -80,6 +81,7 @@ class PluginSettings:
     control_port: int | None = None
     control_host: str = "127.0.0.1"
     top_k: int | None = None
+    timing: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, force: bool = False) -> PluginSettings:
@@ -106,4 +108,5 @@ class PluginSettings:
             control_port=env_int(env, "MOETRACE_CONTROL_PORT", None, 0),
             control_host=env.get("MOETRACE_CONTROL_HOST") or "127.0.0.1",
             top_k=env_int(env, "MOETRACE_TOP_K", None, 1),
+            timing=env_flag(env, "MOETRACE_TIMING", False),
         )
