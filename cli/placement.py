@@ -53,6 +53,7 @@ from moetrace.trace.schema import Attr, TraceError
 
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, parse_layers, stdout_console
+from .placement_format import FORMATS, write_plan
 from .placement_report import print_rebalance_value, print_selection, rebalance_values
 
 __all__ = ["placement"]
@@ -204,6 +205,7 @@ def placement(
     plot: Annotated[Path | None, typer.Option("--plot", help="With --backtest: PNG of realised balancedness over time per planner.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON document (plan and figures) instead of tables.")] = False,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the plan (phy2log, log2phy, logcnt, figures) as JSON.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="What --out holds: 'moetrace' (the whole document) or 'sglang' (SGLang's --init-expert-location JSON).")] = "moetrace",
     layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Read several traces' passes on Dask (moetrace[dask]): 'local[:N]' or 'tcp://HOST:PORT'.")] = None,
 ) -> None:
@@ -216,6 +218,8 @@ def placement(
         raise CommandError("--window, --every, --plot and --pass-ms belong to --backtest; add --backtest")
     if run_backtest and holdout_fraction is not None:
         raise CommandError("--holdout and --backtest are two evaluations; pass one of them")
+    if fmt not in FORMATS:
+        raise CommandError(f"--format {fmt!r} is not one of {list(FORMATS)}")
     for path in (out, plot):
         if path is not None:
             output_path(path)
@@ -289,7 +293,7 @@ def placement(
 
         plot_backtest(replay, plot, title=str(attrs.get(Attr.MODEL) or Path(trace).name))
     if out is not None:
-        out.write_text(json.dumps(document))
+        write_plan(out, fmt, document, weight.shape[1])
     if as_json:
         typer.echo(json.dumps(document, indent=2))
         return
