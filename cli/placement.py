@@ -21,8 +21,11 @@ greedy-to-oracle gap each planner closes.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -45,7 +48,7 @@ from moetrace.analysis.backtest import (
     plan_with_selection,
     replicas_moved,
 )
-from moetrace.analysis.placement import PlacementPlan, predicted_gpu_load
+from moetrace.analysis.placement import PlacementError, PlacementPlan, predicted_gpu_load
 from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.analysis.source import select_layers
 from moetrace.trace.reader import open_trace
@@ -187,7 +190,25 @@ def _backtest_table(console: Console, result: BacktestResult) -> None:
         console.print(f"moetrace deployed, by validation on the past at each rebalance: {shares} of the rebalances")
 
 
+#: The planners' parameters (named in backticks in their errors) as this command's flags.
+_FLAGS = {"fraction": "--holdout", "window": "--window", "every": "--every", "replicas": "--replicas"}
+
+
+def _library_errors_as_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """Re-raise a :class:`PlacementError` with the parameters it names spelled as this command's flags."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+        except PlacementError as exc:
+            raise CommandError(re.sub(r"`(\w+)`", lambda m: _FLAGS.get(m[1], m[1]), str(exc))) from None
+
+    return wrapper
+
+
 @guarded
+@_library_errors_as_flags
 def placement(
     traces: Annotated[list[Path], typer.Argument(help="A moetrace HDF5 trace whose logical counts are the loads, or the per-rank files / segments of one run.")],
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs K.")],

@@ -46,6 +46,7 @@ from ..base import (
     resolve_recorder,
     unwinding,
 )
+from ..settings import PluginSettings, env_flag
 from .bridge import RecorderBridge
 from .layout import sglang_layout
 from .phases import watch_phases
@@ -124,9 +125,9 @@ def _server_args(given: Any) -> Any:
 
 
 def _model_top_k(server_args: Any) -> int:
-    env = os.environ.get("MOETRACE_TOP_K")
-    if env:
-        return int(env)
+    top_k = PluginSettings.from_env(force=True).top_k
+    if top_k is not None:
+        return top_k
     from transformers import AutoConfig
 
     from ..hf.layers import config_top_k
@@ -144,10 +145,6 @@ def _physical_to_logical(metadata: Any) -> Any:
     if mapping is None:
         mapping = metadata.physical_to_logical_map
     return mapping.detach().cpu().numpy().astype("int64")
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
 def _layout(ep_size: int, ep_rank: int) -> Any:
@@ -228,13 +225,9 @@ def instrument(
         if recorder is not None:
             rec = check_recorder(recorder, num_layers, num_physical, top_k)
         else:
-            options = {
-                "mode": os.environ.get("MOETRACE_MODE", "stat"),
-                "output_dir": os.environ.get("MOETRACE_OUTPUT_DIR", "."),
-                "window": int(os.environ.get("MOETRACE_WINDOW", "1000")),
-                "timing": _env_flag("MOETRACE_TIMING"),
-                **recorder_options,
-            }
+            settings = PluginSettings.from_env(force=True)
+            options = {"mode": settings.mode, "output_dir": settings.output_dir, "window": settings.window, "timing": settings.timing,
+                       **recorder_options}
             defaults = {
                 "engine": "sglang",
                 "model": str(getattr(args, "model_path", "")),
@@ -285,7 +278,7 @@ def instrument(
     with unwinding(hooks):
         hooks.patch(factory_cls, "init_new", staticmethod(init_new))
         _watch_rebalances(hooks, bridges)
-        timing = recorder.config.timing if recorder is not None else recorder_options.get("timing", _env_flag("MOETRACE_TIMING"))
+        timing = recorder.config.timing if recorder is not None else recorder_options.get("timing", PluginSettings.from_env(force=True).timing)
         if timing:
             handle.details["timed_phases"] = watch_phases(hooks, module)
         current = module.get_global_expert_distribution_recorder()
@@ -326,7 +319,12 @@ def plugin() -> None:
     logged, never raised into SGLang's start-up.
     """
     global _PLUGIN_HANDLE
-    if not _env_flag("MOETRACE_ENABLED"):
+    try:
+        enabled = env_flag(os.environ, "MOETRACE_ENABLED", False)
+    except ValueError:
+        logger.exception("moetrace: the SGLang plugin is off")
+        return
+    if not enabled:
         return
     if _PLUGIN_HANDLE is not None and _PLUGIN_HANDLE.active:
         return
