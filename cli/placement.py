@@ -21,6 +21,7 @@ greedy-to-oracle gap each planner closes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -231,6 +232,44 @@ def placement(
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Read several traces' passes on Dask (moetrace[dask]): 'local[:N]' or 'tcp://HOST:PORT'.")] = None,
 ) -> None:
     """Plan expert placement with replication; in-sample and held-out balancedness for current / greedy / moetrace."""
+    _check_options(gpus, run_backtest, window, every, plot, pass_ms, holdout_fraction, fmt, out)
+    deployed = None if current is None else _read_current(current)
+    bucket = (lambda: bucket_for(window, every)) if run_backtest else (lambda: None)
+    loads = _read_loads(traces, parse_layers(layers), scheduler, bucket, _sizes_of(gpus, replicas, groups, nodes),
+                        required=run_backtest or holdout_fraction is not None)
+    expert_bytes = _expert_bytes(loads.attrs, intermediate_size)
+    outcome = _plan(traces, loads, deployed, expert_bytes)
+    document = outcome.document
+    if holdout_fraction is not None:
+        assert loads.series is not None
+        outcome.held = holdout(loads.series, holdout_fraction, loads.config)
+        document["holdout"] = outcome.held.to_dict()
+    elif run_backtest:
+        assert loads.series is not None and window is not None and every is not None
+        outcome.replay = backtest(loads.series, window, every, loads.config, expert_bytes=expert_bytes)
+        document["backtest"] = outcome.replay.to_dict()
+        outcome.values = rebalance_values(outcome.replay, expert_bytes, link_gbps, pass_ms)
+        document["backtest"]["rebalance_value"] = outcome.values
+    else:
+        outcome.estimate = held_out_estimate(loads.series, loads.config)
+        document["held_out_estimate"] = _estimate_dict(outcome.estimate)
+    plan = outcome.plan
+    document.update(phy2log=plan.phy2log.tolist(), log2phy=plan.log2phy.tolist(), logcnt=plan.logcnt.tolist(), gpu_load=outcome.loads["moetrace"].tolist())
+    if outcome.replay is not None and plot is not None:
+        from moetrace.analysis.backtest_plot import plot_backtest
+
+        plot_backtest(outcome.replay, plot, title=str(loads.attrs.get(Attr.MODEL) or Path(traces[0]).name))
+    if out is not None:
+        write_plan(out, fmt, document, loads.weight.shape[1])
+    if as_json:
+        typer.echo(json.dumps(document, indent=2))
+        return
+    _print_text(stdout_console(), loads, outcome, plot, out)
+
+
+def _check_options(gpus: int, run_backtest: bool, window: int | None, every: int | None, plot: Path | None, pass_ms: float | None,
+                   holdout_fraction: float | None, fmt: str, out: Path | None) -> None:
+    """Refuse inconsistent options before anything is read (each error names the flags)."""
     if gpus <= 0:
         raise CommandError(f"--gpus must be a positive integer, got {gpus}")
     if run_backtest and (window is None or every is None):
@@ -244,92 +283,125 @@ def placement(
     for path in (out, plot):
         if path is not None:
             output_path(path)
-    deployed = None if current is None else _read_current(current)
+
+
+def _sizes_of(gpus: int, replicas: int | None, groups: int | None, nodes: int | None) -> Callable[[int], tuple[PlacementConfig, list[str]]]:
+    """The sizes for ``E`` experts, once the trace says ``E`` (:func:`_sizes`)."""
+    return lambda num_experts: _sizes(num_experts, gpus, replicas, groups, nodes)
+
+
+@dataclasses.dataclass
+class _Loads:
+    """What the trace(s) give the planner: loads over the selected layers and, when time-ordered, their series."""
+
+    layer_ids: list[int]
+    weight: np.ndarray  # [L, E] logical loads
+    physical: np.ndarray  # [L, P] the run's own physical counts
+    attrs: dict[str, Any]
+    config: PlacementConfig
+    defaults: list[str]
+    series: PassSeries | None
+
+
+def _read_loads(traces: list[Path], layers: list[int] | None, scheduler: str | None, bucket_of: Callable[[], int | None],
+                sizes: Callable[[int], tuple[PlacementConfig, list[str]]], required: bool) -> _Loads:
+    """Read the loads (after the sizes are checked against the trace's expert count, then the backtest bucket)."""
     trace, many = traces[0], len(traces) > 1 or scheduler is not None
     with open_trace(existing_file(trace)) as tr:
-        index = select_layers(tr, parse_layers(layers))
+        index = select_layers(tr, layers)
         layer_ids = [int(x) for x in tr.layers[index]]
         weight = tr.logical_count()[index].astype(np.float64)
         physical = tr.physical_count()[index]
         attrs = tr.attrs
-        config, defaults = _sizes(weight.shape[1], gpus, replicas, groups, nodes)
-        bucket = bucket_for(window, every) if run_backtest else None
-        series = None if many else _series(tr, index, bucket, required=run_backtest or holdout_fraction is not None)
+        config, defaults = sizes(weight.shape[1])
+        bucket = bucket_of()
+        series = None if many else _series(tr, index, bucket, required=required)
     if many:  # one run's per-rank files / segments: their passes in time order (moetrace.analysis.distributed)
-        series = _many_series(traces, parse_layers(layers), bucket, scheduler)
+        series = _many_series(traces, layers, bucket, scheduler)
     if series is not None:  # plan and score on the time-ordered passes (a stat trace's window may be shorter than its totals)
         weight, physical = series.logical.sum(axis=0), series.physical.sum(axis=0)
-    expert_bytes = _expert_bytes(attrs, intermediate_size)
+    return _Loads(layer_ids, weight, physical, attrs, config, defaults, series)
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """The plan, its in-sample loads, the document, and the evaluation that was asked for."""
+
+    plan: PlacementPlan
+    selection: Any
+    loads: dict[str, np.ndarray | None]
+    in_sample: dict[str, float | None]
+    document: dict[str, Any]
+    deployed: np.ndarray | None
+    estimate: Any = None
+    held: Any = None
+    replay: Any = None
+    values: Any = None
+
+
+def _plan(traces: list[Path], loads: _Loads, deployed: np.ndarray | None, expert_bytes: int | None) -> _Outcome:
+    """Plan (the validated planner), greedy beside it, the run's own placement, and the document's head."""
+    config, weight, series = loads.config, loads.weight, loads.series
+    gpus = config.gpus
     plan, selection = plan_with_selection(weight, series, config, deployed)
     greedy = greedy_rebalance(weight, config.replicas, config.groups, config.nodes, config.gpus)
-    loads = {
-        "current": metrics.rank_load(physical, gpus) if physical.shape[1] % gpus == 0 else None,
+    gpu_loads = {
+        "current": metrics.rank_load(loads.physical, gpus) if loads.physical.shape[1] % gpus == 0 else None,
         "greedy": predicted_gpu_load(weight, greedy, gpus),
         "moetrace": predicted_gpu_load(weight, plan.phy2log, gpus),
     }
-    in_sample = {k: None if v is None else metrics.balancedness(v) for k, v in loads.items()}
+    in_sample = {k: None if v is None else metrics.balancedness(v) for k, v in gpu_loads.items()}
+    trace = traces[0]
     document: dict[str, Any] = {
         "schema": "moetrace.placement",
         "schema_version": 3,
         "trace": str(trace) if len(traces) == 1 else [str(t) for t in traces],
-        "run_id": attrs.get(Attr.RUN_ID),
-        "layers": layer_ids,
+        "run_id": loads.attrs.get(Attr.RUN_ID),
+        "layers": loads.layer_ids,
         "num_replicas": config.replicas,
         "num_groups": config.groups,
         "num_nodes": config.nodes,
         "num_gpus": config.gpus,
-        "defaults_used": defaults,
+        "defaults_used": loads.defaults,
         "hierarchical": plan.hierarchical,
         "planner": selection.chosen,
         "selection": selection.to_dict(),
         "in_sample": {"passes": int(series.passes.sum()) if series is not None else None, "balancedness": in_sample,
-                      "layer_balancedness": {k: None if v is None else metrics.layer_balancedness(v).tolist() for k, v in loads.items()}},
+                      "layer_balancedness": {k: None if v is None else metrics.layer_balancedness(v).tolist() for k, v in gpu_loads.items()}},
     }
     if deployed is not None:
         document["replicas_moved_from_current"] = replicas_moved(deployed, plan.phy2log, gpus) if deployed.shape == plan.phy2log.shape else None
         if expert_bytes and document["replicas_moved_from_current"] is not None:
             document["bytes_moved_from_current"] = document["replicas_moved_from_current"] * expert_bytes
-    estimate = held = replay = None
-    if holdout_fraction is not None:
-        assert series is not None
-        held = holdout(series, holdout_fraction, config)
-        document["holdout"] = held.to_dict()
-    elif run_backtest:
-        assert series is not None and window is not None and every is not None
-        replay = backtest(series, window, every, config, expert_bytes=expert_bytes)
-        document["backtest"] = replay.to_dict()
-        values = rebalance_values(replay, expert_bytes, link_gbps, pass_ms)
-        document["backtest"]["rebalance_value"] = values
-    else:
-        estimate = held_out_estimate(series, config)
-        document["held_out_estimate"] = None if estimate is None else {
-            "plan_passes": estimate.window, "scored_passes": estimate.every, "windows": len(estimate.first_pass),
-            "realized": {k: v.tolist() for k, v in estimate.realized.items()},
-            "summary": {k: {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())} for k, v in estimate.realized.items()},
-            "gap_closed": {k: v.get("gap_closed") for k, v in estimate.summary().items() if "gap_closed" in v},
-        }
-    document.update(phy2log=plan.phy2log.tolist(), log2phy=plan.log2phy.tolist(), logcnt=plan.logcnt.tolist(), gpu_load=loads["moetrace"].tolist())
-    if replay is not None and plot is not None:
-        from moetrace.analysis.backtest_plot import plot_backtest
+    return _Outcome(plan, selection, gpu_loads, in_sample, document, deployed)
 
-        plot_backtest(replay, plot, title=str(attrs.get(Attr.MODEL) or Path(trace).name))
-    if out is not None:
-        write_plan(out, fmt, document, weight.shape[1])
-    if as_json:
-        typer.echo(json.dumps(document, indent=2))
-        return
-    console = stdout_console()
-    if defaults:
-        console.print(f"defaults used: {', '.join(defaults)}")
-    _in_sample_table(console, layer_ids, loads, plan, config)
-    figures = "  ".join(f"{k} {_fmt(in_sample[k])}" for k in ("current", "greedy", "moetrace"))
+
+def _estimate_dict(estimate: Any) -> dict[str, Any] | None:
+    """The held-out estimate's JSON (``None`` without enough time-ordered passes)."""
+    if estimate is None:
+        return None
+    return {
+        "plan_passes": estimate.window, "scored_passes": estimate.every, "windows": len(estimate.first_pass),
+        "realized": {k: v.tolist() for k, v in estimate.realized.items()},
+        "summary": {k: {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())} for k, v in estimate.realized.items()},
+        "gap_closed": {k: v.get("gap_closed") for k, v in estimate.summary().items() if "gap_closed" in v},
+    }
+
+
+def _print_text(console: Console, loads: _Loads, outcome: _Outcome, plot: Path | None, out: Path | None) -> None:
+    """The tables and lines of ``moetrace placement`` without ``--json``."""
+    document, estimate = outcome.document, outcome.estimate
+    if loads.defaults:
+        console.print(f"defaults used: {', '.join(loads.defaults)}")
+    _in_sample_table(console, loads.layer_ids, outcome.loads, outcome.plan, loads.config)
+    figures = "  ".join(f"{k} {_fmt(outcome.in_sample[k])}" for k in ("current", "greedy", "moetrace"))
     console.print(f"in-sample (planned and scored on the same passes; a fit, not a forecast): {figures}")
-    print_selection(console, selection)
-    if held is not None:
-        _holdout_table(console, held)
-    elif replay is not None:
-        _backtest_table(console, replay)
-        print_rebalance_value(console, values)
+    print_selection(console, outcome.selection)
+    if outcome.held is not None:
+        _holdout_table(console, outcome.held)
+    elif outcome.replay is not None:
+        _backtest_table(console, outcome.replay)
+        print_rebalance_value(console, outcome.values)
         if plot is not None:
             console.print(f"wrote {plot}")
     elif estimate is not None:
@@ -342,7 +414,7 @@ def placement(
         )
     else:
         console.print("held-out estimate: n/a (needs a per_pass or per_token trace with enough passes); the figures above are a fit, not a forecast")
-    if deployed is not None and document.get("replicas_moved_from_current") is not None:
+    if outcome.deployed is not None and document.get("replicas_moved_from_current") is not None:
         moved = document["replicas_moved_from_current"]
         extra = f" ({document['bytes_moved_from_current']:,} bytes)" if "bytes_moved_from_current" in document else ""
         console.print(f"replicas moved from --current: {moved}{extra}")
