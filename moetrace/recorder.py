@@ -55,7 +55,7 @@ from .timing import (
     make_clock,
     row_fields,
 )
-from .trace.schema import TraceWriteError
+from .trace.schema import PADDING_IDS, TraceWriteError
 from .trace.segments import (
     CheckpointWriter,
     Journal,
@@ -790,6 +790,7 @@ class ExpertDistributionRecorder:
         writer.write("stat/physical_count", physical, compress=True)
         writer.write("stat/logical_count", to_logical(physical, self.config.physical_to_logical), compress=True)  # type: ignore[arg-type]
         writer.write("stat/invalid_ids", lay.invalid(rows))
+        writer.write(PADDING_IDS, rows[:, :, lay.padding])
         writer.write("stat/send_count", rows[:, :, lay.send])
         writer.write("stat/recv_count", rows[:, :, lay.recv])
         writer.write("stat/dropped", rows[:, :, lay.dropped])

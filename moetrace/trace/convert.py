@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..ids import to_logical
-from .schema import TraceError
+from .schema import PADDING_IDS, TraceError
 from .writer import TraceHeader, TraceWriter, token_id_dtype
 
 __all__ = ["convert", "convert_jsonl", "convert_sglang"]
@@ -67,14 +67,17 @@ def _header(mode: str, mapping: np.ndarray, top_k: int, ep_size: int, layer_ids:
     )
 
 
-def _write_stat(writer: TraceWriter, physical: np.ndarray, invalid: np.ndarray, passes: int, tokens: int) -> None:
-    """``/stat`` for one rank from ``physical [L, P]`` and ``invalid [L]``."""
+def _write_stat(writer: TraceWriter, physical: np.ndarray, invalid: np.ndarray, passes: int, tokens: int, padding: np.ndarray | None = None) -> None:
+    """``/stat`` for one rank from ``physical [L, P]``, ``invalid [L]`` and, when the source
+    says, ``padding [L]`` (ids -1)."""
 
     h = writer.header
     num_layers, ep = h.num_layers, h.ep_size
     writer.write("stat/physical_count", physical[None].astype(np.int64))
     writer.write("stat/logical_count", to_logical(physical, h.physical_to_logical)[None].astype(np.int64))
     writer.write("stat/invalid_ids", invalid[None].astype(np.int64))
+    if padding is not None:
+        writer.write(PADDING_IDS, padding[None].astype(np.int64))
     writer.write("stat/send_count", np.zeros((1, num_layers, ep), np.int64))
     writer.write("stat/recv_count", np.zeros((1, num_layers, ep), np.int64))
     writer.write("stat/dropped", np.zeros((1, num_layers), np.int64))
@@ -82,11 +85,13 @@ def _write_stat(writer: TraceWriter, physical: np.ndarray, invalid: np.ndarray, 
     writer.write("stat/num_tokens", np.array([tokens], np.int64))
 
 
-def _append_tokens(writer: TraceWriter, topk: np.ndarray, pass_id: np.ndarray, position: np.ndarray, totals: np.ndarray, invalid: np.ndarray) -> None:
-    """Append token rows (ids ``>= P`` stored as -2) and add them to ``totals [L, P]`` / ``invalid [L]``."""
+def _append_tokens(writer: TraceWriter, topk: np.ndarray, pass_id: np.ndarray, position: np.ndarray, totals: np.ndarray, invalid: np.ndarray, padding: np.ndarray) -> None:
+    """Append token rows (ids ``>= P`` stored as -2) and add them to ``totals [L, P]``,
+    ``invalid [L]`` and ``padding [L]``."""
     num_physical = totals.shape[1]
     bad = (topk >= num_physical) | (topk < -1)
     invalid += bad.sum(axis=(0, 2))
+    padding += (topk == -1).sum(axis=(0, 2))
     ids = np.where(bad, -2, topk).astype(token_id_dtype(num_physical))
     ok = ids >= 0
     layer = np.broadcast_to(np.arange(totals.shape[0])[None, :, None], ids.shape)
@@ -159,7 +164,7 @@ def _sglang_stat(src: Path, data: dict, out: Path | str, top_k: int | None, ep_s
     mapping = np.tile(np.arange(num_experts), (num_layers, 1))
     rank = int(data.get("rank", 0) or 0)
     with _writing(out, _header("stat", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)) as writer:
-        _write_stat(writer, total, np.zeros(num_layers, np.int64), steps, int(total.sum(axis=1).max()) // k)
+        _write_stat(writer, total, np.zeros(num_layers, np.int64), steps, -(-int(total.sum(axis=1).max()) // k))
         return writer.commit()
 
 
@@ -182,16 +187,16 @@ def _sglang_records(src: Path, data: dict, out: Path | str, top_k: int | None, e
         k = int(top_k) if top_k else max(used, 1)
         header = _header("per_token", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)
         with _writing(out, header) as writer:
-            totals, invalid, tokens = np.zeros((num_layers, num_physical), np.int64), np.zeros(num_layers, np.int64), 0
+            totals, invalid, padding, tokens = np.zeros((num_layers, num_physical), np.int64), np.zeros(num_layers, np.int64), np.zeros(num_layers, np.int64), 0
             writer.ensure_empty("tokens/topk_ids", (num_layers, k), token_id_dtype(num_physical))
             for record, ids in zip(records, widths, strict=True):
                 rows = np.ascontiguousarray(ids.transpose(1, 0, 2)[:, :, :k])  # [T, L, k]
                 tokens += len(rows)
                 pid = np.full(len(rows), int(record.get("forward_pass_id", 0)), np.int64)
-                _append_tokens(writer, rows, pid, np.arange(len(rows)), totals, invalid)
+                _append_tokens(writer, rows, pid, np.arange(len(rows)), totals, invalid, padding)
             writer.ensure_empty("tokens/pass_id", (), np.dtype(np.int64))
             writer.ensure_empty("tokens/position", (), np.dtype(np.int32))
-            _write_stat(writer, totals, invalid, len(records), tokens)
+            _write_stat(writer, totals, invalid, len(records), tokens, padding)
             return writer.commit()
     k = _need_top_k(top_k, src, "per_pass")
     header = _header("per_pass", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)
@@ -202,7 +207,7 @@ def _sglang_records(src: Path, data: dict, out: Path | str, top_k: int | None, e
             counts = np.stack([_tensor(r["global_physical_count"], "global_physical_count", src) for r in part]).astype(np.int32)
             if counts.shape[1:] != (num_layers, num_physical):
                 raise TraceError(f"{src}: global_physical_count has shape {list(counts.shape[1:])}, expected [{num_layers}, {num_physical}]")
-            per_pass_tokens = counts.sum(axis=2).max(axis=1) // k
+            per_pass_tokens = -(-counts.sum(axis=2, dtype=np.int64).max(axis=1) // k)  # at least every assignment seen
             tokens += int(per_pass_tokens.sum())
             totals += counts.sum(axis=0)
             n = len(part)
@@ -269,7 +274,7 @@ def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None =
     num_layers = len(layer_ids)
     mapping = np.tile(np.arange(experts), (num_layers, 1))
     writer = TraceWriter(out, _header("per_token", mapping, top_k, 1, layer_ids, 0, run_id, model, "jsonl"))
-    totals, invalid = np.zeros((num_layers, experts), np.int64), np.zeros(num_layers, np.int64)
+    totals, invalid, padding = np.zeros((num_layers, experts), np.int64), np.zeros(num_layers, np.int64), np.zeros(num_layers, np.int64)
     pending: OrderedDict[tuple[object, int], tuple[np.ndarray, int, int]] = OrderedDict()
     flushed: set[tuple[object, int]] = set()
     seen_in_group: dict[tuple[object, int], int] = {}
@@ -287,7 +292,7 @@ def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None =
             positions.append(pos)
         if rows:
             state["tokens"] += len(rows)
-            _append_tokens(writer, np.stack(rows), np.array(pids), np.array(positions), totals, invalid)
+            _append_tokens(writer, np.stack(rows), np.array(pids), np.array(positions), totals, invalid, padding)
 
     try:
         for number, obj in _lines(src):
@@ -316,7 +321,7 @@ def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None =
         writer.ensure_empty("tokens/topk_ids", (num_layers, top_k), token_id_dtype(experts))
         writer.ensure_empty("tokens/pass_id", (), np.dtype(np.int64))
         writer.ensure_empty("tokens/position", (), np.dtype(np.int32))
-        _write_stat(writer, totals, invalid, len(pass_ids), state["tokens"])
+        _write_stat(writer, totals, invalid, len(pass_ids), state["tokens"], padding)
     except BaseException:
         writer.abort()
         raise

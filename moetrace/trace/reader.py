@@ -15,7 +15,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .schema import COMPLETE_ATTR, REQUIRED_ATTRS, SCHEMA_NAME, SCHEMA_VERSION, TraceError
+from . import integrity, invariants
+from .integrity import reading
+from .schema import COMPLETE_ATTR, PADDING_IDS, REQUIRED_ATTRS, SCHEMA_NAME, SCHEMA_VERSION, TraceError
 
 __all__ = ["PassChunk", "TokenChunk", "Trace", "Window", "open_trace"]
 
@@ -107,7 +109,13 @@ def _unfinished_hint(path: Path) -> str:
 
 
 class Trace:
-    """An open moetrace trace. Use as a context manager or call :meth:`close`."""
+    """An open moetrace trace. Use as a context manager or call :meth:`close`.
+
+    Opening checks the schema, the trace's checksums (:mod:`.integrity`: digests now,
+    each chunk's Fletcher-32 as it is read) and its layout invariants
+    (:mod:`.invariants`); the ``/stat`` and ``/window`` invariants are checked the first
+    time either is read. Every HDF5 failure becomes a :class:`TraceError`.
+    """
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
@@ -115,16 +123,21 @@ class Trace:
             raise TraceError(f"{self.path}: no such file")
         try:
             self._file = h5py.File(self.path, "r")
-        except OSError as exc:
-            raise TraceError(f"{self.path}: not an HDF5 file or truncated ({exc}){_unfinished_hint(self.path)}") from exc
+        except Exception as exc:
+            if not (integrity.from_hdf5(exc) or isinstance(exc, OSError)):
+                raise
+            raise TraceError(f"{self.path}: not an HDF5 file or truncated, or its superblock is damaged ({' '.join(str(exc).split())}){_unfinished_hint(self.path)}") from exc
+        self._stat_checked = False
         try:
-            self._validate()
-        except Exception:
+            with reading(self.path):
+                self._attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in self._file.attrs.items()}
+                self._validate()
+        except BaseException:
             self._file.close()
             raise
 
     def _validate(self) -> None:
-        attrs = self._file.attrs
+        attrs = self._attrs
         if attrs.get("schema") != SCHEMA_NAME:
             raise TraceError(f"{self.path}: not a moetrace trace (root attribute schema={attrs.get('schema')!r})")
         version = int(attrs.get("schema_version", -1))
@@ -144,6 +157,14 @@ class Trace:
             if name not in self._file:
                 raise TraceError(f"{self.path}: missing dataset /{name}")
         _check_filters(self._file, self.path)
+        self.verified = integrity.is_sealed(self._file)
+        if self.verified:
+            problems = integrity.check_seal(self._file, self.path)
+            if problems:
+                name, problem = next(iter(problems.items()))
+                others = f" (and {len(problems) - 1} more objects)" if len(problems) > 1 else ""
+                raise TraceError(integrity.damage_message(self.path, "the root" if name == "/" else name, problem + others))
+        invariants.check_layout(self)
 
     # -- context manager ----------------------------------------------------------
     def __enter__(self) -> Trace:
@@ -159,21 +180,18 @@ class Trace:
     @property
     def attrs(self) -> dict[str, object]:
         """Root attributes as plain Python values."""
-        out: dict[str, object] = {}
-        for key, value in self._file.attrs.items():
-            out[key] = value.item() if isinstance(value, np.generic) else value
-        return out
+        return dict(self._attrs)
 
     def _int(self, key: str) -> int:
-        return int(self._file.attrs[key])
+        return int(self._attrs[key])  # type: ignore[call-overload]
 
     @property
     def mode(self) -> str:
-        return str(self._file.attrs["mode"])
+        return str(self._attrs["mode"])
 
     @property
     def id_space(self) -> str:
-        return str(self._file.attrs["id_space"])
+        return str(self._attrs["id_space"])
 
     @property
     def num_layers(self) -> int:
@@ -197,7 +215,7 @@ class Trace:
 
     @property
     def run_id(self) -> str:
-        return str(self._file.attrs["run_id"])
+        return str(self._attrs["run_id"])
 
     @property
     def layers(self) -> np.ndarray:
@@ -211,33 +229,51 @@ class Trace:
 
     def has(self, name: str) -> bool:
         """Whether dataset or group ``name`` exists (e.g. ``"tokens/topk_ids"``)."""
-        return name in self._file
+        with reading(self.path, f"/{name}"):
+            return name in self._file
 
     def _read(self, name: str) -> np.ndarray:
-        if name not in self._file:
+        if not self.has(name):
             raise TraceError(f"{self.path}: has no /{name} (mode {self.mode!r})")
-        try:
+        with reading(self.path, f"/{name}"):
             return np.asarray(self._file[name][()])
-        except OSError as exc:
-            raise TraceError(f"{self.path}: dataset /{name} is unreadable or truncated ({exc})") from exc
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape of dataset ``name`` (``None`` when absent); reads no data."""
+        with reading(self.path, f"/{name}"):
+            return tuple(self._file[name].shape) if name in self._file else None
 
     def num_rows(self, name: str) -> int:
         """Rows along axis 0 of a streamed dataset (0 when absent)."""
-        return int(self._file[name].shape[0]) if name in self._file else 0
+        shape = self.shape(name)
+        return int(shape[0]) if shape else 0
+
+    def _checked(self) -> None:
+        """Check the ``/stat`` and ``/window`` invariants once, before their first use."""
+        if not self._stat_checked:
+            self._stat_checked = True
+            try:
+                invariants.check_stat(self)
+            except BaseException:
+                self._stat_checked = False
+                raise
 
     # -- stat -------------------------------------------------------------------------
     def physical_count(self, per_rank: bool = False) -> np.ndarray:
         """Total counts per physical expert: ``[L, P]`` summed over ranks, or ``[R, L, P]``."""
+        self._checked()
         counts = self._read("stat/physical_count")
         return counts if per_rank else counts.sum(axis=0)
 
     def logical_count(self, per_rank: bool = False) -> np.ndarray:
         """Total counts per logical expert: ``[L, E]`` summed over ranks, or ``[R, L, E]``."""
+        self._checked()
         counts = self._read("stat/logical_count")
         return counts if per_rank else counts.sum(axis=0)
 
     def invalid_ids(self) -> np.ndarray:
         """Out-of-range ids seen per rank and layer ``[R, L]``."""
+        self._checked()
         return self._read("stat/invalid_ids")
 
     def send_count(self) -> np.ndarray:
@@ -254,20 +290,27 @@ class Trace:
 
     def num_passes(self) -> np.ndarray:
         """Forward passes recorded per rank ``[R]``."""
+        self._checked()
         return self._read("stat/num_passes")
+
+    def padding_ids(self) -> np.ndarray | None:
+        """Padding ids (-1) seen per rank and layer ``[R, L]``; ``None`` in traces that predate them."""
+        return self._read(PADDING_IDS) if self.has(PADDING_IDS) else None
 
     def dropped_passes(self) -> np.ndarray:
         """Streaming passes dropped whole per rank ``[R]`` (``on_overflow="drop"``; zeros when absent)."""
-        if "stat/dropped_passes" not in self._file:
+        if not self.has("stat/dropped_passes"):
             return np.zeros(self.num_passes().shape, dtype=np.int64)
         return self._read("stat/dropped_passes")
 
     def num_tokens(self) -> np.ndarray:
         """Tokens recorded per rank ``[R]``."""
+        self._checked()
         return self._read("stat/num_tokens")
 
     def window(self) -> Window:
         """The ``stat`` mode's time-ordered window (oldest first)."""
+        self._checked()
         return Window(
             pass_id=self._read("window/pass_id"),
             timestamp=self._read("window/timestamp"),
@@ -279,7 +322,7 @@ class Trace:
     @property
     def has_timing(self) -> bool:
         """Whether the trace holds phase timing (recorded with ``RecorderConfig(timing=True)``)."""
-        return "timing_phases" in self._file.attrs
+        return "timing_phases" in self._attrs
 
     def timing_stat(self) -> dict[str, np.ndarray]:
         """Timing aggregates per rank: ``phase_seconds_sum [R, L, F]``, ``phase_histogram [R, L, F, B]``, ... (see docs/trace-format.md)."""
@@ -288,16 +331,19 @@ class Trace:
         names = ("phase_seconds_sum", "phase_seconds_max", "phase_count", "phase_histogram", "step_seconds_sum",
                  "step_seconds_max", "step_count", "step_histogram", "peak_memory_bytes", "timing_dropped_passes")
         out = {name: self._read(f"stat/{name}") for name in names}
-        out["histogram_edges"] = np.asarray(self._file.attrs["timing_histogram_edges"])
+        out["histogram_edges"] = np.asarray(self._attrs["timing_histogram_edges"])
         return out
 
     def timing_rows(self) -> dict[str, np.ndarray]:
         """Every ``/timing`` row (one per pass and rank), with a ``rank [N]`` column even in a per-rank file."""
         if not self.has_timing:
             raise TraceError(f"{self.path}: holds no phase timing (record with RecorderConfig(timing=True))")
-        rows = {name: self._read(f"timing/{name}") for name in self._file["timing"]} if "timing" in self._file else {}
+        with reading(self.path, "/timing"):
+            names = list(self._file["timing"]) if self.has("timing") else []
+        rows = {name: self._read(f"timing/{name}") for name in names}
+        invariants.check_timing_rows(self.path, rows)
         if "rank" not in rows:
-            rank = max(int(self._file.attrs["rank"]), 0)
+            rank = max(self._int("rank"), 0)
             rows["rank"] = np.full(len(rows.get("pass_id", ())), rank, dtype=np.int32)
         return rows
 
@@ -305,17 +351,23 @@ class Trace:
     def iter_passes(self, chunk: int = 1024) -> Iterator[PassChunk]:
         """``/passes`` in chunks of at most ``chunk`` passes (bounded memory)."""
         names = ("pass_id", "timestamp", "num_tokens", "physical_count", "invalid_ids", "send_count", "recv_count")
+        order = invariants.RowOrder(self.path, "passes", timestamps=True)
         for start in range(0, self.num_rows("passes/pass_id"), chunk):
-            yield PassChunk(**{n: self._slice(f"passes/{n}", start, chunk) for n in names})
+            part = PassChunk(**{n: self._slice(f"passes/{n}", start, chunk) for n in names})
+            order.check(part.pass_id, part.timestamp, self._slice("passes/rank", start, chunk) if self.has("passes/rank") else None)
+            yield part
 
     def iter_tokens(self, chunk: int = 65536) -> Iterator[TokenChunk]:
         """``/tokens`` in chunks of at most ``chunk`` tokens (bounded memory)."""
+        order = invariants.RowOrder(self.path, "tokens")
         for start in range(0, self.num_rows("tokens/topk_ids"), chunk):
-            yield TokenChunk(
+            part = TokenChunk(
                 topk_ids=self._slice("tokens/topk_ids", start, chunk),
                 pass_id=self._slice("tokens/pass_id", start, chunk),
                 position=self._slice("tokens/position", start, chunk),
             )
+            order.check(part.pass_id)
+            yield part
 
     def read_tokens(self, column: str, start: int = 0, count: int | None = None) -> np.ndarray:
         """Rows ``start .. start + count - 1`` (default: to the end) of ``/tokens/<column>``
@@ -324,10 +376,10 @@ class Trace:
         return self._slice(name, start, self.num_rows(name) - start if count is None else count)
 
     def _slice(self, name: str, start: int, count: int) -> np.ndarray:
-        try:
+        if not self.has(name):
+            raise TraceError(f"{self.path}: has no /{name} (mode {self.mode!r})")
+        with reading(self.path, f"/{name}"):
             return np.asarray(self._file[name][start : start + count])
-        except (OSError, KeyError) as exc:
-            raise TraceError(f"{self.path}: dataset /{name} is unreadable or truncated ({exc})") from exc
 
 
 def open_trace(path: Path | str) -> Trace:
@@ -335,6 +387,7 @@ def open_trace(path: Path | str) -> Trace:
 
     Raises:
         TraceError: the file is missing, not HDF5, not a moetrace trace,
-            incomplete, or of a newer schema version.
+            incomplete, of a newer schema version, damaged (a checksum or an
+            invariant fails), naming the object, the damage and the remedy.
     """
     return Trace(path)

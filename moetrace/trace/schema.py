@@ -7,7 +7,11 @@ place where the names live.
 from __future__ import annotations
 
 __all__ = [
+    "CHECKSUM_ATTR",
     "COMPLETE_ATTR",
+    "INTEGRITY_ATTR",
+    "INTEGRITY_VERSION",
+    "PADDING_IDS",
     "REQUIRED_ATTRS",
     "SCHEMA_NAME",
     "SCHEMA_VERSION",
@@ -21,6 +25,15 @@ SCHEMA_NAME = "moetrace"
 SCHEMA_VERSION = 2
 #: Root attribute set to True as the very last write before the atomic rename.
 COMPLETE_ATTR = "complete"
+#: Root attribute: the integrity scheme a trace was sealed with (absent: written before
+#: checksums, read as unverified). See :mod:`moetrace.trace.integrity`.
+INTEGRITY_ATTR = "integrity"
+INTEGRITY_VERSION = 1
+#: Attribute of every dataset and of the root: its BLAKE2b-128 digest (32 hex digits).
+CHECKSUM_ATTR = "checksum"
+#: ``[R, L]`` padding ids (-1) the hooks saw per rank and layer (traces since integrity v1):
+#: with ``/stat/invalid_ids`` it closes the count ``tokens x top_k`` of every layer.
+PADDING_IDS = "stat/padding_ids"
 #: Root attributes every trace (v1 and v2) carries.
 REQUIRED_ATTRS = (
     "schema",
