@@ -22,9 +22,9 @@ import time
 import psutil
 from harness import interleaved, write_results
 
-from moetrace.reference.prefix_cache import PrefixCache
-from moetrace.reference.replica_router import ReplicaRouter, RouteRequest
 from moetrace.replicas import RoutingRecorder
+from moetrace.replicas.prefix_cache import PrefixCache
+from moetrace.replicas.router import ReplicaRouter, RouteRequest
 from moetrace.replicas.trace import load_trace
 
 

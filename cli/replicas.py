@@ -38,7 +38,7 @@ def _load(trace: str, block_size: int, limit: int | None) -> list:
 
 
 def _cost(requests: list, replicas: int, cost_model: Path | None, utilization: float | None) -> Any:
-    from moetrace.reference.replica_router import CostModel
+    from moetrace.replicas.router import CostModel
     from moetrace.replicas.simulate import REFERENCE_COST, scale_to_utilization
 
     cost = REFERENCE_COST
@@ -53,7 +53,7 @@ def _cost(requests: list, replicas: int, cost_model: Path | None, utilization: f
 
 
 def _check(replicas: int, policy: str | None = None) -> None:
-    from moetrace.reference.replica_router import POLICY_NAMES
+    from moetrace.replicas.router import POLICY_NAMES
 
     if replicas <= 0:
         raise CommandError(f"--replicas {replicas}: need at least one replica")
@@ -77,7 +77,7 @@ Seed = Annotated[int, typer.Option("--seed", help="Seed of the random policy.")]
 
 
 def _config(cache_threshold: float, balance_abs: int, balance_rel: float, overlap_weight: float, migrate_threshold: int | None, seed: int) -> Any:
-    from moetrace.reference.replica_router import RouterConfig
+    from moetrace.replicas.router import RouterConfig
 
     return RouterConfig(cache_threshold=cache_threshold, balance_abs_threshold=balance_abs, balance_rel_threshold=balance_rel,
                         overlap_weight=overlap_weight, migrate_threshold=migrate_threshold, seed=seed)
@@ -152,8 +152,8 @@ def compare(
     seed: Seed = 0,
 ) -> None:
     """Replay a request trace through every policy; one row per policy (cache, then latency evidence)."""
-    from moetrace.reference.replica_router import POLICY_NAMES
     from moetrace.replicas.analysis import compare_table, plot_ttft_cdf, summarize
+    from moetrace.replicas.router import POLICY_NAMES
     from moetrace.replicas.simulate import replay as run_replay
     from moetrace.replicas.trace import reusable_blocks
     from moetrace.trace.requests import read_requests

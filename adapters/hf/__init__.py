@@ -40,7 +40,6 @@ from ..base import (
     AdapterError,
     HookRegistry,
     Instrumentation,
-    UnsupportedVersionError,
     existing_instrumentation,
     forward_pass_wrapper,
     resolve_recorder,
@@ -49,6 +48,7 @@ from ..base import (
 from .families import moe_family_coverage
 from .layers import MoESite, find_moe_sites, model_top_k
 from .replay import HFReplay, replay
+from .version import MIN_TRANSFORMERS, check_transformers, installed_version
 
 __all__ = [
     "MIN_TRANSFORMERS",
@@ -62,28 +62,7 @@ __all__ = [
     "replay",
 ]
 
-MIN_TRANSFORMERS = (5, 0)
-"""Oldest transformers whose MoE families use the shared experts machinery this adapter relies on."""
-
 Record = Callable[[torch.Tensor], None]
-
-
-def installed_version() -> str:
-    """The version string of the installed transformers."""
-    import transformers
-
-    return str(transformers.__version__)
-
-
-def _check_version() -> None:
-    installed = installed_version()
-    version = tuple(int(p) for p in installed.split(".")[:2] if p.isdigit())
-    if version < MIN_TRANSFORMERS:
-        raise UnsupportedVersionError(
-            f"transformers {installed} is older than {'.'.join(map(str, MIN_TRANSFORMERS))}, "
-            "whose MoE families share the @use_experts_implementation experts modules this adapter hooks; "
-            "upgrade transformers (pip install 'moetrace[hf]')"
-        )
 
 
 class HFInstrumentation(Instrumentation):
@@ -254,7 +233,7 @@ def instrument(
         AlreadyInstrumentedError: instrumented already with another recorder.
         UnsupportedVersionError: transformers is too old.
     """
-    _check_version()
+    check_transformers(installed_version())  # installed_version looked up here: tests patch it
     live = existing_instrumentation(model, recorder, capturer)
     if live is not None:
         return live  # type: ignore[return-value]

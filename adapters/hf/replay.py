@@ -39,6 +39,7 @@ from moetrace.replay import (
 
 from .families import REPLAY_REFUSED
 from .layers import MoESite, find_moe_sites, model_top_k
+from .version import check_transformers, installed_version
 
 __all__ = ["HFReplay", "replay"]
 
@@ -103,9 +104,7 @@ def replay(model: torch.nn.Module, routes: Any, *, top_k: int | None = None) -> 
             out-of-range ids, duplicate ids, rows mixing ``-1`` and ids).
         NoMoELayersError: the model has no MoE layer.
     """
-    from . import _check_version
-
-    _check_version()
+    check_transformers(installed_version())
     check_not_replaying(model)
     _refuse_family(model)
     sites = find_moe_sites(model)

@@ -18,7 +18,7 @@ greedy.
 
 Prefix cache (``prefix_cache_blocks``): the KV slots of a finished request's
 full ``block_size``-token blocks (prompt and fed-back output) stay in a
-block-level LRU :class:`~moetrace.reference.prefix_cache.PrefixCache`; a later
+block-level LRU :class:`~moetrace.replicas.prefix_cache.PrefixCache`; a later
 request whose prompt starts with the same blocks maps them into its
 ``req_to_token`` row and skips their prefill (at least one prompt token is
 always computed, for its logits). ``RequestResult.cached_tokens`` says how many
@@ -44,9 +44,9 @@ import torch
 import torch.distributed as dist
 
 from ..capturer import RoutedExpertsCapturer
+from ..replicas.prefix_cache import PrefixCache, chain_hashes
 from .kv import KVSlotAllocator, ReqToTokenPool
 from .model import ForwardBatch, ReferenceMoEModel, Segment
-from .prefix_cache import PrefixCache, chain_hashes
 
 __all__ = ["Progress", "Request", "RequestResult", "ServingLoop", "routed_positions"]
 

@@ -1,6 +1,6 @@
 """Request→replica routing evidence: :class:`RoutingRecorder` and its trace group.
 
-The router itself (:class:`~moetrace.reference.replica_router.ReplicaRouter`),
+The router itself (:class:`~moetrace.replicas.router.ReplicaRouter`),
 the trace replay (:mod:`moetrace.replicas.simulate`), the live driver
 (:mod:`moetrace.replicas.live`) and the analysis (:mod:`moetrace.replicas.analysis`)
 are imported on use; ``import moetrace`` loads none of this.

@@ -26,9 +26,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..reference.prefix_cache import chain_hashes
-from ..reference.replica_router import CostModel, ReplicaRouter, RouterConfig, RouteRequest
+from .prefix_cache import chain_hashes
 from .recorder import RoutingRecorder
+from .router import CostModel, ReplicaRouter, RouterConfig, RouteRequest
 
 __all__ = ["REPLICA_MODEL", "LiveCluster", "Session", "calibrate_cost_model", "run_sessions", "run_unrouted"]
 

@@ -1,7 +1,7 @@
 """Trace replay in simulated time: a router in front of N replicas under a cost model.
 
 Each simulated replica has a block-level LRU prefix cache
-(:class:`~moetrace.reference.prefix_cache.PrefixCache`, ``cache_blocks``
+(:class:`~moetrace.replicas.prefix_cache.PrefixCache`, ``cache_blocks``
 capacity), runs prefills one at a time in arrival order (a prefill of ``n``
 uncached tokens takes ``cost.prefill(n)``; the blocks found in its cache when
 the prefill *starts* are skipped, and the prompt's blocks are inserted when it
@@ -25,9 +25,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..reference.prefix_cache import PrefixCache
-from ..reference.replica_router import CostModel, ReplicaRouter, RouterConfig, RouteRequest
+from .prefix_cache import PrefixCache
 from .recorder import RoutingRecorder
+from .router import CostModel, ReplicaRouter, RouterConfig, RouteRequest
 from .trace import TraceRequest
 
 __all__ = ["REFERENCE_COST", "ReplayResult", "offered_utilization", "replay", "scale_to_utilization"]

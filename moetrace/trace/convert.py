@@ -30,7 +30,6 @@ Sources:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from collections import OrderedDict
@@ -101,17 +100,6 @@ def _append_tokens(writer: TraceWriter, topk: np.ndarray, pass_id: np.ndarray, p
     writer.append("tokens/position", position.astype(np.int32))
 
 
-@contextlib.contextmanager
-def _writing(out: Path | str, header: TraceHeader) -> Iterator[TraceWriter]:
-    """A :class:`TraceWriter` whose temporary file is removed if the body fails."""
-    writer = TraceWriter(out, header)
-    try:
-        yield writer
-    except BaseException:
-        writer.abort()
-        raise
-
-
 # ----------------------------------------------------------------------------- SGLang
 def _tensor(obj: object, what: str, src: Path) -> np.ndarray:
     if not isinstance(obj, torch.Tensor):
@@ -163,7 +151,7 @@ def _sglang_stat(src: Path, data: dict, out: Path | str, top_k: int | None, ep_s
     num_layers, num_experts = total.shape
     mapping = np.tile(np.arange(num_experts), (num_layers, 1))
     rank = int(data.get("rank", 0) or 0)
-    with _writing(out, _header("stat", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)) as writer:
+    with TraceWriter(out, _header("stat", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)) as writer:
         _write_stat(writer, total, np.zeros(num_layers, np.int64), steps, -(-int(total.sum(axis=1).max()) // k))
         return writer.commit()
 
@@ -186,7 +174,7 @@ def _sglang_records(src: Path, data: dict, out: Path | str, top_k: int | None, e
         used = max((int((w >= 0).any(axis=(0, 1)).sum()) for w in widths), default=1)
         k = int(top_k) if top_k else max(used, 1)
         header = _header("per_token", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)
-        with _writing(out, header) as writer:
+        with TraceWriter(out, header) as writer:
             totals, invalid, padding, tokens = np.zeros((num_layers, num_physical), np.int64), np.zeros(num_layers, np.int64), np.zeros(num_layers, np.int64), 0
             writer.ensure_empty("tokens/topk_ids", (num_layers, k), token_id_dtype(num_physical))
             for record, ids in zip(records, widths, strict=True):
@@ -200,7 +188,7 @@ def _sglang_records(src: Path, data: dict, out: Path | str, top_k: int | None, e
             return writer.commit()
     k = _need_top_k(top_k, src, "per_pass")
     header = _header("per_pass", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)
-    with _writing(out, header) as writer:
+    with TraceWriter(out, header) as writer:
         totals, tokens = np.zeros((num_layers, num_physical), np.int64), 0
         for start in range(0, len(records), _RECORDS_PER_CHUNK):
             part = records[start : start + _RECORDS_PER_CHUNK]
@@ -294,7 +282,7 @@ def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None =
             state["tokens"] += len(rows)
             _append_tokens(writer, np.stack(rows), np.array(pids), np.array(positions), totals, invalid, padding)
 
-    try:
+    with writer:
         for number, obj in _lines(src):
             group = _group(obj)
             layer = compact[int(obj["layer"])]
@@ -322,10 +310,7 @@ def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None =
         writer.ensure_empty("tokens/pass_id", (), np.dtype(np.int64))
         writer.ensure_empty("tokens/position", (), np.dtype(np.int32))
         _write_stat(writer, totals, invalid, len(pass_ids), state["tokens"], padding)
-    except BaseException:
-        writer.abort()
-        raise
-    return writer.commit()
+        return writer.commit()
 
 
 def convert(src: Path | str, out: Path | str, **options: object) -> Path:

@@ -165,7 +165,7 @@ def from_hdf5(exc: BaseException) -> bool:
 def _what(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     low = text.lower()
-    if "fletcher32" in low or "filter returned failure" in low or "checksum" in low and "metadata" not in low:
+    if "fletcher32" in low or "filter returned failure" in low or ("checksum" in low and "metadata" not in low):
         kind = "its data does not match its checksum"
     elif "metadata checksum" in low:
         kind = "HDF5 metadata does not match its checksum"

@@ -203,26 +203,23 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
         dtype_bytes=int(attrs.get("dtype_bytes", 0)),
     )
     files = [h5py.File(p, "r") for p in ordered]
-    writer = TraceWriter(out, header)
     try:
-        _stack_static(files, "stat", writer)
-        _stack_static(files, "window", writer)
-        group = _STREAM_GROUP.get(header.mode)
-        if group is not None and group in files[0]:
-            _merge_stream(files, group, writer, chunk_rows)
-        if "timing" in files[0]:
-            _merge_stream(files, "timing", writer, chunk_rows)
-        for key, value in files[0].attrs.items():
-            if key.startswith("timing_"):
-                writer.set_attr(key, value)
-        writer.set_attr("merged_from", json.dumps([p.name for p in ordered]))
-        stops = rank_stops(ordered)
-        if stops:
-            writer.set_attr("recovered_ranks", json.dumps(stops))
-        return writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
+        with TraceWriter(out, header) as writer:
+            _stack_static(files, "stat", writer)
+            _stack_static(files, "window", writer)
+            group = _STREAM_GROUP.get(header.mode)
+            if group is not None and group in files[0]:
+                _merge_stream(files, group, writer, chunk_rows)
+            if "timing" in files[0]:
+                _merge_stream(files, "timing", writer, chunk_rows)
+            for key, value in files[0].attrs.items():
+                if key.startswith("timing_"):
+                    writer.set_attr(key, value)
+            writer.set_attr("merged_from", json.dumps([p.name for p in ordered]))
+            stops = rank_stops(ordered)
+            if stops:
+                writer.set_attr("recovered_ranks", json.dumps(stops))
+            return writer.commit()
     finally:
         for f in files:
             f.close()

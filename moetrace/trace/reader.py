@@ -16,8 +16,16 @@ import h5py
 import numpy as np
 
 from . import integrity, invariants
+from .files import parse_temporary, process_alive
 from .integrity import reading
-from .schema import COMPLETE_ATTR, PADDING_IDS, REQUIRED_ATTRS, SCHEMA_NAME, SCHEMA_VERSION, TraceError
+from .schema import (
+    COMPLETE_ATTR,
+    PADDING_IDS,
+    REQUIRED_ATTRS,
+    SCHEMA_NAME,
+    SCHEMA_VERSION,
+    TraceError,
+)
 
 __all__ = ["PassChunk", "TokenChunk", "Trace", "Window", "open_trace"]
 
@@ -94,8 +102,6 @@ def _check_filters(file: h5py.File, path: Path) -> None:
 
 def _unfinished_hint(path: Path) -> str:
     """For a writer's temporary file: whose it is and what to do instead."""
-    from .segments import parse_temporary, process_alive
-
     parsed = parse_temporary(path)
     if parsed is None:
         return ""

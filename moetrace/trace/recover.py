@@ -1,7 +1,7 @@
 """Turn what a dead recording left behind into valid traces (``moetrace recover``).
 
 A recorder writes, per rank, closed segment files (streaming modes) or a
-checkpoint (``stat``), and a journal (see :mod:`moetrace.trace.segments`).
+checkpoint (``stat``), and a journal (see :mod:`moetrace.trace.files` and :mod:`moetrace.trace.journal`).
 :func:`recover` gathers one run's complete segments of each rank in order and
 joins them into one trace per rank, marked with root attributes:
 
@@ -24,16 +24,10 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from .files import CHECKPOINT_RE, JOURNAL_RE, SEGMENT_RE, process_alive, sweep_dead_temporaries
+from .join import concat_segments
+from .journal import Journal
 from .schema import TraceError
-from .segments import (
-    CHECKPOINT_RE,
-    JOURNAL_RE,
-    SEGMENT_RE,
-    Journal,
-    concat_segments,
-    process_alive,
-    sweep_dead_temporaries,
-)
 
 __all__ = ["RankRecovery", "find_runs", "recover"]
 

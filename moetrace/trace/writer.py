@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import tempfile
 import time
 import uuid
@@ -24,6 +23,7 @@ import numpy as np
 
 from .._version import __version__
 from . import integrity
+from .files import temporary_path
 from .schema import COMPLETE_ATTR, SCHEMA_NAME, SCHEMA_VERSION, TraceWriteError
 
 __all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic"]
@@ -152,8 +152,12 @@ class TraceWriter:
             gzip level 1 with shuffle.
 
     The temporary is ``.<name>.tmp-<host>-<pid>-<random>`` so that
-    :func:`~moetrace.trace.segments.sweep_dead_temporaries` can tell a dead
+    :func:`~moetrace.trace.files.sweep_dead_temporaries` can tell a dead
     writer's leftovers from a live one's.
+
+    As a context manager it is the one commit/abort path of every writer:
+    ``with TraceWriter(out, header) as writer: ...; return writer.commit()``
+    aborts (removes the temporary, leaves the target untouched) when the body raises.
     """
 
     def __init__(self, path: Path | str, header: TraceHeader, compression: Mapping[str, object] | None = None) -> None:
@@ -161,13 +165,20 @@ class TraceWriter:
         self.header = header
         self._compression = dict(_COMPRESS if compression is None else compression)
         check_writable_dir(self.path.parent)
-        self._tmp = self.path.parent / f".{self.path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._tmp = temporary_path(self.path)
         try:
             self._file = h5py.File(self._tmp, "w", libver="latest")
             self._write_header()
         except Exception as exc:
             self.abort()
             raise TraceWriteError(f"cannot write trace {self.path}: {exc}") from exc
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc_type is not None:
+            self.abort()
 
     # -- header ---------------------------------------------------------------
     def _write_header(self) -> None:

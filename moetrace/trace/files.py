@@ -1,0 +1,125 @@
+"""Names of a recording's files and the liveness of the processes that write them.
+
+A streaming recording leaves, per rank, in its output directory::
+
+    .moetrace-<run_id>-rank<r>-seg<index:06d>.h5    closed segments (streaming modes)
+    .moetrace-<run_id>-rank<r>-checkpoint.h5        the checkpoint (``stat`` mode)
+    .moetrace-<run_id>-rank<r>.journal              the journal (:mod:`moetrace.trace.journal`)
+
+and every :class:`~moetrace.trace.writer.TraceWriter` writes to a temporary
+``.<final name>.tmp-<host>-<pid>-<8 hex>`` (:func:`temporary_path`) until it commits.
+Temporary files of writers that died are swept by :func:`sweep_dead_temporaries`
+only when their process is gone *and* no process holds the file open (HDF5
+keeps an exclusive ``flock`` on every file it writes).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import socket
+import uuid
+from pathlib import Path
+
+__all__ = [
+    "CHECKPOINT_RE",
+    "JOURNAL_RE",
+    "SEGMENT_RE",
+    "checkpoint_path",
+    "journal_path",
+    "parse_temporary",
+    "process_alive",
+    "segment_path",
+    "sweep_dead_temporaries",
+    "temporary_path",
+]
+
+_PREFIX = ".moetrace-"
+SEGMENT_RE = re.compile(r"^\.moetrace-(?P<run>[0-9a-zA-Z_]+)-rank(?P<rank>\d+)-seg(?P<index>\d{6})\.h5$")
+CHECKPOINT_RE = re.compile(r"^\.moetrace-(?P<run>[0-9a-zA-Z_]+)-rank(?P<rank>\d+)-checkpoint\.h5$")
+JOURNAL_RE = re.compile(r"^\.moetrace-(?P<run>[0-9a-zA-Z_]+)-rank(?P<rank>\d+)\.journal$")
+# TraceWriter temporaries: ".<final name>.tmp-<host>-<pid>-<8 hex>"
+_TEMP_RE = re.compile(r"^\.(?P<target>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-(?P<rand>[0-9a-f]{8})$")
+
+def segment_path(directory: Path, run_id: str, rank: int, index: int) -> Path:
+    return Path(directory) / f"{_PREFIX}{run_id}-rank{rank}-seg{index:06d}.h5"
+
+
+def checkpoint_path(directory: Path, run_id: str, rank: int) -> Path:
+    return Path(directory) / f"{_PREFIX}{run_id}-rank{rank}-checkpoint.h5"
+
+
+def journal_path(directory: Path, run_id: str, rank: int) -> Path:
+    return Path(directory) / f"{_PREFIX}{run_id}-rank{rank}.journal"
+
+
+def temporary_path(path: Path) -> Path:
+    """A fresh temporary name beside ``path`` that says which host and process writes it."""
+    path = Path(path)
+    return path.parent / f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def process_alive(pid: int, host: str) -> bool | None:
+    """Whether ``pid`` runs on this host (``None`` when ``host`` is another machine: unknown)."""
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def parse_temporary(path: Path) -> tuple[str, str, int] | None:
+    """``(final name, host, pid)`` of a :class:`TraceWriter` temporary, else ``None``."""
+    match = _TEMP_RE.match(Path(path).name)
+    if match is None:
+        return None
+    return match["target"], match["host"], int(match["pid"])
+
+
+def _unused(path: Path) -> bool:
+    """True when no process holds ``path`` open for writing (an exclusive flock succeeds)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            return False
+        raise
+    finally:
+        os.close(fd)  # closing releases the lock
+    return True
+
+
+def sweep_dead_temporaries(directory: Path) -> list[Path]:
+    """Delete the writer temporaries in ``directory`` left by dead processes of this host.
+
+    A file is removed only when its name carries this host, its pid no longer
+    runs and no process holds it open; anything else (a live writer, another
+    machine on a shared file system) is left alone. Returns the removed paths.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        parsed = parse_temporary(path)
+        if parsed is None or not path.is_file():
+            continue
+        _, host, pid = parsed
+        if process_alive(pid, host) is False and _unused(path):
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed

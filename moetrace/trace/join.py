@@ -1,0 +1,127 @@
+"""Joining consecutive segment files of one rank into one trace (``dump_record``, ``moetrace recover``).
+
+:func:`concat_segments` sits beside :mod:`moetrace.trace.merge` (which joins
+*ranks*); both write through one :class:`~moetrace.trace.writer.TraceWriter`
+used as a context manager, so a failure at any point leaves nothing under the
+target name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .reader import open_trace
+from .schema import TraceError
+from .writer import TraceHeader, TraceWriter
+
+__all__ = ["concat_segments", "header_of"]
+
+#: Stat datasets that are per-rank totals: summed when segments are joined.
+_ADDITIVE = "stat"
+
+
+def _check_same(paths: Sequence[Path], files: Sequence[h5py.File]) -> None:
+    first = files[0].attrs
+    for path, f in zip(paths[1:], files[1:], strict=True):
+        for key in ("run_id", "rank", "mode", "num_layers", "num_physical_experts", "top_k", "ep_size"):
+            if f.attrs.get(key) != first.get(key):
+                raise TraceError(f"{path}: {key}={f.attrs.get(key)!r} differs from {paths[0]}'s {first.get(key)!r}; segments of one run and rank only")
+
+
+def header_of(attrs: Mapping[str, object], layers: np.ndarray, mapping: np.ndarray) -> TraceHeader:
+    """A :class:`TraceHeader` that reproduces a trace's root attributes."""
+    return TraceHeader(
+        mode=str(attrs["mode"]),
+        id_space=str(attrs["id_space"]),
+        num_layers=int(attrs["num_layers"]),  # type: ignore[call-overload]
+        num_physical_experts=int(attrs["num_physical_experts"]),  # type: ignore[call-overload]
+        top_k=int(attrs["top_k"]),  # type: ignore[call-overload]
+        ep_size=int(attrs["ep_size"]),  # type: ignore[call-overload]
+        layer_ids=layers,
+        physical_to_logical=mapping,
+        model=str(attrs["model"]),
+        engine=str(attrs["engine"]),
+        run_id=str(attrs["run_id"]),
+        rank=int(attrs["rank"]),  # type: ignore[call-overload]
+        world_size=int(attrs["world_size"]),  # type: ignore[call-overload]
+        hidden_size=int(attrs.get("hidden_size", 0)),  # type: ignore[call-overload]
+        dtype_bytes=int(attrs.get("dtype_bytes", 0)),  # type: ignore[call-overload]
+    )
+
+
+def concat_segments(
+    paths: Sequence[Path],
+    out: Path,
+    *,
+    attrs: Mapping[str, object] | None = None,
+    extra: Callable[[TraceWriter], None] | None = None,
+    compression: Mapping[str, object] | None = None,
+    block_rows: int = 1 << 18,
+) -> Path:
+    """Join consecutive segments of one rank into one trace at ``out`` (atomically).
+
+    One segment is copied as it is (compressed chunks are not re-encoded).
+    Several: ``/stat`` datasets are summed (each segment's totals cover its own
+    passes), datasets resizable along axis 0 (``/passes``, ``/tokens``,
+    ``/timing`` ...) are concatenated in segment order, ``block_rows`` rows at a
+    time, and other datasets are taken from the last segment. ``attrs`` are
+    added to the root; ``extra(writer)`` may write more before the commit.
+
+    Raises:
+        TraceError: no segment, or one is unreadable or of another run/rank.
+    """
+    if not paths:
+        raise TraceError("no segments to join")
+    for path in paths:
+        open_trace(path).close()  # validates: complete, schema, version
+    files = [h5py.File(p, "r") for p in paths]
+    try:
+        _check_same(paths, files)
+        first = files[0]
+        header = header_of(dict(first.attrs), np.asarray(first["layers"][()]), np.asarray(first["physical_to_logical"][()]))
+        with TraceWriter(out, header, compression=compression) as writer:
+            if len(files) == 1:
+                for group in first:
+                    if isinstance(first[group], h5py.Group):
+                        writer.copy_group(first, group)
+            else:
+                _join(files, writer, block_rows)
+            if extra is not None:
+                extra(writer)
+            for key, value in (attrs or {}).items():
+                writer.set_attr(key, value)
+            return writer.commit()
+    finally:
+        for f in files:
+            f.close()
+
+
+def _join(files: Sequence[h5py.File], writer: TraceWriter, block_rows: int) -> None:
+    names: dict[str, h5py.Dataset] = {}  # every dataset of any segment, first seen first
+
+    def collect(name: str, obj: object) -> None:  # returns None: visititems stops at a non-None return
+        if isinstance(obj, h5py.Dataset):
+            names.setdefault(name, obj)
+
+    for f in files:
+        f.visititems(collect)
+    for name, ds in names.items():
+        if name in ("layers", "physical_to_logical"):
+            continue
+        if name.split("/", 1)[0] == _ADDITIVE:
+            total = sum(np.asarray(f[name][()]) for f in files if name in f)
+            writer.write(name, np.asarray(total).astype(ds.dtype), compress=ds.compression is not None)
+        elif ds.maxshape and ds.maxshape[0] is None:
+            writer.ensure_empty(name, ds.shape[1:], ds.dtype)
+            for f in files:
+                if name not in f:
+                    continue
+                src = f[name]
+                for start in range(0, src.shape[0], block_rows):
+                    writer.append(name, np.asarray(src[start : start + block_rows]))
+        else:
+            writer.write(name, np.asarray([f for f in files if name in f][-1][name][()]))

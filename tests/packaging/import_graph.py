@@ -1,0 +1,192 @@
+"""The house drawn from its own imports: moetrace's module graph, its circles and its upward arrows.
+
+Every ``import`` and ``from ... import`` statement of every module of the distribution is read
+with :mod:`ast` (module level, inside functions and under ``TYPE_CHECKING`` alike: an import
+inside a function is still an arrow), resolved to the moetrace module it names (``from pkg
+import name`` is an arrow to ``pkg.name`` when that is a module, else to ``pkg``), and drawn as
+an arrow between two modules. :data:`LAYERS` is the house's order, bottom to top; an arrow from
+a module to one in a higher layer *runs back up*. A circle is a strongly connected component of
+more than one module.
+
+Run it from the repository root::
+
+    python tests/packaging/import_graph.py            # figures: modules, arrows, circles, upward arrows
+    python tests/packaging/import_graph.py --figure   # the layer figure of docs/architecture.md
+
+tests/packaging/test_layers.py holds the house to 0 circles and 0 upward arrows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["LAYERS", "Graph", "build_graph", "circles", "layer_of", "upward_arrows"]
+
+#: Source folder → the package it is installed as (pyproject's ``package-dir``).
+ROOTS = {"moetrace": "moetrace", "adapters": "moetrace.adapters", "exporters": "moetrace.exporters", "cli": "moetrace.cli"}
+
+#: The layers, bottom to top: (name, module prefixes, what the layer is for). A module belongs to
+#: the layer of its longest matching prefix; a module may import its own layer and those below.
+LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("base", ("moetrace._version", "moetrace.ids", "moetrace.data", "moetrace.dispatch", "moetrace.metrics"),
+     "versions, id spaces, vendored data, dispatch formulas, balance metric definitions"),
+    ("trace", ("moetrace.trace",), "the HDF5 trace: schema (every name), writers, readers, segments, merge"),
+    ("core", ("moetrace.config", "moetrace.accumulators", "moetrace.timing", "moetrace.snapshot",
+              "moetrace.recorder", "moetrace.session", "moetrace.dump", "moetrace.capturer", "moetrace.routes",
+              "moetrace.replay", "moetrace.testing", "moetrace.settings"),
+     "what runs inside an engine's forward: config, hooks, recorder, session, dump, capturer, replay"),
+    ("http", ("moetrace.http", "moetrace.guarded_http"), "HTTP serving infrastructure: guarded server, server handle"),
+    ("replicas", ("moetrace.replicas",), "request→replica routing: recorder, router, prefix cache, simulation, analysis"),
+    ("exporters", ("moetrace.exporters",), "Prometheus and OpenTelemetry views of the recorders' snapshots"),
+    ("control", ("moetrace.control",), "the HTTP control endpoint of a running process"),
+    ("analysis", ("moetrace.analysis",), "offline analysis of traces: balance, drift, placement, reports, plots"),
+    ("reference", ("moetrace.reference",), "the reference MoE runtime: router, experts, EP layer, model, serving loop"),
+    ("drivers", ("moetrace.replicas.live", "moetrace.replicas.http_replica"),
+     "replica drivers that run reference engines behind the router"),
+    ("adapters", ("moetrace.adapters",), "engine adapters and plugins: Hugging Face, SGLang, vLLM"),
+    ("facade", ("moetrace",), "the package root: `import moetrace` (the core, control on first use)"),
+    ("cli", ("moetrace.cli",), "the `moetrace` command"),
+)
+
+
+@dataclass(frozen=True)
+class Graph:
+    """Modules (name → source file) and arrows (importer, imported) between them."""
+
+    modules: dict[str, Path]
+    arrows: frozenset[tuple[str, str]]
+
+
+def _modules(root: Path) -> dict[str, tuple[Path, bool]]:
+    found: dict[str, tuple[Path, bool]] = {}
+    for folder, package in ROOTS.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = list(path.relative_to(root / folder).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = (path, is_package)
+    return found
+
+
+def _known(name: str, modules: dict[str, tuple[Path, bool]]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom,
+             modules: dict[str, tuple[Path, bool]]) -> Iterable[str | None]:
+    if isinstance(node, ast.Import):
+        return [_known(alias.name, modules) for alias in node.names]
+    base = module if is_package else module.rpartition(".")[0]
+    for _ in range(max(node.level - 1, 0)):
+        base = base.rpartition(".")[0]
+    target = (base + "." + node.module if node.module else base) if node.level else (node.module or "")
+    return [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else _known(target, modules) for a in node.names]
+
+
+def build_graph(root: Path) -> Graph:
+    """Read every module under ``root``'s package folders and draw its import arrows."""
+    modules = _modules(root)
+    arrows: set[tuple[str, str]] = set()
+    for module, (path, is_package) in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                arrows.update((module, t) for t in _targets(module, is_package, node, modules) if t and t != module)
+    return Graph({m: p for m, (p, _) in modules.items()}, frozenset(arrows))
+
+
+def layer_of(module: str) -> int:
+    """Index in :data:`LAYERS` of ``module``'s layer (its longest matching prefix)."""
+    best, best_len = -1, -1
+    for index, (_, prefixes, _) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    if best < 0:
+        raise ValueError(f"module {module!r} is in no layer: add its prefix to LAYERS in {__file__}")
+    return best
+
+
+def upward_arrows(graph: Graph) -> list[tuple[str, str]]:
+    """Arrows from a module to one in a higher layer, sorted."""
+    return sorted((a, b) for a, b in graph.arrows if layer_of(a) < layer_of(b))
+
+
+def circles(graph: Graph) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    succ: dict[str, list[str]] = {m: [] for m in graph.modules}
+    for a, b in graph.arrows:
+        succ[a].append(b)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in succ[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(succ)))
+    for module in sorted(succ):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def figure(graph: Graph) -> str:
+    """The layer figure: each layer, top to bottom, and the lower layers its modules import."""
+    lines = []
+    for index in reversed(range(len(LAYERS))):
+        name, _, about = LAYERS[index]
+        below = sorted({layer_of(b) for a, b in graph.arrows if layer_of(a) == index and layer_of(b) != index},
+                       reverse=True)
+        lines.append(f"{name:<10} {about}")
+        lines.append(f"{'':<10}   └─► {', '.join(LAYERS[i][0] for i in below) if below else '(nothing of moetrace)'}")
+    return "\n".join(lines)
+
+
+def _main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2])
+    parser.add_argument("--figure", action="store_true", help="print the layer figure instead of the figures")
+    args = parser.parse_args()
+    graph = build_graph(args.root)
+    if args.figure:
+        print(figure(graph))
+        return 0
+    found, up = circles(graph), upward_arrows(graph)
+    print(f"modules {len(graph.modules)}  arrows {len(graph.arrows)}  circles {len(found)}  upward arrows {len(up)}")
+    for component in found:
+        print("circle:", " ↔ ".join(component))
+    for a, b in up:
+        print(f"upward: {a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
