@@ -12,10 +12,12 @@ import typer
 from rich.table import Table
 
 from moetrace.trace.convert import convert_jsonl, convert_sglang
+from moetrace.trace.integrity import CHECKSUMS, reading
 from moetrace.trace.merge import merge_traces, rank_stops
 from moetrace.trace.reader import open_trace
+from moetrace.trace.schema import MERGED_DAMAGED_ATTR
 
-from .errors import guarded
+from .errors import CommandError, guarded
 from .options import existing_file, output_path, stdout_console
 
 __all__ = ["convert", "inspect", "merge", "recover"]
@@ -53,7 +55,11 @@ def merge(
         existing_file(path)
     output_path(out)
     written = merge_traces(traces, out)
-    typer.echo(f"wrote {written}: {len(traces)} ranks")
+    with open_trace(written) as merged:
+        left_out = json.loads(str(merged.attrs.get(MERGED_DAMAGED_ATTR, "[]")))
+    typer.echo(f"wrote {written}: {len(traces) - len(left_out)} ranks")
+    if left_out:
+        raise CommandError(f"{len(left_out)} damaged input(s) were left out of {written} (it holds the intact ranks only): {'; '.join(left_out)}")
     for note in rank_stops(traces):
         typer.echo(note)
 
@@ -70,8 +76,12 @@ def recover(
 
     if out is not None:
         output_path(out)
-    for rank in recover_run(directory, out, run_id=run_id, force=force):
+    ranks = recover_run(directory, out, run_id=run_id, force=force)
+    for rank in ranks:
         typer.echo(rank.describe())
+    damaged = [f"rank {r.rank}: {d}" for r in ranks for d in r.damaged]
+    if damaged:
+        raise CommandError(f"{len(damaged)} damaged file(s) were left out of the recovery (the rest is recovered above): {'; '.join(damaged)}")
 
 
 def _datasets(path: Path) -> list[dict[str, object]]:
@@ -92,7 +102,7 @@ def _datasets(path: Path) -> list[dict[str, object]]:
                 }
             )
 
-    with h5py.File(path, "r") as f:
+    with reading(path), h5py.File(path, "r") as f:
         f.visititems(visit)
     return rows
 
@@ -113,12 +123,14 @@ def inspect(
     """Schema, root attributes, datasets (shape, dtype, size raw / on disk) of a trace."""
     with open_trace(existing_file(trace)) as tr:
         attrs = {k: _plain(v) for k, v in sorted(tr.attrs.items())}
+        checksums = CHECKSUMS if tr.verified else "none (written before checksums: unverified)"
     datasets = _datasets(trace)
     if as_json:
-        typer.echo(json.dumps({"path": str(trace), "file_bytes": trace.stat().st_size, "attrs": attrs, "datasets": datasets}, indent=2))
+        typer.echo(json.dumps({"path": str(trace), "file_bytes": trace.stat().st_size, "checksums": checksums, "attrs": attrs, "datasets": datasets}, indent=2))
         return
     console = stdout_console()
     console.print(f"[bold]{trace}[/bold]  {attrs.get('schema')} v{attrs.get('schema_version')}  {trace.stat().st_size} bytes on disk")
+    console.print(f"checksums: {checksums}; digests checked, contents are checked as read (`moetrace verify` reads them all)")
     table = Table(title="Root attributes", title_justify="left")
     table.add_column("attribute")
     table.add_column("value")

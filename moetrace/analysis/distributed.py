@@ -39,6 +39,7 @@ import h5py
 import numpy as np
 
 from ..ids import to_logical
+from ..trace.integrity import reading
 from ..trace.merge import _SAME_ATTRS
 from ..trace.reader import PassChunk, TokenChunk, Trace, open_trace
 from ..trace.schema import TraceError
@@ -120,15 +121,13 @@ class Partial:
 
 
 def _rows(file: h5py.File, path: str, group: str, names: Sequence[str], start: int, stop: int) -> dict[str, np.ndarray]:
-    try:
+    with reading(path, f"/{group} rows {start}..{stop - 1}"):
         return {n: np.asarray(file[f"{group}/{n}"][start:stop]) for n in names}
-    except (OSError, KeyError) as exc:
-        raise TraceError(f"{path}: /{group} rows {start}..{stop} are unreadable or truncated ({exc})") from exc
 
 
 def task_pass_ids(task: Task) -> np.ndarray:
     """Distinct pass ids of a task's rows (sorted)."""
-    with h5py.File(task.path, "r") as f:
+    with reading(task.path), h5py.File(task.path, "r") as f:
         return np.unique(_rows(f, task.path, _GROUP[task.mode], ["pass_id"], task.start, task.stop)["pass_id"]).astype(np.int64)
 
 
@@ -141,7 +140,7 @@ def task_partial(task: Task, ctx: _Context) -> Partial:
     tokens = np.zeros(0, dtype=np.int64)
     first = -1
     group = _GROUP[task.mode]
-    with h5py.File(task.path, "r") as f:
+    with reading(task.path), h5py.File(task.path, "r") as f:
         for start in range(task.start, task.stop, ctx.chunk_rows):
             stop = min(start + ctx.chunk_rows, task.stop)
             if task.mode == "per_token":

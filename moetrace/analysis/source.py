@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 import h5py
 import numpy as np
 
+from ..trace.integrity import reading
 from ..trace.reader import PassChunk, TokenChunk, Trace
 from ..trace.schema import TraceError
 
@@ -72,10 +73,8 @@ def count_records(trace: Trace) -> tuple[str, int]:
         return "tokens", trace.num_rows("tokens/topk_ids")
     if trace.mode == "per_pass":
         return "passes", trace.num_rows("passes/pass_id")
-    if trace.has("window/pass_id"):
-        with h5py.File(trace.path, "r") as f:
-            return "passes", int(f["window/pass_id"].shape[1])
-    return "passes", 0
+    shape = trace.shape("window/pass_id")
+    return "passes", int(shape[1]) if shape else 0
 
 
 def token_pass_block(chunk: TokenChunk, layer_index: np.ndarray, num_physical: int) -> PassBlock:
@@ -112,17 +111,16 @@ def pass_block(chunk: PassChunk, layer_index: np.ndarray) -> PassBlock:
 
 
 def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterator[PassBlock]:
-    with h5py.File(trace.path, "r") as f:
-        if "window/pass_id" not in f:
-            return
+    if not trace.has("window/pass_id"):
+        return
+    trace.check_invariants()
+    with reading(trace.path, "/window"), h5py.File(trace.path, "r") as f:
         pass_ids, tokens, counts = f["window/pass_id"], f["window/num_tokens"], f["window/physical_count"]
         for start in range(0, pass_ids.shape[1], chunk):
-            try:
+            with reading(trace.path, f"/window slots {start}..{start + chunk - 1}"):
                 pid = np.asarray(pass_ids[:, start : start + chunk])
                 tok = np.asarray(tokens[:, start : start + chunk])
                 cnt = np.asarray(counts[:, start : start + chunk])
-            except OSError as exc:
-                raise TraceError(f"{trace.path}: /window is unreadable or truncated ({exc})") from exc
             filled = pid.max(axis=0) >= 0  # a row is a pass when any rank filled it
             yield PassBlock(
                 pass_id=pid.max(axis=0)[filled],

@@ -40,13 +40,21 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .schema import CHECKSUM_ATTR, INTEGRITY_ATTR, INTEGRITY_VERSION, TraceError
+from .schema import (
+    CHECKSUM_ATTR,
+    INTEGRITY_ATTR,
+    INTEGRITY_VERSION,
+    TraceDamageError,
+    TraceError,
+    TraceWriteError,
+)
 
 __all__ = [
     "CHECKSUMS",
     "check_seal",
     "create_options",
     "damage_message",
+    "datasets",
     "from_hdf5",
     "is_sealed",
     "reading",
@@ -106,7 +114,7 @@ def seal(file: h5py.File, path: Path) -> None:
     file.attrs[INTEGRITY_ATTR] = INTEGRITY_VERSION
     digests: dict[str, str] = {}
     with open(path, "rb") as raw:
-        for name, dset in _datasets(file):
+        for name, dset in datasets(file):
             digests[name] = _dataset_digest(dset, raw)
     for name, digest in digests.items():
         file[name].attrs[CHECKSUM_ATTR] = np.bytes_(digest)
@@ -129,7 +137,7 @@ def check_seal(file: h5py.File, path: Path) -> dict[str, str]:
         return {"/": f"its checksums are of integrity version {version}, newer than this moetrace ({INTEGRITY_VERSION}); upgrade moetrace"}
     digests: dict[str, str] = {}
     with open(path, "rb") as raw:
-        for name, dset in _datasets(file):
+        for name, dset in datasets(file):
             with reading(path, f"/{name}"):
                 stored = _stored(dset.attrs)
                 if stored is None:
@@ -189,20 +197,21 @@ def damage_message(path: Path | str, what: str, detail: str) -> str:
 
 @contextlib.contextmanager
 def reading(path: Path | str, what: str = "the file") -> Iterator[None]:
-    """Turn every h5py/HDF5 failure inside the block into a :class:`TraceError` naming
+    """Turn every h5py/HDF5 failure inside the block into a :class:`TraceDamageError` naming
     ``path``, ``what`` (an object such as ``"/stat/logical_count"``), the damage and the remedy."""
     try:
         yield
-    except TraceError:
+    except (TraceError, TraceWriteError):
         raise
     except Exception as exc:
         if not from_hdf5(exc) and not isinstance(exc, OSError):
             raise
-        raise TraceError(damage_message(path, what, _what(exc))) from exc
+        raise TraceDamageError(path, damage_message(path, what, _what(exc))) from exc
 
 
 # ----------------------------------------------------------------------------- digests
-def _datasets(file: h5py.File) -> list[tuple[str, h5py.Dataset]]:
+def datasets(file: h5py.File) -> list[tuple[str, h5py.Dataset]]:
+    """Every dataset of ``file`` as ``(name, dataset)``, in name order."""
     found: list[tuple[str, h5py.Dataset]] = []
 
     def visit(name: str, obj: object) -> None:

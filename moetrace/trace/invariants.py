@@ -22,32 +22,37 @@ merged trace, else 1), ``L`` MoE layers, ``P`` physical / ``E`` logical experts,
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from ..ids import to_logical
-from .schema import PADDING_IDS, TraceError
+from .schema import MERGED_RANKS_ATTR, PADDING_IDS, TraceDamageError
 
-if TYPE_CHECKING:
-    from .reader import Trace
+#: An open :class:`moetrace.trace.reader.Trace` (not imported: the reader imports this module).
+Trace = Any
 
 __all__ = ["RowOrder", "check_layout", "check_rows_against_stat", "check_stat", "check_timing_rows", "violation"]
 
 _STREAMED = {"per_pass": "passes", "per_token": "tokens"}
 
 
-def violation(path: Path | str, dataset: str, figures: str) -> TraceError:
+def violation(path: Path | str, dataset: str, figures: str) -> TraceDamageError:
     """The error for a broken invariant: the file, the dataset, the figures, the remedy."""
-    return TraceError(
+    return TraceDamageError(
+        path,
         f"{path}: {dataset} violates the trace's invariants: {figures}. The trace is damaged or was not written by "
         f"moetrace; run `moetrace verify {path}` to see what is intact, and dump or copy it again"
     )
 
 
 def _rank_rows(trace: Trace) -> int:
-    return int(trace.attrs["world_size"]) if int(trace.attrs["rank"]) < 0 else 1  # type: ignore[call-overload]
+    attrs = trace.attrs
+    if MERGED_RANKS_ATTR in attrs:
+        return len(json.loads(str(attrs[MERGED_RANKS_ATTR])))
+    return int(attrs["world_size"]) if int(attrs["rank"]) < 0 else 1
 
 
 def _expect(trace: Trace, name: str, shape: tuple[int | None, ...]) -> None:
@@ -64,7 +69,7 @@ def check_layout(trace: Trace) -> None:
     """Shapes against the root attributes and rank layout; the small static datasets' values.
 
     Raises:
-        TraceError: naming the dataset and the figures.
+        TraceDamageError: naming the dataset and the figures.
     """
     if trace.mode == "routing":
         return
@@ -121,7 +126,7 @@ def check_stat(trace: Trace) -> None:
     """``/stat`` and ``/window`` against each other and the map (see the module docstring).
 
     Raises:
-        TraceError: naming the dataset and the figures.
+        TraceDamageError: naming the dataset and the figures.
     """
     if not trace.has("stat/physical_count"):
         return
@@ -198,7 +203,7 @@ class RowOrder:
         """The next rows ``pass_id [n]`` (and ``timestamp [n]``, ``rank [n]``) of the group.
 
         Raises:
-            TraceError: a pass id or timestamp goes back.
+            TraceDamageError: a pass id or timestamp goes back.
         """
         if len(pass_id):
             steps = np.diff(np.concatenate([[self.last_pass], pass_id.astype(np.int64)]))
@@ -234,7 +239,7 @@ def check_rows_against_stat(trace: Trace, chunk: int = 65536) -> None:
     """Every streamed row, summed per rank, against the ``/stat`` totals (exact).
 
     Raises:
-        TraceError: naming the dataset and the figures.
+        TraceDamageError: naming the dataset and the figures.
     """
     group = _STREAMED.get(trace.mode)
     if group is None or not trace.has("stat/physical_count") or not trace.has(f"{group}/pass_id"):

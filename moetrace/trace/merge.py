@@ -28,8 +28,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from .integrity import reading
 from .reader import open_trace
-from .schema import TraceError
+from .schema import MERGED_DAMAGED_ATTR, MERGED_RANKS_ATTR, TraceDamageError, TraceError
 from .writer import TraceHeader, TraceWriter
 
 __all__ = ["merge_traces", "rank_stops"]
@@ -39,14 +40,25 @@ _STREAM_GROUP = {"per_pass": "passes", "per_token": "tokens"}
 _WINDOW_FILL = {"pass_id": -1, "timestamp": 0.0, "num_tokens": 0, "physical_count": 0}
 
 
-def _check_inputs(paths: Sequence[Path]) -> tuple[list[Path], dict[str, object], np.ndarray, np.ndarray]:
-    """Inputs sorted by rank, rank 0's attributes, its layers and map; raises TraceError on any mismatch."""
+def _check_inputs(paths: Sequence[Path], damaged: dict[Path, str]) -> tuple[list[Path], list[int], dict[str, object], np.ndarray, np.ndarray]:
+    """Intact inputs sorted by rank, their ranks, the first one's attributes, layers and map.
+
+    Inputs that cannot be opened because they are damaged go into ``damaged``
+    (``{path: message}``); every other mismatch raises TraceError.
+    """
     if not paths:
         raise TraceError("merge needs at least one per-rank trace")
     infos = []
     for path in paths:
-        with open_trace(path) as trace:
-            infos.append((Path(path), trace.attrs, trace.layers, trace.physical_to_logical))
+        if path in damaged:
+            continue
+        try:
+            with open_trace(path) as trace:
+                infos.append((Path(path), trace.attrs, trace.layers, trace.physical_to_logical))
+        except TraceDamageError as exc:
+            damaged[path] = str(exc)
+    if not infos:
+        raise TraceDamageError(paths[0], f"every input is damaged, nothing to merge: {'; '.join(damaged.values())}")
     first_path, first, layers, mapping = infos[0]
     for path, attrs, lay, mp in infos:
         if int(attrs["rank"]) < 0:
@@ -59,11 +71,13 @@ def _check_inputs(paths: Sequence[Path]) -> tuple[list[Path], dict[str, object],
         if not (np.array_equal(lay, layers) and np.array_equal(mp, mapping)):
             raise TraceError(f"{path}: /layers or /physical_to_logical differs from {first_path}'s; cannot merge")
     ranks = sorted(int(attrs["rank"]) for _, attrs, _, _ in infos)
-    world = int(first["world_size"])
-    if ranks != list(range(world)):
-        raise TraceError(f"merge needs ranks 0..{world - 1} exactly once each (world_size={world}), got ranks {ranks}")
-    ordered = [p for p, _ in sorted(((p, int(a["rank"])) for p, a, _, _ in infos), key=lambda x: x[1])]
-    return ordered, first, layers, mapping
+    world = int(first["world_size"])  # type: ignore[call-overload]
+    complete = ranks == list(range(world))
+    partial = damaged and len(set(ranks)) == len(ranks) and len(ranks) + len(damaged) == world and all(0 <= r < world for r in ranks)
+    if not (complete or partial):
+        raise TraceError(f"merge needs ranks 0..{world - 1} exactly once each (world_size={world}), got ranks {ranks}" + (f" and {len(damaged)} damaged input(s)" if damaged else ""))
+    ordered = sorted(((p, int(a["rank"])) for p, a, _, _ in infos), key=lambda x: x[1])  # type: ignore[call-overload]
+    return [p for p, _ in ordered], [r for _, r in ordered], first, layers, mapping
 
 
 class _Cursor:
@@ -81,10 +95,8 @@ class _Cursor:
         if (len(self.buffer["pass_id"]) and not grow) or self.next >= self.rows:
             return
         stop = min(self.next + self.chunk, self.rows)
-        try:
+        with reading(self.file.filename, f"/{self.group} rows {self.next}..{stop - 1}"):
             rows = {n: np.asarray(self.file[f"{self.group}/{n}"][self.next : stop]) for n in self.names}
-        except OSError as exc:
-            raise TraceError(f"{self.file.filename}: /{self.group} is unreadable or truncated ({exc})") from exc
         pid = rows["pass_id"]
         if len(pid) and (pid[0] < self.last_pass or (np.diff(pid) < 0).any()):
             raise TraceError(f"{self.file.filename}: pass ids in /{self.group} are not in order; cannot merge by time")
@@ -108,12 +120,12 @@ class _Cursor:
         return out
 
 
-def _merge_stream(files: list[h5py.File], group: str, writer: TraceWriter, chunk: int) -> None:
+def _merge_stream(files: list[h5py.File], ranks: list[int], group: str, writer: TraceWriter, chunk: int) -> None:
     names = sorted(files[0][group].keys())
     for f in files[1:]:
         if sorted(f[group].keys()) != names or any(f[f"{group}/{n}"].shape[1:] != files[0][f"{group}/{n}"].shape[1:] for n in names):
             raise TraceError(f"{f.filename}: /{group} datasets differ in names or shapes from {files[0].filename}'s; cannot merge")
-    cursors = [_Cursor(f, group, names, rank, chunk) for rank, f in enumerate(files)]
+    cursors = [_Cursor(f, group, names, rank, chunk) for rank, f in zip(ranks, files, strict=True)]
     for name in names:
         ds = files[0][f"{group}/{name}"]
         writer.ensure_empty(f"{group}/{name}", ds.shape[1:], ds.dtype)
@@ -151,7 +163,8 @@ def _stack_static(files: list[h5py.File], group: str, writer: TraceWriter) -> No
                 raise TraceError(f"{f.filename}: /{key} is missing or shaped differently from {files[0].filename}'s; cannot merge")
         widths = [f[key].shape[1] if f[key].ndim > 1 else 0 for f in files]
         for f in files:
-            rows = np.asarray(f[key][()])
+            with reading(f.filename, f"/{key}"):
+                rows = np.asarray(f[key][()])
             if group == "window" and rows.shape[1] < max(widths):
                 pad = np.full((1, max(widths) - rows.shape[1], *rows.shape[2:]), _WINDOW_FILL[name], dtype=rows.dtype)
                 rows = np.concatenate([rows, pad], axis=1)
@@ -179,28 +192,47 @@ def rank_stops(paths: Sequence[Path | str]) -> list[str]:
 def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int = 65536) -> Path:
     """Merge per-rank traces of one run into ``out`` (copying; see the module docstring).
 
+    A damaged input (a checksum, HDF5 structure or invariant fails, found when it is
+    opened or while its rows are copied) is left out and the others are merged: the
+    result then names the damaged inputs in ``merged_damaged`` and its ranks in
+    ``merged_ranks`` (``/stat`` rows follow that list); check those attributes, as
+    ``moetrace merge`` does, before treating it as the whole run.
+
     Raises:
-        TraceError: an input is unreadable, from another run, of another
-            shape or mode, ranks are missing or repeated, or rows are out of order.
+        TraceError: an input is unreadable for another reason, from another run, of
+            another shape or mode, ranks are missing or repeated, or every input is damaged.
         TraceWriteError: ``out`` could not be written (nothing is left under that name).
     """
-    ordered, attrs, layers, mapping = _check_inputs([Path(p) for p in paths])
+    inputs = [Path(p) for p in paths]
+    damaged: dict[Path, str] = {}
+    while True:
+        ordered, ranks, attrs, layers, mapping = _check_inputs(inputs, damaged)
+        try:
+            return _write_merged(ordered, ranks, attrs, layers, mapping, Path(out), chunk_rows, damaged)
+        except TraceDamageError as exc:
+            culprit = next((p for p in ordered if str(exc.path) == str(p)), None)
+            if culprit is None:
+                raise
+            damaged[culprit] = str(exc)
+
+
+def _write_merged(ordered: list[Path], ranks: list[int], attrs: dict[str, object], layers: np.ndarray, mapping: np.ndarray, out: Path, chunk_rows: int, damaged: dict[Path, str]) -> Path:
     header = TraceHeader(
         mode=str(attrs["mode"]),
         id_space=str(attrs["id_space"]),
-        num_layers=int(attrs["num_layers"]),
-        num_physical_experts=int(attrs["num_physical_experts"]),
-        top_k=int(attrs["top_k"]),
-        ep_size=int(attrs["ep_size"]),
+        num_layers=int(attrs["num_layers"]),  # type: ignore[call-overload]
+        num_physical_experts=int(attrs["num_physical_experts"]),  # type: ignore[call-overload]
+        top_k=int(attrs["top_k"]),  # type: ignore[call-overload]
+        ep_size=int(attrs["ep_size"]),  # type: ignore[call-overload]
         layer_ids=layers,
         physical_to_logical=mapping,
         model=str(attrs["model"]),
         engine=str(attrs["engine"]),
         run_id=str(attrs["run_id"]),
         rank=-1,
-        world_size=len(ordered),
-        hidden_size=int(attrs.get("hidden_size", 0)),
-        dtype_bytes=int(attrs.get("dtype_bytes", 0)),
+        world_size=int(attrs["world_size"]),  # type: ignore[call-overload]
+        hidden_size=int(attrs.get("hidden_size", 0)),  # type: ignore[call-overload]
+        dtype_bytes=int(attrs.get("dtype_bytes", 0)),  # type: ignore[call-overload]
     )
     files = [h5py.File(p, "r") for p in ordered]
     try:
@@ -209,13 +241,16 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
             _stack_static(files, "window", writer)
             group = _STREAM_GROUP.get(header.mode)
             if group is not None and group in files[0]:
-                _merge_stream(files, group, writer, chunk_rows)
+                _merge_stream(files, ranks, group, writer, chunk_rows)
             if "timing" in files[0]:
-                _merge_stream(files, "timing", writer, chunk_rows)
+                _merge_stream(files, ranks, "timing", writer, chunk_rows)
             for key, value in files[0].attrs.items():
                 if key.startswith("timing_"):
                     writer.set_attr(key, value)
             writer.set_attr("merged_from", json.dumps([p.name for p in ordered]))
+            if damaged:
+                writer.set_attr(MERGED_RANKS_ATTR, json.dumps(ranks))
+                writer.set_attr(MERGED_DAMAGED_ATTR, json.dumps([f"{p.name}: {why}" for p, why in damaged.items()]))
             stops = rank_stops(ordered)
             if stops:
                 writer.set_attr("recovered_ranks", json.dumps(stops))

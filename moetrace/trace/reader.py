@@ -24,6 +24,7 @@ from .schema import (
     REQUIRED_ATTRS,
     SCHEMA_NAME,
     SCHEMA_VERSION,
+    TraceDamageError,
     TraceError,
 )
 
@@ -132,7 +133,7 @@ class Trace:
         except Exception as exc:
             if not (integrity.from_hdf5(exc) or isinstance(exc, OSError)):
                 raise
-            raise TraceError(f"{self.path}: not an HDF5 file or truncated, or its superblock is damaged ({' '.join(str(exc).split())}){_unfinished_hint(self.path)}") from exc
+            raise TraceDamageError(self.path, f"{self.path}: not an HDF5 file or truncated, or its superblock is damaged ({' '.join(str(exc).split())}){_unfinished_hint(self.path)}") from exc
         self._stat_checked = False
         try:
             with reading(self.path):
@@ -169,7 +170,7 @@ class Trace:
             if problems:
                 name, problem = next(iter(problems.items()))
                 others = f" (and {len(problems) - 1} more objects)" if len(problems) > 1 else ""
-                raise TraceError(integrity.damage_message(self.path, "the root" if name == "/" else name, problem + others))
+                raise TraceDamageError(self.path, integrity.damage_message(self.path, "the root" if name == "/" else name, problem + others))
         invariants.check_layout(self)
 
     # -- context manager ----------------------------------------------------------
@@ -254,8 +255,12 @@ class Trace:
         shape = self.shape(name)
         return int(shape[0]) if shape else 0
 
-    def _checked(self) -> None:
-        """Check the ``/stat`` and ``/window`` invariants once, before their first use."""
+    def check_invariants(self) -> None:
+        """Check the ``/stat`` and ``/window`` invariants (once; the stat and window accessors call it first).
+
+        Raises:
+            TraceError: naming the dataset and the figures that disagree.
+        """
         if not self._stat_checked:
             self._stat_checked = True
             try:
@@ -267,19 +272,19 @@ class Trace:
     # -- stat -------------------------------------------------------------------------
     def physical_count(self, per_rank: bool = False) -> np.ndarray:
         """Total counts per physical expert: ``[L, P]`` summed over ranks, or ``[R, L, P]``."""
-        self._checked()
+        self.check_invariants()
         counts = self._read("stat/physical_count")
         return counts if per_rank else counts.sum(axis=0)
 
     def logical_count(self, per_rank: bool = False) -> np.ndarray:
         """Total counts per logical expert: ``[L, E]`` summed over ranks, or ``[R, L, E]``."""
-        self._checked()
+        self.check_invariants()
         counts = self._read("stat/logical_count")
         return counts if per_rank else counts.sum(axis=0)
 
     def invalid_ids(self) -> np.ndarray:
         """Out-of-range ids seen per rank and layer ``[R, L]``."""
-        self._checked()
+        self.check_invariants()
         return self._read("stat/invalid_ids")
 
     def send_count(self) -> np.ndarray:
@@ -296,7 +301,7 @@ class Trace:
 
     def num_passes(self) -> np.ndarray:
         """Forward passes recorded per rank ``[R]``."""
-        self._checked()
+        self.check_invariants()
         return self._read("stat/num_passes")
 
     def padding_ids(self) -> np.ndarray | None:
@@ -311,12 +316,12 @@ class Trace:
 
     def num_tokens(self) -> np.ndarray:
         """Tokens recorded per rank ``[R]``."""
-        self._checked()
+        self.check_invariants()
         return self._read("stat/num_tokens")
 
     def window(self) -> Window:
         """The ``stat`` mode's time-ordered window (oldest first)."""
-        self._checked()
+        self.check_invariants()
         return Window(
             pass_id=self._read("window/pass_id"),
             timestamp=self._read("window/timestamp"),

@@ -11,10 +11,14 @@ __all__ = [
     "COMPLETE_ATTR",
     "INTEGRITY_ATTR",
     "INTEGRITY_VERSION",
+    "MERGED_DAMAGED_ATTR",
+    "MERGED_RANKS_ATTR",
     "PADDING_IDS",
+    "RECOVERED_DAMAGED_ATTR",
     "REQUIRED_ATTRS",
     "SCHEMA_NAME",
     "SCHEMA_VERSION",
+    "TraceDamageError",
     "TraceError",
     "TraceWriteError",
 ]
@@ -34,6 +38,13 @@ CHECKSUM_ATTR = "checksum"
 #: ``[R, L]`` padding ids (-1) the hooks saw per rank and layer (traces since integrity v1):
 #: with ``/stat/invalid_ids`` it closes the count ``tokens x top_k`` of every layer.
 PADDING_IDS = "stat/padding_ids"
+#: Root attribute of a recovered trace: JSON list of the damaged segments left out.
+RECOVERED_DAMAGED_ATTR = "recovered_damaged"
+#: Root attribute of a merged trace: JSON list of the damaged per-rank inputs left out.
+MERGED_DAMAGED_ATTR = "merged_damaged"
+#: Root attribute of a merged trace that left damaged inputs out: JSON list of the ranks
+#: its ``/stat`` and ``/window`` rows hold, in row order (absent: all of 0..world_size-1).
+MERGED_RANKS_ATTR = "merged_ranks"
 #: Root attributes every trace (v1 and v2) carries.
 REQUIRED_ATTRS = (
     "schema",
@@ -57,6 +68,18 @@ REQUIRED_ATTRS = (
 
 class TraceError(ValueError):
     """A file is not a readable moetrace trace; the message names file and problem."""
+
+
+class TraceDamageError(TraceError):
+    """A trace's contents are damaged: a checksum, an HDF5 structure or an invariant fails.
+
+    Attributes:
+        path: the damaged file.
+    """
+
+    def __init__(self, path: object, message: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class TraceWriteError(OSError):
