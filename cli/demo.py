@@ -54,7 +54,7 @@ from moetrace.dispatch import (
 )
 from moetrace.trace.merge import merge_traces
 from moetrace.trace.reader import open_trace
-from moetrace.trace.schema import TraceError
+from moetrace.trace.schema import TraceDamageError, TraceError
 
 from .analysis import print_report
 from .errors import CommandError, guarded
@@ -195,6 +195,8 @@ def _placement(trace_path: Path, gpus: int) -> tuple[dict[str, Any], list[str]]:
         physical = trace.physical_count()
         try:
             series = load_series(trace, np.arange(trace.num_layers))
+        except TraceDamageError:
+            raise
         except TraceError:  # fewer than two passes (e.g. interrupted at once): no held-out estimate
             series = None
     experts = weight.shape[1]

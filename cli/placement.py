@@ -40,7 +40,7 @@ from moetrace.analysis.placement import PlacementPlan, predicted_gpu_load
 from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.analysis.source import select_layers
 from moetrace.trace.reader import open_trace
-from moetrace.trace.schema import TraceError
+from moetrace.trace.schema import TraceDamageError, TraceError
 
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, parse_layers, stdout_console
@@ -97,6 +97,8 @@ def _expert_bytes(attrs: dict[str, Any], intermediate_size: int | None) -> int |
 def _series(tr: Any, index: np.ndarray, bucket: int | None, required: bool) -> PassSeries | None:
     try:
         return load_series(tr, index, bucket)
+    except TraceDamageError:
+        raise  # a damaged trace is never answered with the fallback plan
     except TraceError:
         if required:
             raise

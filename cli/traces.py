@@ -108,6 +108,8 @@ def _datasets(path: Path) -> list[dict[str, object]]:
 
 
 def _plain(value: object) -> object:
+    if isinstance(value, np.ndarray):  # e.g. timing_histogram_edges
+        return [_plain(v) for v in value.tolist()] if value.dtype.kind in "OSU" else value.tolist()
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, bytes):

@@ -70,17 +70,18 @@ _state = threading.local()
 
 
 # ----------------------------------------------------------------------------- writing
-def create_options(shape: tuple[int, ...], maxshape: tuple[int | None, ...] | None = None) -> dict[str, object]:
+def create_options(shape: tuple[int, ...], maxshape: tuple[int | None, ...] | None = None, dtype: object = None) -> dict[str, object]:
     """``create_dataset`` keywords that give a dataset of ``shape`` its Fletcher-32 filter.
 
     Any dataset that can hold data is chunked (HDF5 filters need chunks; h5py picks the
-    chunk shape unless the caller passes one). Scalars and empty fixed-shape datasets hold
-    no chunks and get nothing: :func:`seal` digests their contents instead.
+    chunk shape unless the caller passes one). Scalars, empty fixed-shape datasets and
+    variable-length strings (HDF5 filters cannot apply to them) get nothing: :func:`seal`
+    digests their contents instead.
     """
     if not sealing():
         return {}
     resizable = maxshape is not None and any(m is None for m in maxshape)
-    if not shape or (int(np.prod(shape)) == 0 and not resizable):
+    if (dtype is not None and _variable_length(np.dtype(dtype))) or not shape or (int(np.prod(shape)) == 0 and not resizable):
         return {}
     return {"fletcher32": True}
 
@@ -143,7 +144,7 @@ def check_seal(file: h5py.File, path: Path) -> dict[str, str]:
                 if stored is None:
                     problems[f"/{name}"] = "has no checksum although the trace is sealed (the dataset was added or its header rewritten)"
                     continue
-                if dset.size and dset.shape and not _has_fletcher(dset):
+                if dset.size and dset.shape and not _variable_length(dset.dtype) and not _has_fletcher(dset):
                     problems[f"/{name}"] = "has lost its Fletcher-32 filter (the dataset was rewritten)"
                 actual = _dataset_digest(dset, raw)
             digests[name] = stored
@@ -240,6 +241,12 @@ def _stored(attrs: h5py.AttributeManager) -> str | None:
     return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
 
 
+def _variable_length(dtype: np.dtype) -> bool:
+    """Variable-length strings or sequences: kept in HDF5's global heap, which filters cannot reach."""
+    string = h5py.check_string_dtype(dtype)
+    return dtype.kind == "O" or h5py.check_vlen_dtype(dtype) is not None or (string is not None and string.length is None)
+
+
 def _has_fletcher(dset: h5py.Dataset) -> bool:
     plist = dset.id.get_create_plist()
     return any(plist.get_filter(i)[0] == _FLETCHER32 for i in range(plist.get_nfilters()))
@@ -266,7 +273,7 @@ def _dataset_digest(dset: h5py.Dataset, raw: object) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(repr(dset.shape).encode() + b"|" + str(dset.dtype).encode() + b"|" + dset.dtype.str.encode())
     _hash_attrs(h, dset.attrs)
-    vlen = h5py.check_string_dtype(dset.dtype) is not None or dset.dtype.kind == "O"
+    vlen = _variable_length(dset.dtype)
     if dset.chunks is not None and _has_fletcher(dset) and not vlen:
         chunks: list[tuple[tuple[int, ...], int, int]] = []
         dset.id.chunk_iter(lambda info: chunks.append((tuple(info.chunk_offset), int(info.byte_offset), int(info.size))))

@@ -61,6 +61,8 @@ def _check_inputs(paths: Sequence[Path], damaged: dict[Path, str]) -> tuple[list
         raise TraceDamageError(paths[0], f"every input is damaged, nothing to merge: {'; '.join(damaged.values())}")
     first_path, first, layers, mapping = infos[0]
     for path, attrs, lay, mp in infos:
+        if attrs["mode"] == "routing":
+            raise TraceError(f"{path}: a routing trace (one router's /requests); merge joins the per-rank traces of an expert recording")
         if int(attrs["rank"]) < 0:
             raise TraceError(f"{path}: already holds every rank (rank=-1); merge joins per-rank traces")
         if attrs["run_id"] != first["run_id"]:

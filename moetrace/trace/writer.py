@@ -212,8 +212,8 @@ class TraceWriter:
     def _create(self, name: str, data: np.ndarray | None = None, **options: object) -> h5py.Dataset:
         """The one place a dataset is created: with its checksum filter (:mod:`.integrity`)."""
         shape = tuple(data.shape) if data is not None else tuple(options["shape"])  # type: ignore[arg-type]
-        maxshape = options.get("maxshape")
-        return self._file.create_dataset(name, data=data, **options, **integrity.create_options(shape, maxshape))  # type: ignore[arg-type]
+        dtype = options.get("dtype", data.dtype if data is not None else None)
+        return self._file.create_dataset(name, data=data, **options, **integrity.create_options(shape, options.get("maxshape"), dtype))  # type: ignore[arg-type]
 
     # -- whole datasets ---------------------------------------------------------
     def write(self, name: str, data: np.ndarray, compress: bool = False) -> None:
