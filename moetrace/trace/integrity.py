@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,6 +57,7 @@ __all__ = [
     "from_hdf5",
     "is_sealed",
     "reading",
+    "reseal",
     "seal",
     "sealing",
     "unsealed",
@@ -66,7 +66,7 @@ __all__ = [
 #: What each sealed trace carries, in words (``inspect``, ``verify`` and the docs use it).
 CHECKSUMS = "Fletcher-32 per chunk (HDF5) + BLAKE2b-128 digests per dataset and of the root"
 _FLETCHER32 = h5py.h5z.FILTER_FLETCHER32
-_state = threading.local()
+_state = types.SimpleNamespace(off=False)  # process-wide: the recorder's writer threads write too
 
 
 # ----------------------------------------------------------------------------- writing
@@ -88,14 +88,14 @@ def create_options(shape: tuple[int, ...], maxshape: tuple[int | None, ...] | No
 
 def sealing() -> bool:
     """Whether traces written now get checksums (always, except inside :func:`unsealed`)."""
-    return not getattr(_state, "off", False)
+    return not _state.off
 
 
 @contextlib.contextmanager
 def unsealed() -> Iterator[None]:
-    """Traces written by this thread inside the block carry no checksums (as before moetrace
-    had them: read back as unverified). For the benchmark's with/without ratio and the tests
-    of older traces; never needed otherwise."""
+    """Traces written in this process while the block runs (by any thread) carry no checksums,
+    as before moetrace had them: they read back as unverified. For the benchmark's
+    with/without ratio and the tests of older traces; never needed otherwise."""
     _state.off = True
     try:
         yield
@@ -120,6 +120,15 @@ def seal(file: h5py.File, path: Path) -> None:
     for name, digest in digests.items():
         file[name].attrs[CHECKSUM_ATTR] = np.bytes_(digest)
     file.attrs[CHECKSUM_ATTR] = np.bytes_(_root_digest(file, digests))
+
+
+def reseal(path: Path | str) -> None:
+    """Seal ``path`` again after a deliberate edit with h5py (e.g. setting root attributes on a
+    copy): its digests are recomputed from what the file holds now. Damage inside chunks still
+    shows (Fletcher-32 travels with the chunks); use it only on a file you changed on purpose."""
+    path = Path(path)
+    with h5py.File(path, "r+") as file:
+        seal(file, path)
 
 
 # ----------------------------------------------------------------------------- checking
@@ -165,7 +174,7 @@ def from_hdf5(exc: BaseException) -> bool:
     """Whether ``exc`` was raised inside h5py/HDF5 (its traceback passes through h5py)."""
     tb = exc.__traceback__
     while tb is not None:
-        if f"{os.sep}h5py{os.sep}" in tb.tb_frame.f_code.co_filename:
+        if "h5py" in Path(tb.tb_frame.f_code.co_filename).parts:  # h5py's Python and Cython ("h5py/h5d.pyx") frames
             return True
         tb = tb.tb_next
     return isinstance(exc, OSError) and "HDF5" in type(exc).__module__

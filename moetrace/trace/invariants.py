@@ -12,7 +12,7 @@ merged trace, else 1), ``L`` MoE layers, ``P`` physical / ``E`` logical experts,
   streamed rows against the ``/stat`` totals of passes and tokens.
 - :func:`check_stat` (the first time ``/stat`` or ``/window`` is read): logical counts
   equal the physical counts summed through the map; each layer's assignments (experts +
-  invalid + padding) at most ``tokens x k``; the window within the totals, its pass ids
+  invalid ids) at most ``tokens x k``, and with padding a multiple of ``k``; the window within the totals, its pass ids
   increasing and its timestamps non-decreasing.
 - :class:`RowOrder` (as ``/passes`` and ``/tokens`` are iterated) and
   :func:`check_timing_rows`: pass ids non-decreasing, timestamps non-decreasing per rank.
@@ -146,17 +146,22 @@ def check_stat(trace: Trace) -> None:
     if tokens is not None and trace.top_k > 0:
         invalid = trace._read("stat/invalid_ids").astype(np.int64) if trace.has("stat/invalid_ids") else 0
         padding = trace._read(PADDING_IDS).astype(np.int64) if trace.has(PADDING_IDS) else 0
-        seen = physical.sum(axis=2) + invalid + padding  # [R, L]
+        routed = physical.sum(axis=2) + invalid  # [R, L]: ids that are not padding
         limit = tokens[:, None] * trace.top_k
-        over = np.argwhere(seen > limit)
-        if trace.has(PADDING_IDS) and not len(over):
-            over = np.argwhere(seen % trace.top_k != 0)  # each hook call adds tokens x top_k ids to a layer
+        over = np.argwhere(routed > limit)
         if len(over):
             r, layer = over[0]
             raise violation(
                 trace.path, "/stat/physical_count",
-                f"rank row {r}, layer {trace.layers[layer]}: {int(physical[r, layer].sum())} assignments + invalid + padding = {int(seen[r, layer])}, "
-                f"which must be a multiple of top_k {trace.top_k} and at most /stat/num_tokens {int(tokens[r])} x top_k = {int(limit[r, 0])}",
+                f"rank row {r}, layer {trace.layers[layer]}: {int(physical[r, layer].sum())} assignments + {int(np.broadcast_to(invalid, routed.shape)[r, layer])} invalid ids "
+                f"= {int(routed[r, layer])}, more than /stat/num_tokens {int(tokens[r])} x top_k {trace.top_k} = {int(limit[r, 0])}",
+            )
+        seen = routed + padding
+        if trace.has(PADDING_IDS) and (seen % trace.top_k != 0).any():  # each hook call adds tokens x top_k ids to a layer
+            r, layer = np.argwhere(seen % trace.top_k != 0)[0]
+            raise violation(
+                trace.path, "/stat/padding_ids",
+                f"rank row {r}, layer {trace.layers[layer]}: assignments + invalid + padding = {int(seen[r, layer])}, not a multiple of top_k {trace.top_k}",
             )
     if trace.has("window/pass_id"):
         _check_window(trace, physical, tokens)

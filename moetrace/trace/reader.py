@@ -122,6 +122,10 @@ class Trace:
     each chunk's Fletcher-32 as it is read) and its layout invariants
     (:mod:`.invariants`); the ``/stat`` and ``/window`` invariants are checked the first
     time either is read. Every HDF5 failure becomes a :class:`TraceError`.
+
+    Attributes:
+        verified: the trace carries checksums (``False``: written before them; readable,
+            but nothing proves it unchanged).
     """
 
     def __init__(self, path: Path | str) -> None:

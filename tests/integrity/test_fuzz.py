@@ -10,7 +10,7 @@ with exactly the output (and written trace) it gives for the undamaged file, or 
 with a ``moetrace: error:`` line / a verify report. Exit 1, a traceback or a different
 answer fails the test.
 
-``FUZZ_CASES`` (env ``MOETRACE_FUZZ_CASES``, default 8) is sized to keep the module within
+``FUZZ_CASES`` (env ``MOETRACE_FUZZ_CASES``, default 6) is sized to keep the module within
 about a minute on a 2-core CI machine; ``MOETRACE_FUZZ_TALLY=path.json`` writes the tallies
 that docs/trace-format.md shows.
 """
@@ -31,7 +31,7 @@ from typer.testing import CliRunner
 
 from .traces import MUTATIONS, build, corrupt
 
-FUZZ_CASES = int(os.environ.get("MOETRACE_FUZZ_CASES", "8"))
+FUZZ_CASES = int(os.environ.get("MOETRACE_FUZZ_CASES", "6"))
 KINDS = ("stat", "per_pass", "per_token", "timing", "routing", "merged", "recovered", "converted", "segment", "checkpoint")
 COMMANDS = ("analyze", "inspect", "diff", "placement", "merge", "recover", "verify")
 SEED = 28
