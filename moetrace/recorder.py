@@ -20,20 +20,21 @@ while recording or after stop; state is kept, so a failed dump can be
 retried), ``reset()`` discards everything. ``start`` while recording and
 ``stop`` while stopped raise :class:`RecorderStateError`, as does ``dump``
 before any ``start``.
+
+This module holds the hooks and the recording state machine. The recording's
+files while it runs (segments, rotation, checkpoints, journal) are
+:mod:`moetrace.session`; writing dumps, with the gathers over ranks,
+:mod:`moetrace.dump`; the asynchronous host copy that ``snapshot()`` reads,
+:mod:`moetrace.snapshot`.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import json
 import logging
-import os
-import socket
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,12 +42,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import session as sessions
 from .accumulators import CounterLayout, PassCounter, PassStream, StatWindow, TokenStream
 from .config import RecorderConfig
-from .ids import to_logical
-from .snapshot import RecorderSnapshot
+from .devices import resolve_device
+from .dump import TimingParts, TraceDump, dist_world, gather_objects, streamed_schema
+from .graphs import is_capturing
+from .session import RecordingSession, Staged
+from .snapshot import RecorderSnapshot, SnapshotChannel
 from .timing import (
-    HISTOGRAM_EDGES,
     PHASES,
     PassTiming,
     TimingCaptureError,
@@ -55,19 +59,9 @@ from .timing import (
     make_clock,
     row_fields,
 )
-from .trace.schema import PADDING_IDS, TraceWriteError
-from .trace.segments import (
-    CheckpointWriter,
-    Journal,
-    SegmentInfo,
-    SegmentWriter,
-    checkpoint_path,
-    concat_segments,
-    journal_path,
-    sweep_dead_temporaries,
-)
-from .trace.stream import BackgroundTraceWriter, HostBufferPool, StreamJob
-from .trace.writer import TraceHeader, TraceWriter, check_writable_dir, compression_options
+from .trace.schema import TraceWriteError
+from .trace.stream import StreamJob
+from .trace.writer import compression_options
 
 __all__ = [
     "ExpertDistributionRecorder",
@@ -85,19 +79,6 @@ _UNTIMED = contextlib.nullcontext()
 
 class RecorderStateError(RuntimeError):
     """A lifecycle call that does not fit the recorder's state (e.g. start twice)."""
-
-
-def _normalise_device(device: torch.device) -> torch.device:
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _dist_world() -> tuple[int, int]:
-    """(rank, world size) of the default process group, or (0, 1) without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class _LayerScope:
@@ -121,51 +102,6 @@ class _LayerScope:
             clock.layer_scopes[self._layer].__exit__()
 
 
-class _SnapshotChannel:
-    """Two host buffers that receive the totals asynchronously at pass end.
-
-    ``publish`` (forward thread) copies into the older buffer with
-    ``non_blocking=True`` and records an event; ``latest`` (any thread) returns
-    the newest buffer whose copy has completed, never waiting for the device.
-    Both run under the recorder's lock.
-    """
-
-    def __init__(self, shape: tuple[int, int], device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self._buffers = [torch.zeros(shape, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._events: list[torch.cuda.Event | None] = [None, None]
-        self._meta: list[tuple[int, int, float] | None] = [(0, 0, time.time()), None]
-        self._cuda = device.type == "cuda"
-        self._newest = 0
-        self._cached: tuple[np.ndarray, tuple[int, int, float]] = (self._buffers[0].numpy().copy(), (0, 0, time.time()))
-
-    def publish(self, totals: torch.Tensor, num_passes: int, num_tokens: int, timestamp: float) -> None:
-        slot = 1 - self._newest
-        self._buffers[slot].copy_(totals, non_blocking=True)
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self._events[slot] = event
-        self._meta[slot] = (num_passes, num_tokens, timestamp)
-        self._newest = slot
-
-    def latest(self) -> tuple[np.ndarray, tuple[int, int, float]]:
-        for slot in (self._newest, 1 - self._newest):
-            event, meta = self._events[slot], self._meta[slot]
-            if meta is not None and (event is None or event.query()):
-                self._cached = (self._buffers[slot].numpy().copy(), meta)
-                break
-        return self._cached
-
-    def clear(self) -> None:
-        for buf in self._buffers:
-            buf.zero_()
-        self._events = [None, None]
-        self._meta = [(0, 0, time.time()), None]
-        self._newest = 0
-        self._cached = (self._buffers[0].numpy().copy(), self._meta[0])  # type: ignore[assignment]
-
-
 class ExpertDistributionRecorder:
     """Counts routed experts per layer, expert and EP rank on the device.
 
@@ -174,7 +110,7 @@ class ExpertDistributionRecorder:
     """
 
     def __init__(self, config: RecorderConfig) -> None:
-        self.config = config.replace(device=_normalise_device(config.device))  # type: ignore[arg-type]
+        self.config = config.replace(device=resolve_device(config.device))  # type: ignore[arg-type]
         cfg = self.config
         self._device: torch.device = cfg.device  # type: ignore[assignment]
         self._cuda = self._device.type == "cuda"
@@ -185,9 +121,9 @@ class ExpertDistributionRecorder:
             self._counter = PassCounter(cfg, self._layout)
             self._counter.set_gate(False)
             self._window = StatWindow(cfg, self._layout) if cfg.mode == "stat" else None
-            self._pass_stream = PassStream(cfg, self._layout, self._submit) if cfg.mode == "per_pass" else None
-            self._token_stream = TokenStream(cfg, self._layout, self._submit) if cfg.mode == "per_token" else None
-            self._snapshots = _SnapshotChannel((cfg.num_layers, self._layout.width), self._device)
+            self._pass_stream = PassStream(cfg, self._layout, self._submit, self._settle_writer) if cfg.mode == "per_pass" else None
+            self._token_stream = TokenStream(cfg, self._layout, self._submit, self._settle_writer) if cfg.mode == "per_token" else None
+            self._snapshots = SnapshotChannel((cfg.num_layers, self._layout.width), self._device)
         # Phase timing (host-side): the clock, aggregates over all passes and per-pass rows.
         self._clock = make_clock(cfg.num_layers, self._device, cfg.timing_ring) if cfg.timing else None
         self._live_clock = None  # the clock while a timed pass runs, else None
@@ -199,23 +135,22 @@ class ExpertDistributionRecorder:
         self._started = False
         self._in_pass = False
         self._pass_active = False
-        self._pass_tokens = 0
+        self._pass_rows = 0  # per_token: most rows a hook wrote in this pass (host bound, not a token count)
+        self._captured_rows = 0  # per_token: most rows a hook wrote while being captured into a CUDA graph
         self._next_pass_id = 0
         self._layer: int | None = None
         self._disabled = 0
         self._num_passes = 0
-        self._num_tokens = 0
         self._dumped_passes = 0
-        self._dumped_tokens = 0
         self._run_id = uuid.uuid4().hex
-        # Crash safety: streaming modes write rotating segments through a writer thread,
-        # stat mode checkpoints through one (see moetrace.trace.segments).
-        self._segment: BackgroundTraceWriter | None = None
-        self._journal: Journal | None = None
-        self._rotate_at = 0.0
-        self._checkpoint_buffers: tuple[HostBufferPool, HostBufferPool] | None = None
-        self._undumped_segments: list[SegmentInfo] = []  # closed segments taken by a dump that failed
-        self._compression = compression_options(cfg.resolved_compression)
+        streams = tuple(s for s in (self._pass_stream, self._token_stream) if s is not None)
+        self._staged = Staged(self._counter, self._window, streams, self._flush_timing_rows)
+        token_dtype = self._token_stream.np_dtype if self._token_stream is not None else None
+        streamed = streamed_schema(cfg, self._layout, token_dtype, row_fields(cfg.num_layers) if self._clock is not None else None)
+        self._dump = TraceDump(cfg, self._layout, streamed, self._clock.kind if self._clock is not None else None,
+                               compression_options(cfg.resolved_compression))
+        # Crash safety: the files of the recording while it runs (moetrace.session).
+        self._session: RecordingSession | None = None
         self.last_dump_path: Path | None = None
         self._errors: list[str] = []
 
@@ -263,15 +198,15 @@ class ExpertDistributionRecorder:
         self._next_pass_id = pass_id + 1
         self._in_pass = True
         self._pass_active = self._recording
-        self._pass_tokens = 0
+        self._pass_rows = 0
         ok = False
         try:
-            if self._pass_active and self._clock is not None:
-                self._begin_timing()  # may refuse (CUDA-graph capture): the finally below still ends the pass
+            if self._clock is not None and (self._pass_active or is_capturing(self._device)):
+                self._begin_timing()  # refuses a CUDA-graph capture: the finally below still ends the pass
             yield pass_id
             ok = True
         finally:
-            if self._pass_active and not (self._cuda and torch.cuda.is_current_stream_capturing()):
+            if self._pass_active and not is_capturing(self._device):
                 if ok:
                     self._end_pass(pass_id)
                 else:
@@ -281,10 +216,10 @@ class ExpertDistributionRecorder:
             self._live_clock = None
 
     def _begin_timing(self) -> None:
-        if self._cuda and torch.cuda.is_current_stream_capturing():
+        if is_capturing(self._device):
             raise TimingCaptureError(
                 "phase timing cannot run inside CUDA-graph capture (timed CUDA events are not capturable); "
-                "use RecorderConfig(timing=False) for a captured model, or capture outside with_forward_pass"
+                "build the recorder with RecorderConfig(timing=False) for a model run as CUDA graphs (its hooks are captured whether recording or not)"
             )
         assert self._clock is not None
         self._clock.begin_pass()
@@ -331,8 +266,13 @@ class ExpertDistributionRecorder:
             return False
         if self._pass_active:
             return True
-        # Inside CUDA-graph capture with recording on: capture the (gated) counting ops.
-        return self._cuda and self._recording and torch.cuda.is_current_stream_capturing()
+        # Being captured into a CUDA graph (engines capture at start-up, before any start_record):
+        # queue the gated counting ops whether recording or not; the gate decides at each replay.
+        if not is_capturing(self._device):
+            return False
+        if self._clock is not None:
+            self._begin_timing()  # raises: timed events cannot be captured
+        return True
 
     def _resolve_layer(self, layer: int | None, hook: str) -> int:
         if layer is None:
@@ -376,10 +316,12 @@ class ExpertDistributionRecorder:
         if self._token_stream is not None and tokens > self.config.max_tokens_per_pass:
             raise ValueError(f"pass of {tokens} tokens exceeds max_tokens_per_pass={self.config.max_tokens_per_pass}; raise it in RecorderConfig")
         index = self._counter.add_select(layer, ids)
-        if tokens > self._pass_tokens:
-            self._pass_tokens = tokens
         if self._token_stream is not None:
             self._token_stream.add_layer(layer, index)
+            if tokens > self._pass_rows:
+                self._pass_rows = tokens
+            if tokens > self._captured_rows and is_capturing(self._device):
+                self._captured_rows = tokens  # a replay of this graph writes this many rows, no hook telling
 
     def on_dispatch(
         self,
@@ -415,70 +357,27 @@ class ExpertDistributionRecorder:
         with self._lock:
             for timing in timings:
                 self._add_timing(timing)
-            counter, tokens, timestamp = self._counter, self._pass_tokens, time.time()
+            counter, timestamp = self._counter, time.time()
             counter.fold()
             if self._window is not None:
-                self._window.push(counter.current, pass_id, timestamp, tokens)
+                self._window.push(counter.current, counter.pass_tokens, pass_id, timestamp)
             if self._pass_stream is not None:
-                self._pass_stream.push(counter.current, pass_id, timestamp, tokens)
+                self._pass_stream.push(counter.current, pass_id, timestamp)
             if self._token_stream is not None:
-                self._token_stream.end_pass(pass_id, counter.current)
+                self._token_stream.end_pass(pass_id, counter.current, max(self._pass_rows, self._captured_rows))
             counter.clear()
             self._num_passes += 1
-            self._num_tokens += tokens
-            self._snapshots.publish(counter.totals, self._num_passes, self._num_tokens, timestamp)
-            if self._segment is not None and time.monotonic() >= self._rotate_at:
-                self._rotate(pass_id)
+            self._snapshots.publish(counter.totals, counter.token_total, self._num_passes, timestamp)
+            if self._session is not None:
+                self._session.poll()
+                if self._session.due():
+                    self._rotate(pass_id)
 
     def _rotate(self, pass_id: int, wait: bool = False) -> None:
-        """Segment due (``segment_seconds``): hand what is staged to the writer thread, which closes
-        the segment (streaming) or writes a checkpoint (stat). Only enqueues: never waits."""
-        self._rotate_at = time.monotonic() + self.config.segment_seconds
-        if self._window is not None:
-            self._checkpoint(pass_id, wait)
-            return
-        self._flush_timing_rows()
-        for stream in (self._pass_stream, self._token_stream):
-            if stream is not None:
-                stream.flush(rotate=True, wait=wait)
-
-    def _checkpoint(self, pass_id: int, wait: bool) -> None:
-        """Stat mode: copy totals and window to host buffers (asynchronously) and let the
-        writer thread write the checkpoint; skipped when the previous one is still being
-        written, unless ``wait``."""
-        assert self._window is not None and self._segment is not None
-        if self._checkpoint_buffers is None:
-            pin = self._cuda
-            with torch.inference_mode(False):  # normal tensors, even when the first checkpoint runs under it
-                self._checkpoint_buffers = (
-                    HostBufferPool(tuple(self._counter.totals.shape), torch.int64, 1, pin),
-                    HostBufferPool(tuple(self._window.counts.shape), torch.int32, 1, pin),
-                )
-        totals_pool, window_pool = self._checkpoint_buffers
-        totals = totals_pool.acquire(block=wait)
-        if totals is None:
-            return
-        window = window_pool.acquire()
-        assert window is not None
-        totals.copy_(self._counter.totals, non_blocking=True)
-        window.copy_(self._window.counts, non_blocking=True)
-        event = torch.cuda.Event() if self._cuda else None
-        if event is not None:
-            event.record()
-        w = self._window
-        order = w.order()
-        meta = np.stack([w.pass_id, w.timestamp, w.num_tokens], axis=1)[order]
-        passes, tokens = self._num_passes, self._num_tokens
-
-        def build() -> tuple[object, int, int]:
-            rows, counts = totals.numpy()[None].copy(), [window.numpy()[order][None]]
-            return (lambda writer: self._write_stat_file(writer, rows, np.array([[passes, tokens]]), meta[None], counts)), pass_id, passes
-
-        def done() -> None:
-            window_pool.release(window)
-            totals_pool.release(totals)
-
-        self._segment.submit(StreamJob(event=event, build=build, done=done))
+        """Segment due (``segment_seconds``): the session hands what is staged to its writer thread.
+        Only enqueues: never waits (``wait``: for a free checkpoint buffer)."""
+        assert self._session is not None
+        self._session.rotate(pass_id, self._num_passes, wait)
 
     def _add_timing(self, timing: PassTiming) -> None:
         """Fold one resolved pass's timing into the aggregates and rows (streaming: hand full blocks over)."""
@@ -508,13 +407,18 @@ class ExpertDistributionRecorder:
         with self._lock:
             self._counter.clear()
             if self._token_stream is not None:
-                self._token_stream.discard_pass()
+                self._token_stream.discard_pass(max(self._pass_rows, self._captured_rows))
 
     def _submit(self, job: StreamJob) -> None:
-        if self._segment is None:
+        if self._session is None:
             job.done()
             return
-        self._segment.submit(job)
+        self._session.submit(job)
+
+    def _settle_writer(self) -> None:
+        """Hand the writer thread every copy still in flight (waits for their events on this thread)."""
+        if self._session is not None:
+            self._session.settle()
 
     # ------------------------------------------------------------------ lifecycle
     def start_record(self) -> None:
@@ -524,7 +428,7 @@ class ExpertDistributionRecorder:
                 raise RecorderStateError("already recording; call stop_record() first")
             self._clear()
             self._run_id = self._shared_run_id()
-            self._open_segment()
+            self._open_session()
             self._started = True
             self._recording = True
             self._counter.set_gate(True)
@@ -536,7 +440,8 @@ class ExpertDistributionRecorder:
                 raise RecorderStateError("not recording; call start_record() first")
             self._recording = False
             self._counter.set_gate(False)
-            if self._segment is not None:  # everything recorded so far goes into closed segments / a checkpoint
+            self._snapshots.settle()
+            if self._session is not None:  # everything recorded so far goes into closed segments / a checkpoint
                 self._rotate(self._next_pass_id - 1, wait=True)
 
     def reset(self) -> None:
@@ -544,10 +449,10 @@ class ExpertDistributionRecorder:
         with self._lock:
             self._clear()
             if self._recording:
-                self._open_segment()
+                self._open_session()
 
     def _clear(self) -> None:
-        self._close_segment(keep=False)
+        self._close_session(keep=False)
         self._counter.reset()
         for part in (self._window, self._pass_stream, self._token_stream):
             if part is not None:
@@ -559,111 +464,49 @@ class ExpertDistributionRecorder:
         self._timing_rows.reset()
         self._dumped_timing = None
         self._num_passes = 0
-        self._num_tokens = 0
         self._dumped_passes = 0
-        self._dumped_tokens = 0
         self._errors = []
 
     def _shared_run_id(self) -> str:
         run_id = [uuid.uuid4().hex]
-        if _dist_world()[1] > 1:
+        if dist_world()[1] > 1:
             dist.broadcast_object_list(run_id, src=0)
         return run_id[0]
 
-    def _header(self, rank: int, world_size: int) -> TraceHeader:
-        cfg = self.config
-        return TraceHeader(
-            mode=cfg.mode,
-            id_space=self.id_space,
-            num_layers=cfg.num_layers,
-            num_physical_experts=cfg.num_physical_experts,
-            top_k=cfg.top_k,
-            ep_size=cfg.ep_size,
-            layer_ids=np.asarray(cfg.layer_ids),
-            physical_to_logical=cfg.physical_to_logical,  # type: ignore[arg-type]
-            model=cfg.model,
-            engine=cfg.engine,
-            run_id=self._run_id,
-            rank=rank,
-            world_size=world_size,
-            hidden_size=cfg.hidden_size or 0,
-            dtype_bytes=cfg.dtype_bytes,
-        )
-
-    def _streamed_schema(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        """``{dataset: (row shape, dtype)}`` of what this mode streams."""
-        cfg = self.config
-        if self._pass_stream is not None:
-            lay, r = self._layout, cfg.ep_size
-            shapes: dict[str, tuple[tuple[int, ...], object]] = {
-                "passes/pass_id": ((), np.int64), "passes/timestamp": ((), np.float64), "passes/num_tokens": ((), np.int64),
-                "passes/physical_count": ((cfg.num_layers, lay.num_experts), np.int32),
-                "passes/invalid_ids": ((cfg.num_layers,), np.int32),
-                "passes/send_count": ((cfg.num_layers, r), np.int32), "passes/recv_count": ((cfg.num_layers, r), np.int32),
-            }
-        elif self._token_stream is not None:
-            shapes = {
-                "tokens/topk_ids": ((cfg.num_layers, cfg.top_k), self._token_stream.np_dtype),
-                "tokens/pass_id": ((), np.int64), "tokens/position": ((), np.int32),
-            }
-        else:
-            return {}
-        if self._clock is not None:
-            shapes.update({f"timing/{name}": spec for name, spec in row_fields(cfg.num_layers).items()})
-        return {name: (shape, np.dtype(dtype)) for name, (shape, dtype) in shapes.items()}  # type: ignore[call-overload]
-
-    def _open_segment(self) -> None:
-        """Start the writer thread: rotating segments (streaming modes) or checkpoints (stat)."""
-        cfg = self.config
-        if cfg.mode == "stat" and not cfg.segment_seconds:
+    def _open_session(self) -> None:
+        """Start the recording's files: rotating segments (streaming modes) or checkpoints (stat)."""
+        if not sessions.wanted(self.config):
             return
-        directory = check_writable_dir(Path(cfg.output_dir))
-        sweep_dead_temporaries(directory)
-        rank, world = _dist_world()
-        header = self._header(rank, world)
-        self._journal = Journal(journal_path(directory, self._run_id, rank))
-        self._journal.note("start", pid=os.getpid(), host=socket.gethostname(), run_id=self._run_id, rank=rank, world_size=world, mode=cfg.mode, segment_seconds=cfg.segment_seconds, segment_bytes=cfg.segment_bytes)
-        if cfg.mode == "stat":
-            sink: CheckpointWriter | SegmentWriter = CheckpointWriter(checkpoint_path(directory, self._run_id, rank), header, self._journal, self._compression)
-        else:
-            sink = SegmentWriter(directory, header, self._streamed_schema(), self._write_totals, (cfg.num_layers, self._layout.width), cfg.segment_bytes, self._journal, self._compression)
-        self._segment = BackgroundTraceWriter(sink)
-        self._rotate_at = time.monotonic() + (cfg.segment_seconds or float("inf"))
-        _OPEN_SEGMENTS.add(self)
+        rank, world = dist_world()
+        header = self._dump.header(self._run_id, rank, world)
+        self._session = RecordingSession(self.config, header, self._layout, self._dump.streamed, self._staged,
+                                         self._dump.write_stat_file, self._dump.compression)
+        sessions.opened(self)
 
-    def _close_segment(self, keep: bool) -> None:
+    def _close_session(self, keep: bool) -> None:
         """Stop the writer thread. ``keep``: close the open segment (or write a last checkpoint) and
         leave the files for ``moetrace recover``; else delete every file of the run not dumped yet."""
-        segment, journal = self._segment, self._journal
-        if segment is None:
+        session = self._session
+        if session is None:
             return
         if keep:
             self._rotate(self._next_pass_id - 1, wait=True)
-        segment.close()
-        self._segment, self._journal = None, None
-        _OPEN_SEGMENTS.discard(self)
-        sink = segment.sink
-        if isinstance(sink, SegmentWriter):
-            if not keep:
-                sink.abort()
-                for info in [*self._undumped_segments, *sink.take_completed()]:
-                    info.path.unlink(missing_ok=True)
-                self._undumped_segments = []
-        elif not keep:
-            sink.path.unlink(missing_ok=True)
-        assert journal is not None
-        if keep:
-            journal.note("closed", undumped_passes=self.undumped_passes)
-            journal.close()
-        else:
-            journal.close()
-            journal.path.unlink(missing_ok=True)
+        self._session = None
+        sessions.closed(self)
+        session.close(keep, self.undumped_passes)
+
+    def _close_at_exit(self) -> None:
+        """Interpreter exit (:func:`moetrace.session.close_at_exit`): keep undumped passes on disk."""
+        with self._lock:
+            undumped = self.undumped_passes
+            if undumped:
+                _log.warning(
+                    "moetrace: %d recorded passes were never dumped; they are kept in %s: run `moetrace recover %s`",
+                    undumped, self.config.output_dir, self.config.output_dir,
+                )
+            self._close_session(keep=bool(undumped))
 
     # ------------------------------------------------------------------ dump
-    def _default_path(self) -> Path:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        return Path(self.config.output_dir) / f"moetrace-{self.config.mode}-{stamp}-{os.getpid()}.h5"
-
     def dump_record(self, path: Path | str | None = None) -> Path:
         """Write what was recorded to an HDF5 trace (atomically) and return its path.
 
@@ -678,12 +521,15 @@ class ExpertDistributionRecorder:
         with self._lock:
             if not self._started:
                 raise RecorderStateError("nothing recorded yet: call start_record() before dump_record()")
-            target = Path(path) if path is not None else self._default_path()
+            self._snapshots.settle()
+            target = Path(path) if path is not None else self._dump.default_path()
             if target.suffix != ".h5":
                 target = target.with_name(target.name + ".h5")
-            rank, world = _dist_world()
+            rank, world = dist_world()
             if self.config.mode == "stat":
-                written = self._dump_stat(target, rank, world)
+                assert self._window is not None
+                timing = self._gather_timing(world, rows=True)
+                written = self._dump.stat(target, self._run_id, rank, world, self._counter, self._window, self._num_passes, timing)
                 self._dumped_passes = self._num_passes  # stat dumps are cumulative: every pass is in this one
             else:
                 if world > 1:
@@ -692,24 +538,13 @@ class ExpertDistributionRecorder:
             self.last_dump_path = written
             return written
 
-    def _gather(self, tensor: torch.Tensor, world: int) -> torch.Tensor:
-        if world == 1:
-            return tensor.unsqueeze(0)
-        parts = [torch.empty_like(tensor) for _ in range(world)]
-        dist.all_gather(parts, tensor.contiguous())
-        return torch.stack(parts)
-
-    def _gather_timing(self, world: int, rows: bool) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]] | None:
+    def _gather_timing(self, world: int, rows: bool) -> TimingParts | None:
         """Every rank's timing aggregates (and window rows when ``rows``), rank order; ``None`` when timing is off."""
         if self._clock is None:
             return None
         self._resolve_timing()
         mine = (self._timing_since_dump(), self._timing_rows.ordered() if rows else None)
-        if world == 1:
-            return [mine]
-        gathered: list[object] = [None] * world
-        dist.all_gather_object(gathered, mine)
-        return gathered  # type: ignore[return-value]
+        return gather_objects(mine, world)  # type: ignore[return-value]
 
     def _timing_since_dump(self) -> dict[str, np.ndarray]:
         """Aggregates since the previous streaming dump (additive fields; maxima are since start_record)."""
@@ -720,210 +555,55 @@ class ExpertDistributionRecorder:
             current[name] = current[name] - self._dumped_timing[name]
         return current
 
-    def _write_timing(self, writer: TraceWriter, parts: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]] | None) -> None:
-        """Root ``timing_*`` attributes, ``/stat`` timing aggregates ``[R, ...]`` and (gathered window) ``/timing`` rows."""
-        if parts is None:
-            return
-        assert self._clock is not None
-        writer.set_attr("timing_phases", json.dumps(list(PHASES)))
-        writer.set_attr("timing_clock", self._clock.kind)
-        writer.set_attr("timing_histogram_edges", HISTOGRAM_EDGES)
-        for name in parts[0][0]:
-            writer.write(f"stat/{name}", np.stack([np.asarray(stats[name]) for stats, _ in parts]))
-        if parts[0][1] is None:
-            return
-        rows = {name: np.concatenate([r[name] for _, r in parts]) for name in parts[0][1]}  # type: ignore[index]
-        rows["rank"] = np.concatenate([np.full(len(r["pass_id"]), i, dtype=np.int32) for i, (_, r) in enumerate(parts)])  # type: ignore[index]
-        order = np.lexsort((rows["rank"], rows["pass_id"]))
-        for name, array in rows.items():
-            writer.write(f"timing/{name}", array[order])
-
-    def _dump_stat(self, target: Path, rank: int, world: int) -> Path:
-        assert self._window is not None
-        timing = self._gather_timing(world, rows=True)
-        rows = self._gather(self._counter.totals, world).cpu().numpy()
-        w = self._window
-        order = w.order()
-        slots = len(w.pass_id)
-        meta = np.full((slots, 3), -1.0)
-        meta[: len(order)] = np.stack([w.pass_id, w.timestamp, w.num_tokens], axis=1)[order]
-        passes = torch.tensor([self._num_passes, self._num_tokens], dtype=torch.int64, device=self._device)
-        if world == 1:
-            # The ring as it is (no reordered copy): the oldest slots first, then the wrapped ones.
-            ring = w.counts.cpu().numpy()[None]
-            wrap = min(len(order), slots - int(order[0])) if len(order) else 0
-            all_counts = [ring[:, int(order[0]) : int(order[0]) + wrap], ring[:, : len(order) - wrap]] if len(order) else [ring[:, :0]]
-            all_meta, all_passes = meta[None], passes.cpu().numpy()[None]
-        else:
-            counts = torch.zeros_like(w.counts)
-            counts[: len(order)] = w.counts[torch.as_tensor(order, dtype=torch.long, device=self._device)]
-            all_counts = [self._gather(counts, world).cpu().numpy()]
-            all_meta = self._gather(torch.as_tensor(meta, dtype=torch.float64, device=self._device), world).cpu().numpy()
-            all_passes = self._gather(passes, world).cpu().numpy()
-        if rank != 0:
-            return target
-        writer = TraceWriter(target, self._header(rank=-1 if world > 1 else rank, world_size=world), compression=self._compression)
-        try:
-            self._write_stat_file(writer, rows, all_passes, all_meta, all_counts)
-            self._write_timing(writer, timing)
-            return writer.commit()
-        except BaseException:
-            writer.abort()
-            raise
-
-    def _write_stat_file(self, writer: TraceWriter, rows: np.ndarray, passes: np.ndarray, meta: np.ndarray, counts: list[np.ndarray]) -> None:
-        """``/stat`` and ``/window`` of a stat dump or checkpoint from host arrays: counter rows
-        ``[R, L, C]``, ``(passes, tokens) [R, 2]``, window ``(pass_id, timestamp, tokens) [R, W, 3]``
-        (pass id -1 = empty slot) and window counts as consecutive pieces ``[R, w_i, L, P]``
-        along the window axis, oldest first (their lengths add up to at least the filled slots)."""
-        filled = int((meta[:, :, 0] >= 0).sum(axis=1).max()) if meta.size else 0
-        self._write_totals(writer, rows, passes[:, 0], passes[:, 1])
-        writer.write("window/pass_id", meta[:, :filled, 0].astype(np.int64))
-        writer.write("window/timestamp", meta[:, :filled, 1])
-        writer.write("window/num_tokens", meta[:, :filled, 2].astype(np.int64))
-        writer.write_pieces("window/physical_count", counts, axis=1, length=filled, compress=True)
-
-    def _write_totals(self, writer: TraceWriter, rows: np.ndarray, num_passes: np.ndarray, num_tokens: np.ndarray) -> None:
-        """Write ``/stat`` from counter rows ``[R, L, C]``."""
-        lay = self._layout
-        physical = rows[:, :, lay.experts]
-        writer.write("stat/physical_count", physical, compress=True)
-        writer.write("stat/logical_count", to_logical(physical, self.config.physical_to_logical), compress=True)  # type: ignore[arg-type]
-        writer.write("stat/invalid_ids", lay.invalid(rows))
-        writer.write(PADDING_IDS, rows[:, :, lay.padding])
-        writer.write("stat/send_count", rows[:, :, lay.send])
-        writer.write("stat/recv_count", rows[:, :, lay.recv])
-        writer.write("stat/dropped", rows[:, :, lay.dropped])
-        writer.write("stat/num_passes", np.asarray(num_passes, dtype=np.int64))
-        writer.write("stat/num_tokens", np.asarray(num_tokens, dtype=np.int64))
-
     def _dump_stream(self, target: Path, rank: int, world: int) -> Path:
         """Close the open segment and join the segments since the previous dump into ``target``."""
-        segment = self._segment
-        if segment is None:
+        session = self._session
+        if session is None:
             raise RecorderStateError("no streaming segment is open (it was already dumped after stop_record); call start_record() to record again")
         timing = self._gather_timing(1, rows=False)
         self._rotate(self._next_pass_id - 1, wait=True)
-        segment.drain()
-        if segment.error is not None:
-            error = segment.error
+        error = session.finish_rows()
+        if error is not None:
             self._errors.append(f"streaming write failed: {error}")
             raise TraceWriteError(f"the background trace writer failed earlier ({error}); the passes since then are lost, call reset() or start_record()") from error
-        sink = segment.sink
-        assert isinstance(sink, SegmentWriter) and self._journal is not None
-        taken = self._undumped_segments = self._undumped_segments + sink.take_completed()
-        if len(taken) == 1 and self._clock is None and _rename(taken[0].path, target):
-            written = target  # one closed segment is already a complete trace of these passes
-        elif taken:
-            written = concat_segments([info.path for info in taken], target, extra=lambda w: self._write_timing(w, timing), compression=self._compression)
-        else:
-            written = self._write_empty_stream(target, rank, world, timing)
-        # The segments' rows are now in a complete trace.
-        self._journal.note("dumped", segments=[info.index for info in taken], path=str(written))
-        for info in taken:
-            info.path.unlink(missing_ok=True)
-        self._undumped_segments = []
-        self._dumped_passes, self._dumped_tokens = self._num_passes, self._num_tokens
+        written = self._dump.stream(target, self._run_id, rank, world, session, timing)
+        self._dumped_passes = self._num_passes
         self._dumped_timing = self._timing_stats.arrays() if self._clock is not None else None
         if not self._recording:
-            self._close_segment(keep=False)
+            self._close_session(keep=False)
         return written
-
-    def _write_empty_stream(self, target: Path, rank: int, world: int, timing: list | None) -> Path:
-        """A streaming dump with no passes since the previous one."""
-        writer = TraceWriter(target, self._header(rank, world), compression=self._compression)
-        try:
-            zeros = np.zeros((1, self.config.num_layers, self._layout.width), dtype=np.int64)
-            self._write_totals(writer, zeros, np.array([0]), np.array([0]))
-            writer.write("stat/dropped_passes", np.zeros(1, dtype=np.int64))
-            for name, (row_shape, dtype) in self._streamed_schema().items():
-                writer.ensure_empty(name, row_shape, dtype)
-            self._write_timing(writer, timing)
-            return writer.commit()
-        except BaseException:
-            writer.abort()
-            raise
 
     # ------------------------------------------------------------------ snapshot / status
     def snapshot(self) -> RecorderSnapshot:
         """The latest completed host copy of the totals; never waits for the device."""
-        cfg, lay = self.config, self._layout
         with self._lock:
-            rows, (num_passes, num_tokens, timestamp) = self._snapshots.latest()
+            rows, progress = self._snapshots.latest()
             recording, last, errors = self._recording, self.last_dump_path, tuple(self._errors)
             timing = self._timing_stats.arrays() if self._clock is not None else None
-        physical = rows[:, lay.experts]
-        return RecorderSnapshot(
-            timestamp=timestamp,
-            recording=recording,
-            mode=cfg.mode,
-            id_space=self.id_space,
-            model=cfg.model,
-            engine=cfg.engine,
-            rank=cfg.ep_rank,
-            ep_size=cfg.ep_size,
-            top_k=cfg.top_k,
-            hidden_size=cfg.hidden_size or 0,
-            dtype_bytes=cfg.dtype_bytes,
-            layer_ids=np.asarray(cfg.layer_ids),
-            num_passes=num_passes,
-            num_tokens=num_tokens,
-            physical_count=physical,
-            logical_count=to_logical(physical, cfg.physical_to_logical),  # type: ignore[arg-type]
-            invalid_ids=lay.invalid(rows),
-            send_count=rows[:, lay.send],
-            recv_count=rows[:, lay.recv],
-            dropped=rows[:, lay.dropped],
-            last_dump_path=str(last) if last else None,
-            errors=errors,
-            dropped_passes=self.dropped_passes,
-            timing=timing,
+        return RecorderSnapshot.of_rows(
+            self.config, self._layout, rows, progress, recording=recording, id_space=self.id_space,
+            last_dump_path=str(last) if last else None, errors=errors, dropped_passes=self.dropped_passes, timing=timing,
+            rank_layout=self.config.rank_layout(*dist_world()),
         )
 
     def status(self) -> dict[str, object]:
         """A JSON-ready summary for control endpoints."""
         with self._lock:
-            segment_error = self._segment.error if self._segment is not None else None
+            tokens = self._snapshots.latest()[1][1]
+            segment_error = self._session.error if self._session is not None else None
             errors = [*self._errors, *([f"streaming write failed: {segment_error}"] if segment_error else [])]
             return {
                 "configured": True,
                 "recording": self._recording,
                 "mode": self.config.mode,
                 "passes": self._num_passes,
-                "tokens": self._num_tokens,
+                "tokens": tokens,
                 "dropped_passes": self.dropped_passes,
                 "last_dump_path": str(self.last_dump_path) if self.last_dump_path else None,
                 "output_dir": str(self.config.output_dir),
                 "errors": errors,
+                "layout": self.config.rank_layout(*dist_world()).as_dict(),
             }
-
-
-def _rename(source: Path, target: Path) -> bool:
-    """Atomically move ``source`` to ``target``; False when that needs a copy (another file system)."""
-    try:
-        os.replace(source, target)
-    except OSError:
-        return False
-    return True
-
-
-_OPEN_SEGMENTS: weakref.WeakSet[ExpertDistributionRecorder] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_segments_at_exit() -> None:
-    """Stop writer threads before the interpreter tears HDF5 down (a daemon thread
-    frozen inside h5py would deadlock the exit). Passes never dumped stay on disk as
-    closed segments (or a checkpoint) for ``moetrace recover``."""
-    for recorder in list(_OPEN_SEGMENTS):
-        with recorder._lock:
-            undumped = recorder.undumped_passes
-            if undumped:
-                _log.warning(
-                    "moetrace: %d recorded passes were never dumped; they are kept in %s: run `moetrace recover %s`",
-                    undumped, recorder.config.output_dir, recorder.config.output_dir,
-                )
-            recorder._close_segment(keep=bool(undumped))
 
 
 class NoOpRecorder:

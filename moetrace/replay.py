@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .capturer import decode_routed_experts
-from .routes import RoutesError, check_routes, select_layers
+from .replay_audit import ReplayAudit, ReplayAuditReport
+from .routes import RoutesError, check_routes, load_routes, select_layers
 
 __all__ = [
     "LayerRoutes",
@@ -39,6 +41,7 @@ __all__ = [
     "ReplayState",
     "TopKReplay",
     "attach_block_replay",
+    "audit_forwards",
     "check_not_replaying",
     "prepare_routes",
 ]
@@ -55,11 +58,13 @@ class LayerRoutes:
         ids: ``[T, k]`` int64 ids (``0`` where ``valid`` is false; never used there).
         valid: ``[T, 1]`` bool, rows that carry ids.
         partial: some rows are ``-1`` (the live top-k is needed for them).
+        rows: rows that carry ids (host count, for the replay audit).
     """
 
     def __init__(self, ids: np.ndarray, device: torch.device) -> None:
         valid = (ids >= 0).all(-1, keepdims=True)
         self.partial = not bool(valid.all())
+        self.rows = int(valid.sum())
         self.ids = torch.as_tensor(np.where(valid, ids, 0), dtype=torch.int64, device=device)
         self.valid = torch.as_tensor(valid, device=device)
 
@@ -169,13 +174,20 @@ class ReplayHandle:
     Attributes:
         model: the model replay is installed on.
         routes: ``[B, S, L, k]`` int64 logical ids being replayed (``L`` = MoE layers).
+        audit: the :class:`~moetrace.replay_audit.ReplayAudit` of this replay, or ``None``.
     """
 
-    def __init__(self, model: torch.nn.Module, routes: np.ndarray, handles: list[Any]) -> None:
+    def __init__(self, model: torch.nn.Module, routes: np.ndarray, handles: list[Any], audit: ReplayAudit | None = None) -> None:
         check_not_replaying(model)
-        self.model, self.routes = model, routes
+        self.model, self.routes, self.audit = model, routes, audit
         self._handles = list(handles)
         _REPLAYING.add(model)
+
+    def audit_report(self) -> ReplayAuditReport:
+        """What the replay audit saw so far: matched share per layer, routers never reached (reads device counters)."""
+        if self.audit is None:
+            raise ReplayError(f"this replay on {type(self.model).__name__} has no audit")
+        return self.audit.report()
 
     @property
     def active(self) -> bool:
@@ -206,7 +218,8 @@ def prepare_routes(
     """Validate routes for replay and return ``[B, S, num_moe_layers, k]`` int64 logical ids.
 
     ``routes``: ``[B, S, L, k]`` or ``[S, L, k]`` (batch 1), a numpy array, a
-    tensor or a wire payload (``{"data", "dtype", "shape"}``). ``L`` is either
+    tensor, a wire payload (``{"data", "dtype", "shape"}``), or the path of a
+    routes file / payload / ``.npy`` holding one request (:func:`moetrace.routes.load_routes`). ``L`` is either
     the MoE layers or the model layers (``-1`` rows for dense layers, as a
     capture gives them: the MoE layers ``layer_ids`` are picked).
 
@@ -214,6 +227,8 @@ def prepare_routes(
         ReplayError: wrong shape, top-k or layer count, or invalid rows (physical
             ids, duplicates, rows mixing ``-1`` and ids).
     """
+    if isinstance(routes, (str, Path)):
+        routes = _one_request(routes)
     if isinstance(routes, dict):
         routes = decode_routed_experts(routes)
     try:
@@ -241,6 +256,40 @@ def prepare_routes(
     return arr
 
 
+def audit_forwards(model: torch.nn.Module, audit: ReplayAudit, state: ReplayState) -> list[torch.utils.hooks.RemovableHandle]:
+    """Hooks that open and close the audit of each replayed forward of ``model``.
+
+    Register them after the hook that calls ``state.begin``: the audit's targets are
+    the layers whose routes for this forward hold ids.
+    """
+
+    def begin(module: torch.nn.Module, args: Any) -> None:
+        current = state.current or []
+        audit.begin_forward([(index, routes.rows) for index, routes in enumerate(current)])
+
+    def end(module: torch.nn.Module, args: Any, output: Any) -> None:
+        audit.end_forward()
+
+    return [model.register_forward_pre_hook(begin), model.register_forward_hook(end)]
+
+
+def _one_request(path: str | Path) -> np.ndarray:
+    """The ``[S, L, k]`` routes of the one request in a routes file (logical ids, from position 0)."""
+    try:
+        routeset = load_routes(path).logical()
+    except RoutesError as exc:
+        raise ReplayError(f"cannot replay: {exc}") from None
+    if len(routeset.requests) != 1:
+        raise ReplayError(
+            f"{path} holds {len(routeset.requests)} requests; replay one forward's routes at a time: pass "
+            "load_routes(path).requests[rid][1], or moetrace.routes.pad_routes over a batch's requests"
+        )
+    start, arr = next(iter(routeset.requests.values()))
+    if start:
+        raise ReplayError(f"{path}: the request's routes start at position {start}; replay needs them from position 0 (a teacher-forced forward)")
+    return arr
+
+
 def attach_block_replay(
     block: torch.nn.Module,
     until: torch.nn.Module | None,
@@ -248,6 +297,7 @@ def attach_block_replay(
     num_experts: int,
     top_k: int,
     name: str,
+    reached: Callable[[], None] | None = None,
 ) -> list[torch.utils.hooks.RemovableHandle]:
     """Replay inside ``block``'s forward, from its start until ``until`` (the experts module) is called.
 
@@ -256,7 +306,8 @@ def attach_block_replay(
     the expert computation itself runs without the mode. ``layer()`` gives
     this block's :class:`LayerRoutes` for the current forward (``None``: no
     replay for this call). A block that did not call ``topk`` over ``[T, E]``
-    with ``k = top_k`` before leaving raises :class:`ReplayError`.
+    with ``k = top_k`` before leaving raises :class:`ReplayError`; one that did calls
+    ``reached()`` (the replay audit's reach count).
     """
     live: list[TopKReplay] = []
 
@@ -273,6 +324,8 @@ def attach_block_replay(
             return
         mode = live.pop()
         mode.__exit__(None, None, None)
+        if mode.hits and reached is not None:
+            reached()
         if mode.hits == 0:
             raise ReplayError(
                 f"{name} ({type(block).__name__}) did not select experts with torch.topk over [tokens, {num_experts}] "

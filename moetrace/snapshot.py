@@ -1,19 +1,26 @@
-"""``RecorderSnapshot``: the host copy of a recorder's totals that exporters read.
+"""The snapshot channel: ``RecorderSnapshot``, the host copy of a recorder's totals that exporters read.
 
 A snapshot is immutable plain numpy; building it never touches device tensors
-beyond the asynchronous copy the recorder made at the end of a pass.
+beyond the asynchronous copy the recorder made at the end of a pass
+(:class:`SnapshotChannel`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
+import torch
 
 from . import metrics
+from .config import RecorderConfig
 from .dispatch import ep_ideal_bytes, exchanged_bytes, remote_copies
+from .ids import to_logical
+from .layout import RankLayout
+from .trace.stat import CounterLayout
 
-__all__ = ["RecorderSnapshot"]
+__all__ = ["RecorderSnapshot", "SnapshotChannel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +48,8 @@ class RecorderSnapshot(metrics.LoadMetrics):
             writer was behind (``on_overflow="drop"``).
         timing: phase-timing aggregates since ``start_record``
             (:meth:`moetrace.timing.TimingStats.arrays`), ``None`` when timing is off.
+        rank_layout: the rank's parallel layout (``None``: not known, the
+            rank's view counts as its own tokens).
     """
 
     timestamp: float
@@ -67,6 +76,19 @@ class RecorderSnapshot(metrics.LoadMetrics):
     errors: tuple[str, ...] = ()
     dropped_passes: int = 0
     timing: dict[str, np.ndarray] | None = None
+    rank_layout: RankLayout | None = None
+
+    @property
+    def replicates_tokens(self) -> bool:
+        """True when another rank of the same TP (attention) group routes these same tokens and counts them."""
+        return self.rank_layout is not None and self.rank_layout.replicates_tokens
+
+    def counted(self, value: np.ndarray | int) -> np.ndarray | int:
+        """``value`` as this rank adds it to run-wide counters: zeros on a rank whose view replicates
+        another's (TP attention), so that the sum over ranks counts each token once."""
+        if not self.replicates_tokens:
+            return value
+        return 0 if isinstance(value, (int, np.integer)) else np.zeros_like(value)
 
     @property
     def phase_histogram(self) -> np.ndarray:
@@ -106,3 +128,117 @@ class RecorderSnapshot(metrics.LoadMetrics):
         """Bytes this rank sent to other ranks per layer ``[L]`` (dispatch + combine); zeros when H is unknown."""
         remote = remote_copies(self.send_count, self.rank)
         return np.array([exchanged_bytes(int(c), self.hidden_size, self.dtype_bytes) for c in remote], dtype=np.float64)
+
+    @classmethod
+    def of_rows(
+        cls,
+        config: RecorderConfig,
+        layout: CounterLayout,
+        rows: np.ndarray,
+        progress: tuple[int, int, float],
+        **state: object,
+    ) -> RecorderSnapshot:
+        """The snapshot of counter rows ``[L, C]`` (columns of ``layout``) after ``(passes, tokens, unix time)``.
+
+        ``state``: the remaining fields (``recording``, ``id_space``, ``last_dump_path``, ``errors``,
+        ``dropped_passes``, ``timing``, ``rank_layout``).
+        """
+        num_passes, num_tokens, timestamp = progress
+        physical = rows[:, layout.experts]
+        return cls(
+            timestamp=timestamp,
+            mode=config.mode,
+            model=config.model,
+            engine=config.engine,
+            rank=config.ep_rank,
+            ep_size=config.ep_size,
+            top_k=config.top_k,
+            hidden_size=config.hidden_size or 0,
+            dtype_bytes=config.dtype_bytes,
+            layer_ids=np.asarray(config.layer_ids),
+            num_passes=num_passes,
+            num_tokens=num_tokens,
+            physical_count=physical,
+            logical_count=to_logical(physical, config.physical_to_logical),  # type: ignore[arg-type]
+            invalid_ids=layout.invalid(rows),
+            send_count=rows[:, layout.send],
+            recv_count=rows[:, layout.recv],
+            dropped=rows[:, layout.dropped],
+            **state,  # type: ignore[arg-type]
+        )
+
+
+class SnapshotChannel:
+    """Two host buffers that receive the totals ``[L, C]`` and the token total asynchronously at pass end.
+
+    ``publish`` (forward thread, at pass end) first asks whether the copy in
+    flight has finished (``event.query()``, never blocks), then copies into the
+    buffer that does not hold the newest finished copy (``non_blocking=True``)
+    and records an event. ``latest`` (any thread: an exporter's scrape) returns
+    the newest finished copy from host memory only: it makes no CUDA call,
+    which from another thread could break a CUDA-graph capture in progress.
+    ``clear`` forgets both buffers without touching them (a copy may still be
+    landing in one); until the next finished copy ``latest`` reads zeros. While
+    recording, scrapes therefore lag the device by up to one pass; ``settle``
+    (``stop_record``, ``dump_record``) waits for the last copy. All run under the
+    recorder's lock.
+
+    Args:
+        shape: ``(L, C)`` of the counter rows.
+    """
+
+    def __init__(self, shape: tuple[int, int], device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._rows = [torch.zeros(shape, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
+        self._tokens = [torch.zeros(1, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
+        self._views = [(rows.numpy(), tokens.numpy()) for rows, tokens in zip(self._rows, self._tokens, strict=True)]
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._passes = [0, 0]
+        self._timestamps = [0.0, 0.0]
+        self._done = -1  # slot of the newest finished copy (-1: none since clear)
+        self._flight = -1  # slot of the copy not yet known finished (-1: none)
+        self._empty = (np.zeros(shape, dtype=np.int64), (0, 0, time.time()))
+
+    def _settle(self) -> None:
+        slot = self._flight
+        if slot >= 0:
+            event = self._events[slot]
+            if event is None or event.query():
+                self._done, self._flight = slot, -1
+
+    def publish(self, totals: torch.Tensor, tokens: torch.Tensor, num_passes: int, timestamp: float) -> None:
+        """Start copying ``totals [L, C]`` and ``tokens [1]`` (device) after ``num_passes`` passes."""
+        self._settle()
+        slot = 1 if self._done == 0 else 0
+        self._rows[slot].copy_(totals, non_blocking=True)
+        self._tokens[slot].copy_(tokens, non_blocking=True)
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._events[slot] = event
+        self._passes[slot], self._timestamps[slot] = num_passes, timestamp
+        self._flight = slot
+        if event is None:
+            self._settle()
+
+    def latest(self) -> tuple[np.ndarray, tuple[int, int, float]]:
+        """``(rows [L, C], (passes, tokens, timestamp))`` of the newest finished copy."""
+        slot = self._done
+        if slot < 0:
+            return self._empty[0].copy(), self._empty[1]
+        rows, tokens = self._views[slot]
+        return rows.copy(), (self._passes[slot], int(tokens[0]), self._timestamps[slot])
+
+    def settle(self) -> None:
+        """Wait for the copy in flight (a lifecycle call: the forward thread may be idle from now on)."""
+        slot = self._flight
+        if slot >= 0:
+            event = self._events[slot]
+            if event is not None:
+                event.synchronize()
+            self._done, self._flight = slot, -1
+
+    def clear(self) -> None:
+        self._done = self._flight = -1
+        self._empty = (self._empty[0], (0, 0, time.time()))

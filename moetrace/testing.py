@@ -8,6 +8,14 @@ operator which forces the host to wait for the device: reading a value
 ``bincount``, ``repeat_interleave`` without ``output_size``) and copies from
 an accelerator to the CPU. It works on CPU tensors too, so a CPU-only test
 suite catches what would stall a GPU.
+
+:class:`CpuGraph` emulates CUDA-graph capture and replay on any device: capture
+runs the block once under a dispatch mode that logs every tensor op (and then
+puts back what the block wrote, since a real capture runs nothing); replay runs
+exactly the logged ops again on the same buffers, with no Python hook running.
+Counts that come from Python (how often a hook was called, a host integer set
+in a hook) stop changing under replay, as they do on a GPU; counts kept in
+device buffers by the captured ops stay right.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostSyncError", "assert_no_host_sync"]
+from .graphs import emulated_capture
+
+__all__ = ["CpuGraph", "GraphCaptureError", "HostSyncError", "assert_no_host_sync"]
 
 
 class HostSyncError(AssertionError):
@@ -130,3 +140,118 @@ def assert_no_host_sync() -> Iterator[None]:
     """
     with _NoHostReadMode(), _NoHostSyncMode():
         yield
+
+
+class GraphCaptureError(RuntimeError):
+    """An operation that a CUDA graph capture refuses (a host read, a value-dependent shape)."""
+
+
+def _written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors an op writes (its schema's mutable and ``out=`` arguments)."""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.storage_offset() == b.storage_offset()
+
+
+def _copy_back(captured: Any, result: Any) -> None:
+    """Put a replayed op's ``result`` into the tensors its capture returned (later ops read those)."""
+    if isinstance(captured, torch.Tensor) and isinstance(result, torch.Tensor):
+        if not _same_memory(captured, result):
+            captured.copy_(result)
+    elif isinstance(captured, (list, tuple)) and isinstance(result, (list, tuple)):
+        for c, r in zip(captured, result, strict=True):
+            _copy_back(c, r)
+
+
+class _CaptureLog(TorchDispatchMode):
+    def __init__(self, graph: CpuGraph) -> None:
+        super().__init__()
+        self._graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        reason = _sync_reason(func, args, kwargs)
+        if reason is not None:
+            raise GraphCaptureError(f"not permitted while a CUDA graph is captured: {func._schema.name}: {reason}")
+        for tensor in _written_tensors(func, args, kwargs):
+            self._graph._save(tensor)
+        out = func(*args, **kwargs)
+        self._graph._ops.append((func, args, kwargs, out))
+        return out
+
+
+class _NoHostReadInCapture(_NoHostReadMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in _HOST_READS:
+            raise GraphCaptureError(f"not permitted while a CUDA graph is captured: Tensor.{func.__name__}: {_HOST_READS[func]}")
+        return func(*args, **(kwargs or {}))
+
+
+class CpuGraph:
+    """A CUDA graph emulated on CPU (or any device), for testing hooks under capture and replay.
+
+    Usage, as with ``torch.cuda.CUDAGraph``::
+
+        graph = CpuGraph()
+        with graph.capture():          # hooks run once; moetrace sees a capture in progress
+            model(static_inputs)
+        for batch in batches:
+            static_inputs.copy_(batch)  # the engine fills the static buffers
+            with recorder.with_forward_pass():
+                graph.replay()          # the logged ops only: no Python hook runs
+
+    Capture logs every tensor op the block runs, refuses what a real capture
+    refuses (:class:`GraphCaptureError`: ``.item()``, ``nonzero``, host copies
+    and reads) and, as a real capture executes nothing, restores afterwards
+    every tensor the block wrote that existed before it. Replay reruns the
+    logged ops with the same arguments (Python scalars baked in at capture,
+    tensors the same objects) and copies each result into the tensor the capture
+    returned, so later ops read it as they would read a graph's private memory.
+    """
+
+    def __init__(self) -> None:
+        self._ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._seen: set[int] = set()
+        self._captured = False
+
+    @property
+    def num_ops(self) -> int:
+        """Tensor ops the graph replays."""
+        return len(self._ops)
+
+    def _save(self, tensor: torch.Tensor) -> None:
+        if id(tensor) not in self._seen:
+            self._seen.add(id(tensor))
+            self._saved.append((tensor, tensor.detach().clone()))
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Capture the block (once per graph)."""
+        if self._captured:
+            raise GraphCaptureError("this CpuGraph was already captured; make a new one")
+        self._captured = True
+        try:
+            with emulated_capture(), _NoHostReadInCapture(), _CaptureLog(self):
+                yield
+        finally:
+            with torch.no_grad():
+                for tensor, before in reversed(self._saved):
+                    tensor.copy_(before)
+            self._saved, self._seen = [], set()
+
+    def replay(self) -> None:
+        """Run the captured ops again (no Python hook runs)."""
+        if not self._captured:
+            raise GraphCaptureError("replay() before capture(): capture the graph first")
+        with torch.no_grad():
+            for func, args, kwargs, out in self._ops:
+                _copy_back(out, func(*args, **kwargs))

@@ -264,7 +264,12 @@ class CudaClock(PhaseClock):
             self.dropped_passes += 1
             return
         if slot.pending:
-            self._ready.append(self._resolve(slot))
+            timing = self._resolve(slot)
+            if timing is None:  # a phase on another stream is still running: do not wait, skip this pass
+                self._slot = None
+                self.dropped_passes += 1
+                return
+            self._ready.append(timing)
         slot.entered = [False] * self.columns
         slot.unix = time.time()
         slot.begin.record()
@@ -283,17 +288,28 @@ class CudaClock(PhaseClock):
         for offset in range(len(self._ring)):
             older = self._ring[(self._head + offset) % len(self._ring)]
             if older.pending and older.end.query():
-                done.append(self._resolve(older))
+                timing = self._resolve(older)
+                if timing is not None:
+                    done.append(timing)
         return sorted(done, key=lambda t: t.pass_id)
 
-    def _resolve(self, slot: _Slot) -> PassTiming:
+    def _resolve(self, slot: _Slot) -> PassTiming | None:
+        """The slot's timing, or ``None`` (slot still pending) while one of its events has not completed.
+
+        The end event finishing does not imply the phase events finished when
+        phases ran on another stream than the current one; each event is asked
+        (``query()``, never blocking) before ``elapsed_time``, which refuses
+        unfinished events.
+        """
         n = self.columns
+        entered = [c for c in range(n) if slot.entered[c]]
+        if not all(slot.starts[c].query() and slot.ends[c].query() for c in entered):
+            return None
         start = np.full(n, _NAN)
         duration = np.zeros(n)
-        for c in range(n):
-            if slot.entered[c]:
-                start[c] = slot.begin.elapsed_time(slot.starts[c]) * 1e-3
-                duration[c] = slot.starts[c].elapsed_time(slot.ends[c]) * 1e-3
+        for c in entered:
+            start[c] = slot.begin.elapsed_time(slot.starts[c]) * 1e-3
+            duration[c] = slot.starts[c].elapsed_time(slot.ends[c]) * 1e-3
         step = slot.begin.elapsed_time(slot.end) * 1e-3
         slot.pending = False
         return self._split(slot.pass_id, slot.unix, step, slot.peak, start, duration)
@@ -306,8 +322,11 @@ class CudaClock(PhaseClock):
         for offset in range(len(self._ring)):
             slot = self._ring[(self._head + offset) % len(self._ring)]
             if slot.pending:
-                slot.end.synchronize()
-                done.append(self._resolve(slot))
+                for event in (slot.end, *(e for c in range(self.columns) if slot.entered[c] for e in (slot.starts[c], slot.ends[c]))):
+                    event.synchronize()
+                timing = self._resolve(slot)
+                assert timing is not None
+                done.append(timing)
         return sorted(done, key=lambda t: t.pass_id)
 
     def reset(self) -> None:

@@ -15,6 +15,11 @@ code normalises them (softmax, renormalisation, scaling). Rows of ``-1`` keep
 the model's own top-k. Families whose router does not select with
 ``torch.topk`` are refused (:data:`~moetrace.adapters.hf.families.REPLAY_REFUSED`).
 
+The replay audit (:mod:`moetrace.replay_audit`, ``handle.audit_report()``) reads the
+``top_k_index`` each experts module is called with and fails a forward that never
+reached a targeted router; the router-hooked families (Llama 4, JetMoE) are checked
+for reach only (their experts take dense scores, no index to read).
+
 Replay covers a teacher-forced forward (what RL training runs): a forward over
 ``[B, S]`` tokens with routes for ``[B, S]`` positions, or ``[B, S - 1]`` (a
 rollout's last token has no routes; it keeps its own top-k). A forward that
@@ -33,9 +38,11 @@ from moetrace.replay import (
     ReplayHandle,
     ReplayState,
     attach_block_replay,
+    audit_forwards,
     check_not_replaying,
     prepare_routes,
 )
+from moetrace.replay_audit import ReplayAudit
 
 from .families import REPLAY_REFUSED
 from .layers import MoESite, find_moe_sites, model_top_k
@@ -53,8 +60,8 @@ class HFReplay(ReplayHandle):
         routes: ``[B, S, L, k]`` int64 logical ids being replayed (``L`` = MoE layers).
     """
 
-    def __init__(self, model: torch.nn.Module, sites: list[MoESite], routes: np.ndarray, handles: list[Any]) -> None:
-        super().__init__(model, routes, handles)
+    def __init__(self, model: torch.nn.Module, sites: list[MoESite], routes: np.ndarray, handles: list[Any], audit: ReplayAudit) -> None:
+        super().__init__(model, routes, handles, audit)
         self.sites = tuple(sites)
 
 
@@ -118,12 +125,27 @@ def replay(model: torch.nn.Module, routes: Any, *, top_k: int | None = None) -> 
     def begin(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         state.begin(*_input_shape(args, kwargs), _cache_length(kwargs))
 
-    handles = [model.register_forward_pre_hook(begin, with_kwargs=True)]
+    audit = ReplayAudit([site.name for site in sites], state.device, engine="hf", observable=[site.kind != "router-topk" for site in sites])
+    handles = [model.register_forward_pre_hook(begin, with_kwargs=True), *audit_forwards(model, audit, state)]
     for site in sites:
         parent_name = site.name.rpartition(".")[0]
         block = modules[parent_name]
         until = site.module if site.kind != "router-topk" else None
         handles += attach_block_replay(
-            block, until, lambda index=site.index, name=site.name: state.layer(index, name), site.num_experts, k, site.name
+            block, until, lambda index=site.index, name=site.name: state.layer(index, name), site.num_experts, k, site.name,
+            reached=lambda index=site.index: audit.reached(index),
         )
-    return HFReplay(model, sites, arr, handles)
+        if until is not None:
+            handles.append(until.register_forward_pre_hook(_observe(audit, state, site), with_kwargs=True))
+    return HFReplay(model, sites, arr, handles, audit)
+
+
+def _observe(audit: ReplayAudit, state: ReplayState, site: MoESite) -> Any:
+    """Audit point: the ``top_k_index`` the experts module is called with (what it computes with)."""
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        used = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        routes = state.layer(site.index, site.name)
+        audit.observe_ids(site.index, used.reshape(-1, used.shape[-1]), routes.ids, routes.valid)
+
+    return hook

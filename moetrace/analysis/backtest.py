@@ -99,7 +99,7 @@ class PassSeries:
 def _blocks(trace: Trace, layer_index: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``(pass_id [m], physical [m, L, P])`` blocks in time order, for any time-ordered trace."""
     if trace.mode == "per_token":
-        for chunk in trace.iter_tokens():
+        for chunk in trace.iter_tokens(counted_only=True):
             block = token_pass_block(chunk, layer_index, trace.num_physical_experts)
             yield block.pass_id, block.physical_count
     else:

@@ -39,6 +39,7 @@ import h5py
 import numpy as np
 
 from ..ids import to_logical
+from ..layout import RankLayout, counted_rows
 from ..trace.integrity import reading
 from ..trace.merge import _SAME_ATTRS
 from ..trace.reader import PassChunk, TokenChunk, Trace, open_trace
@@ -69,6 +70,7 @@ class Task:
     mode: str
     start: int
     stop: int
+    ranks: tuple[int, ...] | None = None  # a merged trace's counted ranks (rows of others replicate them); None: every row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,13 +145,17 @@ def task_partial(task: Task, ctx: _Context) -> Partial:
     with reading(task.path), h5py.File(task.path, "r") as f:
         for start in range(task.start, task.stop, ctx.chunk_rows):
             stop = min(start + ctx.chunk_rows, task.stop)
+            rows = _rows(f, task.path, group, _TOKEN_FIELDS if task.mode == "per_token" else _PASS_FIELDS, start, stop)
+            if task.ranks is not None:
+                keep = np.isin(np.asarray(f[f"{group}/rank"][start:stop]), task.ranks)
+                rows = {n: a[keep] for n, a in rows.items()}
             if task.mode == "per_token":
-                chunk = TokenChunk(**_rows(f, task.path, group, _TOKEN_FIELDS, start, stop))
+                chunk = TokenChunk(**rows)
                 block = token_pass_block(chunk, ctx.layer_index, ctx.num_physical)
                 if co is not None:
                     co.add(chunk.topk_ids)
             else:
-                block = pass_block(PassChunk(**_rows(f, task.path, group, _PASS_FIELDS, start, stop)), ctx.layer_index)
+                block = pass_block(PassChunk(**rows), ctx.layer_index)
             if not len(block.pass_id):
                 continue
             window = np.searchsorted(ctx.window_starts, block.pass_id, side="right") - 1  # [n], non-decreasing
@@ -191,7 +197,9 @@ def make_tasks(paths: Sequence[Path | str], task_rows: int | None = None) -> lis
             if step < 1:
                 raise ValueError(f"task_rows must be positive, got {step}")
             path = str(trace.path.resolve())  # workers may run elsewhere: absolute paths
-            tasks += [Task(path, trace.mode, s, min(s + step, rows)) for s in range(0, rows, step)]
+            keep = trace.counted_ranks() if trace.has(f"{_GROUP[trace.mode]}/rank") else None
+            ranks = tuple(sorted(keep)) if keep is not None and len(keep) < len(trace.layouts) else None
+            tasks += [Task(path, trace.mode, s, min(s + step, rows), ranks) for s in range(0, rows, step)]
     return tasks
 
 
@@ -314,6 +322,7 @@ class _File:
     invalid_ids: int
     dropped: int
     has_timing: bool
+    layouts: tuple[RankLayout, ...]
 
 
 def _read_file(trace: Trace, layers: Sequence[int] | None) -> _File:
@@ -322,10 +331,23 @@ def _read_file(trace: Trace, layers: Sequence[int] | None) -> _File:
         path=trace.path, attrs=dict(trace.attrs), rank=int(trace.attrs["rank"]), layer_index=index,
         layer_ids=np.asarray(trace.layers[index]), mapping=trace.physical_to_logical[index],
         physical=trace.physical_count()[index].astype(np.int64), logical=trace.logical_count()[index].astype(np.int64),
-        passes=np.atleast_1d(trace.num_passes()), tokens=int(trace.num_tokens().sum()),
+        passes=np.atleast_1d(trace.num_passes()), tokens=trace.tokens_served(),
         invalid_ids=int(trace.invalid_ids()[:, index].sum()), dropped=int(trace.dropped_tokens()[:, index].sum()),
-        has_timing=trace.has_timing,
+        has_timing=trace.has_timing, layouts=trace.layouts,
     )
+
+
+def _counted_files(files: list[_File]) -> tuple[list[bool], list[bool]]:
+    """Per file: whether its counts, and its tokens, enter the run's totals. Per-rank files of ranks
+    that replicate another input rank's view (TP attention) do not; without layouts every file counts."""
+    if len(files) == 1 or not all(len(f.layouts) == 1 for f in files):
+        return [True] * len(files), [True] * len(files)
+    by_rank = {f.layouts[0].rank: f.layouts[0] for f in files}
+    ranks = sorted(by_rank)
+    counted = counted_rows([by_rank[r].token_group for r in ranks], ranks, [by_rank[r].pp_rank for r in ranks])
+    assign = {r for r, keep in zip(ranks, counted.assignments, strict=True) if keep}
+    tokens = {r for r, keep in zip(ranks, counted.tokens, strict=True) if keep}
+    return [f.rank in assign for f in files], [f.rank in tokens for f in files]
 
 
 def _check_same_run(files: list[_File]) -> None:
@@ -430,13 +452,18 @@ def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None, timi
     if len(ranks) > 1:
         attrs["rank"] = -1
     num_passes = max(passes_by_rank.values(), default=0)
+    count_assign, count_tokens = _counted_files(files)
+    counted = [f for f, keep in zip(files, count_assign, strict=True) if keep]
+    if len(counted) < len(files):
+        notes.append(f"ranks {sorted({f.rank for f in files} - {f.rank for f in counted})} replicate the routing of ranks "
+                     f"{sorted({f.rank for f in counted})} (TP attention): their views are not added")
     return _Inputs(
-        paths=[f.path for f in files], ranks={str(f.path.resolve()): f.rank for f in files}, attrs=attrs, mode=str(first.attrs["mode"]),
+        paths=[f.path for f in counted], ranks={str(f.path.resolve()): f.rank for f in files}, attrs=attrs, mode=str(first.attrs["mode"]),
         layer_index=first.layer_index, layer_ids=first.layer_ids, mapping=first.mapping,
         num_physical=int(first.attrs["num_physical_experts"]), num_logical=int(first.attrs["num_logical_experts"]),
-        ep_size=int(first.attrs["ep_size"]), physical=sum(f.physical for f in files), logical=sum(f.logical for f in files),
-        passes_by_rank=passes_by_rank, num_tokens=sum(f.tokens for f in files),
-        invalid_ids=sum(f.invalid_ids for f in files), dropped=sum(f.dropped for f in files),
+        ep_size=int(first.attrs["ep_size"]), physical=sum(f.physical for f in counted), logical=sum(f.logical for f in counted),
+        passes_by_rank=passes_by_rank, num_tokens=sum(f.tokens for f, keep in zip(files, count_tokens, strict=True) if keep),
+        invalid_ids=sum(f.invalid_ids for f in counted), dropped=sum(f.dropped for f in counted),
         default_window=default_window or max(1, math.ceil(num_passes / DEFAULT_WINDOWS)),
         timing=timing_section, notes=notes,
     )

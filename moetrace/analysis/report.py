@@ -288,7 +288,7 @@ def analyze_trace(
         with progress_bar(progress, records, f"analyzing {trace.path.name} ({unit})") as advance:
             if trace.mode == "per_token":
                 coactivation = CoactivationAccumulator(mapping, index, num_experts)
-                for chunk in trace.iter_tokens(chunk_tokens):
+                for chunk in trace.iter_tokens(chunk_tokens, counted_only=True):
                     windows.add(token_pass_block(chunk, index, trace.num_physical_experts))
                     coactivation.add(chunk.topk_ids)
                     advance(len(chunk.pass_id))
@@ -310,7 +310,7 @@ def analyze_trace(
             logical_count=logical,
             ep_size=trace.ep_size,
             num_passes=int(trace.num_passes().max(initial=0)),
-            num_tokens=int(trace.num_tokens().sum()),
+            num_tokens=trace.tokens_served(),
             invalid_ids=int(trace.invalid_ids()[:, index].sum()),
             dropped=int(trace.dropped_tokens()[:, index].sum()),
             top=top,

@@ -3,7 +3,8 @@
 Every mode is turned into the same thing: consecutive blocks of per-pass
 counts (:class:`PassBlock`), read a chunk at a time:
 
-- ``stat``: rows of ``/window`` (the last ``W`` passes), summed over ranks,
+- ``stat``: rows of ``/window`` (the last ``W`` passes), summed over the counted
+  rank rows (:meth:`Trace.counted`: each token once under TP attention),
   sliced straight from HDF5;
 - ``per_pass``: rows of ``/passes`` via :meth:`Trace.iter_passes`;
 - ``per_token``: rows of ``/tokens`` via :meth:`Trace.iter_tokens`, counted
@@ -114,6 +115,7 @@ def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterato
     if not trace.has("window/pass_id"):
         return
     trace.check_invariants()
+    counted = trace.counted()  # rank rows that replicate another's view are not added (TP attention)
     with reading(trace.path, "/window"), h5py.File(trace.path, "r") as f:
         pass_ids, tokens, counts = f["window/pass_id"], f["window/num_tokens"], f["window/physical_count"]
         for start in range(0, pass_ids.shape[1], chunk):
@@ -124,15 +126,15 @@ def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterato
             filled = pid.max(axis=0) >= 0  # a row is a pass when any rank filled it
             yield PassBlock(
                 pass_id=pid.max(axis=0)[filled],
-                num_tokens=np.where(pid >= 0, tok, 0).sum(axis=0)[filled],
-                physical_count=cnt.sum(axis=0, dtype=np.int64)[filled][:, layer_index],
+                num_tokens=np.where(pid >= 0, tok, 0)[counted.tokens].sum(axis=0)[filled],
+                physical_count=cnt[counted.assignments].sum(axis=0, dtype=np.int64)[filled][:, layer_index],
             )
 
 
 def iter_pass_blocks(trace: Trace, layer_index: np.ndarray, chunk_passes: int = 1024) -> Iterator[PassBlock]:
     """Per-pass counts of a ``stat`` (window) or ``per_pass`` trace, in blocks of ``chunk_passes`` rows."""
     if trace.mode == "per_pass":
-        for part in trace.iter_passes(chunk_passes):
+        for part in trace.iter_passes(chunk_passes, counted_only=True):
             yield pass_block(part, layer_index)
     elif trace.mode == "stat":
         yield from _window_blocks(trace, layer_index, chunk_passes)

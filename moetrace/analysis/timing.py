@@ -130,6 +130,8 @@ def analyze_timing(trace: Trace) -> dict[str, Any] | None:
         "peak_memory_bytes": [_finite(float(x)) for x in np.atleast_1d(stat["peak_memory_bytes"])],
         "rank_labels": labels,
         "phase_table": _phase_table(stat, labels),
+        # [R][L][F] total seconds of each phase in each layer (the /stat sums): where a rank's time goes
+        "phase_seconds_by_layer": np.asarray(stat["phase_seconds_sum"], dtype=np.float64).tolist(),
     }
     hidden, width = int(trace.attrs.get("hidden_size", 0)), int(trace.attrs.get("dtype_bytes", 0))
     if trace.has("stat/send_count") and hidden and width and num_ranks == trace.ep_size:

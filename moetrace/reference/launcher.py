@@ -81,6 +81,17 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def _check_nccl_devices(world_size: int, devices: int) -> None:
+    """NCCL needs a GPU of its own per rank (it refuses two ranks on one device: "Duplicate GPU detected")."""
+    if devices == 0:
+        raise ValueError("backend='nccl' needs CUDA devices; use backend='gloo' on CPU")
+    if world_size > devices:
+        raise ValueError(
+            f"backend='nccl' with world_size={world_size} needs {world_size} GPUs (one per rank) but {devices} "
+            f"{'is' if devices == 1 else 'are'} visible; use world_size<={devices}, or backend='gloo' for more ranks"
+        )
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -93,7 +104,7 @@ def _worker(rank: int, world_size: int, backend: str, port: int, threads: int, f
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(threads)
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(rank)  # launch() checked there is one device per rank
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         try:
             value = fn(rank, world_size, *args)
@@ -132,8 +143,8 @@ def launch(
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
     backend = backend or default_backend()
-    if backend == "nccl" and torch.cuda.device_count() == 0:
-        raise ValueError("backend='nccl' needs CUDA devices; use backend='gloo' on CPU")
+    if backend == "nccl":
+        _check_nccl_devices(world_size, torch.cuda.device_count())
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

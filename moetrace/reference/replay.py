@@ -13,7 +13,9 @@ the router renormalises as configured (``renormalize``). The recorder and a
 capturer see the replayed ids. Under EP every rank replays the routes of its
 own tokens (the router is replicated; ids are global logical ids).
 
-Covers :meth:`ReferenceMoEModel.forward` (teacher-forced); the serving
+The replay audit (:mod:`moetrace.replay_audit`, ``handle.audit_report()``) reads the
+ids each router returns to its layer, and fails a forward that never reached a
+targeted router. Covers :meth:`ReferenceMoEModel.forward` (teacher-forced); the serving
 loop's ``forward_batch`` raises :class:`~moetrace.replay.ReplayError` while
 a replay is installed.
 """
@@ -29,9 +31,11 @@ from ..replay import (
     ReplayHandle,
     ReplayState,
     attach_block_replay,
+    audit_forwards,
     check_not_replaying,
     prepare_routes,
 )
+from ..replay_audit import ReplayAudit
 from .model import ReferenceMoEModel
 
 __all__ = ["replay"]
@@ -78,10 +82,24 @@ def replay(model: ReferenceMoEModel, routes: Any) -> ReplayHandle:
             raise ReplayError("replay needs input_ids [B, S] to match the routes to the forward's tokens")
         state.begin(int(ids.shape[0]), int(ids.shape[1]))
 
+    names = [f"MoE layer {index} (model layer {layer.layer_id})" for index, layer in enumerate(model.moe_layers)]
+    audit = ReplayAudit(names, model.device_, engine="reference")
     handles: list[Any] = [model.register_forward_pre_hook(begin, with_kwargs=True), _ServingRefusal(model)]
-    for index, layer in enumerate(model.moe_layers):
-        name = f"MoE layer {index} (model layer {layer.layer_id})"
+    handles += audit_forwards(model, audit, state)
+    for index, (layer, name) in enumerate(zip(model.moe_layers, names, strict=True)):
         handles += attach_block_replay(
-            layer.router, None, lambda index=index, name=name: state.layer(index, name), config.num_experts, config.top_k, name
+            layer.router, None, lambda index=index, name=name: state.layer(index, name), config.num_experts, config.top_k, name,
+            reached=lambda index=index: audit.reached(index),
         )
-    return ReplayHandle(model, arr, handles)
+        handles.append(layer.router.register_forward_hook(_observe(audit, state, index, name)))
+    return ReplayHandle(model, arr, handles, audit)
+
+
+def _observe(audit: ReplayAudit, state: ReplayState, index: int, name: str) -> Any:
+    """Audit point: the ids the router hands its MoE layer (its output ``(ids [T, k], weights)``)."""
+
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        routes = state.layer(index, name)
+        audit.observe_ids(index, output[0], routes.ids, routes.valid)
+
+    return hook

@@ -14,9 +14,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ..layout import RankLayout
 from .integrity import reading
+from .ranks import read_layouts
 from .reader import open_trace
-from .schema import TraceError
+from .schema import RANKS_GROUP, TraceError
 from .writer import TraceHeader, TraceWriter
 
 __all__ = ["concat_segments", "header_of"]
@@ -33,8 +35,8 @@ def _check_same(paths: Sequence[Path], files: Sequence[h5py.File]) -> None:
                 raise TraceError(f"{path}: {key}={f.attrs.get(key)!r} differs from {paths[0]}'s {first.get(key)!r}; segments of one run and rank only")
 
 
-def header_of(attrs: Mapping[str, object], layers: np.ndarray, mapping: np.ndarray) -> TraceHeader:
-    """A :class:`TraceHeader` that reproduces a trace's root attributes."""
+def header_of(attrs: Mapping[str, object], layers: np.ndarray, mapping: np.ndarray, layouts: tuple[RankLayout, ...] = ()) -> TraceHeader:
+    """A :class:`TraceHeader` that reproduces a trace's root attributes (and its rank layouts)."""
     return TraceHeader(
         mode=str(attrs["mode"]),
         id_space=str(attrs["id_space"]),
@@ -51,6 +53,7 @@ def header_of(attrs: Mapping[str, object], layers: np.ndarray, mapping: np.ndarr
         world_size=int(attrs["world_size"]),  # type: ignore[call-overload]
         hidden_size=int(attrs.get("hidden_size", 0)),  # type: ignore[call-overload]
         dtype_bytes=int(attrs.get("dtype_bytes", 0)),  # type: ignore[call-overload]
+        layouts=layouts,
     )
 
 
@@ -83,13 +86,13 @@ def concat_segments(
     try:
         _check_same(paths, files)
         first = files[0]
-        with reading(paths[0], "/layers and /physical_to_logical"):
-            header = header_of(dict(first.attrs), np.asarray(first["layers"][()]), np.asarray(first["physical_to_logical"][()]))
+        with reading(paths[0], "/layers, /physical_to_logical and /ranks"):
+            header = header_of(dict(first.attrs), np.asarray(first["layers"][()]), np.asarray(first["physical_to_logical"][()]), read_layouts(first))
         with TraceWriter(out, header, compression=compression) as writer:
             if len(files) == 1:
                 with reading(paths[0]):
                     for group in first:
-                        if isinstance(first[group], h5py.Group):
+                        if isinstance(first[group], h5py.Group) and group != RANKS_GROUP:  # /ranks is part of the header
                             writer.copy_group(first, group)
             else:
                 _join(files, writer, block_rows)
@@ -113,7 +116,7 @@ def _join(files: Sequence[h5py.File], writer: TraceWriter, block_rows: int) -> N
     for f in files:
         f.visititems(collect)
     for name, ds in names.items():
-        if name in ("layers", "physical_to_logical"):
+        if name in ("layers", "physical_to_logical") or name.split("/", 1)[0] == RANKS_GROUP:  # header: written with it
             continue
         if name.split("/", 1)[0] == _ADDITIVE:
             total = sum(_whole(f, name) for f in files if name in f)

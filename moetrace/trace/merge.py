@@ -9,6 +9,8 @@ the result stays valid when the inputs move or are deleted) into one trace:
 - root attributes of rank 0, with ``rank = -1`` (gathered), ``world_size = W``,
   the same ``run_id`` and ``merged_from`` (JSON list of the input file names);
 - ``/stat/*``: each input's single rank row stacked in rank order ``[W, ...]``;
+- ``/ranks/*`` and the layout root attributes: each input's parallel layout, in rank
+  order (inputs must agree on the layout sizes), so that readers count each token once;
 - ``/window/*`` (``stat`` mode): stacked ``[W, Wmax, ...]``, shorter windows
   padded with ``pass_id = -1`` and zero counts;
 - ``/passes/*`` or ``/tokens/*``: every row of every rank, ordered by
@@ -28,14 +30,23 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ..layout import RankLayout
 from .integrity import reading
+from .ranks import read_layouts
 from .reader import open_trace
-from .schema import MERGED_DAMAGED_ATTR, MERGED_RANKS_ATTR, TraceDamageError, TraceError
+from .schema import (
+    LAYOUT_ATTRS,
+    MERGED_DAMAGED_ATTR,
+    MERGED_RANKS_ATTR,
+    TraceDamageError,
+    TraceError,
+)
 from .writer import TraceHeader, TraceWriter
 
 __all__ = ["merge_traces", "rank_stops"]
 
-_SAME_ATTRS = ("mode", "id_space", "num_layers", "num_logical_experts", "num_physical_experts", "top_k", "ep_size", "world_size", "hidden_size", "dtype_bytes")
+_SAME_ATTRS = ("mode", "id_space", "num_layers", "num_logical_experts", "num_physical_experts", "top_k", "ep_size", "world_size", "hidden_size",
+               "dtype_bytes", *LAYOUT_ATTRS.values())
 _STREAM_GROUP = {"per_pass": "passes", "per_token": "tokens"}
 _WINDOW_FILL = {"pass_id": -1, "timestamp": 0.0, "num_tokens": 0, "physical_count": 0}
 
@@ -219,6 +230,10 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
 
 
 def _write_merged(ordered: list[Path], ranks: list[int], attrs: dict[str, object], layers: np.ndarray, mapping: np.ndarray, out: Path, chunk_rows: int, damaged: dict[Path, str]) -> Path:
+    layouts: list[RankLayout] = []
+    for path in ordered:
+        with reading(path, "/ranks"), h5py.File(path, "r") as f:
+            layouts.extend(read_layouts(f))
     header = TraceHeader(
         mode=str(attrs["mode"]),
         id_space=str(attrs["id_space"]),
@@ -235,6 +250,7 @@ def _write_merged(ordered: list[Path], ranks: list[int], attrs: dict[str, object
         world_size=int(attrs["world_size"]),  # type: ignore[call-overload]
         hidden_size=int(attrs.get("hidden_size", 0)),  # type: ignore[call-overload]
         dtype_bytes=int(attrs.get("dtype_bytes", 0)),  # type: ignore[call-overload]
+        layouts=tuple(layouts) if len(layouts) == len(ordered) else (),
     )
     files = [h5py.File(p, "r") for p in ordered]
     try:

@@ -15,9 +15,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ..layout import CountedRows, RankLayout
 from . import integrity, invariants
 from .files import parse_temporary, process_alive
 from .integrity import reading
+from .ranks import counted_of, read_layouts
 from .schema import (
     COMPLETE_ATTR,
     PADDING_IDS,
@@ -238,6 +240,34 @@ class Trace:
         """Map ``[L, P]`` from physical slot to logical expert."""
         return self._read("physical_to_logical")
 
+    # -- parallel layout -------------------------------------------------------------
+    @property
+    def layouts(self) -> tuple[RankLayout, ...]:
+        """The parallel layout of each ``/stat`` rank row, row order (``()`` for traces written without one)."""
+        if not hasattr(self, "_layouts"):
+            with reading(self.path, "/ranks"):
+                self._layouts = read_layouts(self._file)
+        return self._layouts
+
+    def counted(self) -> CountedRows:
+        """Which ``/stat`` rank rows the totals count: one view per group of ranks that route the same
+        tokens (TP attention replicas count once), every row when ranks hold their own tokens or the
+        trace has no layout. See ``docs/trace-format.md``, "What a rank row means"."""
+        rows = self.shape("stat/num_tokens")
+        return counted_of(self.layouts, rows[0] if rows else len(self.layouts))
+
+    def counted_ranks(self) -> set[int] | None:
+        """Global ranks whose streamed rows (``rank`` column of a merged trace) are counted; ``None``: all."""
+        layouts = self.layouts
+        if not layouts:
+            return None
+        mask = self.counted().assignments
+        return {layout.rank for layout, keep in zip(layouts, mask, strict=True) if keep}
+
+    def tokens_served(self) -> int:
+        """Tokens the engine computed: ``/stat/num_tokens`` over the counted rows (each token once)."""
+        return int(self.num_tokens()[self.counted().tokens].sum())
+
     def has(self, name: str) -> bool:
         """Whether dataset or group ``name`` exists (e.g. ``"tokens/topk_ids"``)."""
         with reading(self.path, f"/{name}"):
@@ -275,16 +305,16 @@ class Trace:
 
     # -- stat -------------------------------------------------------------------------
     def physical_count(self, per_rank: bool = False) -> np.ndarray:
-        """Total counts per physical expert: ``[L, P]`` summed over ranks, or ``[R, L, P]``."""
+        """Total counts per physical expert: ``[L, P]`` over the counted rank rows (:meth:`counted`), or every row's view ``[R, L, P]``."""
         self.check_invariants()
         counts = self._read("stat/physical_count")
-        return counts if per_rank else counts.sum(axis=0)
+        return counts if per_rank else counts[self.counted().assignments].sum(axis=0)
 
     def logical_count(self, per_rank: bool = False) -> np.ndarray:
-        """Total counts per logical expert: ``[L, E]`` summed over ranks, or ``[R, L, E]``."""
+        """Total counts per logical expert: ``[L, E]`` over the counted rank rows, or every row's view ``[R, L, E]``."""
         self.check_invariants()
         counts = self._read("stat/logical_count")
-        return counts if per_rank else counts.sum(axis=0)
+        return counts if per_rank else counts[self.counted().assignments].sum(axis=0)
 
     def invalid_ids(self) -> np.ndarray:
         """Out-of-range ids seen per rank and layer ``[R, L]``."""
@@ -298,6 +328,28 @@ class Trace:
     def recv_count(self) -> np.ndarray:
         """Token copies each rank received from each EP rank ``[R, L, R_ep]``."""
         return self._read("stat/recv_count")
+
+    def dispatch_matrix(self) -> np.ndarray:
+        """Token copies sent from each EP rank to each EP rank ``[L, R_src, R_dst]`` (from ``/stat/send_count``).
+
+        Needs one counted rank row per EP rank (ranks that dispatch their own tokens: DP
+        attention, the reference EP runtime). Rows without a layout are taken as EP ranks
+        in row order.
+
+        Raises:
+            TraceError: the rows are not one per EP rank (e.g. TP attention, where the
+                experts' outputs are all-reduced and no tokens are exchanged).
+        """
+        send = self.send_count()
+        rows = np.flatnonzero(self.counted().assignments)
+        sources = [self.layouts[i].ep_rank for i in rows] if self.layouts else list(rows)
+        if sorted(sources) != list(range(self.ep_size)):
+            raise TraceError(f"{self.path}: its counted rank rows are EP ranks {sorted(sources)}, not one per EP rank 0..{self.ep_size - 1}; "
+                             "a source x destination matrix needs every EP rank's own dispatch (TP attention exchanges no tokens)")
+        matrix = np.zeros((send.shape[1], self.ep_size, self.ep_size), dtype=send.dtype)
+        for row, source in zip(rows, sources, strict=True):
+            matrix[:, source, :] = send[row]
+        return matrix
 
     def dropped_tokens(self) -> np.ndarray:
         """Token copies dropped over capacity per rank and layer ``[R, L]``."""
@@ -319,7 +371,7 @@ class Trace:
         return self._read("stat/dropped_passes")
 
     def num_tokens(self) -> np.ndarray:
-        """Tokens recorded per rank ``[R]``."""
+        """Tokens recorded per rank row ``[R]`` (each row's own view; :meth:`tokens_served` counts each token once)."""
         self.check_invariants()
         return self._read("stat/num_tokens")
 
@@ -363,26 +415,41 @@ class Trace:
         return rows
 
     # -- streamed -----------------------------------------------------------------------
-    def iter_passes(self, chunk: int = 1024) -> Iterator[PassChunk]:
-        """``/passes`` in chunks of at most ``chunk`` passes (bounded memory)."""
+    def iter_passes(self, chunk: int = 1024, counted_only: bool = False) -> Iterator[PassChunk]:
+        """``/passes`` in chunks of at most ``chunk`` passes (bounded memory).
+
+        ``counted_only``: in a merged trace, skip the rows of ranks whose view replicates
+        another rank's (see :meth:`counted_ranks`), so that totals count each token once.
+        """
         names = ("pass_id", "timestamp", "num_tokens", "physical_count", "invalid_ids", "send_count", "recv_count")
         order = invariants.RowOrder(self.path, "passes", timestamps=True)
         for start in range(0, self.num_rows("passes/pass_id"), chunk):
-            part = PassChunk(**{n: self._slice(f"passes/{n}", start, chunk) for n in names})
-            order.check(part.pass_id, part.timestamp, self._slice("passes/rank", start, chunk) if self.has("passes/rank") else None)
-            yield part
+            keep = self._counted_mask("passes", start, chunk) if counted_only else None
+            rows = {n: self._slice(f"passes/{n}", start, chunk) for n in names}
+            order.check(rows["pass_id"], rows["timestamp"], self._slice("passes/rank", start, chunk) if self.has("passes/rank") else None)
+            if keep is not None:
+                rows = {n: a[keep] for n, a in rows.items()}
+            if len(rows["pass_id"]):
+                yield PassChunk(**rows)
 
-    def iter_tokens(self, chunk: int = 65536) -> Iterator[TokenChunk]:
-        """``/tokens`` in chunks of at most ``chunk`` tokens (bounded memory)."""
+    def iter_tokens(self, chunk: int = 65536, counted_only: bool = False) -> Iterator[TokenChunk]:
+        """``/tokens`` in chunks of at most ``chunk`` tokens (bounded memory); ``counted_only`` as for :meth:`iter_passes`."""
         order = invariants.RowOrder(self.path, "tokens")
         for start in range(0, self.num_rows("tokens/topk_ids"), chunk):
-            part = TokenChunk(
-                topk_ids=self._slice("tokens/topk_ids", start, chunk),
-                pass_id=self._slice("tokens/pass_id", start, chunk),
-                position=self._slice("tokens/position", start, chunk),
-            )
-            order.check(part.pass_id)
-            yield part
+            keep = self._counted_mask("tokens", start, chunk) if counted_only else None
+            rows = {n: self._slice(f"tokens/{n}", start, chunk) for n in ("topk_ids", "pass_id", "position")}
+            order.check(rows["pass_id"])
+            if keep is not None:
+                rows = {n: a[keep] for n, a in rows.items()}
+            if len(rows["pass_id"]):
+                yield TokenChunk(**rows)
+
+    def _counted_mask(self, group: str, start: int, count: int) -> np.ndarray | None:
+        """Rows ``[n]`` of a merged stream that come from counted ranks; ``None`` when every row counts."""
+        keep = self.counted_ranks()
+        if keep is None or not self.has(f"{group}/rank") or len(keep) == len(self.layouts):
+            return None
+        return np.isin(self._slice(f"{group}/rank", start, count), sorted(keep))
 
     def read_tokens(self, column: str, start: int = 0, count: int | None = None) -> np.ndarray:
         """Rows ``start .. start + count - 1`` (default: to the end) of ``/tokens/<column>``

@@ -11,9 +11,12 @@ __all__ = [
     "COMPLETE_ATTR",
     "INTEGRITY_ATTR",
     "INTEGRITY_VERSION",
+    "LAYOUT_ATTRS",
     "MERGED_DAMAGED_ATTR",
     "MERGED_RANKS_ATTR",
     "PADDING_IDS",
+    "RANKS_GROUP",
+    "RANK_COORDINATES",
     "RECOVERED_DAMAGED_ATTR",
     "REQUIRED_ATTRS",
     "SCHEMA_NAME",
@@ -64,6 +67,25 @@ REQUIRED_ATTRS = (
     "rank",
     "world_size",
 )
+
+#: Root attributes of the parallel layout that produced the rank rows (with ``ep_size``), keyed
+#: by the :class:`moetrace.layout.RankLayout` field each holds. Absent in traces written before
+#: layouts were recorded: every rank row then reads as holding its own tokens.
+LAYOUT_ATTRS = {
+    "world_size": "layout_world_size",
+    "tp_size": "tp_size",
+    "dp_size": "dp_size",
+    "pp_size": "pp_size",
+    "attn_tp_size": "attn_tp_size",
+    "router_tp_size": "router_tp_size",
+    "source": "layout_source",
+}
+#: Group of per-rank-row layout datasets ``[R]`` (one row per ``/stat`` rank row).
+RANKS_GROUP = "ranks"
+#: Datasets of :data:`RANKS_GROUP` (:class:`moetrace.layout.RankLayout` attributes of the same
+#: name): global rank, coordinates, and the token group (rows of one group route the same
+#: tokens; totals count one of them).
+RANK_COORDINATES = ("rank", "tp_rank", "dp_rank", "ep_rank", "pp_rank", "attn_tp_rank", "router_rank", "token_group")
 
 
 class TraceError(ValueError):

@@ -42,6 +42,7 @@ from .files import (
 )
 from .join import concat_segments
 from .journal import Journal
+from .stat import CounterLayout, write_stat
 from .writer import TraceHeader, TraceWriter
 
 # The names of files.py, journal.py and join.py stay importable from here (their old home).
@@ -101,10 +102,6 @@ class SegmentInfo:
     closed_unix: float
 
 
-#: ``write_stat(writer, totals [1, L, C], passes [1], tokens [1])`` writes ``/stat``.
-WriteStat = Callable[[TraceWriter, np.ndarray, np.ndarray, np.ndarray], None]
-
-
 class SegmentWriter:
     """Writes one rank's streamed rows into rotating segment files (writer thread only).
 
@@ -113,8 +110,8 @@ class SegmentWriter:
         header: the trace header of every segment (run id, rank, shapes).
         streamed: ``{dataset: (row shape, dtype)}`` of the streamed group, so an
             empty segment or dump still has every dataset.
-        write_stat: writes a segment's ``/stat`` from its totals.
-        totals_shape: ``(L, C)`` of the counter rows.
+        layout: the columns of the counter rows (a segment's ``/stat`` is written from its totals).
+        physical_to_logical: ``[L, P]`` map for ``/stat/logical_count``.
         segment_bytes: close the segment once its raw rows reach this size.
         journal: the run's journal.
         compression: keyword arguments for ``TraceWriter.append`` datasets.
@@ -125,8 +122,8 @@ class SegmentWriter:
         directory: Path,
         header: TraceHeader,
         streamed: Mapping[str, tuple[tuple[int, ...], np.dtype]],
-        write_stat: WriteStat,
-        totals_shape: tuple[int, int],
+        layout: CounterLayout,
+        physical_to_logical: np.ndarray,
         segment_bytes: int,
         journal: Journal,
         compression: Mapping[str, object] | None = None,
@@ -134,8 +131,8 @@ class SegmentWriter:
         self.directory = Path(directory)
         self.header = header
         self.streamed = dict(streamed)
-        self._write_stat = write_stat
-        self.totals_shape = totals_shape
+        self.layout = layout
+        self.physical_to_logical = physical_to_logical
         self.segment_bytes = segment_bytes
         self.journal = journal
         self.compression = compression
@@ -195,8 +192,8 @@ class SegmentWriter:
         with writer:
             for name, (row_shape, dtype) in self.streamed.items():
                 writer.ensure_empty(name, row_shape, np.dtype(dtype))
-            totals = self._totals if self._totals is not None else np.zeros(self.totals_shape, np.int64)
-            self._write_stat(writer, totals[None], np.array([self._passes]), np.array([self._tokens]))
+            totals = self._totals if self._totals is not None else np.zeros((self.header.num_layers, self.layout.width), np.int64)
+            write_stat(writer, self.layout, self.physical_to_logical, totals[None], np.array([self._passes]), np.array([self._tokens]))
             writer.write("stat/dropped_passes", np.array([self._dropped], dtype=np.int64))
             closed = time.time()
             for key, value in (("segment_index", self._index), ("first_pass", self._first), ("last_pass", self._last), ("segment_unix", closed)):

@@ -2,7 +2,8 @@
 
 The forward thread hands over host buffers filled by an asynchronous
 device-to-host copy together with the CUDA event that marks the copy's end;
-the writer thread waits on that event, builds the rows, gives them to its sink
+the writer thread waits until that copy is known to be done, builds the rows,
+gives them to its sink
 (a :class:`~moetrace.trace.segments.SegmentWriter` or a checkpoint writer),
 then gives the buffer back to its :class:`HostBufferPool`. Memory is bounded
 by the pool: when the writer falls behind, :meth:`HostBufferPool.acquire`
@@ -11,14 +12,24 @@ is free (``"drop"``) rather than growing.
 
 Everything slow (HDF5 appends, compression, closing, fsync and renaming a
 segment) happens on the writer thread; the forward thread only enqueues.
+
+The writer thread makes no CUDA call. Under the default (global) capture mode
+a CUDA event query or synchronize from any thread while another captures a
+graph invalidates that capture, and engines capture their graphs at start-up,
+often with a recording or an exporter already running. So the thread that
+owns the events decides when a copy is done: :meth:`BackgroundTraceWriter.poll`
+(the forward thread, at pass end, with ``event.query()``, which never blocks)
+or :meth:`BackgroundTraceWriter.settle` (a lifecycle call, a dump, or a forward
+thread about to wait for a buffer anyway, with ``event.synchronize()``).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -57,16 +68,17 @@ class StreamSink(Protocol):
 class StreamJob:
     """Work for the writer thread.
 
-    ``build()`` runs once ``event`` completed and returns what the sink's
-    ``write`` takes (or ``None``); ``done()`` runs afterwards in every case
-    (it releases the host buffer). With ``rotate`` the sink closes its open
-    segment after the write.
+    ``build()`` runs once ``event`` completed (``ready`` set) and returns what
+    the sink's ``write`` takes (or ``None``); ``done()`` runs afterwards in
+    every case (it releases the host buffer). With ``rotate`` the sink closes
+    its open segment after the write.
     """
 
     event: torch.cuda.Event | None
     build: Callable[[], Any]
     done: Callable[[], None]
     rotate: bool = False
+    ready: threading.Event = field(default_factory=threading.Event)
 
 
 def _nothing() -> None:
@@ -80,6 +92,8 @@ class BackgroundTraceWriter:
         self.sink = sink
         self._jobs: queue.Queue[StreamJob | None] = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
+        self._in_flight: deque[StreamJob] = deque()  # jobs whose copy is not known done, oldest first
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -89,7 +103,35 @@ class BackgroundTraceWriter:
         return self._error
 
     def submit(self, job: StreamJob) -> None:
-        self._jobs.put(job)
+        """Queue ``job`` (jobs are written in this order). If the queue is full, settle the copies
+        in flight first (the writer thread waits for them), then wait for room."""
+        if job.event is None:
+            job.ready.set()
+        else:
+            with self._lock:
+                self._in_flight.append(job)
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            self.settle()
+            self._jobs.put(job)
+
+    def poll(self) -> None:
+        """Mark done, oldest first, the jobs whose copy has finished (``event.query()``, never blocks).
+
+        Call it from the thread that submits (the forward thread, at pass end).
+        """
+        with self._lock:
+            while self._in_flight and self._in_flight[0].event.query():  # type: ignore[union-attr]
+                self._in_flight.popleft().ready.set()
+
+    def settle(self) -> None:
+        """Wait (``event.synchronize()``, on the calling thread) for every copy in flight and mark it done."""
+        with self._lock:
+            while self._in_flight:
+                job = self._in_flight.popleft()
+                job.event.synchronize()  # type: ignore[union-attr]
+                job.ready.set()
 
     def _run(self) -> None:
         while True:
@@ -97,9 +139,8 @@ class BackgroundTraceWriter:
             if job is None:
                 return
             try:
+                job.ready.wait()
                 if self._error is None:
-                    if job.event is not None:
-                        job.event.synchronize()
                     self.sink.write(job.build())
                     if job.rotate:
                         self.sink.rotate()
@@ -110,15 +151,17 @@ class BackgroundTraceWriter:
 
     def rotate(self) -> None:
         """Ask the sink to close its open segment after the jobs already submitted."""
-        self._jobs.put(StreamJob(event=None, build=_nothing, done=_nothing, rotate=True))
+        self.submit(StreamJob(event=None, build=_nothing, done=_nothing, rotate=True))
 
     def drain(self) -> None:
         """Wait until every submitted job is written (the thread keeps running)."""
         barrier = threading.Event()
-        self._jobs.put(StreamJob(event=None, build=_nothing, done=barrier.set))
+        self.settle()
+        self.submit(StreamJob(event=None, build=_nothing, done=barrier.set))
         barrier.wait()
 
     def close(self) -> None:
         """Drain and stop the thread; the sink stays as it is."""
+        self.settle()
         self._jobs.put(None)
         self._thread.join()

@@ -22,11 +22,13 @@ import h5py
 import numpy as np
 
 from .._version import __version__
+from ..layout import RankLayout
 from . import integrity
 from .files import temporary_path
+from .ranks import write_layouts
 from .schema import COMPLETE_ATTR, SCHEMA_NAME, SCHEMA_VERSION, TraceWriteError
 
-__all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic"]
+__all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic", "write_text_atomic"]
 
 _COMPRESS = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
 #: Accepted ``compression`` specs (``RecorderConfig.compression``); the last two need ``hdf5plugin``.
@@ -100,21 +102,29 @@ def check_writable_dir(directory: Path) -> Path:
 
 
 
-def write_json_atomic(path: Path | str, document: object) -> Path:
-    """Write ``document`` as JSON to ``path`` atomically: a temporary beside it, then a rename.
+def write_text_atomic(path: Path | str, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically: a temporary beside it, then a rename.
 
     A failure leaves ``path`` as it was and removes the temporary. Returns ``path``.
     """
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else ".")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # the mode open() would give, not mkstemp's private 0600
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(document, f)
+            f.write(text)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def write_json_atomic(path: Path | str, document: object) -> Path:
+    """Write ``document`` as JSON to ``path`` atomically (:func:`write_text_atomic`). Returns ``path``."""
+    return write_text_atomic(path, json.dumps(document))
 
 @dataclasses.dataclass(frozen=True)
 class TraceHeader:
@@ -135,6 +145,8 @@ class TraceHeader:
     world_size: int = 1
     hidden_size: int = 0
     dtype_bytes: int = 0
+    #: Parallel layout of each rank row, in row order (``()``: not known; see :mod:`moetrace.trace.ranks`).
+    layouts: tuple[RankLayout, ...] = ()
 
     @property
     def num_logical_experts(self) -> int:
@@ -208,6 +220,7 @@ class TraceWriter:
             f.attrs[key] = value
         self._create("layers", data=np.asarray(h.layer_ids, dtype=np.int32))
         self._create("physical_to_logical", data=np.asarray(h.physical_to_logical, dtype=np.int32))
+        write_layouts(self, h.layouts)
 
     def _create(self, name: str, data: np.ndarray | None = None, **options: object) -> h5py.Dataset:
         """The one place a dataset is created: with its checksum filter (:mod:`.integrity`)."""

@@ -15,7 +15,11 @@ import pytest
 from moetrace.cli.demo import DemoSettings, run_demo
 from rich.console import Console
 
+from moetrace.report.evidence import gather
+from moetrace.report.sections import build_sections
 from moetrace.trace import open_trace
+
+from ..report.browser import available, browser, check_page, choose_request, open_report
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +60,29 @@ def test_demo_small_end_to_end(tmp_path, capsys):
     assert summary["timeline"] == tmp_path / "demo" / "timeline.json"
     assert {e["pid"] for e in timeline["traceEvents"]} == {0, 1} and any(e["ph"] == "X" for e in timeline["traceEvents"])
     printed = capsys.readouterr().out
-    for needle in ("Phase time per layer-pass", "slowest rank (expert compute): rank 1", "timeline.json","Prometheus http://127.0.0.1:", "control http://127.0.0.1:", "balancedness", "All-to-all bytes", "routed experts", "placement plan", "in-sample fit", "held-out estimate (planned on"):
-        assert needle in printed
-    wide = [line for line in printed.splitlines() if len(line) > 80]
+    words = " ".join(printed.split())  # prose wraps at word boundaries
+    for needle in ("slowest rank (expert compute): rank 1", "timeline.json", "Prometheus http://127.0.0.1:", "control http://127.0.0.1:",
+                   "balancedness", "all-to-all: EP exact sent", "routed experts", "placement: plan", "in-sample (planned and scored on this run)",
+                   "held-out (planned on", "report.html", "trace.h5"):
+        assert needle in words, needle
+    lines = printed.splitlines()
+    wide = [line for line in lines if len(line) > 80]
     assert not wide, "lines wider than 80 columns:\n" + "\n".join(wide)
+    assert len(lines) <= 42, f"{len(lines)} lines: the summary must fit one screen\n{printed}"
+    _check_report(tmp_path / "demo", summary)
+
+
+def _check_report(out: Path, summary: dict) -> None:
+    """report.html in a real browser; the per-rank files of the run give the same readings as the merged trace."""
+    assert summary["html"] == out / "report.html" and summary["routes"] == out / "routes.json"
+    assert available() is None, available()  # .ci/run installs Chromium: missing is an error, not a skip
+    with browser() as driver:
+        check_page(open_report(driver, out / "report.html"), ["headline", "experts", "ranks", "timing", "placement", "routes", "coactivation"])
+        before, after = choose_request(driver, 1)
+        assert before["z"] != after["z"]
+    merged = build_sections(gather([out / "trace.h5"]))
+    per_rank = build_sections(gather(sorted((out / "ranks").glob("trace-rank*.h5"))))
+    assert [(s.key, s.reading) for s in per_rank] == [(s.key, s.reading) for s in merged]
 
 
 def test_demo_ctrl_c_keeps_a_valid_trace(tmp_path):

@@ -51,7 +51,8 @@ def test_scrape_equals_snapshot(recorded):
         assert scraped[spec.prom_name] == pytest.approx(expected(spec, snap), rel=1e-15, nan_ok=True), spec.prom_name
     (info,) = scraped[INFO.prom_name]
     assert dict(info) == {"rank": "2", "model": MODEL, "engine": "moetrace.reference", "mode": "stat",
-                          "id_space": "logical", "ep_size": "4"}
+                          "id_space": "logical", "ep_size": "4", "layout": "TP1 EP4", "global_rank": "0", "tp_rank": "0",
+                          "dp_rank": "0", "pp_rank": "0", "replica": "false"}
     # headline numbers, independently of the catalog
     assert scraped["moetrace_forward_passes_total"] == {frozenset({("rank", "2")}): 6.0}
     assert scraped["moetrace_tokens_total"][frozenset({("rank", "2")})] == 240

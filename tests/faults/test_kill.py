@@ -133,7 +133,7 @@ def test_sweep_spares_live_writers(tmp_path):
     rec.start_record()
     for pass_id in range(CHUNK_TOKENS // TOKENS + 1):  # one hand-off: the open segment exists
         feed(rec, pass_id)
-    rec._segment.drain()
+    rec._session.writer.drain()
     live = [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
     assert live, "the open segment's temporary should exist"
     dead = tmp_path / f".x.h5.tmp-{socket.gethostname()}-999999999-0123abcd"
@@ -170,7 +170,7 @@ def test_recover_skips_segments_already_dumped_and_refuses_live_runs(tmp_path):
     for pass_id in range(20, 45):
         feed(rec, pass_id)
     rec._rotate(44, wait=True)  # the passes after the dump sit in closed segments, as at a crash
-    rec._segment.drain()
+    rec._session.writer.drain()
     with pytest.raises(TraceError, match="still being recorded by process"):
         recover(tmp_path, tmp_path / "rec.h5")
     [rank] = recover(tmp_path, tmp_path / "rec.h5", force=True)

@@ -33,22 +33,24 @@ ROOTS = {"moetrace": "moetrace", "adapters": "moetrace.adapters", "exporters": "
 #: The layers, bottom to top: (name, module prefixes, what the layer is for). A module belongs to
 #: the layer of its longest matching prefix; a module may import its own layer and those below.
 LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("base", ("moetrace._version", "moetrace.ids", "moetrace.data", "moetrace.dispatch", "moetrace.metrics"),
-     "versions, id spaces, vendored data, dispatch formulas, balance metric definitions"),
+    ("base", ("moetrace._version", "moetrace.ids", "moetrace.data", "moetrace.dispatch", "moetrace.metrics", "moetrace.layout"),
+     "versions, id spaces, vendored data, dispatch formulas, balance metric definitions, rank layouts"),
     ("trace", ("moetrace.trace",), "the HDF5 trace: schema (every name), writers, readers, segments, merge"),
     ("core", ("moetrace.config", "moetrace.accumulators", "moetrace.timing", "moetrace.snapshot",
               "moetrace.recorder", "moetrace.session", "moetrace.dump", "moetrace.capturer", "moetrace.routes",
-              "moetrace.replay", "moetrace.testing", "moetrace.settings"),
+              "moetrace.replay", "moetrace.replay_audit", "moetrace.testing", "moetrace.settings", "moetrace.graphs",
+              "moetrace.devices"),
      "what runs inside an engine's forward: config, hooks, recorder, session, dump, capturer, replay"),
     ("http", ("moetrace.http", "moetrace.guarded_http"), "HTTP serving infrastructure: guarded server, server handle"),
     ("replicas", ("moetrace.replicas",), "request→replica routing: recorder, router, prefix cache, simulation, analysis"),
     ("exporters", ("moetrace.exporters",), "Prometheus and OpenTelemetry views of the recorders' snapshots"),
     ("control", ("moetrace.control",), "the HTTP control endpoint of a running process"),
     ("analysis", ("moetrace.analysis",), "offline analysis of traces: balance, drift, placement, reports, plots"),
+    ("report", ("moetrace.report",), "the HTML report of a run: plotly figures of the analyses"),
     ("reference", ("moetrace.reference",), "the reference MoE runtime: router, experts, EP layer, model, serving loop"),
     ("drivers", ("moetrace.replicas.live", "moetrace.replicas.http_replica"),
      "replica drivers that run reference engines behind the router"),
-    ("adapters", ("moetrace.adapters",), "engine adapters and plugins: Hugging Face, SGLang, vLLM"),
+    ("adapters", ("moetrace.adapters",), "engine adapters and plugins: Hugging Face, SGLang, vLLM, Megatron-Core"),
     ("facade", ("moetrace",), "the package root: `import moetrace` (the core, control on first use)"),
     ("cli", ("moetrace.cli",), "the `moetrace` command"),
 )

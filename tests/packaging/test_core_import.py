@@ -11,18 +11,23 @@ import sys
 
 import pytest
 
-#: The core: configuration, recording, capture, dispatch, snapshot, balance metric definitions,
-#: id spaces and trace I/O. Nothing else of moetrace may load with it.
+#: The core: configuration, recording (hooks, session, dump), capture, dispatch, snapshot, balance
+#: metric definitions, id spaces, rank layouts and trace I/O. Nothing else of moetrace may load with it.
 CORE = {
     "moetrace",
     "moetrace._version",
     "moetrace.accumulators",
     "moetrace.capturer",
     "moetrace.config",
+    "moetrace.devices",
     "moetrace.dispatch",
+    "moetrace.dump",
+    "moetrace.graphs",
     "moetrace.ids",
+    "moetrace.layout",
     "moetrace.metrics",
     "moetrace.recorder",
+    "moetrace.session",
     "moetrace.snapshot",
     "moetrace.timing",
 }

@@ -69,5 +69,5 @@ def test_negative_control_a_circle_and_an_upward_arrow_are_found(tmp_path: Path)
 def test_negative_control_a_module_outside_every_layer_is_named(tmp_path: Path) -> None:
     _write(tmp_path, {"cli/app.py": "", "elsewhere/x.py": ""})
     assert set(build_graph(tmp_path).modules) == {"moetrace.cli.app"}
-    with pytest.raises(ValueError, match="'nowhere.x' is in no layer"):
+    with pytest.raises(ValueError, match=r"'nowhere\.x' is in no layer"):
         layer_of("nowhere.x")

@@ -182,3 +182,22 @@ def test_convert_reads_the_real_per_token_dump(run: Run, trace: Trace, tmp_path:
     ours, our_pass, _ = _tokens(trace)
     o1, o2 = np.lexsort((np.arange(len(our_pass)), our_pass)), np.lexsort((np.arange(len(their_pass)), their_pass))
     np.testing.assert_array_equal(np.sort(ours[o1], axis=-1), np.sort(theirs[o2], axis=-1))
+
+
+def test_report_of_the_sglang_trace_in_a_real_browser(run: Run, tmp_path: Path) -> None:
+    """``moetrace report`` of the live engine's trace with SGLang's own per-request routed experts, opened in Chromium."""
+    from moetrace.report import build_report
+    from moetrace.routes import save_routes
+
+    from ..report.browser import available, browser, check_page, choose_request, open_report
+
+    routes = save_routes(tmp_path / "routes.json", {f"req-{i}": read_routed_experts(a, NUM_LAYERS, TOP_K) for i, a in enumerate(run.sequential)},
+                         model="sglang-qwen3-moe", num_experts=NUM_EXPERTS)
+    out = build_report(run.moetrace_files, tmp_path / "sglang.html", routes=routes)
+    assert available() is None, available()
+    with browser() as driver:
+        view = open_report(driver, out)
+        assert {"headline", "experts", "routes", "coactivation"} <= set(view.sections)
+        check_page(view, view.sections)
+        before, after = choose_request(driver, 1)
+        assert before["z"] != after["z"]

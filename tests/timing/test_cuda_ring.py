@@ -41,7 +41,9 @@ def _install(monkeypatch, device: _Device) -> None:
             device.done = True
 
         def elapsed_time(self, end: Event) -> float:
-            assert device.done and self.at is not None and end.at is not None, "elapsed_time on unfinished events"
+            assert self.at is not None and end.at is not None, "elapsed_time on unrecorded events"
+            if not (self.query() and end.query()):  # as torch's CUDAEvent::elapsed_time
+                raise RuntimeError("Both events must be completed before calculating elapsed time.")
             return end.at - self.at
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
@@ -106,3 +108,22 @@ def test_timing_inside_graph_capture_is_refused(monkeypatch):
     device.capturing = True
     with pytest.raises(TimingCaptureError, match="CUDA-graph capture"), clock.phase(0, 2):
         pass
+
+
+def test_a_phase_on_another_stream_still_running_keeps_the_pass_pending(monkeypatch):
+    """The end event finished but an expert-phase event recorded on a side stream has not:
+    the pass is not resolved (``elapsed_time`` would raise) until that event is done too."""
+    device = _Device()
+    _install(monkeypatch, device)
+    clock = CudaClock(num_layers=1, device=torch.device("cuda", 0), depth=2)
+    _pass(clock, device, expert_ms=5)
+    side = clock._ring[0].ends[2]
+    side.query = lambda: False  # type: ignore[method-assign]
+    assert clock.end_pass(0) == []  # no raise, nothing resolved
+    _pass(clock, device, expert_ms=4)
+    assert [t.pass_id for t in clock.end_pass(1)] == [1]
+    _pass(clock, device, expert_ms=2)  # reuses pass 0's slot, still unfinished: skipped, not waited for
+    assert clock.end_pass(2) == [] and clock.dropped_passes == 1
+    del side.query  # the side stream finishes
+    flushed = clock.flush()
+    assert [t.pass_id for t in flushed] == [0] and flushed[0].phase[0, 2] == pytest.approx(5e-3)

@@ -177,3 +177,18 @@ def test_uninstrument_restores_the_model(engine: Engine, run: Run) -> None:
     assert _generate(engine.llm) == run.baseline_tokens
     assert run.handle.recorder.snapshot().physical_count.sum() == 0
     run.handle.recorder.stop_record()
+
+
+def test_report_of_the_vllm_trace_in_a_real_browser(engine: Engine, run: Run, tmp_path: Path) -> None:
+    """``moetrace report`` of the live engine's per_pass trace, opened in Chromium: every section's figure drawn."""
+    from moetrace.report import build_report
+
+    from ..report.browser import available, browser, check_page, open_report
+
+    out = build_report([run.trace.path], tmp_path / f"{engine.name}.html")
+    assert available() is None, available()
+    with browser() as driver:
+        view = open_report(driver, out)
+    assert {"headline", "experts", "placement"} <= set(view.sections)
+    assert "coactivation" not in view.sections  # per_pass: no per-token ids
+    check_page(view, view.sections)

@@ -1,0 +1,38 @@
+"""``moetrace report``: one self-contained HTML file of a run's evidence (``moetrace.report``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moetrace.routes import RoutesError
+
+from .errors import CommandError, guarded
+from .options import existing_file, output_path
+
+__all__ = ["report"]
+
+
+@guarded
+def report(
+    traces: Annotated[list[Path], typer.Argument(help="Traces: one file, a merged file, the per-rank files / segments of one run, and / or routing traces.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="HTML file to write.")] = Path("report.html"),
+    routes: Annotated[Path | None, typer.Option("--routes", help="Per-request routed experts (a routes file, an API response body or .npy) for the request selector.")] = None,
+    top: Annotated[int, typer.Option("--top", min=1, help="Co-activated pairs and transitions per layer.")] = 5,
+) -> None:
+    """Write one HTML file (opens offline, plotly embedded) with a figure and a one-line reading per section."""
+    try:
+        from moetrace.report import build_report
+    except ImportError as exc:  # plotly is the `report` extra
+        raise CommandError(f"moetrace report needs plotly ({exc}); install it: pip install 'moetrace[report]'") from None
+    output_path(out)
+    files = [existing_file(t) for t in traces]
+    if routes is not None:
+        existing_file(routes, "routes")
+    try:
+        written = build_report(files, out, routes=routes, top=top)
+    except RoutesError as exc:
+        raise CommandError(str(exc)) from None
+    typer.echo(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB): open it in a browser")

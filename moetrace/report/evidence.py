@@ -1,0 +1,199 @@
+"""What a report shows, read from its inputs through the analysis APIs (no figure code here).
+
+Inputs are sorted by what they hold:
+
+- expert traces (any mode; one file, a merged file, or the per-rank files /
+  segments of one run): :func:`~moetrace.analysis.report.analyze_trace` or
+  :func:`~moetrace.analysis.distributed.analyze_traces`, the time-ordered
+  loads (:func:`~moetrace.analysis.backtest.load_series` /
+  :func:`~moetrace.analysis.distributed.pass_series`) and, with EP ranks, a
+  placement plan with its in-sample fit and held-out estimate;
+- routing traces (a ``/requests`` group): :func:`~moetrace.trace.requests.read_requests`
+  and :func:`~moetrace.replicas.analysis.summarize`;
+- a routes file (``--routes``): per-request routed experts
+  (:func:`~moetrace.routes.load_routes`).
+
+Every read failure is the error ``moetrace analyze`` gives for the same file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import metrics
+from ..analysis.backtest import (
+    BacktestResult,
+    PassSeries,
+    PlacementConfig,
+    held_out_estimate,
+    load_series,
+    plan_placement,
+)
+from ..analysis.placement import PlacementPlan, predicted_gpu_load
+from ..analysis.report import AnalysisReport, analyze_trace
+from ..replicas.analysis import summarize
+from ..routes import RouteSet, load_routes
+from ..trace.reader import open_trace
+from ..trace.requests import RequestTable, is_routing_trace, read_requests
+from ..trace.schema import TraceDamageError, TraceError
+
+__all__ = ["Evidence", "ExpertEvidence", "PlacementView", "RoutingEvidence", "gather", "placement_view"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementView:
+    """A placement for the trace's EP ranks with one redundant slot per GPU, and how it scores.
+
+    Attributes:
+        config: the sizes planned for (``N`` slots on ``G`` GPUs).
+        plan: moetrace's plan (robust over the time-ordered loads when there are any).
+        hottest: the ``G`` experts with the most load (the likely replicas).
+        current_load: ``[L, G]`` the run's loads on its own placement (in-sample).
+        planned_load: ``[L, G]`` the same loads on the plan (in-sample: planned and scored on this run).
+        balancedness_before, balancedness_after: ``metrics.balancedness`` of those two.
+        held_out: plan on one part of the passes, score on the next (``None``: too few passes).
+    """
+
+    config: PlacementConfig
+    plan: PlacementPlan
+    hottest: list[int]
+    current_load: np.ndarray
+    planned_load: np.ndarray
+    balancedness_before: float
+    balancedness_after: float
+    held_out: BacktestResult | None
+
+    def held_out_spread(self) -> dict[str, dict[str, float]] | None:
+        """Planner -> mean / min / max realised balancedness over the held-out deployments."""
+        if self.held_out is None:
+            return None
+        return {k: {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())} for k, v in self.held_out.realized.items()}
+
+
+def placement_view(weight: np.ndarray, physical: np.ndarray, series: PassSeries | None, gpus: int) -> PlacementView:
+    """Plan ``weight [L, E]`` onto ``gpus`` GPUs with one redundant slot each; score it in-sample and held out.
+
+    ``physical [L, P]`` are the run's counts on its own (contiguous) placement.
+    """
+    num_experts = weight.shape[1]
+    config = PlacementConfig(math.ceil(num_experts / gpus) * gpus + gpus, 1, 1, gpus)
+    plan = plan_placement(weight, series, config)
+    current = metrics.rank_load(physical, gpus)
+    planned = predicted_gpu_load(weight, plan.phy2log, gpus)
+    return PlacementView(
+        config=config,
+        plan=plan,
+        hottest=sorted(int(e) for e in np.argsort(-weight.sum(axis=0), kind="stable")[:gpus]),
+        current_load=current,
+        planned_load=planned,
+        balancedness_before=metrics.balancedness(current),
+        balancedness_after=metrics.balancedness(planned),
+        held_out=held_out_estimate(series, config),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertEvidence:
+    """One run's expert traces analysed.
+
+    Attributes:
+        paths: the input files.
+        report: the analysis (what ``moetrace analyze`` prints).
+        series: time-ordered loads in buckets of passes (``None``: fewer than two passes, or none).
+        placement: a plan for the trace's EP ranks (``None`` with one rank).
+    """
+
+    paths: list[Path]
+    report: AnalysisReport
+    series: PassSeries | None
+    placement: PlacementView | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingEvidence:
+    """One routing trace: its request table and ``summarize``'s figures."""
+
+    path: Path
+    table: RequestTable
+    summary: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """Everything a report can show; a part is ``None`` / empty when no input holds it."""
+
+    expert: ExpertEvidence | None
+    routing: list[RoutingEvidence]
+    routes: RouteSet | None
+    routes_path: Path | None
+
+    @property
+    def inputs(self) -> list[Path]:
+        """Every input file, expert traces first."""
+        files = list(self.expert.paths) if self.expert else []
+        files += [r.path for r in self.routing]
+        return files + ([self.routes_path] if self.routes_path else [])
+
+
+def _series(paths: list[Path]) -> PassSeries | None:
+    try:
+        if len(paths) == 1:
+            with open_trace(paths[0]) as trace:
+                return load_series(trace, np.arange(trace.num_layers))
+        from ..analysis.distributed import pass_series
+
+        return pass_series(paths)
+    except TraceDamageError:
+        raise  # a damaged trace is never answered without its time axis
+    except TraceError:  # fewer than two passes, or a stat trace without a window: no time axis
+        return None
+
+
+def _expert(paths: list[Path], top: int) -> ExpertEvidence:
+    if len(paths) == 1:
+        report = analyze_trace(paths[0], top=top)
+    else:
+        from ..analysis.distributed import analyze_traces
+
+        report = analyze_traces(paths, top=top)
+    series = _series(paths)
+    placement = None
+    if report.ep_size > 1 and report.logical_count.any():
+        placement = placement_view(report.logical_count.astype(np.float64), report.physical_count, series, report.ep_size)
+    return ExpertEvidence(paths=paths, report=report, series=series, placement=placement)
+
+
+def gather(paths: Sequence[Path], routes: Path | None = None, top: int = 5) -> Evidence:
+    """Read and analyse the inputs of a report.
+
+    Args:
+        paths: expert traces of one run and / or routing traces (files that exist).
+        routes: a routes file (``moetrace.routes.save_routes``, an API response body, ``.npy``).
+        top: pairs and transitions per layer.
+
+    Raises:
+        TraceError: an input is not a readable trace (the error ``moetrace analyze`` gives).
+        RoutesError: the routes file cannot be read.
+        ValueError: nothing to report on.
+    """
+    if not paths and routes is None:
+        raise ValueError("nothing to report on: give one or more traces (and / or --routes FILE)")
+    files = [Path(p) for p in paths]
+    routing_files = [p for p in files if is_routing_trace(p)]
+    expert_files = [p for p in files if p not in routing_files]
+    routing = []
+    for path in routing_files:
+        table = read_requests(path)
+        routing.append(RoutingEvidence(path, table, summarize(table)))
+    return Evidence(
+        expert=_expert(expert_files, top) if expert_files else None,
+        routing=routing,
+        routes=None if routes is None else load_routes(routes).logical(),
+        routes_path=routes,
+    )

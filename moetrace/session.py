@@ -1,0 +1,249 @@
+"""The recording session: one recording's files while it runs, for crash safety.
+
+From ``start_record`` to the dump that ends it, a streaming recording writes
+rotating segment files and a ``stat`` recording writes checkpoints, both
+through one background writer thread, and notes each step in the run's
+journal (:mod:`moetrace.trace.segments`, :mod:`moetrace.trace.journal`).
+:class:`RecordingSession` owns that thread, the journal, the rotation
+schedule, the checkpoint host buffers and the closed segments a dump took but
+has not consumed yet. The recorder's state machine opens one at
+``start_record`` and closes it at ``reset`` or after the last dump; at
+interpreter exit the sessions still open are closed (:func:`close_at_exit`),
+keeping passes never dumped on disk for ``moetrace recover``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import socket
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .accumulators import PassCounter, PassStream, StatWindow, TokenStream
+from .config import RecorderConfig
+from .trace.files import checkpoint_path, journal_path, sweep_dead_temporaries
+from .trace.journal import Journal
+from .trace.segments import CheckpointWriter, SegmentInfo, SegmentWriter
+from .trace.stat import CounterLayout
+from .trace.stream import BackgroundTraceWriter, HostBufferPool, StreamJob
+from .trace.writer import TraceHeader, TraceWriter, check_writable_dir
+
+__all__ = ["RecordingSession", "Staged", "close_at_exit", "closed", "opened", "wanted"]
+
+#: ``fill(writer, rows [1, L, C], passes [1, 2], meta [1, W, 3], counts [[1, W, L, P]])``: a checkpoint's ``/stat`` and ``/window``.
+FillStat = Callable[[TraceWriter, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]], None]
+
+
+def wanted(config: RecorderConfig) -> bool:
+    """Whether a recording with ``config`` keeps files while it runs (every streaming mode; ``stat`` with ``segment_seconds``)."""
+    return config.mode != "stat" or bool(config.segment_seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """The recorder's device-side parts whose staged rows a rotation hands to the writer thread.
+
+    Attributes:
+        counter: the pass counter; its ``totals [L, C]`` go into each checkpoint.
+        window: ``stat`` mode's window of the last passes (``None`` in streaming modes).
+        streams: the streaming mode's row stream (empty in ``stat`` mode).
+        flush_timing: submits the staged ``/timing`` rows (streaming modes).
+    """
+
+    counter: PassCounter
+    window: StatWindow | None
+    streams: tuple[PassStream | TokenStream, ...]
+    flush_timing: Callable[[], None]
+
+
+class RecordingSession:
+    """The writer thread, journal and rotation schedule of one recording (see the module docstring).
+
+    Args:
+        config: the recorder's configuration (``output_dir``, ``segment_seconds``, ``segment_bytes``).
+        header: the header of every segment / checkpoint (carries run id and rank).
+        layout: the counter rows' columns.
+        streamed: ``{dataset: (row shape, dtype)}`` of the streamed group.
+        staged: the parts a rotation flushes.
+        fill_stat: writes a checkpoint's ``/stat`` and ``/window`` from host arrays.
+        compression: h5py filter keywords of the files.
+    """
+
+    def __init__(
+        self,
+        config: RecorderConfig,
+        header: TraceHeader,
+        layout: CounterLayout,
+        streamed: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+        staged: Staged,
+        fill_stat: FillStat,
+        compression: Mapping[str, object],
+    ) -> None:
+        self.config = config
+        self._staged = staged
+        self._fill_stat = fill_stat
+        self._cuda = torch.device(config.device).type == "cuda"  # type: ignore[arg-type]
+        directory = check_writable_dir(Path(config.output_dir))
+        sweep_dead_temporaries(directory)
+        rank = header.rank
+        self.journal = Journal(journal_path(directory, header.run_id, rank))
+        self.journal.note("start", pid=os.getpid(), host=socket.gethostname(), run_id=header.run_id, rank=rank, world_size=header.world_size, mode=config.mode, segment_seconds=config.segment_seconds, segment_bytes=config.segment_bytes)
+        if config.mode == "stat":
+            sink: CheckpointWriter | SegmentWriter = CheckpointWriter(checkpoint_path(directory, header.run_id, rank), header, self.journal, compression)
+        else:
+            sink = SegmentWriter(directory, header, streamed, layout, config.physical_to_logical, config.segment_bytes, self.journal, compression)  # type: ignore[arg-type]
+        self.writer = BackgroundTraceWriter(sink)
+        self._rotate_at = time.monotonic() + (config.segment_seconds or float("inf"))
+        self._checkpoint_buffers: tuple[HostBufferPool, HostBufferPool, HostBufferPool] | None = None
+        self._undumped: list[SegmentInfo] = []  # closed segments taken by a dump that failed
+
+    @property
+    def error(self) -> BaseException | None:
+        """The writer thread's first error, if any."""
+        return self.writer.error
+
+    def submit(self, job: StreamJob) -> None:
+        self.writer.submit(job)
+
+    def poll(self) -> None:
+        """Pass end (forward thread): hand the writer the copies that have finished (never blocks)."""
+        self.writer.poll()
+
+    def settle(self) -> None:
+        """Wait for every copy in flight and hand it to the writer (a lifecycle call, or before blocking)."""
+        self.writer.settle()
+
+    def due(self) -> bool:
+        """Whether ``segment_seconds`` have passed since the last rotation."""
+        return time.monotonic() >= self._rotate_at
+
+    def rotate(self, pass_id: int, passes: int, wait: bool = False) -> None:
+        """Hand what is staged to the writer thread, which closes the segment (streaming) or writes a
+        checkpoint (``stat``: totals of ``passes`` passes up to ``pass_id``; tokens from the device).
+        Only enqueues (``wait``: block for a free checkpoint buffer instead of skipping)."""
+        self._rotate_at = time.monotonic() + self.config.segment_seconds
+        if self._staged.window is not None:
+            self._checkpoint(pass_id, passes, wait)
+            return
+        self._staged.flush_timing()
+        for stream in self._staged.streams:
+            stream.flush(rotate=True, wait=wait)
+
+    def _checkpoint(self, pass_id: int, passes: int, wait: bool) -> None:
+        """Stat mode: copy totals and window to host buffers (asynchronously) and let the
+        writer thread write the checkpoint; skipped when the previous one is still being
+        written, unless ``wait``."""
+        counter, w = self._staged.counter, self._staged.window
+        assert w is not None
+        slots = len(w.pass_id)
+        if self._checkpoint_buffers is None:
+            with torch.inference_mode(False):  # normal tensors, even when the first checkpoint runs under it
+                self._checkpoint_buffers = (
+                    HostBufferPool(tuple(counter.totals.shape), torch.int64, 1, self._cuda),
+                    HostBufferPool(tuple(w.counts.shape), torch.int32, 1, self._cuda),
+                    HostBufferPool((slots + 1,), torch.int64, 1, self._cuda),
+                )
+        totals_pool, window_pool, tokens_pool = self._checkpoint_buffers
+        if wait:
+            self.settle()  # the previous checkpoint's copy, so that its buffers come back
+        totals = totals_pool.acquire(block=wait)
+        if totals is None:
+            return
+        window, tokens = window_pool.acquire(), tokens_pool.acquire()
+        assert window is not None and tokens is not None
+        totals.copy_(counter.totals, non_blocking=True)
+        window.copy_(w.counts, non_blocking=True)
+        tokens[:slots].copy_(w.tokens, non_blocking=True)  # each window slot's tokens, then the token total
+        tokens[slots:].copy_(counter.token_total, non_blocking=True)
+        event = torch.cuda.Event() if self._cuda else None
+        if event is not None:
+            event.record()
+        order = w.order()
+        meta = np.stack([w.pass_id, w.timestamp], axis=1)[order]
+        fill = self._fill_stat
+
+        def build() -> tuple[object, int, int]:
+            rows, counts = totals.numpy()[None].copy(), [window.numpy()[order][None]]
+            host_tokens = tokens.numpy()
+            full = np.concatenate([meta, host_tokens[order][:, None].astype(np.float64)], axis=1)
+            return (lambda writer: fill(writer, rows, np.array([[passes, int(host_tokens[slots])]]), full[None], counts)), pass_id, passes
+
+        def done() -> None:
+            tokens_pool.release(tokens)
+            window_pool.release(window)
+            totals_pool.release(totals)
+
+        self.writer.submit(StreamJob(event=event, build=build, done=done))
+
+    def finish_rows(self) -> BaseException | None:
+        """Wait until every job handed over so far is written; the writer's first error, if any."""
+        self.writer.drain()
+        return self.writer.error
+
+    def take_segments(self) -> list[SegmentInfo]:
+        """The closed segments not consumed yet (oldest first), including those of a dump that failed."""
+        sink = self.writer.sink
+        assert isinstance(sink, SegmentWriter)
+        self._undumped = self._undumped + sink.take_completed()
+        return self._undumped
+
+    def consumed(self, taken: Sequence[SegmentInfo], written: Path) -> None:
+        """``taken``'s rows are now in the complete trace ``written``: note it and delete the segments."""
+        self.journal.note("dumped", segments=[info.index for info in taken], path=str(written))
+        for info in taken:
+            info.path.unlink(missing_ok=True)
+        self._undumped = []
+
+    def close(self, keep: bool, undumped_passes: int) -> None:
+        """Stop the writer thread. ``keep``: the caller rotated last (every pass is in a closed segment
+        or checkpoint) and the files stay for ``moetrace recover``; else every file of the run not dumped
+        yet is deleted."""
+        self.writer.close()
+        sink = self.writer.sink
+        if isinstance(sink, SegmentWriter):
+            if not keep:
+                sink.abort()
+                for info in [*self._undumped, *sink.take_completed()]:
+                    info.path.unlink(missing_ok=True)
+                self._undumped = []
+        elif not keep:
+            sink.path.unlink(missing_ok=True)
+        if keep:
+            self.journal.note("closed", undumped_passes=undumped_passes)
+            self.journal.close()
+        else:
+            self.journal.close()
+            self.journal.path.unlink(missing_ok=True)
+
+
+class _Owner(Protocol):
+    def _close_at_exit(self) -> None: ...
+
+
+_OPEN: weakref.WeakSet[_Owner] = weakref.WeakSet()
+
+
+def opened(owner: _Owner) -> None:
+    """``owner`` holds an open session: close it at interpreter exit unless it closes first."""
+    _OPEN.add(owner)
+
+
+def closed(owner: _Owner) -> None:
+    _OPEN.discard(owner)
+
+
+@atexit.register
+def close_at_exit() -> None:
+    """Stop writer threads before the interpreter tears HDF5 down (a daemon thread
+    frozen inside h5py would deadlock the exit). Passes never dumped stay on disk as
+    closed segments (or a checkpoint) for ``moetrace recover``."""
+    for owner in list(_OPEN):
+        owner._close_at_exit()

@@ -1,0 +1,71 @@
+"""``/stat`` from counter rows: the one writer of a rank's totals (dumps, segments, checkpoints).
+
+The recorder counts into per-layer counter rows ``[L, C]`` whose columns
+:class:`CounterLayout` names; every file that carries ``/stat`` (a ``stat``
+dump or checkpoint, a closed segment, an empty streaming dump) writes it from
+such rows with :func:`write_stat`, so the trace layer needs nothing from the
+recorder but the rows themselves.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ids import to_logical
+from .schema import PADDING_IDS
+from .writer import TraceWriter
+
+__all__ = ["CounterLayout", "write_stat"]
+
+
+class CounterLayout:
+    """Column offsets of the ``[L, C]`` counter rows for ``P`` experts and ``R`` ranks.
+
+    Width ``C = P + 5 + 2R``: ``0`` invalid ids below -1, ``1`` padding ids (-1),
+    ``[2, P+2)`` expert counts, ``P+2`` invalid ids ``>= P``, ``[P+3, P+3+R)``
+    send counts, ``[P+3+R, P+3+2R)`` receive counts, ``P+3+2R`` dropped copies,
+    ``P+4+2R`` tokens (rows with at least one id that is not -1; counted on the
+    device so that it stays right under CUDA-graph replay).
+    """
+
+    def __init__(self, num_physical_experts: int, ep_size: int) -> None:
+        p, r = num_physical_experts, ep_size
+        self.num_experts = p
+        self.below = 0
+        self.padding = 1
+        self.experts = slice(2, p + 2)
+        self.above = p + 2
+        self.send = slice(p + 3, p + 3 + r)
+        self.recv = slice(p + 3 + r, p + 3 + 2 * r)
+        self.dropped = p + 3 + 2 * r
+        self.tokens = p + 4 + 2 * r
+        self.width = p + 5 + 2 * r
+
+    def invalid(self, rows: np.ndarray) -> np.ndarray:
+        """Invalid ids (below -1 or ``>= P``) of counter rows ``[..., C]`` -> ``[...]``."""
+        return rows[..., self.below] + rows[..., self.above]
+
+
+def write_stat(
+    writer: TraceWriter,
+    layout: CounterLayout,
+    physical_to_logical: np.ndarray,
+    rows: np.ndarray,
+    num_passes: np.ndarray,
+    num_tokens: np.ndarray,
+) -> None:
+    """Write ``/stat`` from counter rows ``[R, L, C]`` and the passes / tokens ``[R]`` they cover.
+
+    Args:
+        physical_to_logical: ``[L, P]`` map for ``/stat/logical_count``.
+    """
+    physical = rows[:, :, layout.experts]
+    writer.write("stat/physical_count", physical, compress=True)
+    writer.write("stat/logical_count", to_logical(physical, physical_to_logical), compress=True)
+    writer.write("stat/invalid_ids", layout.invalid(rows))
+    writer.write(PADDING_IDS, rows[:, :, layout.padding])
+    writer.write("stat/send_count", rows[:, :, layout.send])
+    writer.write("stat/recv_count", rows[:, :, layout.recv])
+    writer.write("stat/dropped", rows[:, :, layout.dropped])
+    writer.write("stat/num_passes", np.asarray(num_passes, dtype=np.int64))
+    writer.write("stat/num_tokens", np.asarray(num_tokens, dtype=np.int64))
