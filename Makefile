@@ -13,7 +13,8 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_PINS := -c constraints.txt -c tests/sglang/constraints.txt
 # Megatron-Core (CPU: no Transformer Engine, no apex) in its own virtualenv, pinned: 0.16.1 is the
 # newest release for Python 3.11 (0.17+ needs 3.12). About 30 s and 1.2 GB. Its tests patch the
-# CUDA-only calls Megatron makes (tests/megatron/shims.py), never the adapter.
+# CUDA-only calls Megatron makes (tests/megatron/shims.py), never the adapter. `report`: the tests run
+# the `moetrace` CLI on a Megatron trace, and the CLI loads the report module (plotly).
 MEGATRON_VENV := .venv-megatron
 MEGATRON_STAMP := $(MEGATRON_VENV)/.installed
 SGLANG_RUNTIME := orjson psutil pybase64 requests pillow fastapi msgspec pyzmq tqdm ipython aiohttp einops \
@@ -50,7 +51,7 @@ $(SGLANG_STAMP): pyproject.toml constraints.txt tests/sglang/constraints.txt tes
 
 $(MEGATRON_STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(MEGATRON_VENV)
-	$(MEGATRON_VENV)/bin/pip install --quiet -c constraints.txt megatron-core==0.16.1 torch pytest pytest-timeout -e .
+	$(MEGATRON_VENV)/bin/pip install --quiet -c constraints.txt megatron-core==0.16.1 torch pytest pytest-timeout -e '.[report]'
 	touch $(MEGATRON_STAMP)
 
 demo: $(STAMP)

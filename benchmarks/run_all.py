@@ -132,13 +132,15 @@ def _routing(d: dict) -> list[Row]:
 
 
 def _placement(d: dict) -> list[Row]:
-    s, h = d["summary"], d["holdout"]
-    rows = [("placement backtest", f"realised next-window balancedness, {name} (plan on {d['window']} passes, deploy for {d['every']}; {d['rebalances']} rebalances)",
-             f"{s[name]['realized_mean']:.3f} (in-sample fit {s[name]['in_sample_mean']:.3f}); "
-             + ("" if name == "greedy" else f"below greedy in {s[name]['below_greedy_rebalances']:.0%} of rebalances; ")
-             + f"{s[name]['moved_per_rebalance']:.0f} replicas moved/rebalance")
-            for name in ("greedy", "moetrace-fit", "moetrace")]
-    rows.append(("placement hold-out", "plan on 75%, score on 25%: greedy vs moetrace", f"{h['greedy']['held_out_mean']:.3f} vs {h['moetrace']['held_out_mean']:.3f} (in-sample {h['greedy']['in_sample_mean']:.3f} vs {h['moetrace']['in_sample_mean']:.3f})"))
+    rows = []
+    for regime, r in d["by_regime"].items():
+        m, g, o = r["moetrace"], r["greedy"], r["oracle"]
+        rows.append(("placement backtest", f"{regime}: realised next-window balancedness, default vs greedy vs oracle (plan on {d['window']}, deploy for {d['every']} passes)",
+                     f"{m['realized_mean']:.3f} vs {g['realized_mean']:.3f} vs {o['realized_mean']:.3f}; below greedy in {m['below_greedy_rebalances']:.0%} of rebalances; "
+                     f"gap closed {m['gap_closed']:.0%}"))
+    c = d["cost"][str(d["every"])]["moetrace"]  # JSON keys are strings
+    rows.append(("placement rebalance cost", f"every {d['every']} passes: balance gained vs keeping; replicas moved; stall at {d['link_bytes_per_s'] / 1e9:g} GB/s",
+                 f"{c['gain']:+.4f}; {c['moved']:.0f} ({c['bytes_moved'] / 1e9:.2f} GB); {1e3 * c['stall_s']:.2f} ms, pays above {1e3 * c['break_even_pass_s']:.2g} ms/pass"))
     return rows
 
 

@@ -12,6 +12,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from moetrace.analysis.deployment import group_recordings
 from moetrace.analysis.plots import PLOT_KINDS, plot_report
 from moetrace.analysis.report import AnalysisReport, analyze_trace
 
@@ -121,21 +122,39 @@ def print_report(report: AnalysisReport, console: Console) -> None:
 
 @guarded
 def analyze(
-    traces: Annotated[list[Path], typer.Argument(help="A moetrace HDF5 trace, or the per-rank files / segments of one run (analysed as one).")],
+    traces: Annotated[list[Path], typer.Argument(help="A moetrace HDF5 trace, the per-rank files / segments of one run (analysed as one), or the recordings of one deployment (a time series).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report (schema in docs/analysis.md) instead of tables.")] = False,
     layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
     window: Annotated[int | None, typer.Option("--window", min=1, help="Passes per drift window (default: about 20 windows).")] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="Hottest experts, pairs and transitions listed per layer (the expert table shows at most 3).")] = 5,
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Run on Dask (moetrace[dask]): 'local[:N]' starts N worker processes (default one per core), 'tcp://HOST:PORT' uses a running scheduler.")] = None,
+    by: Annotated[str | None, typer.Option("--by", help="Attribution on a routes file: 'request', 'label' or 'label:NAME' (who drives the hot experts and ranks).")] = None,
+    ep_size: Annotated[int, typer.Option("--ep-size", min=1, help="With --by: EP ranks for the hottest-rank figures (contiguous placement).")] = 1,
 ) -> None:
     """Expert and rank balance, entropy, dead/hot experts, EP projection, co-activation, transitions and drift of a trace."""
     from moetrace.trace.requests import is_routing_trace
+
+    if by is not None:  # which requests / labels drive the load: moetrace.analysis.attribution
+        from .attribution import print_attribution, run_attribution
+
+        if len(traces) != 1:
+            raise CommandError("--by takes one routes file")
+        result = run_attribution(existing_file(traces[0], "routes"), by, ep_size, top)
+        if as_json:
+            typer.echo(json.dumps(result.to_dict(), indent=2))
+        else:
+            print_attribution(result, stdout_console())
+        return
 
     if len(traces) > 1 or scheduler is not None:  # several files, or Dask: moetrace.analysis.distributed
         from moetrace.analysis.distributed import analyze_traces, dask_client
 
         files = [existing_file(t) for t in traces]
+        recordings = group_recordings(files) if len(files) > 1 else [files]
+        if len(recordings) > 1:  # several runs: the deployment series (moetrace.analysis.deployment)
+            _analyze_deployment(files, parse_layers(layers), top, scheduler, as_json)
+            return
         options = {"layers": parse_layers(layers), "window": window, "top": top}
         if scheduler is None:
             report = analyze_traces(files, progress=progress, **options)  # type: ignore[arg-type]
@@ -158,6 +177,23 @@ def analyze(
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         print_report(report, stdout_console())
+
+
+def _analyze_deployment(files: list[Path], layers: list[int] | None, top: int, scheduler: str | None, as_json: bool) -> None:
+    from moetrace.analysis.deployment import analyze_deployment
+    from moetrace.analysis.distributed import dask_client
+
+    from .deployment import print_deployment
+
+    if scheduler is None:
+        report = analyze_deployment(files, layers=layers, top=top)
+    else:
+        with dask_client(scheduler) as client:
+            report = analyze_deployment(files, layers=layers, top=top, client=client)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        print_deployment(report, stdout_console())
 
 
 @guarded

@@ -45,6 +45,7 @@ from moetrace.dispatch import (
 from moetrace.report.evidence import PlacementView
 from moetrace.trace.merge import merge_traces
 from moetrace.trace.reader import open_trace
+from moetrace.trace.schema import Attr
 
 from .demo_summary import DemoSummary, print_summary, say
 from .errors import CommandError, guarded
@@ -155,7 +156,7 @@ def _bytes_figures(trace_path: Path) -> dict[str, float]:
     """All-to-all bytes over the run: TP, ideal EP, padded EP and what the exact exchange sent."""
     with open_trace(trace_path) as trace:
         attrs = trace.attrs
-        hidden, width = int(attrs["hidden_size"]), int(attrs["dtype_bytes"])
+        hidden, width = int(attrs[Attr.HIDDEN_SIZE]), int(attrs[Attr.DTYPE_BYTES])
         k, ranks = trace.top_k, trace.ep_size
         tokens = int(trace.num_tokens().sum())
         send = trace.send_count()  # [Rf, L, R]

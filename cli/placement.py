@@ -8,7 +8,15 @@ earlier passes, scored on later ones). Three modes:
   estimate (plan on one fifth of the passes, score on the next fifth; mean and
   range over the four deployments) when the trace is time-ordered;
 - ``--holdout F``: plan on the first ``1 - F`` of the passes, score on the rest;
-- ``--backtest --window W --every S``: replay a rebalancing schedule.
+- ``--backtest --window W --every S``: replay a rebalancing schedule, with
+  the cost of each rebalance (replicas and bytes moved, the stall) against the
+  balance it gains on the next window.
+
+The deployed plan comes from the candidate planner that held best on the
+trace's own past (validation on rolling folds, greedy unless another one beat
+it clearly); the output says which and why. Every evaluation shows the oracle
+(a plan fitted to the scored passes themselves) and the share of the
+greedy-to-oracle gap each planner closes.
 """
 
 from __future__ import annotations
@@ -30,29 +38,35 @@ from moetrace.analysis.backtest import (
     PlacementConfig,
     backtest,
     bucket_for,
+    gap_closed,
     held_out_estimate,
     holdout,
     load_series,
-    plan_placement,
+    plan_with_selection,
     replicas_moved,
 )
 from moetrace.analysis.placement import PlacementPlan, predicted_gpu_load
 from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.analysis.source import select_layers
 from moetrace.trace.reader import open_trace
-from moetrace.trace.schema import TraceDamageError, TraceError
+from moetrace.trace.schema import Attr, TraceDamageError, TraceError
 
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, parse_layers, stdout_console
+from .placement_report import print_rebalance_value, print_selection, rebalance_values
 
 __all__ = ["placement"]
 
 LAYERS_HELP = "Model layer ids to plan for, e.g. '0,7,12-15' (default: all)."
-PLANNER_ORDER = ("current", "greedy", "moetrace-fit", "moetrace")
+PLANNER_ORDER = ("current", "greedy", "moetrace-fit", "moetrace-robust", "moetrace", "oracle")
 
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 def _spread(values: list[float] | np.ndarray) -> str:
@@ -88,10 +102,10 @@ def _expert_bytes(attrs: dict[str, Any], intermediate_size: int | None) -> int |
     """Bytes of one SwiGLU expert (gate, up, down: ``3·H·I·b``) from the trace's ``H`` and ``b``."""
     if intermediate_size is None:
         return None
-    hidden = int(attrs.get("hidden_size") or 0)
+    hidden = int(attrs.get(Attr.HIDDEN_SIZE) or 0)
     if hidden <= 0:
         raise CommandError("--intermediate-size needs the trace's hidden size, and this trace does not carry one (record with RecorderConfig(hidden_size=...))")
-    return 3 * hidden * intermediate_size * int(attrs.get("dtype_bytes") or 2)
+    return 3 * hidden * intermediate_size * int(attrs.get(Attr.DTYPE_BYTES) or 2)
 
 
 def _series(tr: Any, index: np.ndarray, bucket: int | None, required: bool) -> PassSeries | None:
@@ -135,12 +149,14 @@ def _holdout_table(console: Console, result: Any) -> None:
         title=f"Hold-out: planned on the first {result.plan_passes} passes, scored on the next {result.scored_passes}",
         title_justify="left",
     )
-    for col in ("planner", "in-sample (fit)", "held-out", "held-out windows mean (min-max)"):
+    for col in ("planner", "in-sample (fit)", "held-out", "gap closed", "held-out windows mean (min-max)"):
         table.add_column(col, justify="right" if col != "planner" else "left")
+    closed = result.gap_closed()
     for name in PLANNER_ORDER:
         if name in result.held_out:
-            table.add_row(name, _fmt(result.in_sample[name]), _fmt(result.held_out[name]), _spread(result.held_out_windows[name]))
+            table.add_row(name, _fmt(result.in_sample[name]), _fmt(result.held_out[name]), _share(closed.get(name)), _spread(result.held_out_windows[name]))
     console.print(table)
+    console.print("gap closed = share of the greedy-to-oracle gap on the held-out passes (oracle = a plan fitted to them; 0% = greedy, 100% = oracle)")
 
 
 def _backtest_table(console: Console, result: BacktestResult) -> None:
@@ -150,7 +166,7 @@ def _backtest_table(console: Console, result: BacktestResult) -> None:
         "(realised = held-out balancedness of each deployment)",
         title_justify="left",
     )
-    cols = ["planner", "realised mean", "realised min", "in-sample mean (fit)", "below greedy", "moved/rebalance"]
+    cols = ["planner", "realised mean", "realised min", "in-sample mean (fit)", "gap closed", "below greedy", "moved/rebalance"]
     if result.expert_bytes:
         cols.append("bytes/rebalance")
     for col in cols:
@@ -160,11 +176,16 @@ def _backtest_table(console: Console, result: BacktestResult) -> None:
             continue
         row = summary[name]
         below = row.get("below_greedy_share")
-        cells = [name, _fmt(row["realized_mean"]), _fmt(row["realized_min"]), _fmt(row["in_sample_mean"]), "-" if below is None else f"{below:.0%}", "-" if name == "current" else f"{row['moved_mean']:.1f}"]
+        unmoved = name in ("current", "oracle")
+        cells = [name, _fmt(row["realized_mean"]), _fmt(row["realized_min"]), _fmt(row["in_sample_mean"]), _share(row.get("gap_closed")),
+                 _share(below), "-" if unmoved else f"{row['moved_mean']:.1f}"]
         if result.expert_bytes:
-            cells.append("-" if name == "current" else f"{row['moved_bytes_mean']:,.0f}")
+            cells.append("-" if unmoved else f"{row['moved_bytes_mean']:,.0f}")
         table.add_row(*cells)
     console.print(table)
+    if "moetrace" in result.chosen:
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in summary["moetrace"]["chosen_share"].items())
+        console.print(f"moetrace deployed, by validation on the past at each rebalance: {shares} of the rebalances")
 
 
 @guarded
@@ -180,6 +201,8 @@ def placement(
     every: Annotated[int | None, typer.Option("--every", min=1, help="Passes each backtest plan is deployed for.")] = None,
     current: Annotated[Path | None, typer.Option("--current", help="The deployed plan (JSON from --out): moves away from it must pay off.")] = None,
     intermediate_size: Annotated[int | None, typer.Option("--intermediate-size", min=1, help="Expert FFN width I: bytes moved = 3·H·I·b per replica (H, b from the trace).")] = None,
+    link_gbps: Annotated[float, typer.Option("--link-gbps", min=0.001, help="With --backtest: GB/s a GPU receives expert weights at (sets the rebalance stall).")] = 25.0,
+    pass_ms: Annotated[float | None, typer.Option("--pass-ms", min=0.0, help="With --backtest: MoE time per pass now (ms); says whether rebalancing every --every passes pays.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="With --backtest: PNG of realised balancedness over time per planner.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON document (plan and figures) instead of tables.")] = False,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the plan (phy2log, log2phy, logcnt, figures) as JSON.")] = None,
@@ -191,8 +214,8 @@ def placement(
         raise CommandError(f"--gpus must be a positive integer, got {gpus}")
     if run_backtest and (window is None or every is None):
         raise CommandError("--backtest needs --window W and --every S (passes planned on, passes deployed for)")
-    if (window is not None or every is not None or plot is not None) and not run_backtest:
-        raise CommandError("--window, --every and --plot belong to --backtest; add --backtest")
+    if (window is not None or every is not None or plot is not None or pass_ms is not None) and not run_backtest:
+        raise CommandError("--window, --every, --plot and --pass-ms belong to --backtest; add --backtest")
     if run_backtest and holdout_fraction is not None:
         raise CommandError("--holdout and --backtest are two evaluations; pass one of them")
     for path in (out, plot):
@@ -214,7 +237,7 @@ def placement(
     if series is not None:  # plan and score on the time-ordered passes (a stat trace's window may be shorter than its totals)
         weight, physical = series.logical.sum(axis=0), series.physical.sum(axis=0)
     expert_bytes = _expert_bytes(attrs, intermediate_size)
-    plan = plan_placement(weight, series, config, deployed)
+    plan, selection = plan_with_selection(weight, series, config, deployed)
     greedy = greedy_rebalance(weight, config.replicas, config.groups, config.nodes, config.gpus)
     loads = {
         "current": metrics.rank_load(physical, gpus) if physical.shape[1] % gpus == 0 else None,
@@ -224,9 +247,9 @@ def placement(
     in_sample = {k: None if v is None else metrics.balancedness(v) for k, v in loads.items()}
     document: dict[str, Any] = {
         "schema": "moetrace.placement",
-        "schema_version": 2,
+        "schema_version": 3,
         "trace": str(trace) if len(traces) == 1 else [str(t) for t in traces],
-        "run_id": attrs.get("run_id"),
+        "run_id": attrs.get(Attr.RUN_ID),
         "layers": layer_ids,
         "num_replicas": config.replicas,
         "num_groups": config.groups,
@@ -234,7 +257,8 @@ def placement(
         "num_gpus": config.gpus,
         "defaults_used": defaults,
         "hierarchical": plan.hierarchical,
-        "planner": "moetrace robust (sub-window scenarios, shrinkage, move-aware)" if series is not None and len(series) >= 2 else "moetrace fit (no time-ordered passes)",
+        "planner": selection.chosen,
+        "selection": selection.to_dict(),
         "in_sample": {"passes": int(series.passes.sum()) if series is not None else None, "balancedness": in_sample,
                       "layer_balancedness": {k: None if v is None else metrics.layer_balancedness(v).tolist() for k, v in loads.items()}},
     }
@@ -251,18 +275,21 @@ def placement(
         assert series is not None and window is not None and every is not None
         replay = backtest(series, window, every, config, expert_bytes=expert_bytes)
         document["backtest"] = replay.to_dict()
+        values = rebalance_values(replay, expert_bytes, link_gbps, pass_ms)
+        document["backtest"]["rebalance_value"] = values
     else:
         estimate = held_out_estimate(series, config)
         document["held_out_estimate"] = None if estimate is None else {
             "plan_passes": estimate.window, "scored_passes": estimate.every, "windows": len(estimate.first_pass),
             "realized": {k: v.tolist() for k, v in estimate.realized.items()},
             "summary": {k: {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())} for k, v in estimate.realized.items()},
+            "gap_closed": {k: v.get("gap_closed") for k, v in estimate.summary().items() if "gap_closed" in v},
         }
     document.update(phy2log=plan.phy2log.tolist(), log2phy=plan.log2phy.tolist(), logcnt=plan.logcnt.tolist(), gpu_load=loads["moetrace"].tolist())
     if replay is not None and plot is not None:
         from moetrace.analysis.backtest_plot import plot_backtest
 
-        plot_backtest(replay, plot, title=str(attrs.get("model") or Path(trace).name))
+        plot_backtest(replay, plot, title=str(attrs.get(Attr.MODEL) or Path(trace).name))
     if out is not None:
         out.write_text(json.dumps(document))
     if as_json:
@@ -274,17 +301,21 @@ def placement(
     _in_sample_table(console, layer_ids, loads, plan, config)
     figures = "  ".join(f"{k} {_fmt(in_sample[k])}" for k in ("current", "greedy", "moetrace"))
     console.print(f"in-sample (planned and scored on the same passes; a fit, not a forecast): {figures}")
+    print_selection(console, selection)
     if held is not None:
         _holdout_table(console, held)
     elif replay is not None:
         _backtest_table(console, replay)
+        print_rebalance_value(console, values)
         if plot is not None:
             console.print(f"wrote {plot}")
     elif estimate is not None:
-        spread = "  ".join(f"{k} {_spread(estimate.realized[k])}" for k in ("current", "greedy", "moetrace") if k in estimate.realized)
+        spread = "  ".join(f"{k} {_spread(estimate.realized[k])}" for k in ("current", "greedy", "moetrace", "oracle") if k in estimate.realized)
+        realized = estimate.realized
+        closed = gap_closed(float(realized["moetrace"].mean()), float(realized["greedy"].mean()), float(realized["oracle"].mean()))
         console.print(
             f"held-out estimate (planned on {estimate.window} passes, scored on the next {estimate.every}; mean (min-max) over "
-            f"{len(estimate.first_pass)} windows): {spread}"
+            f"{len(estimate.first_pass)} windows): {spread}; moetrace closes {_share(closed)} of the greedy-to-oracle gap"
         )
     else:
         console.print("held-out estimate: n/a (needs a per_pass or per_token trace with enough passes); the figures above are a fit, not a forecast")

@@ -2,8 +2,11 @@
 
 Every ``--interval`` seconds it scrapes ``<url>/metrics`` of each ``--url``
 (a moetrace control endpoint or Prometheus exporter; a URL ending in
-``/metrics`` is used as is) and shows: each endpoint's state (an endpoint that
-stops answering is shown as gone, with the reason), balancedness over the EP
+``/metrics`` is used as is) and shows: each endpoint's state and place in the
+parallel layout (global rank, TP/EP coordinates, whether its routing replicates
+a TP peer's; an endpoint that stops answering is shown as gone, with the
+reason), the tokens served over all endpoints (each token once: replica ranks
+export 0), balancedness over the EP
 ranks and per-rank load bars (loads summed over the endpoints), the hottest
 experts per layer (when an endpoint exports ``per_expert`` series), mean phase
 times per rank (over the last interval, from ``moetrace_phase_seconds``; over
@@ -49,7 +52,9 @@ class Endpoint:
     error: str | None = None
     gone: bool = True  # with ``error``: unreachable (True) or answering with an HTTP error (False)
     rank: int | None = None
+    info: dict[str, str] = dataclasses.field(default_factory=dict)  # moetrace_info labels: layout, global_rank, tp_rank, replica...
     passes: float = 0.0
+    tokens: float = 0.0
     recording: bool = False
     rank_load: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # (layer, ep_rank) -> copies
     experts: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # (layer, expert) -> copies
@@ -85,6 +90,10 @@ def scrape(url: str, timeout: float = 1.0, token: str | None = None) -> Endpoint
                 point.rank = int(labels["rank"])
             if sample.name == "moetrace_forward_passes_total":
                 point.passes = value
+            elif sample.name == "moetrace_tokens_total":
+                point.tokens = value
+            elif sample.name == "moetrace_info":
+                point.info = dict(labels)
             elif sample.name == "moetrace_recording":
                 point.recording = value == 1
             elif sample.name == "moetrace_rank_routed_tokens_total":
@@ -131,6 +140,16 @@ def _phase_means(now: Endpoint, before: Endpoint | None) -> dict[str, float | No
     return out
 
 
+def _who(point: Endpoint) -> str:
+    """``rank 1 [TP2 (TP attention) tp1, replica]``: the endpoint's global rank and coordinates
+    (from ``moetrace_info``), or its EP rank alone for endpoints that export no layout."""
+    info = point.info
+    if not info.get("layout"):
+        return f"rank {point.rank}"
+    replica = ", replica" if info.get("replica") == "true" else ""
+    return f"rank {info['global_rank']} [{info['layout']} tp{info['tp_rank']} ep{point.rank}{replica}]"
+
+
 def render(points: list[Endpoint], previous: dict[str, Endpoint], interval: float) -> Group:
     """One screen (80 columns) from this scrape and the previous one."""
     lines: list[Text] = [Text(f"moetrace top: {len(points)} endpoint(s), every {interval:g} s; q or Ctrl-C quits   "
@@ -140,8 +159,12 @@ def render(points: list[Endpoint], previous: dict[str, Endpoint], interval: floa
             lines.append(Text(f"  {p.url}: {'GONE' if p.gone else 'ERROR'} ({p.error})"[:79], style="red"))
         else:
             state = "recording" if p.recording else "stopped"
-            lines.append(Text(f"  rank {p.rank}: {state}, {p.passes:.0f} passes  {p.url}"[:79]))
+            lines.append(Text(f"  {_who(p)}: {state}, {p.passes:.0f} passes  {p.url}"[:79]))
     live = [p for p in points if p.error is None]
+    if live:
+        replicas = sum(p.info.get("replica") == "true" for p in live)
+        note = f" ({replicas} replica rank(s) route the same tokens as a peer: counted once)" if replicas else ""
+        lines.append(Text(f"tokens served: {sum(p.tokens for p in live):.0f}{note}"[:79], style="bold"))
     loads = _summed(p.rank_load for p in live)
     if loads:
         layers, load = _grid(loads)  # [L, R] summed over the endpoints (every source rank)

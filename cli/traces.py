@@ -15,7 +15,7 @@ from moetrace.trace.convert import convert_jsonl, convert_sglang
 from moetrace.trace.integrity import CHECKSUMS, reading
 from moetrace.trace.merge import merge_traces, rank_stops
 from moetrace.trace.reader import open_trace
-from moetrace.trace.schema import MERGED_DAMAGED_ATTR
+from moetrace.trace.schema import MERGED_DAMAGED_ATTR, Attr, Data
 
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, stdout_console
@@ -126,7 +126,7 @@ def inspect(
     with open_trace(existing_file(trace)) as tr:
         attrs = {k: _plain(v) for k, v in sorted(tr.attrs.items())}
         checksums = CHECKSUMS if tr.verified else "none (written before checksums: unverified)"
-        counted = tr.counted() if tr.has("stat/num_tokens") else None
+        counted = tr.counted() if tr.has(Data.STAT_NUM_TOKENS) else None
         ranks = [{**layout.as_dict(), "counted": bool(counted.assignments[i]) if counted is not None else True,
                   "tokens": int(tr.num_tokens()[i]) if counted is not None else None} for i, layout in enumerate(tr.layouts)]
         served = tr.tokens_served() if counted is not None else None
@@ -136,7 +136,7 @@ def inspect(
                                "tokens_served": served, "datasets": datasets}, indent=2))
         return
     console = stdout_console()
-    console.print(f"[bold]{trace}[/bold]  {attrs.get('schema')} v{attrs.get('schema_version')}  {trace.stat().st_size} bytes on disk")
+    console.print(f"[bold]{trace}[/bold]  {attrs.get(Attr.SCHEMA)} v{attrs.get(Attr.SCHEMA_VERSION)}  {trace.stat().st_size} bytes on disk")
     console.print(f"checksums: {checksums}; digests checked, contents are checked as read (`moetrace verify` reads them all)")
     table = Table(title="Root attributes", title_justify="left")
     table.add_column("attribute")

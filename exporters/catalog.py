@@ -169,8 +169,24 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moetrace_errors", "moetrace.errors", "gauge", "{error}", (),
                "Background errors the recorder holds (e.g. a failed streaming write); see GET /status.",
                "`len(errors)`", lambda s: len(s.errors)),
+    MetricSpec("moetrace_retention_removed_files_total", "moetrace.retention.removed_files", "counter", "{file}", (),
+               "Dumps the retention policy removed from output_dir (0 without a policy).",
+               "`retention['removed_files']`", lambda s: _retention(s, "removed_files")),
+    MetricSpec("moetrace_retention_removed_bytes_total", "moetrace.retention.removed_bytes", "counter", "By", (),
+               "Bytes of the dumps the retention policy removed (0 without a policy).",
+               "`retention['removed_bytes']`", lambda s: _retention(s, "removed_bytes")),
+    MetricSpec("moetrace_retention_compacted_files_total", "moetrace.retention.compacted_files", "counter", "{file}", (),
+               "Streaming dumps the retention policy compacted to their stat totals (0 without a policy).",
+               "`retention['compacted_files']`", lambda s: _retention(s, "compacted_files")),
+    MetricSpec("moetrace_retention_directory_bytes", "moetrace.retention.directory_bytes", "gauge", "By", (),
+               "Bytes of moetrace files in output_dir after the last retention pass (0 without a policy).",
+               "`retention['directory_bytes']`", lambda s: _retention(s, "directory_bytes")),
 )
 """Metrics every exporter emits."""
+
+
+def _retention(s: RecorderSnapshot, key: str) -> int:
+    return int(s.retention[key]) if s.retention is not None else 0  # type: ignore[call-overload]
 
 
 def _phase_hist(s: RecorderSnapshot) -> tuple[np.ndarray, np.ndarray]:

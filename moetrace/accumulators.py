@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .config import RecorderConfig
+from .trace.schema import Data
 from .trace.segments import StreamRows
 from .trace.stat import CounterLayout
 from .trace.stream import HostBufferPool, StreamJob
@@ -289,13 +290,13 @@ class PassStream:
             tokens = rows[:, :, layout.tokens].max(axis=1).astype(np.int64)
             return StreamRows(
                 rows={
-                    "passes/pass_id": meta[:, 0].astype(np.int64),
-                    "passes/timestamp": meta[:, 1],
-                    "passes/num_tokens": tokens,
-                    "passes/physical_count": rows[:, :, layout.experts].copy(),
-                    "passes/invalid_ids": layout.invalid(rows),
-                    "passes/send_count": rows[:, :, layout.send].copy(),
-                    "passes/recv_count": rows[:, :, layout.recv].copy(),
+                    Data.PASSES_PASS_ID: meta[:, 0].astype(np.int64),
+                    Data.PASSES_TIMESTAMP: meta[:, 1],
+                    Data.PASSES_NUM_TOKENS: tokens,
+                    Data.PASSES_PHYSICAL_COUNT: rows[:, :, layout.experts].copy(),
+                    Data.PASSES_INVALID_IDS: layout.invalid(rows),
+                    Data.PASSES_SEND_COUNT: rows[:, :, layout.send].copy(),
+                    Data.PASSES_RECV_COUNT: rows[:, :, layout.recv].copy(),
                 },
                 totals=totals.numpy(),
                 passes=n,
@@ -409,7 +410,7 @@ class TokenStream:
             ids = host[:n].numpy()
             real = (ids != -1).reshape(n, -1).any(axis=1)
             # Views of the host buffer when every row is a token: the writer is done with them before ``done`` releases it.
-            rows = {"tokens/topk_ids": ids, "tokens/pass_id": pass_id, "tokens/position": position}
+            rows = {Data.TOKENS_TOPK_IDS: ids, Data.TOKENS_PASS_ID: pass_id, Data.TOKENS_POSITION: position}
             if not real.all():
                 rows = {name: array[real] for name, array in rows.items()}
             return StreamRows(

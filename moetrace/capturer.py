@@ -123,16 +123,19 @@ class RoutedExpertsCapturer:
         ``out_cache_loc`` is the scheduler's host copy (a CPU tensor or a list)
         of the KV slot of each token of the pass, in pass order.
         """
-        locs = torch.as_tensor(out_cache_loc, dtype=torch.int64)
-        if locs.device.type != "cpu":
-            raise CaptureError("out_cache_loc must be the scheduler's host copy (a CPU tensor or list); the capturer never reads device values")
-        tokens = locs.numel()
+        if isinstance(out_cache_loc, torch.Tensor):
+            if out_cache_loc.device.type != "cpu":
+                raise CaptureError("out_cache_loc must be the scheduler's host copy (a CPU tensor or list); the capturer never reads device values")
+            host = out_cache_loc.detach().to(torch.int64).reshape(-1).numpy()
+        else:
+            host = np.asarray(out_cache_loc, dtype=np.int64).reshape(-1)  # checked in numpy: no tensor value read
+        tokens = host.size
         if self._pass_rows > tokens:
             raise CaptureError(f"the pass captured {self._pass_rows} tokens but out_cache_loc has {tokens}")
         cfg = self.config
         if tokens > cfg.max_tokens_per_pass:
             raise CaptureError(f"pass of {tokens} tokens exceeds max_tokens_per_pass={cfg.max_tokens_per_pass}")
-        if tokens and (int(locs.min()) < 0 or int(locs.max()) >= cfg.num_kv_slots):
+        if tokens and (int(host.min()) < 0 or int(host.max()) >= cfg.num_kv_slots):
             raise CaptureError(f"out_cache_loc holds slots outside [0, num_kv_slots={cfg.num_kv_slots})")
         self._pass_rows = 0
         if tokens == 0:
@@ -147,8 +150,8 @@ class RoutedExpertsCapturer:
             event = torch.cuda.Event()
             event.record()
         self._device_buf[:tokens].fill_(-1)  # stream-ordered after the copy
-        self._pending[ring] = _Staged(self._seq, rows, locs.clone(), event)
-        self._slot_pass[locs.numpy()] = self._seq
+        self._pending[ring] = _Staged(self._seq, rows, torch.from_numpy(host.copy()), event)
+        self._slot_pass[host] = self._seq
         self._seq += 1
 
     def _land(self, ring: int) -> None:

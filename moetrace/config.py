@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .layout import RankLayout
+from .trace.retention import RetentionPolicy
 
 __all__ = ["MODES", "CaptureConfig", "RecorderConfig", "RecorderMode"]
 
@@ -84,6 +85,10 @@ class RecorderConfig:
             waits (the forward stalls, nothing is lost) or ``"drop"`` drops
             the staged passes whole, counts them (``dropped_passes``) and
             never waits.
+        retention: bounded disk for a long-running recorder
+            (:class:`~moetrace.trace.retention.RetentionPolicy`: keep the last N
+            dumps / D seconds / B bytes of ``output_dir``, older streaming dumps
+            compacted to their totals), applied after every dump; ``None``: keep all.
     """
 
     num_layers: int
@@ -110,6 +115,7 @@ class RecorderConfig:
     segment_bytes: int = 256 * 2**20
     compression: str = "auto"
     on_overflow: str = "block"
+    retention: RetentionPolicy | None = None
     layout: RankLayout | None = None
 
     def __post_init__(self) -> None:
@@ -140,6 +146,8 @@ class RecorderConfig:
         from .trace.writer import compression_options
 
         compression_options(self.resolved_compression)  # raises ValueError naming the accepted specs
+        if self.retention is not None and not isinstance(self.retention, RetentionPolicy):
+            raise ValueError(f"retention must be a moetrace.trace.retention.RetentionPolicy or None, got {type(self.retention).__name__}")
         if self.on_overflow not in ("block", "drop"):
             raise ValueError(f"on_overflow must be 'block' or 'drop', got {self.on_overflow!r}")
         if self.stream_chunk_tokens < self.max_tokens_per_pass:

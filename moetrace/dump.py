@@ -27,6 +27,7 @@ from .layout import RankLayout
 from .session import RecordingSession
 from .timing import HISTOGRAM_EDGES, PHASES
 from .trace.join import concat_segments
+from .trace.schema import Attr, Data, dataset
 from .trace.stat import CounterLayout, write_stat
 from .trace.writer import TraceHeader, TraceWriter
 
@@ -101,25 +102,8 @@ class TraceDump:
 
     def header(self, run_id: str, rank: int, world_size: int, layouts: tuple[RankLayout, ...] | None = None) -> TraceHeader:
         """The trace header; ``layouts``: each rank row's layout (default: this rank's alone)."""
-        cfg = self.config
-        return TraceHeader(
-            mode=cfg.mode,
-            id_space="physical" if cfg.has_logical_map else "logical",
-            num_layers=cfg.num_layers,
-            num_physical_experts=cfg.num_physical_experts,
-            top_k=cfg.top_k,
-            ep_size=cfg.ep_size,
-            layer_ids=np.asarray(cfg.layer_ids),
-            physical_to_logical=cfg.physical_to_logical,  # type: ignore[arg-type]
-            model=cfg.model,
-            engine=cfg.engine,
-            run_id=run_id,
-            rank=rank,
-            world_size=world_size,
-            hidden_size=cfg.hidden_size or 0,
-            dtype_bytes=cfg.dtype_bytes,
-            layouts=(cfg.rank_layout(*dist_world()),) if layouts is None else layouts,
-        )
+        own = (self.config.rank_layout(*dist_world()),) if layouts is None else layouts
+        return TraceHeader.of_config(self.config, run_id, rank, world_size, own)
 
     # ------------------------------------------------------------------ pieces
     def write_totals(self, writer: TraceWriter, rows: np.ndarray, num_passes: np.ndarray, num_tokens: np.ndarray) -> None:
@@ -133,27 +117,27 @@ class TraceDump:
         along the window axis, oldest first (their lengths add up to at least the filled slots)."""
         filled = int((meta[:, :, 0] >= 0).sum(axis=1).max()) if meta.size else 0
         self.write_totals(writer, rows, passes[:, 0], passes[:, 1])
-        writer.write("window/pass_id", meta[:, :filled, 0].astype(np.int64))
-        writer.write("window/timestamp", meta[:, :filled, 1])
-        writer.write("window/num_tokens", meta[:, :filled, 2].astype(np.int64))
-        writer.write_pieces("window/physical_count", counts, axis=1, length=filled, compress=True)
+        writer.write(Data.WINDOW_PASS_ID, meta[:, :filled, 0].astype(np.int64))
+        writer.write(Data.WINDOW_TIMESTAMP, meta[:, :filled, 1])
+        writer.write(Data.WINDOW_NUM_TOKENS, meta[:, :filled, 2].astype(np.int64))
+        writer.write_pieces(Data.WINDOW_PHYSICAL_COUNT, counts, axis=1, length=filled, compress=True)
 
     def write_timing(self, writer: TraceWriter, parts: TimingParts | None) -> None:
         """Root ``timing_*`` attributes, ``/stat`` timing aggregates ``[R, ...]`` and (gathered window) ``/timing`` rows."""
         if parts is None:
             return
-        writer.set_attr("timing_phases", json.dumps(list(PHASES)))
-        writer.set_attr("timing_clock", self.clock_kind)
-        writer.set_attr("timing_histogram_edges", HISTOGRAM_EDGES)
+        writer.set_attr(Attr.TIMING_PHASES, json.dumps(list(PHASES)))
+        writer.set_attr(Attr.TIMING_CLOCK, self.clock_kind)
+        writer.set_attr(Attr.TIMING_HISTOGRAM_EDGES, HISTOGRAM_EDGES)
         for name in parts[0][0]:
-            writer.write(f"stat/{name}", np.stack([np.asarray(stats[name]) for stats, _ in parts]))
+            writer.write(dataset(Data.STAT, name), np.stack([np.asarray(stats[name]) for stats, _ in parts]))
         if parts[0][1] is None:
             return
         rows = {name: np.concatenate([r[name] for _, r in parts]) for name in parts[0][1]}  # type: ignore[index]
         rows["rank"] = np.concatenate([np.full(len(r["pass_id"]), i, dtype=np.int32) for i, (_, r) in enumerate(parts)])  # type: ignore[index]
         order = np.lexsort((rows["rank"], rows["pass_id"]))
         for name, array in rows.items():
-            writer.write(f"timing/{name}", array[order])
+            writer.write(dataset(Data.TIMING, name), array[order])
 
     # ------------------------------------------------------------------ dumps
     def stat(self, target: Path, run_id: str, rank: int, world: int, counter: PassCounter, window: StatWindow,
@@ -212,7 +196,7 @@ class TraceDump:
         with TraceWriter(target, self.header(run_id, rank, world), compression=self.compression) as writer:
             zeros = np.zeros((1, self.config.num_layers, self.layout.width), dtype=np.int64)
             self.write_totals(writer, zeros, np.array([0]), np.array([0]))
-            writer.write("stat/dropped_passes", np.zeros(1, dtype=np.int64))
+            writer.write(Data.STAT_DROPPED_PASSES, np.zeros(1, dtype=np.int64))
             for name, (row_shape, dtype) in self.streamed.items():
                 writer.ensure_empty(name, row_shape, dtype)
             self.write_timing(writer, timing)
@@ -230,19 +214,19 @@ def streamed_schema(config: RecorderConfig, layout: CounterLayout, token_dtype: 
     if config.mode == "per_pass":
         r = config.ep_size
         shapes: dict[str, tuple[tuple[int, ...], object]] = {
-            "passes/pass_id": ((), np.int64), "passes/timestamp": ((), np.float64), "passes/num_tokens": ((), np.int64),
-            "passes/physical_count": ((config.num_layers, layout.num_experts), np.int32),
-            "passes/invalid_ids": ((config.num_layers,), np.int32),
-            "passes/send_count": ((config.num_layers, r), np.int32), "passes/recv_count": ((config.num_layers, r), np.int32),
+            Data.PASSES_PASS_ID: ((), np.int64), Data.PASSES_TIMESTAMP: ((), np.float64), Data.PASSES_NUM_TOKENS: ((), np.int64),
+            Data.PASSES_PHYSICAL_COUNT: ((config.num_layers, layout.num_experts), np.int32),
+            Data.PASSES_INVALID_IDS: ((config.num_layers,), np.int32),
+            Data.PASSES_SEND_COUNT: ((config.num_layers, r), np.int32), Data.PASSES_RECV_COUNT: ((config.num_layers, r), np.int32),
         }
     elif config.mode == "per_token":
         shapes = {
-            "tokens/topk_ids": ((config.num_layers, config.top_k), token_dtype),
-            "tokens/pass_id": ((), np.int64), "tokens/position": ((), np.int32),
+            Data.TOKENS_TOPK_IDS: ((config.num_layers, config.top_k), token_dtype),
+            Data.TOKENS_PASS_ID: ((), np.int64), Data.TOKENS_POSITION: ((), np.int32),
         }
     else:
         return {}
     if timing_fields is not None:
-        shapes.update({f"timing/{name}": spec for name, spec in timing_fields.items()})
+        shapes.update({dataset(Data.TIMING, name): spec for name, spec in timing_fields.items()})
     return {name: (shape, np.dtype(dtype)) for name, (shape, dtype) in shapes.items()}  # type: ignore[call-overload]
 

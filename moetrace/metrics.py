@@ -15,6 +15,7 @@ __all__ = [
     "dead_experts",
     "entropy_ratio",
     "expert_cv",
+    "expert_excess",
     "expert_imbalance",
     "hot_expert_count",
     "hot_expert_share",
@@ -40,6 +41,18 @@ def rank_load(counts: np.ndarray, ep_size: int) -> np.ndarray:
     if num_physical % ep_size:
         raise ValueError(f"{num_physical} physical experts cannot be split over ep_size={ep_size}")
     return counts.reshape(num_layers, ep_size, num_physical // ep_size).sum(axis=2)
+
+
+def expert_excess(counts: np.ndarray) -> np.ndarray:
+    """Copies above an even share, per layer: ``counts - counts.sum(-1) / E`` ``[..., L, E]`` (float64).
+
+    Additive over any split of the tokens (requests, labels): the excess of the
+    sum is the sum of the parts' excesses, so a part's share of a hot expert's
+    excess is its contribution to the imbalance, not only to the load. Applied
+    to rank loads ``[..., L, R]`` it gives each rank's excess over the mean rank.
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    return c - c.sum(axis=-1, keepdims=True) / c.shape[-1]
 
 
 def layer_balancedness(load: np.ndarray) -> np.ndarray:

@@ -59,7 +59,8 @@ from .timing import (
     make_clock,
     row_fields,
 )
-from .trace.schema import TraceWriteError
+from .trace.retention import Retention
+from .trace.schema import Data, TraceWriteError, dataset
 from .trace.stream import StreamJob
 from .trace.writer import compression_options
 
@@ -153,6 +154,7 @@ class ExpertDistributionRecorder:
         self._session: RecordingSession | None = None
         self.last_dump_path: Path | None = None
         self._errors: list[str] = []
+        self._retention = Retention(cfg.retention, cfg.output_dir) if cfg.retention is not None else None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -391,7 +393,7 @@ class ExpertDistributionRecorder:
         """Streaming modes: submit the staged ``/timing`` rows to the segment writer."""
         if not self._timing_rows.pushed:
             return
-        rows = {f"timing/{name}": array for name, array in self._timing_rows.ordered().items()}
+        rows = {dataset(Data.TIMING, name): array for name, array in self._timing_rows.ordered().items()}
         self._timing_rows.reset()
         self._submit(StreamJob(event=None, build=lambda: rows, done=lambda: None))
 
@@ -536,7 +538,9 @@ class ExpertDistributionRecorder:
                     target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
                 written = self._dump_stream(target, rank, world)
             self.last_dump_path = written
-            return written
+        if self._retention is not None:  # bounded disk: after the dump, outside the lock (file I/O only)
+            self._retention.apply()
+        return written
 
     def _gather_timing(self, world: int, rows: bool) -> TimingParts | None:
         """Every rank's timing aggregates (and window rows when ``rows``), rank order; ``None`` when timing is off."""
@@ -584,6 +588,7 @@ class ExpertDistributionRecorder:
             self.config, self._layout, rows, progress, recording=recording, id_space=self.id_space,
             last_dump_path=str(last) if last else None, errors=errors, dropped_passes=self.dropped_passes, timing=timing,
             rank_layout=self.config.rank_layout(*dist_world()),
+            retention=self._retention.stats.to_dict() if self._retention is not None else None,
         )
 
     def status(self) -> dict[str, object]:
@@ -602,6 +607,7 @@ class ExpertDistributionRecorder:
                 "last_dump_path": str(self.last_dump_path) if self.last_dump_path else None,
                 "output_dir": str(self.config.output_dir),
                 "errors": errors,
+                "retention": self._retention.stats.to_dict() if self._retention is not None else None,
                 "layout": self.config.rank_layout(*dist_world()).as_dict(),
             }
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .capturer import CaptureError, decode_routed_experts, encode_routed_experts
+from .labels import LabelError, check_labels
 from .trace.writer import write_json_atomic
 
 __all__ = [
@@ -156,6 +157,7 @@ class RouteSet:
         num_experts: experts per layer in that id space (``None``: unknown).
         layer_ids: the model layer id of each of the ``L`` layers (``None``: unknown).
         physical_to_logical: ``[L, P]`` map for physical ids.
+        labels: request id -> its labels (tenant, workload, session...; :mod:`moetrace.labels`).
     """
 
     requests: dict[str, tuple[int, np.ndarray]]
@@ -165,6 +167,7 @@ class RouteSet:
     layer_ids: list[int] | None = None
     physical_to_logical: np.ndarray | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    labels: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def logical(self) -> RouteSet:
         """The same routes in logical ids (a copy; ``self`` when already logical)."""
@@ -174,7 +177,7 @@ class RouteSet:
             raise RoutesError("these routes hold physical ids and no physical_to_logical map; save them with one")
         mapping = self.physical_to_logical
         requests = {rid: (start, logical_ids(arr, mapping)) for rid, (start, arr) in self.requests.items()}
-        return RouteSet(requests, self.model, "logical", int(mapping.max()) + 1, self.layer_ids, None, dict(self.meta))
+        return RouteSet(requests, self.model, "logical", int(mapping.max()) + 1, self.layer_ids, None, dict(self.meta), dict(self.labels))
 
 
 def save_routes(
@@ -187,9 +190,13 @@ def save_routes(
     layer_ids: Sequence[int] | None = None,
     starts: Mapping[str, int] | None = None,
     physical_to_logical: Any = None,
+    labels: Mapping[str, Mapping[str, str]] | None = None,
     **meta: Any,
 ) -> Path:
-    """Write per-request routes ``{request id: [n, L, k]}`` as a routes file (JSON, written atomically)."""
+    """Write per-request routes ``{request id: [n, L, k]}`` as a routes file (JSON, written atomically).
+
+    ``labels`` maps request ids to their labels (``moetrace analyze --by label`` groups by them).
+    """
     if id_space not in ("logical", "physical"):
         raise RoutesError(f"id_space must be 'logical' or 'physical', got {id_space!r}")
     if id_space == "physical" and physical_to_logical is None:
@@ -204,7 +211,19 @@ def save_routes(
             for rid, arr in requests.items()
         },
     }
+    if labels:
+        unknown = sorted(set(map(str, labels)) - set(map(str, requests)))
+        if unknown:
+            raise RoutesError(f"labels name requests that have no routes: {unknown[:5]}")
+        body["labels"] = {str(rid): _labels(value, f"labels of request {rid!r}") for rid, value in labels.items() if value}
     return write_json_atomic(path, body)
+
+
+def _labels(value: Any, what: str) -> dict[str, str]:
+    try:
+        return check_labels(value, what)
+    except LabelError as exc:
+        raise RoutesError(str(exc)) from None
 
 
 def _decode(payload: Any, what: str) -> np.ndarray:
@@ -258,8 +277,12 @@ def load_routes(path: Path | str) -> RouteSet:
         requests[str(rid)] = (start, _decode(payload, f"{source}: request {rid!r}"))
     mapping = meta.get("physical_to_logical")
     layer_ids = meta.get("layer_ids")
+    labels = meta.get("labels") or {}
+    if not isinstance(labels, dict) or not set(labels) <= set(requests):
+        raise RoutesError(f"{source}: 'labels' must map request ids of this file to their labels")
     return RouteSet(
         requests, str(meta.get("model", "") or ""), str(meta.get("id_space", "logical")),
         meta.get("num_experts"), None if layer_ids is None else [int(x) for x in layer_ids],
         None if mapping is None else np.asarray(mapping, dtype=np.int64), dict(meta.get("meta") or {}),
+        {rid: _labels(value, f"{source}: labels of request {rid!r}") for rid, value in labels.items()},
     )

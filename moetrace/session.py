@@ -129,7 +129,7 @@ class RecordingSession:
         """Hand what is staged to the writer thread, which closes the segment (streaming) or writes a
         checkpoint (``stat``: totals of ``passes`` passes up to ``pass_id``; tokens from the device).
         Only enqueues (``wait``: block for a free checkpoint buffer instead of skipping)."""
-        self._rotate_at = time.monotonic() + self.config.segment_seconds
+        self._rotate_at = time.monotonic() + (self.config.segment_seconds or float("inf"))  # 0: no time bound
         if self._staged.window is not None:
             self._checkpoint(pass_id, passes, wait)
             return

@@ -48,6 +48,8 @@ class RecorderSnapshot(metrics.LoadMetrics):
             writer was behind (``on_overflow="drop"``).
         timing: phase-timing aggregates since ``start_record``
             (:meth:`moetrace.timing.TimingStats.arrays`), ``None`` when timing is off.
+        retention: what the retention policy removed and compacted in ``output_dir``
+            (:class:`moetrace.trace.retention.RetentionStats`), ``None`` without a policy.
         rank_layout: the rank's parallel layout (``None``: not known, the
             rank's view counts as its own tokens).
     """
@@ -76,6 +78,7 @@ class RecorderSnapshot(metrics.LoadMetrics):
     errors: tuple[str, ...] = ()
     dropped_passes: int = 0
     timing: dict[str, np.ndarray] | None = None
+    retention: dict[str, object] | None = None
     rank_layout: RankLayout | None = None
 
     @property
@@ -141,7 +144,7 @@ class RecorderSnapshot(metrics.LoadMetrics):
         """The snapshot of counter rows ``[L, C]`` (columns of ``layout``) after ``(passes, tokens, unix time)``.
 
         ``state``: the remaining fields (``recording``, ``id_space``, ``last_dump_path``, ``errors``,
-        ``dropped_passes``, ``timing``, ``rank_layout``).
+        ``dropped_passes``, ``timing``, ``rank_layout``, ``retention``).
         """
         num_passes, num_tokens, timestamp = progress
         physical = rows[:, layout.experts]

@@ -50,15 +50,18 @@ from .hooks import LayerTap, TopKSlot, phase_wrapper
 from .layers import MegatronMoELayer, find_moe_layers, installed_version
 from .losses import megatron_aux_losses
 from .replay import MegatronReplay, replay
+from .routes import RoutesRecording, record_routes
 
 __all__ = [
     "MegatronInstrumentation",
     "MegatronMoELayer",
     "MegatronReplay",
+    "RoutesRecording",
     "find_moe_layers",
     "installed_version",
     "instrument",
     "megatron_aux_losses",
+    "record_routes",
     "replay",
 ]
 

@@ -47,6 +47,7 @@ from .layers import (
     install_tap,
     vllm_version,
 )
+from .layout import vllm_rank_layout
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
@@ -182,6 +183,7 @@ def instrument_model(
         "dtype_bytes": int(first.in_dtype.itemsize),
         "ep_size": ep_size,
         "ep_rank": ep_rank,
+        "layout": vllm_rank_layout(vllm_config, ep_size, ep_rank),
     }
     num_experts = max(layer.num_experts for layer in layers)
     layer_ids = [layer.layer_id for layer in layers]

@@ -9,29 +9,29 @@ predicts on the load it was fitted to. This module replays that:
   ``[n, L, E]`` (and physical ``[n, L, P]`` for the deployed placement);
 - :func:`holdout` plans on the first part, scores on the rest;
 - :func:`backtest` plans on each window of ``W`` passes, deploys, scores on
-  the following ``S`` passes, and counts the replicas each rebalance moves.
+  the following ``S`` passes, and counts the replicas each rebalance moves and
+  the balance it gains over keeping the previous plan.
 
-Planners (:data:`PLANNERS`), all scored the same way
+Planners (:func:`default_planners`), all scored the same way
 (:func:`~moetrace.analysis.placement.predicted_gpu_load`: an expert's load
 splits evenly over its replicas; balancedness = mean / max GPU load):
 
-- ``moetrace``: the robust planner (:func:`robust_rebalance`): loads of the
-  window shrunk toward the longer history, packing chosen for the mean peak
-  over the window's sub-windows, and a layer keeps its deployed placement
-  unless the new one is expected to be clearly better;
-- ``moetrace-fit``: the same planner fitted to the window's total only (what
-  ``placement`` did before the backtest; it fits the window's noise);
-- ``greedy``: EPLB's replicate-then-pack on the window's total
-  (:func:`~moetrace.analysis.placement_baseline.greedy_rebalance`);
+- ``moetrace``: the default: the candidate chosen by validation on the
+  planning data's own past (:class:`~moetrace.analysis.placement_select.ValidatedPlanner`);
+- ``moetrace-robust``, ``moetrace-fit``, ``greedy``: the candidates
+  (:mod:`moetrace.analysis.planners`); ``greedy`` is EPLB's method, the baseline;
 - ``current``: no rebalancing; the trace's own physical placement (contiguous
-  slots per GPU), scored on the physical counts.
+  slots per GPU), scored on the physical counts;
+- ``oracle``: the plan fitted to the scored window itself (:func:`oracle_plan`),
+  the headroom: the share of the greedy-to-oracle gap a planner closes says how
+  much of what better planning could gain it gains.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -40,29 +40,41 @@ from ..ids import to_logical
 from ..trace.reader import Trace
 from ..trace.schema import TraceError
 from .placement import (
+    PlacementConfig,
     PlacementError,
     PlacementPlan,
+    align_to,
+    check_current,
     check_placement_args,
+    log2phy_from_phy2log,
+    moved_per_gpu,
     predicted_gpu_load,
     rebalance_experts,
+    replicas_moved,
 )
-from .placement_baseline import greedy_rebalance
+from .placement_select import BASELINE, Selection, ValidatedPlanner
+from .planners import CANDIDATES, Planner, RobustSettings, robust_inputs, robust_rebalance
 from .source import iter_pass_blocks, token_pass_block
 
 __all__ = [
     "ESTIMATE_PARTS",
-    "PLANNERS",
     "BacktestResult",
     "HoldoutResult",
     "PassSeries",
     "PlacementConfig",
+    "Planner",
     "RobustSettings",
     "backtest",
     "bucket_for",
+    "default_planners",
+    "gap_closed",
     "held_out_estimate",
     "holdout",
     "load_series",
+    "moved_per_gpu",
+    "oracle_plan",
     "plan_placement",
+    "plan_with_selection",
     "replicas_moved",
     "robust_inputs",
     "robust_rebalance",
@@ -171,87 +183,20 @@ def load_series(trace: Trace, layer_index: np.ndarray, bucket: int | None = None
 
 
 # ---------------------------------------------------------------------- planners
-@dataclasses.dataclass(frozen=True)
-class PlacementConfig:
-    """Sizes of a placement: ``N`` slots, ``G`` groups, ``M`` nodes, ``K`` GPUs."""
+def default_planners(every: int | None = None, passes_per_bucket: int = 1) -> dict[str, Planner]:
+    """The planners a backtest compares, ``moetrace`` (the deployed default) first.
 
-    replicas: int
-    groups: int
-    nodes: int
-    gpus: int
-
-
-@dataclasses.dataclass(frozen=True)
-class RobustSettings:
-    """Knobs of :func:`robust_rebalance`, each kept because the backtest showed it helps.
-
-    Attributes:
-        subwindows: the planning window is cut into this many consecutive
-            sub-windows; the packing minimises their mean peak GPU load.
-        shrink: weight of the longer history in the load estimate (0 = the
-            window alone); the history is everything before the window.
-        keep_tolerance: a layer keeps its deployed placement unless the new
-            plan lowers the expected peak by more than this fraction.
+    ``moetrace`` is a fresh :class:`~moetrace.analysis.placement_select.ValidatedPlanner`
+    whose folds are scored on ``every`` buckets (``None``: fifths of the history; its
+    explanation counts ``passes_per_bucket`` passes a bucket);
+    the others are the :data:`~moetrace.analysis.planners.CANDIDATES` it chooses from.
     """
-
-    subwindows: int = 10
-    shrink: float = 0.25
-    keep_tolerance: float = 0.02
+    return {"moetrace": ValidatedPlanner(every, passes_per_bucket=passes_per_bucket), **{name: CANDIDATES[name] for name in ("moetrace-robust", "moetrace-fit", "greedy")}}
 
 
-def robust_inputs(history: np.ndarray, window: int, settings: RobustSettings) -> tuple[np.ndarray, np.ndarray]:
-    """``(estimate [L, E], scenarios [S, L, E])`` from ``history [t, L, E]`` (buckets, oldest first).
-
-    The estimate is the last ``window`` buckets' total, shrunk toward the
-    per-bucket mean of all of ``history`` (scaled to the window's length).
-    Scenarios are the window's ``subwindows`` consecutive parts, each scaled to
-    the window's length and shrunk the same way.
-    """
-    recent = history[-window:]
-    scale = len(recent)
-    longer = history.mean(axis=0) * scale
-    alpha = settings.shrink if len(history) > len(recent) else 0.0
-    estimate = (1 - alpha) * recent.sum(axis=0) + alpha * longer
-    parts = [p for p in np.array_split(recent, min(settings.subwindows, len(recent))) if len(p)]
-    scenarios = np.stack([(1 - alpha) * p.sum(axis=0) * (scale / len(p)) + alpha * longer for p in parts])
-    return estimate, scenarios
-
-
-def robust_rebalance(
-    history: np.ndarray, window: int, config: PlacementConfig, settings: RobustSettings = RobustSettings(), current: np.ndarray | None = None
-) -> PlacementPlan:
-    """moetrace's planner for the next window, from ``history [t, L, E]`` (its ``gpu_load`` is under the shrunk estimate)."""
-    estimate, scenarios = robust_inputs(history, window, settings)
-    return rebalance_experts(
-        estimate, config.replicas, config.groups, config.nodes, config.gpus,
-        scenarios=scenarios, current=current, keep_tolerance=settings.keep_tolerance,
-    )
-
-
-#: ``planner(history [t, L, E], window buckets, config, deployed phy2log or None) -> phy2log [L, N]``.
-Planner = Callable[[np.ndarray, int, PlacementConfig, "np.ndarray | None"], np.ndarray]
-
-PLANNERS: dict[str, Planner] = {
-    "moetrace": lambda h, w, c, cur: robust_rebalance(h, w, c, RobustSettings(), cur).phy2log,
-    "moetrace-fit": lambda h, w, c, cur: rebalance_experts(h[-w:].sum(axis=0), c.replicas, c.groups, c.nodes, c.gpus).phy2log,
-    "greedy": lambda h, w, c, cur: greedy_rebalance(h[-w:].sum(axis=0), c.replicas, c.groups, c.nodes, c.gpus),
-}
-
-
-def replicas_moved(before: np.ndarray, after: np.ndarray, num_gpus: int) -> int:
-    """Expert replicas a GPU must receive to go from ``before`` to ``after`` (both ``phy2log [L, N]``).
-
-    Per layer and GPU, the multiset of experts it holds after minus the one it
-    held before; slots reordered within a GPU move nothing.
-    """
-    num_layers, num_slots = after.shape
-    num_experts = int(max(before.max(), after.max())) + 1
-    key_before = (np.arange(num_layers)[:, None] * num_gpus + np.arange(num_slots)[None, :] // (num_slots // num_gpus)) * num_experts + before
-    key_after = (np.arange(num_layers)[:, None] * num_gpus + np.arange(num_slots)[None, :] // (num_slots // num_gpus)) * num_experts + after
-    size = num_layers * num_gpus * num_experts
-    held_before = np.bincount(key_before.ravel(), minlength=size)
-    held_after = np.bincount(key_after.ravel(), minlength=size)
-    return int(np.maximum(held_after - held_before, 0).sum())
+def oracle_plan(load: np.ndarray, config: PlacementConfig) -> np.ndarray:
+    """The plan fitted to the very load it is scored on, ``phy2log [L, N]``: the headroom no forecast can beat."""
+    return rebalance_experts(load, config.replicas, config.groups, config.nodes, config.gpus).phy2log
 
 
 def _check(series: PassSeries, config: PlacementConfig) -> None:
@@ -278,8 +223,10 @@ class HoldoutResult:
         in_sample: planner -> balancedness on the passes it was planned on.
         held_out: planner -> balancedness on the held-out passes.
         held_out_windows: planner -> balancedness of each of up to
-            ``num_windows`` consecutive held-out windows (the spread).
+            ``num_windows`` consecutive held-out windows (the spread); the
+            oracle is fitted to each window on its own.
         plans: planner -> ``phy2log [L, N]``.
+        selection: how ``moetrace`` chose its candidate on the planned passes.
     """
 
     plan_passes: int
@@ -288,6 +235,11 @@ class HoldoutResult:
     held_out: dict[str, float | None]
     held_out_windows: dict[str, list[float]]
     plans: dict[str, np.ndarray]
+    selection: Selection | None = None
+
+    def gap_closed(self) -> dict[str, float | None]:
+        """Planner -> share of the greedy-to-oracle gap it closes on the held-out passes (:func:`gap_closed`)."""
+        return {k: gap_closed(v, self.held_out.get("greedy"), self.held_out.get("oracle")) for k, v in self.held_out.items() if k not in ("greedy", "oracle")}
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -295,9 +247,22 @@ class HoldoutResult:
             "scored_passes": self.scored_passes,
             "in_sample": self.in_sample,
             "held_out": self.held_out,
+            "gap_closed": self.gap_closed(),
             "held_out_windows": self.held_out_windows,
             "held_out_spread": {k: _spread(v) for k, v in self.held_out_windows.items()},
+            "selection": None if self.selection is None else self.selection.to_dict(),
         }
+
+
+def gap_closed(value: float | None, greedy: float | None, oracle: float | None) -> float | None:
+    """``(value - greedy) / (oracle - greedy)``: 0 = no better than greedy, 1 = as good as the oracle; None without a gap.
+
+    Negative when ``value`` is below greedy. A gap under 1e-6 balancedness is
+    no gap (nothing to close: the load is as predictable as it can be).
+    """
+    if value is None or greedy is None or oracle is None or oracle - greedy < 1e-6:
+        return None
+    return (value - greedy) / (oracle - greedy)
 
 
 def _spread(values: list[float]) -> dict[str, float] | None:
@@ -328,12 +293,17 @@ def holdout(series: PassSeries, fraction: float, config: PlacementConfig, num_wi
     held_out: dict[str, float | None] = {}
     spread: dict[str, list[float]] = {}
     plans: dict[str, np.ndarray] = {}
-    for name, planner in PLANNERS.items():
+    planners = default_planners(passes_per_bucket=series.bucket)
+    for name, planner in planners.items():
         phy2log = planner(history, len(history), config, None)
         plans[name] = phy2log
         in_sample[name] = _balance(history.sum(axis=0), phy2log, config.gpus)
         held_out[name] = _balance(future.sum(axis=0), phy2log, config.gpus)
         spread[name] = [_balance(future[w].sum(axis=0), phy2log, config.gpus) for w in windows]
+    plans["oracle"] = oracle_plan(future.sum(axis=0), config)
+    in_sample["oracle"] = None  # fitted to the held-out passes: it has no planning part
+    held_out["oracle"] = _balance(future.sum(axis=0), plans["oracle"], config.gpus)
+    spread["oracle"] = [_balance(future[w].sum(axis=0), oracle_plan(future[w].sum(axis=0), config), config.gpus) for w in windows]
     in_sample["current"] = _current_balance(series.physical[:cut].sum(axis=0), config.gpus)
     held_out["current"] = _current_balance(series.physical[cut:].sum(axis=0), config.gpus)
     current_windows = [_current_balance(series.physical[cut:][w].sum(axis=0), config.gpus) for w in windows]
@@ -345,6 +315,7 @@ def holdout(series: PassSeries, fraction: float, config: PlacementConfig, num_wi
         held_out=held_out,
         held_out_windows=spread,
         plans=plans,
+        selection=planners["moetrace"].selection,
     )
 
 
@@ -356,10 +327,18 @@ class BacktestResult:
     Attributes:
         window, every: passes planned on and passes each plan is deployed for.
         first_pass: ``[R]`` pass id where each deployment starts.
-        realized: planner -> ``[R]`` balancedness on the deployment's passes.
+        realized: planner -> ``[R]`` balancedness on the deployment's passes
+            (also ``oracle``: the plan fitted to those passes, and ``current``).
         in_sample: planner -> ``[R]`` balancedness on the window it was planned on.
         moved: planner -> ``[R]`` replicas copied to a GPU at each rebalance
             (the first from the trace's own placement when it has ``N`` slots).
+        moved_peak: planner -> ``[R]`` the most replicas any one GPU receives
+            (transfers run in parallel over GPUs, so this one sets the stall).
+        kept: planner -> ``[R]`` balancedness the planner's previous deployment
+            would have realised on the same passes (NaN where none was deployed):
+            ``realized - kept`` is the balance the rebalance gained.
+        chosen: planner -> ``[R]`` candidate deployed, for planners that choose
+            (``moetrace``), with ``reasons`` (the last rebalance's explanation).
         expert_bytes: bytes of one expert's weights, when known.
     """
 
@@ -371,14 +350,18 @@ class BacktestResult:
     in_sample: dict[str, np.ndarray]
     moved: dict[str, np.ndarray]
     expert_bytes: int | None = None
+    moved_peak: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    kept: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    chosen: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    reasons: dict[str, str] = dataclasses.field(default_factory=dict)
 
-    def summary(self) -> dict[str, dict[str, float | None]]:
-        """Per planner: mean/min realised and in-sample balancedness, moves per rebalance, wins vs greedy."""
-        out: dict[str, dict[str, float | None]] = {}
-        greedy = self.realized.get("greedy")
+    def summary(self) -> dict[str, dict[str, object]]:
+        """Per planner: realised and in-sample balancedness, share of the greedy-to-oracle gap closed, moves, gain over keeping."""
+        out: dict[str, dict[str, object]] = {}
+        greedy, oracle = self.realized.get("greedy"), self.realized.get("oracle")
         for name, realized in self.realized.items():
             moved = self.moved.get(name)
-            row: dict[str, float | None] = {
+            row: dict[str, object] = {
                 "realized_mean": float(realized.mean()),
                 "realized_min": float(realized.min()),
                 "in_sample_mean": float(self.in_sample[name].mean()) if name in self.in_sample else None,
@@ -388,10 +371,21 @@ class BacktestResult:
             if greedy is not None and name != "greedy":
                 row["below_greedy_share"] = float((realized < greedy - 1e-12).mean())
                 row["gain_over_greedy"] = float((realized - greedy).mean())
+            if greedy is not None and oracle is not None and name not in ("greedy", "oracle"):
+                row["gap_closed"] = gap_closed(float(realized.mean()), float(greedy.mean()), float(oracle.mean()))
+            kept = self.kept.get(name)
+            if kept is not None and np.isfinite(kept).any():
+                row["gain_over_kept_mean"] = float(np.nanmean(realized - kept))
+            if name in self.chosen:
+                names, counts = np.unique(self.chosen[name], return_counts=True)
+                row["chosen_share"] = {str(k): float(c) / len(self.chosen[name]) for k, c in zip(names, counts, strict=True)}
             out[name] = row
         return out
 
     def to_dict(self) -> dict[str, object]:
+        def listed(values: dict[str, np.ndarray]) -> dict[str, list[float | None]]:
+            return {k: [None if not np.isfinite(x) else float(x) for x in v] for k, v in values.items()}
+
         return {
             "window": self.window,
             "every": self.every,
@@ -403,6 +397,10 @@ class BacktestResult:
             "realized": {k: v.tolist() for k, v in self.realized.items()},
             "in_sample": {k: v.tolist() for k, v in self.in_sample.items()},
             "moved": {k: v.tolist() for k, v in self.moved.items()},
+            "moved_peak": {k: v.tolist() for k, v in self.moved_peak.items()},
+            "kept": listed(self.kept),
+            "chosen": self.chosen,
+            "reasons": self.reasons,
         }
 
 
@@ -418,7 +416,9 @@ def backtest(
 
     ``window`` and ``every`` are in passes and must be multiples of
     ``series.bucket``. The first rebalance happens once ``window`` passes are
-    seen; a final deployment shorter than ``every`` is dropped.
+    seen; a final deployment shorter than ``every`` is dropped. ``planners``
+    defaults to :func:`default_planners` (validated on folds of ``every``);
+    the oracle is scored beside them.
 
     Raises:
         PlacementError: bad sizes, or a trace too short for one rebalance.
@@ -436,27 +436,42 @@ def backtest(
             f"the trace has {int(series.passes.sum())} passes; a backtest needs at least --window + --every = {window + every}; "
             "pass a smaller --window/--every or record longer"
         )
-    planners = PLANNERS if planners is None else planners
+    planners = default_planners(s, series.bucket) if planners is None else planners
     deployed_start = series.physical_to_logical if series.physical_to_logical.shape[1] == config.replicas else None
-    realized = {name: [] for name in planners}
-    in_sample = {name: [] for name in planners}
-    moved = {name: [] for name in planners}
+    realized: dict[str, list[float]] = {name: [] for name in planners}
+    in_sample: dict[str, list[float]] = {name: [] for name in planners}
+    moved: dict[str, list[int]] = {name: [] for name in planners}
+    moved_peak: dict[str, list[int]] = {name: [] for name in planners}
+    kept: dict[str, list[float]] = {name: [] for name in planners}
+    chosen: dict[str, list[str]] = {name: [] for name, p in planners.items() if isinstance(p, ValidatedPlanner)}
+    reasons: dict[str, str] = {}
     deployed = {name: deployed_start for name in planners}
     current: list[float] = []
+    oracle: list[float] = []
     for t in starts:
         history = series.logical[:t]
         recent = history[-w:].sum(axis=0)
         nxt = series.logical[t : t + s].sum(axis=0)
         for name, planner in planners.items():
-            phy2log = planner(history, w, config, deployed[name])
+            before = deployed[name]
+            phy2log = planner(history, w, config, before)
             realized[name].append(_balance(nxt, phy2log, config.gpus))
             in_sample[name].append(_balance(recent, phy2log, config.gpus))
-            moved[name].append(0 if deployed[name] is None else replicas_moved(deployed[name], phy2log, config.gpus))
+            per_gpu = np.zeros(config.gpus, dtype=np.int64) if before is None else moved_per_gpu(before, phy2log, config.gpus)
+            moved[name].append(int(per_gpu.sum()))
+            moved_peak[name].append(int(per_gpu.max()))
+            kept[name].append(np.nan if before is None else _balance(nxt, before, config.gpus))
+            if name in chosen:
+                selection = planner.selection
+                chosen[name].append(selection.chosen)
+                reasons[name] = selection.reason
             deployed[name] = phy2log
+        oracle.append(_balance(nxt, oracle_plan(nxt, config), config.gpus))
         figure = _current_balance(series.physical[t : t + s].sum(axis=0), config.gpus)
         if figure is not None:
             current.append(figure)
     out_realized = {k: np.asarray(v) for k, v in realized.items()}
+    out_realized["oracle"] = np.asarray(oracle)
     if len(current) == len(starts):
         out_realized["current"] = np.asarray(current)
     return BacktestResult(
@@ -468,6 +483,10 @@ def backtest(
         in_sample={k: np.asarray(v) for k, v in in_sample.items()},
         moved={k: np.asarray(v) for k, v in moved.items()},
         expert_bytes=expert_bytes,
+        moved_peak={k: np.asarray(v) for k, v in moved_peak.items()},
+        kept={k: np.asarray(v, dtype=np.float64) for k, v in kept.items()},
+        chosen=chosen,
+        reasons=reasons,
     )
 
 
@@ -475,15 +494,42 @@ def backtest(
 ESTIMATE_PARTS = 5
 
 
-def plan_placement(weight: np.ndarray, series: PassSeries | None, config: PlacementConfig, current: np.ndarray | None = None) -> PlacementPlan:
-    """moetrace's plan to deploy now: robust on the time-ordered ``series`` when there is one, else fitted to ``weight [L, E]``.
+def plan_with_selection(
+    weight: np.ndarray, series: PassSeries | None, config: PlacementConfig, current: np.ndarray | None = None
+) -> tuple[PlacementPlan, Selection]:
+    """moetrace's plan to deploy now, and why: the candidate that held best on the trace's own past.
 
-    The returned ``gpu_load`` is under the planner's own load estimate; score a
-    plan with :func:`~moetrace.analysis.placement.predicted_gpu_load`.
+    With a time-ordered ``series`` the candidates are validated on its fifths
+    (plan on one, score on the next; :class:`~moetrace.analysis.placement_select.ValidatedPlanner`)
+    and the chosen one plans on the whole series. Without one nothing can be
+    validated, so the baseline (greedy on ``weight [L, E]``) is deployed. The
+    plan's ``gpu_load`` is under the planned-on total; renumbered to keep
+    replicas where ``current`` has them.
     """
-    if series is None or len(series) < 2:
-        return rebalance_experts(weight, config.replicas, config.groups, config.nodes, config.gpus, current=current)
-    return robust_rebalance(series.logical, len(series), config, RobustSettings(), current)
+    if series is not None and len(series) >= 2:
+        planner = ValidatedPlanner(passes_per_bucket=series.bucket)
+        phy2log = planner(series.logical, len(series), config, current)
+        selection = planner.selection
+        assert selection is not None
+        weight = series.logical.sum(axis=0)
+    else:
+        selection = Selection(
+            BASELINE, f"no time-ordered passes to validate on (a stat trace without a window, or fewer than 2 passes); {BASELINE}, the baseline, is deployed",
+            0, 0, [], {}, 0.0,
+        )
+        weight = check_placement_args(weight, config.replicas, config.groups, config.nodes, config.gpus)
+        phy2log = CANDIDATES[BASELINE](weight[None], 1, config, None)
+        if current is not None:
+            deployed = check_current(current, weight.shape[0], weight.shape[1], config.replicas)
+            phy2log = align_to(deployed, phy2log, config.nodes if config.groups % config.nodes == 0 else 1, config.gpus)
+    log2phy, logcnt = log2phy_from_phy2log(phy2log, weight.shape[1])
+    plan = PlacementPlan(phy2log, log2phy, logcnt, predicted_gpu_load(weight, phy2log, config.gpus), config.groups % config.nodes == 0)
+    return plan, selection
+
+
+def plan_placement(weight: np.ndarray, series: PassSeries | None, config: PlacementConfig, current: np.ndarray | None = None) -> PlacementPlan:
+    """moetrace's plan to deploy now (:func:`plan_with_selection` without the explanation)."""
+    return plan_with_selection(weight, series, config, current)[0]
 
 
 def held_out_estimate(series: PassSeries | None, config: PlacementConfig, parts: int = ESTIMATE_PARTS) -> BacktestResult | None:

@@ -41,21 +41,32 @@ import numpy as np
 from ..ids import to_logical
 from ..layout import RankLayout, counted_rows
 from ..trace.integrity import reading
-from ..trace.merge import _SAME_ATTRS
 from ..trace.reader import PassChunk, TokenChunk, Trace, open_trace
-from ..trace.schema import TraceError
+from ..trace.schema import (
+    PASS_FIELDS,
+    SAME_RUN_ATTRS,
+    STREAM_GROUP,
+    TOKEN_FIELDS,
+    Attr,
+    Data,
+    TraceError,
+    dataset,
+)
 from .backtest import MAX_BUCKETS, PassSeries
 from .coactivation import CoactivationAccumulator
 from .drift import WindowAccumulator
-from .report import DEFAULT_WINDOWS, AnalysisReport, _default_window, analyze_trace, progress_bar
+from .report import (
+    DEFAULT_WINDOWS,
+    AnalysisReport,
+    analyze_trace,
+    default_window_size,
+    progress_bar,
+)
 from .source import pass_block, select_layers, token_pass_block
 from .timing import analyze_timing
 
 __all__ = ["MAX_WINDOW_CELLS", "Partial", "Task", "analyze_traces", "dask_client", "make_tasks", "pass_series"]
 
-_GROUP = {"per_pass": "passes", "per_token": "tokens"}
-_PASS_FIELDS = ("pass_id", "timestamp", "num_tokens", "physical_count", "invalid_ids", "send_count", "recv_count")
-_TOKEN_FIELDS = ("topk_ids", "pass_id", "position")
 #: Largest ``windows x layers x experts`` the reduction may hold (int64 cells, 2 GiB).
 MAX_WINDOW_CELLS = 1 << 28
 #: Rows per task by default: about 64 MiB of ids for a DeepSeek-sized per_token trace.
@@ -124,13 +135,13 @@ class Partial:
 
 def _rows(file: h5py.File, path: str, group: str, names: Sequence[str], start: int, stop: int) -> dict[str, np.ndarray]:
     with reading(path, f"/{group} rows {start}..{stop - 1}"):
-        return {n: np.asarray(file[f"{group}/{n}"][start:stop]) for n in names}
+        return {n: np.asarray(file[dataset(group, n)][start:stop]) for n in names}
 
 
 def task_pass_ids(task: Task) -> np.ndarray:
     """Distinct pass ids of a task's rows (sorted)."""
     with reading(task.path), h5py.File(task.path, "r") as f:
-        return np.unique(_rows(f, task.path, _GROUP[task.mode], ["pass_id"], task.start, task.stop)["pass_id"]).astype(np.int64)
+        return np.unique(_rows(f, task.path, STREAM_GROUP[task.mode], ["pass_id"], task.start, task.stop)["pass_id"]).astype(np.int64)
 
 
 def task_partial(task: Task, ctx: _Context) -> Partial:
@@ -141,13 +152,13 @@ def task_partial(task: Task, ctx: _Context) -> Partial:
     counts: np.ndarray | None = None
     tokens = np.zeros(0, dtype=np.int64)
     first = -1
-    group = _GROUP[task.mode]
+    group = STREAM_GROUP[task.mode]
     with reading(task.path), h5py.File(task.path, "r") as f:
         for start in range(task.start, task.stop, ctx.chunk_rows):
             stop = min(start + ctx.chunk_rows, task.stop)
-            rows = _rows(f, task.path, group, _TOKEN_FIELDS if task.mode == "per_token" else _PASS_FIELDS, start, stop)
+            rows = _rows(f, task.path, group, TOKEN_FIELDS if task.mode == "per_token" else PASS_FIELDS, start, stop)
             if task.ranks is not None:
-                keep = np.isin(np.asarray(f[f"{group}/rank"][start:stop]), task.ranks)
+                keep = np.isin(np.asarray(f[dataset(group, "rank")][start:stop]), task.ranks)
                 rows = {n: a[keep] for n, a in rows.items()}
             if task.mode == "per_token":
                 chunk = TokenChunk(**rows)
@@ -176,7 +187,7 @@ def task_partial(task: Task, ctx: _Context) -> Partial:
 
 
 def _last_pass(file: h5py.File, task: Task) -> int:
-    return int(file[f"{_GROUP[task.mode]}/pass_id"][task.stop - 1])
+    return int(file[dataset(STREAM_GROUP[task.mode], "pass_id")][task.stop - 1])
 
 
 def merge_partials(a: Partial, b: Partial) -> Partial:
@@ -189,15 +200,15 @@ def make_tasks(paths: Sequence[Path | str], task_rows: int | None = None) -> lis
     tasks = []
     for path in paths:
         with open_trace(path) as trace:
-            if trace.mode not in _GROUP:
+            if trace.mode not in STREAM_GROUP:
                 raise TraceError(f"{trace.path}: a {trace.mode!r} trace; analysing several traces needs per_pass or per_token traces "
                                  "(merge stat traces with `moetrace merge` and analyse the result)")
-            rows = trace.num_rows(f"{_GROUP[trace.mode]}/pass_id")
+            rows = trace.num_rows(dataset(STREAM_GROUP[trace.mode], "pass_id"))
             step = task_rows or DEFAULT_TASK_ROWS[trace.mode]
             if step < 1:
                 raise ValueError(f"task_rows must be positive, got {step}")
             path = str(trace.path.resolve())  # workers may run elsewhere: absolute paths
-            keep = trace.counted_ranks() if trace.has(f"{_GROUP[trace.mode]}/rank") else None
+            keep = trace.counted_ranks() if trace.has(dataset(STREAM_GROUP[trace.mode], "rank")) else None
             ranks = tuple(sorted(keep)) if keep is not None and len(keep) < len(trace.layouts) else None
             tasks += [Task(path, trace.mode, s, min(s + step, rows), ranks) for s in range(0, rows, step)]
     return tasks
@@ -328,7 +339,7 @@ class _File:
 def _read_file(trace: Trace, layers: Sequence[int] | None) -> _File:
     index = select_layers(trace, layers)
     return _File(
-        path=trace.path, attrs=dict(trace.attrs), rank=int(trace.attrs["rank"]), layer_index=index,
+        path=trace.path, attrs=dict(trace.attrs), rank=int(trace.attrs[Attr.RANK]), layer_index=index,
         layer_ids=np.asarray(trace.layers[index]), mapping=trace.physical_to_logical[index],
         physical=trace.physical_count()[index].astype(np.int64), logical=trace.logical_count()[index].astype(np.int64),
         passes=np.atleast_1d(trace.num_passes()), tokens=trace.tokens_served(),
@@ -353,10 +364,10 @@ def _counted_files(files: list[_File]) -> tuple[list[bool], list[bool]]:
 def _check_same_run(files: list[_File]) -> None:
     first = files[0]
     for f in files[1:]:
-        if f.attrs.get("run_id") != first.attrs.get("run_id"):
-            raise TraceError(f"{f.path}: run_id {f.attrs.get('run_id')} differs from {first.path}'s {first.attrs.get('run_id')}; "
+        if f.attrs.get(Attr.RUN_ID) != first.attrs.get(Attr.RUN_ID):
+            raise TraceError(f"{f.path}: run_id {f.attrs.get(Attr.RUN_ID)} differs from {first.path}'s {first.attrs.get(Attr.RUN_ID)}; "
                              "analyse each run on its own")
-        for key in _SAME_ATTRS:
+        for key in SAME_RUN_ATTRS:
             if f.attrs.get(key) != first.attrs.get(key):
                 raise TraceError(f"{f.path}: {key}={f.attrs.get(key)!r} differs from {first.path}'s {first.attrs.get(key)!r}; not traces of one run")
         if not (np.array_equal(f.layer_ids, first.layer_ids) and np.array_equal(f.mapping, first.mapping)):
@@ -428,7 +439,7 @@ def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None, timi
             files.append(_read_file(trace, layers))
             if len(paths) == 1:  # exactly what analyze_trace reports for it
                 timing_section = analyze_timing(trace) if timing else None
-                default_window = _default_window(trace, trace.num_rows(f"{_GROUP.get(trace.mode, 'tokens')}/pass_id"))
+                default_window = default_window_size(trace, trace.num_rows(dataset(STREAM_GROUP.get(trace.mode, Data.TOKENS), "pass_id")))
     files.sort(key=lambda f: (f.rank, str(f.path)))  # the report does not depend on the order given
     _check_same_run(files)
     first = files[0]
@@ -439,7 +450,7 @@ def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None, timi
             passes_by_rank[key] = passes_by_rank.get(key, 0) + int(n)
     notes = []
     ranks = sorted({f.rank for f in files})
-    world = int(first.attrs.get("world_size", 1))
+    world = int(first.attrs.get(Attr.WORLD_SIZE, 1))
     if len(files) > 1 and world > 1 and ranks != list(range(world)):
         notes.append(f"ranks {sorted(set(range(world)) - set(ranks))} of {world} are not among the inputs")
     if timing and len(files) > 1 and any(f.has_timing for f in files):
@@ -450,7 +461,7 @@ def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None, timi
                          "for these inputs `moetrace merge` them (or recover the segments) and analyse the result")
     attrs = dict(first.attrs)
     if len(ranks) > 1:
-        attrs["rank"] = -1
+        attrs[Attr.RANK] = -1
     num_passes = max(passes_by_rank.values(), default=0)
     count_assign, count_tokens = _counted_files(files)
     counted = [f for f, keep in zip(files, count_assign, strict=True) if keep]
@@ -458,10 +469,10 @@ def _read_inputs(paths: Sequence[Path | str], layers: Sequence[int] | None, timi
         notes.append(f"ranks {sorted({f.rank for f in files} - {f.rank for f in counted})} replicate the routing of ranks "
                      f"{sorted({f.rank for f in counted})} (TP attention): their views are not added")
     return _Inputs(
-        paths=[f.path for f in counted], ranks={str(f.path.resolve()): f.rank for f in files}, attrs=attrs, mode=str(first.attrs["mode"]),
+        paths=[f.path for f in counted], ranks={str(f.path.resolve()): f.rank for f in files}, attrs=attrs, mode=str(first.attrs[Attr.MODE]),
         layer_index=first.layer_index, layer_ids=first.layer_ids, mapping=first.mapping,
-        num_physical=int(first.attrs["num_physical_experts"]), num_logical=int(first.attrs["num_logical_experts"]),
-        ep_size=int(first.attrs["ep_size"]), physical=sum(f.physical for f in counted), logical=sum(f.logical for f in counted),
+        num_physical=int(first.attrs[Attr.NUM_PHYSICAL_EXPERTS]), num_logical=int(first.attrs[Attr.NUM_LOGICAL_EXPERTS]),
+        ep_size=int(first.attrs[Attr.EP_SIZE]), physical=sum(f.physical for f in counted), logical=sum(f.logical for f in counted),
         passes_by_rank=passes_by_rank, num_tokens=sum(f.tokens for f, keep in zip(files, count_tokens, strict=True) if keep),
         invalid_ids=sum(f.invalid_ids for f in counted), dropped=sum(f.dropped for f in counted),
         default_window=default_window or max(1, math.ceil(num_passes / DEFAULT_WINDOWS)),
@@ -560,7 +571,7 @@ def analyze_traces(
         raise ValueError(f"top must be positive, got {top}")
     if len(paths) == 1:
         with open_trace(paths[0]) as trace:
-            single_stat = trace.mode not in _GROUP
+            single_stat = trace.mode not in STREAM_GROUP
         if single_stat:  # a stat trace is one small window: nothing to distribute
             return analyze_trace(paths[0], layers=layers, window=window, top=top, progress=progress)
     inputs = _read_inputs(paths, layers)
@@ -580,7 +591,7 @@ def analyze_traces(
     if inputs.mode != "per_token":
         notes.append("co-activation and cross-layer transitions need a per_token trace")
     if len(distinct) and not np.array_equal(drift.total, inputs.physical):
-        notes.append(f"/{_GROUP[inputs.mode]} does not add up to /stat totals; the trace may have been edited or partly written")
+        notes.append(f"/{STREAM_GROUP[inputs.mode]} does not add up to /stat totals; the trace may have been edited or partly written")
     if not len(distinct):
         notes.append("no time-ordered data (empty window or stream): no drift series")
     return AnalysisReport(

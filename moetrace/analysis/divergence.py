@@ -35,13 +35,16 @@ from typing import Any
 
 import numpy as np
 
+from ..replay_audit import ReplayAuditReport
 from ..routes import RoutesError, RouteSet, check_routes, load_routes, logical_ids, routed_rows
+from ..trace.schema import Attr, Data
 
 __all__ = [
     "DivergenceAccumulator",
     "DivergenceError",
     "RouteDivergence",
     "diff_sources",
+    "replay_audit",
     "route_divergence",
 ]
 
@@ -65,6 +68,8 @@ class RouteDivergence:
         differing_layers: ``[L + 1]`` tokens by number of differing layers.
         layer_ids: model layer id of each layer, when known.
         alignment: how the two sides were matched (counts of unmatched rows etc.).
+        same_set_rows: ``[L]`` compared rows with the same set (the agreement's numerator).
+        only_a_rows: ``[L]`` aligned rows routed in A whose B row is ``-1``.
     """
 
     num_layers: int
@@ -81,6 +86,8 @@ class RouteDivergence:
     differing_layers: np.ndarray
     layer_ids: list[int] | None = None
     alignment: dict[str, Any] = dataclasses.field(default_factory=dict)
+    same_set_rows: np.ndarray | None = None
+    only_a_rows: np.ndarray | None = None
 
     def top_divergent(self, layer: int, n: int = 5) -> list[dict[str, int]]:
         """The ``n`` experts of ``layer`` most often in one set and not the other (ties: lower id first)."""
@@ -133,6 +140,7 @@ class DivergenceAccumulator:
         self.dropped = np.zeros((num_layers, experts), dtype=np.int64)
         self.added = np.zeros((num_layers, experts), dtype=np.int64)
         self.differing = np.zeros(num_layers + 1, dtype=np.int64)
+        self.only_a = np.zeros(num_layers, dtype=np.int64)
 
     def _grow(self, experts: int) -> None:
         if experts > self.dropped.shape[1]:
@@ -153,7 +161,9 @@ class DivergenceAccumulator:
         if a.size == 0:
             return
         self._grow(int(max(a.max(), b.max())) + 1)
-        both = routed_rows(a) & routed_rows(b)  # [T, L]
+        in_a_rows = routed_rows(a)
+        both = in_a_rows & routed_rows(b)  # [T, L]
+        self.only_a += (in_a_rows & ~both).sum(0)
         in_b = (a[..., :, None] == b[..., None, :]).any(-1)  # [T, L, k]: a's slot id also in b
         in_a = (b[..., :, None] == a[..., None, :]).any(-1)
         inter = in_b.sum(-1)
@@ -181,6 +191,7 @@ class DivergenceAccumulator:
                 router_agreement=float(self.same_set.sum()) / pairs if pairs else math.nan,
                 tokens_any_differ=float(self.differing[1:].sum()) / tokens if tokens else math.nan,
                 differing_layers=self.differing.copy(), layer_ids=layer_ids, alignment=dict(alignment or {}),
+                same_set_rows=self.same_set.copy(), only_a_rows=self.only_a.copy(),
             )
 
 
@@ -225,7 +236,7 @@ def _trace_keys(trace: Any) -> np.ndarray:
     """One int64 key per ``/tokens`` row: pass id, rank (merged traces) and position."""
     pass_id = trace.read_tokens("pass_id").astype(np.int64)
     position = trace.read_tokens("position").astype(np.int64)
-    rank = trace.read_tokens("rank").astype(np.int64) if trace.has("tokens/rank") else np.zeros_like(pass_id)
+    rank = trace.read_tokens("rank").astype(np.int64) if trace.has(Data.TOKENS_RANK) else np.zeros_like(pass_id)
     return (pass_id << 40) | (rank << 32) | position
 
 
@@ -237,7 +248,7 @@ def _diff_traces(path_a: Path, path_b: Path, ignore_model: bool, chunk: int) -> 
             if trace.mode != "per_token":
                 raise DivergenceError(f"{trace.path}: mode {trace.mode!r} has no per-token routes; record with mode='per_token'")
         if not ignore_model:
-            _check_same("models", ta.attrs.get("model", ""), tb.attrs.get("model", ""), "compare runs of one model, or pass --ignore-model if they are the same model under two names")
+            _check_same("models", ta.attrs.get(Attr.MODEL, ""), tb.attrs.get(Attr.MODEL, ""), "compare runs of one model, or pass --ignore-model if they are the same model under two names")
         _check_same("top_k", ta.top_k, tb.top_k, "routes of different top-k cannot be compared")
         _check_same("MoE layers (model layer ids)", ta.layers.tolist(), tb.layers.tolist(), "the traces come from different models or layer layouts")
         _check_same("logical expert counts (id spaces)", ta.num_logical_experts, tb.num_logical_experts, "the traces come from different models")
@@ -344,3 +355,19 @@ def diff_sources(path_a: Path | str, path_b: Path | str, *, ignore_model: bool =
         "one input is a trace and the other a routes file; compare two per_token traces (aligned by pass and "
         "position) or two per-request routes files (aligned by request and position)"
     )
+
+
+def replay_audit(result: RouteDivergence) -> ReplayAuditReport:
+    """Read a diff of A = the routes a replay requested against B = the routes the replayed run used as a replay audit.
+
+    Requested rows are the rows routed in A (aligned with B); matched ones have the
+    same set in B. A layer routed in A with no routes at all in B is *unreached*.
+    Positions of A missing from B (``alignment["only_in_a"]``) are in ``extra``.
+    """
+    if result.same_set_rows is None or result.only_a_rows is None:
+        raise DivergenceError("this divergence result carries no row counts; compute it with route_divergence or diff_sources")
+    names = [str(i) if result.layer_ids is None else f"{i} (model {result.layer_ids[i]})" for i in range(result.num_layers)]
+    requested = result.layer_tokens + result.only_a_rows
+    unreached = tuple(name for name, seen, asked in zip(names, result.layer_tokens, requested, strict=True) if asked and not seen)
+    extra = {"positions_only_in_requested": int(result.alignment.get("only_in_a", 0))}
+    return ReplayAuditReport(tuple(names), requested.astype(np.int64), result.same_set_rows.astype(np.int64), unreached, extra=extra)

@@ -38,6 +38,7 @@ import numpy as np
 from .. import metrics
 
 __all__ = [
+    "PlacementConfig",
     "PlacementError",
     "PlacementPlan",
     "align_to",
@@ -45,13 +46,25 @@ __all__ = [
     "check_placement_args",
     "expected_peak",
     "log2phy_from_phy2log",
+    "moved_per_gpu",
     "predicted_gpu_load",
     "rebalance_experts",
+    "replicas_moved",
 ]
 
 
 class PlacementError(ValueError):
     """Placement inputs that cannot work; the message says which and what to pass."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    """Sizes of a placement: ``N`` slots, ``G`` groups, ``M`` nodes, ``K`` GPUs."""
+
+    replicas: int
+    groups: int
+    nodes: int
+    gpus: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,3 +490,25 @@ def rebalance_experts(
         gpu_load=predicted_gpu_load(w, best_plan, num_gpus),
         hierarchical=hierarchical,
     )
+
+
+def moved_per_gpu(before: np.ndarray, after: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Expert replicas each GPU must receive, ``[K]`` summed over layers, to go from ``before`` to ``after`` (both ``phy2log [L, N]``).
+
+    Per layer and GPU, the multiset of experts it holds after minus the one it
+    held before; slots reordered within a GPU move nothing.
+    """
+    num_layers, num_slots = after.shape
+    num_experts = int(max(before.max(), after.max())) + 1
+    gpu = np.arange(num_slots) // (num_slots // num_gpus)
+    key = (np.arange(num_layers)[:, None] * num_gpus + gpu[None, :]) * num_experts
+    size = num_layers * num_gpus * num_experts
+    held_before = np.bincount((key + before).ravel(), minlength=size)
+    held_after = np.bincount((key + after).ravel(), minlength=size)
+    received = np.maximum(held_after - held_before, 0).reshape(num_layers, num_gpus, num_experts)
+    return received.sum(axis=(0, 2))
+
+
+def replicas_moved(before: np.ndarray, after: np.ndarray, num_gpus: int) -> int:
+    """Expert replicas copied to GPUs in all, to go from ``before`` to ``after`` (:func:`moved_per_gpu` summed)."""
+    return int(moved_per_gpu(before, after, num_gpus).sum())

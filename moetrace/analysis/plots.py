@@ -12,6 +12,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from ..trace.schema import Attr
 from .report import AnalysisReport
 
 __all__ = ["PLOT_KINDS", "plot_report"]
@@ -20,8 +21,8 @@ PLOT_KINDS = ("heatmap", "ranks", "timeline", "coactivation", "projection")
 
 
 def _title(report: AnalysisReport, what: str) -> str:
-    model = report.attrs.get("model") or report.path.name
-    return f"{what} — {model} ({report.attrs.get('mode')}, {report.num_tokens} tokens)"
+    model = report.attrs.get(Attr.MODEL) or report.path.name
+    return f"{what} — {model} ({report.attrs.get(Attr.MODE)}, {report.num_tokens} tokens)"
 
 
 def _heatmap(report: AnalysisReport, fig: Figure) -> None:
@@ -88,7 +89,7 @@ def _timeline(report: AnalysisReport, fig: Figure) -> None:
 def _coactivation(report: AnalysisReport, fig: Figure, layer: int | None) -> None:
     co = report.coactivation
     if co is None:
-        raise ValueError(f"{report.path}: co-activation needs a per_token trace (this one is {report.attrs.get('mode')})")
+        raise ValueError(f"{report.path}: co-activation needs a per_token trace (this one is {report.attrs.get(Attr.MODE)})")
     ids = [int(x) for x in report.layer_ids]
     layer = ids[0] if layer is None else layer
     if layer not in ids:

@@ -26,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .. import metrics
 from ..trace.reader import Trace, open_trace
+from ..trace.schema import Attr
 from .coactivation import (
     CoactivationAccumulator,
     mutual_information_bits,
@@ -37,7 +38,7 @@ from .projection import ProjectionRow, ep_projection
 from .source import count_records, iter_pass_blocks, select_layers, token_pass_block
 from .timing import analyze_timing
 
-__all__ = ["REPORT_SCHEMA", "REPORT_SCHEMA_VERSION", "AnalysisReport", "analyze_trace", "progress_bar"]
+__all__ = ["REPORT_SCHEMA", "REPORT_SCHEMA_VERSION", "AnalysisReport", "analyze_trace", "default_window_size", "progress_bar"]
 
 REPORT_SCHEMA = "moetrace.analysis"
 REPORT_SCHEMA_VERSION = 1
@@ -238,9 +239,9 @@ class AnalysisReport(metrics.LoadMetrics):
         return out
 
 
-def _default_window(trace: Trace, unit_count: int) -> int:
+def default_window_size(trace: Trace, unit_count: int) -> int:
     passes = unit_count if trace.mode != "per_token" else int(trace.num_passes().max(initial=0))
-    if trace.mode == "per_pass" and trace.attrs.get("rank") == -1:
+    if trace.mode == "per_pass" and trace.attrs.get(Attr.RANK) == -1:
         passes = int(trace.num_passes().max(initial=0))
     return max(1, math.ceil(passes / DEFAULT_WINDOWS))
 
@@ -282,7 +283,7 @@ def analyze_trace(
         logical = trace.logical_count()[index].astype(np.int64)
         notes: list[str] = []
         unit, records = count_records(trace)
-        passes_per_window = window or _default_window(trace, records)
+        passes_per_window = window or default_window_size(trace, records)
         windows = WindowAccumulator(passes_per_window, mapping, trace.ep_size, layer_ids)
         coactivation = None
         with progress_bar(progress, records, f"analyzing {trace.path.name} ({unit})") as advance:

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..trace.integrity import reading
 from ..trace.reader import PassChunk, TokenChunk, Trace
-from ..trace.schema import TraceError
+from ..trace.schema import Data, TraceError
 
 __all__ = [
     "PassBlock",
@@ -71,10 +71,10 @@ def select_layers(trace: Trace, layers: Sequence[int] | None) -> np.ndarray:
 def count_records(trace: Trace) -> tuple[str, int]:
     """``(unit, count)`` of the time-ordered records a full read visits."""
     if trace.mode == "per_token":
-        return "tokens", trace.num_rows("tokens/topk_ids")
+        return "tokens", trace.num_rows(Data.TOKENS_TOPK_IDS)
     if trace.mode == "per_pass":
-        return "passes", trace.num_rows("passes/pass_id")
-    shape = trace.shape("window/pass_id")
+        return "passes", trace.num_rows(Data.PASSES_PASS_ID)
+    shape = trace.shape(Data.WINDOW_PASS_ID)
     return "passes", int(shape[1]) if shape else 0
 
 
@@ -117,7 +117,7 @@ def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterato
     trace.check_invariants()
     counted = trace.counted()  # rank rows that replicate another's view are not added (TP attention)
     with reading(trace.path, "/window"), h5py.File(trace.path, "r") as f:
-        pass_ids, tokens, counts = f["window/pass_id"], f["window/num_tokens"], f["window/physical_count"]
+        pass_ids, tokens, counts = f[Data.WINDOW_PASS_ID], f[Data.WINDOW_NUM_TOKENS], f[Data.WINDOW_PHYSICAL_COUNT]
         for start in range(0, pass_ids.shape[1], chunk):
             with reading(trace.path, f"/window slots {start}..{start + chunk - 1}"):
                 pid = np.asarray(pass_ids[:, start : start + chunk])

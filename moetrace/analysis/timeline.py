@@ -27,6 +27,7 @@ import numpy as np
 
 from ..timing import PHASES
 from ..trace.reader import Trace
+from ..trace.schema import Attr
 from .timing import per_pass_matrix, received_tokens
 
 __all__ = ["PHASE_TID", "build_timeline"]
@@ -51,13 +52,13 @@ def build_timeline(trace: Trace, first: int | None = None, stop: int | None = No
         keep &= rows["pass_id"] < stop
     rows = {name: array[keep] for name, array in rows.items()}
     num_ranks = trace.timing_stat()["phase_seconds_sum"].shape[0]
-    labels = list(range(num_ranks)) if num_ranks > 1 else [max(int(trace.attrs["rank"]), 0)]  # a per-rank file: its rank
+    labels = list(range(num_ranks)) if num_ranks > 1 else [max(int(trace.attrs[Attr.RANK]), 0)]  # a per-rank file: its rank
     pass_ids, grid = per_pass_matrix(rows, num_ranks)
     if not len(pass_ids):
         raise ValueError(f"{trace.path}: no pass in [{first}, {stop}) was timed on every rank; widen --passes")
     layers = trace.layers
     received = received_tokens(trace, pass_ids, num_ranks) if num_ranks == trace.ep_size else None
-    per_token_bytes = int(trace.attrs.get("hidden_size", 0)) * int(trace.attrs.get("dtype_bytes", 0))
+    per_token_bytes = int(trace.attrs.get(Attr.HIDDEN_SIZE, 0)) * int(trace.attrs.get(Attr.DTYPE_BYTES, 0))
     epoch = float(np.min(grid["start_unix"]))
     events: list[dict[str, Any]] = []
     for pid in labels:
@@ -92,7 +93,7 @@ def build_timeline(trace: Trace, first: int | None = None, stop: int | None = No
         "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {
-            "trace": str(trace.path), "run_id": trace.run_id, "clock": str(trace.attrs.get("timing_clock", "")),
+            "trace": str(trace.path), "run_id": trace.run_id, "clock": str(trace.attrs.get(Attr.TIMING_CLOCK, "")),
             "epoch_unix": epoch, "passes": [int(pass_ids[0]), int(pass_ids[-1])], "ranks": num_ranks,
         },
     }

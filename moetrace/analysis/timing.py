@@ -21,6 +21,7 @@ import numpy as np
 from ..dispatch import exchanged_bytes, remote_copies
 from ..timing import PHASES, bucket_quantile
 from ..trace.reader import Trace
+from ..trace.schema import Attr, Data
 
 __all__ = ["analyze_timing", "per_pass_matrix", "received_tokens"]
 
@@ -65,15 +66,15 @@ def received_tokens(trace: Trace, pass_ids: np.ndarray, num_ranks: int) -> np.nd
         load = counts[ok].reshape(int(ok.sum()), num_layers, num_ranks, per_rank).sum(axis=3)
         np.add.at(out, pos[ok], load)
 
-    if trace.has("window/pass_id"):
+    if trace.has(Data.WINDOW_PASS_ID):
         window = trace.window()
         for r in range(window.pass_id.shape[0]):
             filled = window.pass_id[r] >= 0
             add(window.pass_id[r][filled], window.physical_count[r][filled])
-    elif trace.has("passes/pass_id"):
+    elif trace.has(Data.PASSES_PASS_ID):
         for chunk in trace.iter_passes():
             add(chunk.pass_id, chunk.physical_count)
-    elif trace.has("tokens/topk_ids"):
+    elif trace.has(Data.TOKENS_TOPK_IDS):
         for chunk in trace.iter_tokens():
             ids = chunk.topk_ids.astype(np.int64)  # [M, L, k]
             pos = np.searchsorted(pass_ids, chunk.pass_id)
@@ -119,10 +120,10 @@ def analyze_timing(trace: Trace) -> dict[str, Any] | None:
     stat = trace.timing_stat()
     rows = trace.timing_rows()
     num_ranks = stat["phase_seconds_sum"].shape[0]
-    labels = list(range(num_ranks)) if num_ranks > 1 else [max(int(trace.attrs["rank"]), 0)]
+    labels = list(range(num_ranks)) if num_ranks > 1 else [max(int(trace.attrs[Attr.RANK]), 0)]
     pass_ids, grid = per_pass_matrix(rows, num_ranks) if len(rows.get("pass_id", ())) else (np.zeros(0, np.int64), None)
     out: dict[str, Any] = {
-        "clock": str(trace.attrs.get("timing_clock", "")),
+        "clock": str(trace.attrs.get(Attr.TIMING_CLOCK, "")),
         "phases": list(PHASES),
         "ranks": num_ranks,
         "passes": len(pass_ids),
@@ -133,8 +134,8 @@ def analyze_timing(trace: Trace) -> dict[str, Any] | None:
         # [R][L][F] total seconds of each phase in each layer (the /stat sums): where a rank's time goes
         "phase_seconds_by_layer": np.asarray(stat["phase_seconds_sum"], dtype=np.float64).tolist(),
     }
-    hidden, width = int(trace.attrs.get("hidden_size", 0)), int(trace.attrs.get("dtype_bytes", 0))
-    if trace.has("stat/send_count") and hidden and width and num_ranks == trace.ep_size:
+    hidden, width = int(trace.attrs.get(Attr.HIDDEN_SIZE, 0)), int(trace.attrs.get(Attr.DTYPE_BYTES, 0))
+    if trace.has(Data.STAT_SEND_COUNT) and hidden and width and num_ranks == trace.ep_size:
         send = trace.send_count()  # [R, L, R]
         exchange_s = stat["phase_seconds_sum"][:, :, [_DISPATCH, _COMBINE]].sum(axis=(1, 2))
         gbps = []

@@ -25,7 +25,7 @@ from ..data import olmoe_counts
 from .init import derive_seed
 from .router import TopKRouter, olmoe_bias
 
-__all__ = ["DriftSpec", "domain_mix", "drift_routes"]
+__all__ = ["DriftSpec", "domain_mix", "drift_routes", "mixed_routes", "olmoe_domains"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,20 +77,48 @@ def domain_mix(spec: DriftSpec, domains: list[str]) -> np.ndarray:
     return weights / weights.sum(axis=1, keepdims=True)
 
 
+def olmoe_domains() -> list[str]:
+    """The real OLMoE text domains of the packaged counts, in their packaged order."""
+    return list(olmoe_counts()["expert_counts"])
+
+
 def drift_routes(spec: DriftSpec) -> tuple[list[np.ndarray], np.ndarray, list[str]]:
-    """Routes of ``spec.num_passes`` passes over the 3 recorded OLMoE layers.
+    """Routes of ``spec.num_passes`` passes over the 3 recorded OLMoE layers, the mix drifting (:func:`domain_mix`).
 
     Returns:
         ``(passes, domain_of_request, domains)``: ``passes[p]`` is ``[T, 3, k]``
         int64 expert ids; ``domain_of_request [num_passes, requests_per_pass]``
         indexes ``domains``.
     """
+    domains = olmoe_domains()
+    passes, request_domain = mixed_routes(spec, domain_mix(spec, domains))
+    return passes, request_domain, domains
+
+
+def mixed_routes(spec: DriftSpec, mix: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """Routes of ``spec.num_passes`` passes whose requests draw their domain from ``mix [num_passes, D]``.
+
+    ``D`` is the number of real OLMoE domains (:func:`olmoe_domains`, in that
+    order); each row of ``mix`` is a probability vector. ``spec``'s volatility
+    and reversion are not used (the mix is given).
+
+    Returns:
+        ``(passes, domain_of_request)``: ``passes[p]`` is ``[T, 3, k]`` int64
+        expert ids; ``domain_of_request [num_passes, requests_per_pass]``.
+
+    Raises:
+        ValueError: ``mix`` of another shape, or rows that are not probabilities.
+    """
+    domains = olmoe_domains()
+    mix = np.asarray(mix, dtype=np.float64)
+    if mix.shape != (spec.num_passes, len(domains)):
+        raise ValueError(f"mix must be [num_passes, domains] = [{spec.num_passes}, {len(domains)}], got {list(mix.shape)}")
+    if (mix < 0).any() or not np.allclose(mix.sum(axis=1), 1.0):
+        raise ValueError("every row of mix must be a probability vector (non-negative, summing to 1)")
     data = olmoe_counts()
-    domains = list(data["expert_counts"])
     num_layers = len(data["layers"])
-    mix = domain_mix(spec, domains)
     rng = np.random.default_rng(derive_seed(spec.seed, 2))
-    request_domain = np.stack([rng.choice(len(domains), size=spec.requests_per_pass, p=m) for m in mix])
+    request_domain = np.stack([rng.choice(len(domains), size=spec.requests_per_pass, p=m / m.sum()) for m in mix])
     # One router per layer (seeded weights W) with each domain's real bias b_d; a token of
     # domain d gets TopKRouter's selection top-k(softmax(x W^T + b_d)), all tokens at once.
     routers = [TopKRouter(spec.hidden_size, spec.num_experts, spec.top_k, seed=derive_seed(spec.seed, 3, layer)) for layer in range(num_layers)]
@@ -107,4 +135,4 @@ def drift_routes(spec: DriftSpec) -> tuple[list[np.ndarray], np.ndarray, list[st
             # Hidden states move on between layers (a fresh residual update).
             x = x + 0.5 * torch.randn(x.shape, generator=generator)
     passes = list(ids.numpy().reshape(spec.num_passes, spec.tokens_per_pass, num_layers, spec.top_k))
-    return passes, request_domain, domains
+    return passes, request_domain

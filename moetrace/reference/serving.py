@@ -36,7 +36,7 @@ all ranks at the next step, cleanly.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..capturer import RoutedExpertsCapturer
+from ..labels import LabelLoad, check_labels
 from ..replicas.prefix_cache import PrefixCache, chain_hashes
 from .kv import KVSlotAllocator, ReqToTokenPool
 from .model import ForwardBatch, ReferenceMoEModel, Segment
@@ -67,6 +68,9 @@ class Request:
         arrival_step: loop step at which the request becomes visible.
         return_routed_experts: return ``[n, L, k]`` routed experts with the result.
         routed_experts_start_len: first position to return (multi-turn: only the new part).
+        labels: who sent it and why (``{"tenant": "a", "workload": "code"}``; bounded:
+            :func:`moetrace.labels.check_labels`), returned with the result and counted by
+            the loop's ``label_load``.
     """
 
     rid: str
@@ -75,6 +79,7 @@ class Request:
     arrival_step: int = 0
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
 
 
 @dataclasses.dataclass
@@ -92,6 +97,7 @@ class RequestResult:
         finish_reason: ``"length"`` or ``"stopped"`` (the loop was stopped first).
         rank: the EP rank that served it.
         cached_tokens: prompt tokens taken from the prefix cache (their prefill was skipped).
+        labels: the request's labels.
     """
 
     rid: str
@@ -103,6 +109,7 @@ class RequestResult:
     finish_reason: str
     rank: int
     cached_tokens: int = 0
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +161,8 @@ class ServingLoop:
         rank: this rank (reported in results).
         prefix_cache_blocks: prefix-cache capacity in blocks (``None``: no prefix cache).
         block_size: tokens per prefix-cache block.
+        label_load: live per-label expert load (:class:`moetrace.labels.LabelLoad`): each
+            finished request that returns routed experts is added under its labels.
     """
 
     def __init__(
@@ -170,6 +179,7 @@ class ServingLoop:
         rank: int | None = None,
         prefix_cache_blocks: int | None = None,
         block_size: int = 16,
+        label_load: LabelLoad | None = None,
     ) -> None:
         ep = model.ep
         if ep is not None and ep.mode == "padded" and max_tokens_per_pass > (ep.max_tokens or 0):
@@ -208,6 +218,7 @@ class ServingLoop:
         #: ``("stored" | "evicted", [block hashes])`` since the last :meth:`take_kv_events`.
         self.kv_events: list[tuple[str, list]] = []
         self.prefix_cache = PrefixCache(prefix_cache_blocks, on_evict=self._on_evict) if prefix_cache_blocks else None
+        self.label_load = label_load
 
     # ------------------------------------------------------------------ requests
     def submit(self, requests: Iterable[Request]) -> None:
@@ -229,6 +240,7 @@ class ServingLoop:
                 raise ValueError(f"request {req.rid!r} asks for routed experts but the loop was built with capture=False")
             if not 0 <= req.routed_experts_start_len <= needed:
                 raise ValueError(f"request {req.rid!r}: routed_experts_start_len={req.routed_experts_start_len} is outside [0, {needed}] (positions with routing)")
+            check_labels(req.labels, f"request {req.rid!r}")
             vocab = self.model.config.vocab_size
             if any(not 0 <= t < vocab for t in req.prompt):
                 raise ValueError(f"request {req.rid!r} has token ids outside [0, vocab_size={vocab})")
@@ -401,7 +413,10 @@ class ServingLoop:
         self.pool.free(live.pool_idx)
         self._running.remove(live)
         self._finished += 1
-        return RequestResult(req.rid, len(req.prompt), list(live.output), experts, start, list(live.pass_ids), reason, self.rank, live.cached)
+        if self.label_load is not None and experts is not None:
+            self.label_load.add(req.labels, experts)
+        return RequestResult(req.rid, len(req.prompt), list(live.output), experts, start, list(live.pass_ids), reason, self.rank,
+                             live.cached, dict(req.labels))
 
     def _keep_prefix(self, live: _Live) -> list[int]:
         """Move ``live``'s full computed blocks into the prefix cache; returns the slots to free."""

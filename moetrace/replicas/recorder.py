@@ -45,6 +45,7 @@ from ..trace.requests import (
     RoutingHeader,
     routing_attrs,
 )
+from ..trace.schema import Data, dataset
 from ..trace.stream import BackgroundTraceWriter, StreamJob
 from ..trace.writer import TraceWriter, check_writable_dir
 
@@ -430,13 +431,13 @@ class RoutingRecorder:
             if segment.error is not None:
                 raise RoutingStateError(f"the background trace writer failed ({segment.error}); call reset() and record again") from segment.error
             source = segment.writer
-            for group, fields in (("requests", REQUEST_FIELDS), ("requests/candidates", CANDIDATE_FIELDS), ("requests/migrations", MIGRATION_FIELDS)):
+            for group, fields in ((Data.REQUESTS, REQUEST_FIELDS), (Data.REQUESTS_CANDIDATES, CANDIDATE_FIELDS), (Data.REQUESTS_MIGRATIONS, MIGRATION_FIELDS)):
                 for name, dtype in fields.items():
-                    source.ensure_empty(f"{group}/{name}", (), dtype)
+                    source.ensure_empty(dataset(group, name), (), dtype)
             source.flush()
             writer = TraceWriter(target, RoutingHeader.make(self.engine, self.model))
             try:
-                writer.copy_group(source, "requests")
+                writer.copy_group(source, Data.REQUESTS)
                 for key, value in routing_attrs(list(POLICIES), list(REASONS), self.num_replicas, self.block_size, self.clock_name).items():
                     writer.set_attr(key, value)
                 written = writer.commit()
@@ -486,22 +487,22 @@ def _build_columns(rows: list[list], migrations: list[tuple], first_candidate: i
         simple = {"seq": _SEQ, "decision": _DEC, "replica": _REP, "policy": _POL, "reason": _REA, "input_tokens": _IN,
                   "cached_tokens": _CACHED, "output_tokens": _OUT, "predicted_tokens": _PRED, "best_tokens": _BEST}
         for name, idx in simple.items():
-            cols[f"requests/{name}"] = np.array(fields[idx], REQUEST_FIELDS[name])
-        cols["requests/id"] = np.array(fields[_ID], dtype=object)
-        cols["requests/session"] = np.array(fields[_SESSION], dtype=object)
-        cols.update({"requests/arrival": arrival, "requests/start": start, "requests/first_token": first, "requests/finish": finish,
-                     "requests/queue_wait": start - arrival, "requests/ttft": first - arrival, "requests/e2e": finish - arrival,
-                     "requests/finished": (finish == finish).astype(np.int8), "requests/cand_start": offsets, "requests/cand_count": counts})
+            cols[dataset(Data.REQUESTS, name)] = np.array(fields[idx], REQUEST_FIELDS[name])
+        cols[dataset(Data.REQUESTS, "id")] = np.array(fields[_ID], dtype=object)
+        cols[dataset(Data.REQUESTS, "session")] = np.array(fields[_SESSION], dtype=object)
+        cols.update({dataset(Data.REQUESTS, "arrival"): arrival, dataset(Data.REQUESTS, "start"): start, dataset(Data.REQUESTS, "first_token"): first, dataset(Data.REQUESTS, "finish"): finish,
+                     dataset(Data.REQUESTS, "queue_wait"): start - arrival, dataset(Data.REQUESTS, "ttft"): first - arrival, dataset(Data.REQUESTS, "e2e"): finish - arrival,
+                     dataset(Data.REQUESTS, "finished"): (finish == finish).astype(np.int8), dataset(Data.REQUESTS, "cand_start"): offsets, dataset(Data.REQUESTS, "cand_count"): counts})
         width = len(CANDIDATE_FIELDS) - 1
         flat = chain.from_iterable(chain.from_iterable(fields[_CANDS]))
         cands = np.fromiter(flat, np.float64, int(counts.sum()) * width).reshape(-1, width)
-        cols["requests/candidates/request_seq"] = np.repeat(np.array(fields[_SEQ], np.int64), counts)
+        cols[dataset(Data.REQUESTS_CANDIDATES, "request_seq")] = np.repeat(np.array(fields[_SEQ], np.int64), counts)
         for j, (name, dtype) in enumerate(list(CANDIDATE_FIELDS.items())[1:]):  # homogeneous float64: fast to build
-            cols[f"requests/candidates/{name}"] = cands[:, j].astype(dtype)
+            cols[dataset(Data.REQUESTS_CANDIDATES, name)] = cands[:, j].astype(dtype)
     if migrations:
-        cols["requests/migrations/time"] = np.array([m[0] for m in migrations], np.float64)
-        cols["requests/migrations/session"] = np.array([m[1] for m in migrations], dtype=object)
-        cols["requests/migrations/source"] = np.array([m[2] for m in migrations], np.int32)
-        cols["requests/migrations/target"] = np.array([m[3] for m in migrations], np.int32)
+        cols[dataset(Data.REQUESTS_MIGRATIONS, "time")] = np.array([m[0] for m in migrations], np.float64)
+        cols[dataset(Data.REQUESTS_MIGRATIONS, "session")] = np.array([m[1] for m in migrations], dtype=object)
+        cols[dataset(Data.REQUESTS_MIGRATIONS, "source")] = np.array([m[2] for m in migrations], np.int32)
+        cols[dataset(Data.REQUESTS_MIGRATIONS, "target")] = np.array([m[3] for m in migrations], np.int32)
     # object columns need the HDF5 string dtype: TraceWriter.append creates from the array's dtype
     return {k: (v.astype(REQUEST_FIELDS["id"]) if v.dtype == object else v) for k, v in cols.items()}

@@ -52,7 +52,7 @@ class PlacementView:
 
     Attributes:
         config: the sizes planned for (``N`` slots on ``G`` GPUs).
-        plan: moetrace's plan (robust over the time-ordered loads when there are any).
+        plan: moetrace's plan (the planner validated on the time-ordered loads when there are any, else greedy).
         hottest: the ``G`` experts with the most load (the likely replicas).
         current_load: ``[L, G]`` the run's loads on its own placement (in-sample).
         planned_load: ``[L, G]`` the same loads on the plan (in-sample: planned and scored on this run).

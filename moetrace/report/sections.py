@@ -18,6 +18,7 @@ import plotly.graph_objects as go
 
 from .. import metrics
 from ..replicas.analysis import load_over_time
+from ..trace.schema import Attr
 from . import figures
 from .evidence import Evidence, ExpertEvidence, PlacementView, RoutingEvidence
 
@@ -78,8 +79,8 @@ def _headline(ev: ExpertEvidence) -> Section:
     if r.ep_size > 1:
         items.insert(0, (f"rank balancedness over {r.ep_size} EP ranks", r.balancedness, ".3f"))
     a = r.attrs
-    what = (f"{a.get('model') or '-'} on {a.get('engine') or '-'}, {a.get('mode')} trace: {r.num_passes} passes, "
-            f"{r.num_tokens:,} tokens, {len(r.layer_ids)} MoE layers x {r.logical_count.shape[1]} experts, top-{a.get('top_k')}")
+    what = (f"{a.get(Attr.MODEL) or '-'} on {a.get(Attr.ENGINE) or '-'}, {a.get(Attr.MODE)} trace: {r.num_passes} passes, "
+            f"{r.num_tokens:,} tokens, {len(r.layer_ids)} MoE layers x {r.logical_count.shape[1]} experts, top-{a.get(Attr.TOP_K)}")
     return Section("headline", "Headline", "; ".join(d["headline"]), [("fig-headline", figures.headline(items))], notes=[what, *r.notes])
 
 

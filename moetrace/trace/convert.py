@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..ids import to_logical
-from .schema import PADDING_IDS, TraceError
+from .schema import PADDING_IDS, Data, TraceError
 from .writer import TraceHeader, TraceWriter, token_id_dtype
 
 __all__ = ["convert", "convert_jsonl", "convert_sglang"]
@@ -72,16 +72,16 @@ def _write_stat(writer: TraceWriter, physical: np.ndarray, invalid: np.ndarray, 
 
     h = writer.header
     num_layers, ep = h.num_layers, h.ep_size
-    writer.write("stat/physical_count", physical[None].astype(np.int64))
-    writer.write("stat/logical_count", to_logical(physical, h.physical_to_logical)[None].astype(np.int64))
-    writer.write("stat/invalid_ids", invalid[None].astype(np.int64))
+    writer.write(Data.STAT_PHYSICAL_COUNT, physical[None].astype(np.int64))
+    writer.write(Data.STAT_LOGICAL_COUNT, to_logical(physical, h.physical_to_logical)[None].astype(np.int64))
+    writer.write(Data.STAT_INVALID_IDS, invalid[None].astype(np.int64))
     if padding is not None:
         writer.write(PADDING_IDS, padding[None].astype(np.int64))
-    writer.write("stat/send_count", np.zeros((1, num_layers, ep), np.int64))
-    writer.write("stat/recv_count", np.zeros((1, num_layers, ep), np.int64))
-    writer.write("stat/dropped", np.zeros((1, num_layers), np.int64))
-    writer.write("stat/num_passes", np.array([passes], np.int64))
-    writer.write("stat/num_tokens", np.array([tokens], np.int64))
+    writer.write(Data.STAT_SEND_COUNT, np.zeros((1, num_layers, ep), np.int64))
+    writer.write(Data.STAT_RECV_COUNT, np.zeros((1, num_layers, ep), np.int64))
+    writer.write(Data.STAT_DROPPED, np.zeros((1, num_layers), np.int64))
+    writer.write(Data.STAT_NUM_PASSES, np.array([passes], np.int64))
+    writer.write(Data.STAT_NUM_TOKENS, np.array([tokens], np.int64))
 
 
 def _append_tokens(writer: TraceWriter, topk: np.ndarray, pass_id: np.ndarray, position: np.ndarray, totals: np.ndarray, invalid: np.ndarray, padding: np.ndarray) -> None:
@@ -95,9 +95,9 @@ def _append_tokens(writer: TraceWriter, topk: np.ndarray, pass_id: np.ndarray, p
     ok = ids >= 0
     layer = np.broadcast_to(np.arange(totals.shape[0])[None, :, None], ids.shape)
     totals += np.bincount((layer * num_physical + ids)[ok], minlength=totals.size).reshape(totals.shape)
-    writer.append("tokens/topk_ids", ids)
-    writer.append("tokens/pass_id", pass_id.astype(np.int64))
-    writer.append("tokens/position", position.astype(np.int32))
+    writer.append(Data.TOKENS_TOPK_IDS, ids)
+    writer.append(Data.TOKENS_PASS_ID, pass_id.astype(np.int64))
+    writer.append(Data.TOKENS_POSITION, position.astype(np.int32))
 
 
 # ----------------------------------------------------------------------------- SGLang
@@ -207,14 +207,14 @@ def _sglang_records(src: Path, data: dict, out: Path | str, top_k: int | None, e
         header = _header("per_token", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)
         with TraceWriter(out, header) as writer:
             totals, invalid, padding, tokens = np.zeros((num_layers, num_physical), np.int64), np.zeros(num_layers, np.int64), np.zeros(num_layers, np.int64), 0
-            writer.ensure_empty("tokens/topk_ids", (num_layers, k), token_id_dtype(num_physical))
+            writer.ensure_empty(Data.TOKENS_TOPK_IDS, (num_layers, k), token_id_dtype(num_physical))
             for record, ids in zip(records, widths, strict=True):
                 rows = np.ascontiguousarray(ids.transpose(1, 0, 2)[:, :, :k])  # [T, L, k]
                 tokens += len(rows)
                 pid = np.full(len(rows), int(record.get("forward_pass_id", 0)), np.int64)
                 _append_tokens(writer, rows, pid, np.arange(len(rows)), totals, invalid, padding)
-            writer.ensure_empty("tokens/pass_id", (), np.dtype(np.int64))
-            writer.ensure_empty("tokens/position", (), np.dtype(np.int32))
+            writer.ensure_empty(Data.TOKENS_PASS_ID, (), np.dtype(np.int64))
+            writer.ensure_empty(Data.TOKENS_POSITION, (), np.dtype(np.int32))
             _write_stat(writer, totals, invalid, len(records), tokens, padding)
             return writer.commit()
     k = _need_top_k(top_k, src, "per_pass")
@@ -228,13 +228,13 @@ def _sglang_records(src: Path, data: dict, out: Path | str, top_k: int | None, e
             tokens += int(per_pass_tokens.sum())
             totals += counts.sum(axis=0)
             n = len(part)
-            writer.append("passes/pass_id", np.array([int(r.get("forward_pass_id", 0)) for r in part], np.int64))
-            writer.append("passes/timestamp", np.full(n, math.nan))
-            writer.append("passes/num_tokens", per_pass_tokens.astype(np.int64))
-            writer.append("passes/physical_count", counts)
-            writer.append("passes/invalid_ids", np.zeros((n, num_layers), np.int32))
-            writer.append("passes/send_count", np.zeros((n, num_layers, ep_size), np.int32))
-            writer.append("passes/recv_count", np.zeros((n, num_layers, ep_size), np.int32))
+            writer.append(Data.PASSES_PASS_ID, np.array([int(r.get("forward_pass_id", 0)) for r in part], np.int64))
+            writer.append(Data.PASSES_TIMESTAMP, np.full(n, math.nan))
+            writer.append(Data.PASSES_NUM_TOKENS, per_pass_tokens.astype(np.int64))
+            writer.append(Data.PASSES_PHYSICAL_COUNT, counts)
+            writer.append(Data.PASSES_INVALID_IDS, np.zeros((n, num_layers), np.int32))
+            writer.append(Data.PASSES_SEND_COUNT, np.zeros((n, num_layers, ep_size), np.int32))
+            writer.append(Data.PASSES_RECV_COUNT, np.zeros((n, num_layers, ep_size), np.int32))
         _write_stat(writer, totals, np.zeros(num_layers, np.int64), len(records), tokens)
         return writer.commit()
 
@@ -335,9 +335,9 @@ def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None =
             if len(pending) >= 2 * chunk:
                 flush(chunk)
         flush(0)
-        writer.ensure_empty("tokens/topk_ids", (num_layers, top_k), token_id_dtype(experts))
-        writer.ensure_empty("tokens/pass_id", (), np.dtype(np.int64))
-        writer.ensure_empty("tokens/position", (), np.dtype(np.int32))
+        writer.ensure_empty(Data.TOKENS_TOPK_IDS, (num_layers, top_k), token_id_dtype(experts))
+        writer.ensure_empty(Data.TOKENS_PASS_ID, (), np.dtype(np.int64))
+        writer.ensure_empty(Data.TOKENS_POSITION, (), np.dtype(np.int32))
         _write_stat(writer, totals, invalid, len(pass_ids), state["tokens"], padding)
         return writer.commit()
 

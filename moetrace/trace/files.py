@@ -15,12 +15,14 @@ keeps an exclusive ``flock`` on every file it writes).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import re
 import socket
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "JOURNAL_RE",
     "SEGMENT_RE",
     "checkpoint_path",
+    "exclusively",
     "journal_path",
     "parse_temporary",
     "process_alive",
@@ -82,21 +85,37 @@ def parse_temporary(path: Path) -> tuple[str, str, int] | None:
     return match["target"], match["host"], int(match["pid"])
 
 
-def _unused(path: Path) -> bool:
-    """True when no process holds ``path`` open for writing (an exclusive flock succeeds)."""
+@contextlib.contextmanager
+def exclusively(path: Path) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on ``path`` for the block; yields whether it was had.
+
+    ``False`` when another process holds the file open under HDF5's locking (a
+    writer, or a reader: HDF5 takes a shared lock on every file it opens), or
+    the file cannot be opened. Removing or replacing the file inside the block
+    cannot race a reader that locks it.
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return False
+        yield False
+        return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            return False
-        raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            yield False
+            return
+        yield True
     finally:
         os.close(fd)  # closing releases the lock
-    return True
+
+
+def _unused(path: Path) -> bool:
+    """True when no process holds ``path`` open (an exclusive flock succeeds)."""
+    with exclusively(path) as free:
+        return free
 
 
 def sweep_dead_temporaries(directory: Path) -> list[Path]:

@@ -14,47 +14,24 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..layout import RankLayout
 from .integrity import reading
 from .ranks import read_layouts
 from .reader import open_trace
-from .schema import RANKS_GROUP, TraceError
+from .schema import RANKS_GROUP, SAME_SEGMENT_ATTRS, Data, TraceError
 from .writer import TraceHeader, TraceWriter
 
-__all__ = ["concat_segments", "header_of"]
+__all__ = ["concat_segments"]
 
 #: Stat datasets that are per-rank totals: summed when segments are joined.
-_ADDITIVE = "stat"
+_ADDITIVE = Data.STAT
 
 
 def _check_same(paths: Sequence[Path], files: Sequence[h5py.File]) -> None:
     first = files[0].attrs
     for path, f in zip(paths[1:], files[1:], strict=True):
-        for key in ("run_id", "rank", "mode", "num_layers", "num_physical_experts", "top_k", "ep_size"):
+        for key in SAME_SEGMENT_ATTRS:
             if f.attrs.get(key) != first.get(key):
                 raise TraceError(f"{path}: {key}={f.attrs.get(key)!r} differs from {paths[0]}'s {first.get(key)!r}; segments of one run and rank only")
-
-
-def header_of(attrs: Mapping[str, object], layers: np.ndarray, mapping: np.ndarray, layouts: tuple[RankLayout, ...] = ()) -> TraceHeader:
-    """A :class:`TraceHeader` that reproduces a trace's root attributes (and its rank layouts)."""
-    return TraceHeader(
-        mode=str(attrs["mode"]),
-        id_space=str(attrs["id_space"]),
-        num_layers=int(attrs["num_layers"]),  # type: ignore[call-overload]
-        num_physical_experts=int(attrs["num_physical_experts"]),  # type: ignore[call-overload]
-        top_k=int(attrs["top_k"]),  # type: ignore[call-overload]
-        ep_size=int(attrs["ep_size"]),  # type: ignore[call-overload]
-        layer_ids=layers,
-        physical_to_logical=mapping,
-        model=str(attrs["model"]),
-        engine=str(attrs["engine"]),
-        run_id=str(attrs["run_id"]),
-        rank=int(attrs["rank"]),  # type: ignore[call-overload]
-        world_size=int(attrs["world_size"]),  # type: ignore[call-overload]
-        hidden_size=int(attrs.get("hidden_size", 0)),  # type: ignore[call-overload]
-        dtype_bytes=int(attrs.get("dtype_bytes", 0)),  # type: ignore[call-overload]
-        layouts=layouts,
-    )
 
 
 def concat_segments(
@@ -87,7 +64,7 @@ def concat_segments(
         _check_same(paths, files)
         first = files[0]
         with reading(paths[0], "/layers, /physical_to_logical and /ranks"):
-            header = header_of(dict(first.attrs), np.asarray(first["layers"][()]), np.asarray(first["physical_to_logical"][()]), read_layouts(first))
+            header = TraceHeader.of_attrs(dict(first.attrs), np.asarray(first[Data.LAYERS][()]), np.asarray(first[Data.PHYSICAL_TO_LOGICAL][()]), layouts=read_layouts(first))
         with TraceWriter(out, header, compression=compression) as writer:
             if len(files) == 1:
                 with reading(paths[0]):
@@ -116,7 +93,7 @@ def _join(files: Sequence[h5py.File], writer: TraceWriter, block_rows: int) -> N
     for f in files:
         f.visititems(collect)
     for name, ds in names.items():
-        if name in ("layers", "physical_to_logical") or name.split("/", 1)[0] == RANKS_GROUP:  # header: written with it
+        if name in (Data.LAYERS, Data.PHYSICAL_TO_LOGICAL) or name.split("/", 1)[0] == RANKS_GROUP:  # header: written with it
             continue
         if name.split("/", 1)[0] == _ADDITIVE:
             total = sum(_whole(f, name) for f in files if name in f)

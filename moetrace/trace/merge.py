@@ -35,19 +35,20 @@ from .integrity import reading
 from .ranks import read_layouts
 from .reader import open_trace
 from .schema import (
-    LAYOUT_ATTRS,
     MERGED_DAMAGED_ATTR,
     MERGED_RANKS_ATTR,
+    SAME_RUN_ATTRS,
+    STREAM_GROUP,
+    Attr,
+    Data,
     TraceDamageError,
     TraceError,
+    dataset,
 )
 from .writer import TraceHeader, TraceWriter
 
 __all__ = ["merge_traces", "rank_stops"]
 
-_SAME_ATTRS = ("mode", "id_space", "num_layers", "num_logical_experts", "num_physical_experts", "top_k", "ep_size", "world_size", "hidden_size",
-               "dtype_bytes", *LAYOUT_ATTRS.values())
-_STREAM_GROUP = {"per_pass": "passes", "per_token": "tokens"}
 _WINDOW_FILL = {"pass_id": -1, "timestamp": 0.0, "num_tokens": 0, "physical_count": 0}
 
 
@@ -72,24 +73,24 @@ def _check_inputs(paths: Sequence[Path], damaged: dict[Path, str]) -> tuple[list
         raise TraceDamageError(paths[0], f"every input is damaged, nothing to merge: {'; '.join(damaged.values())}")
     first_path, first, layers, mapping = infos[0]
     for path, attrs, lay, mp in infos:
-        if attrs["mode"] == "routing":
+        if attrs[Attr.MODE] == "routing":
             raise TraceError(f"{path}: a routing trace (one router's /requests); merge joins the per-rank traces of an expert recording")
-        if int(attrs["rank"]) < 0:
+        if int(attrs[Attr.RANK]) < 0:
             raise TraceError(f"{path}: already holds every rank (rank=-1); merge joins per-rank traces")
-        if attrs["run_id"] != first["run_id"]:
-            raise TraceError(f"{path}: run_id {attrs['run_id']} differs from {first_path}'s {first['run_id']}; traces of different runs cannot be merged")
-        for key in _SAME_ATTRS:
+        if attrs[Attr.RUN_ID] != first[Attr.RUN_ID]:
+            raise TraceError(f"{path}: run_id {attrs[Attr.RUN_ID]} differs from {first_path}'s {first[Attr.RUN_ID]}; traces of different runs cannot be merged")
+        for key in SAME_RUN_ATTRS:
             if attrs.get(key) != first.get(key):
                 raise TraceError(f"{path}: {key}={attrs.get(key)!r} differs from {first_path}'s {first.get(key)!r}; cannot merge")
         if not (np.array_equal(lay, layers) and np.array_equal(mp, mapping)):
             raise TraceError(f"{path}: /layers or /physical_to_logical differs from {first_path}'s; cannot merge")
-    ranks = sorted(int(attrs["rank"]) for _, attrs, _, _ in infos)
-    world = int(first["world_size"])  # type: ignore[call-overload]
+    ranks = sorted(int(attrs[Attr.RANK]) for _, attrs, _, _ in infos)
+    world = int(first[Attr.WORLD_SIZE])  # type: ignore[call-overload]
     complete = ranks == list(range(world))
     partial = damaged and len(set(ranks)) == len(ranks) and len(ranks) + len(damaged) == world and all(0 <= r < world for r in ranks)
     if not (complete or partial):
         raise TraceError(f"merge needs ranks 0..{world - 1} exactly once each (world_size={world}), got ranks {ranks}" + (f" and {len(damaged)} damaged input(s)" if damaged else ""))
-    ordered = sorted(((p, int(a["rank"])) for p, a, _, _ in infos), key=lambda x: x[1])  # type: ignore[call-overload]
+    ordered = sorted(((p, int(a[Attr.RANK])) for p, a, _, _ in infos), key=lambda x: x[1])  # type: ignore[call-overload]
     return [p for p, _ in ordered], [r for _, r in ordered], first, layers, mapping
 
 
@@ -98,9 +99,9 @@ class _Cursor:
 
     def __init__(self, file: h5py.File, group: str, names: list[str], rank: int, chunk: int) -> None:
         self.file, self.group, self.names, self.rank, self.chunk = file, group, names, rank, chunk
-        self.rows = file[f"{group}/pass_id"].shape[0]
+        self.rows = file[dataset(group, "pass_id")].shape[0]
         self.next = 0
-        self.buffer: dict[str, np.ndarray] = {n: file[f"{group}/{n}"][0:0] for n in names}
+        self.buffer: dict[str, np.ndarray] = {n: file[dataset(group, n)][0:0] for n in names}
         self.last_pass = -(1 << 62)
 
     def refill(self, grow: bool = False) -> None:
@@ -109,7 +110,7 @@ class _Cursor:
             return
         stop = min(self.next + self.chunk, self.rows)
         with reading(self.file.filename, f"/{self.group} rows {self.next}..{stop - 1}"):
-            rows = {n: np.asarray(self.file[f"{self.group}/{n}"][self.next : stop]) for n in self.names}
+            rows = {n: np.asarray(self.file[dataset(self.group, n)][self.next : stop]) for n in self.names}
         pid = rows["pass_id"]
         if len(pid) and (pid[0] < self.last_pass or (np.diff(pid) < 0).any()):
             raise TraceError(f"{self.file.filename}: pass ids in /{self.group} are not in order; cannot merge by time")
@@ -136,13 +137,13 @@ class _Cursor:
 def _merge_stream(files: list[h5py.File], ranks: list[int], group: str, writer: TraceWriter, chunk: int) -> None:
     names = sorted(files[0][group].keys())
     for f in files[1:]:
-        if sorted(f[group].keys()) != names or any(f[f"{group}/{n}"].shape[1:] != files[0][f"{group}/{n}"].shape[1:] for n in names):
+        if sorted(f[group].keys()) != names or any(f[dataset(group, n)].shape[1:] != files[0][dataset(group, n)].shape[1:] for n in names):
             raise TraceError(f"{f.filename}: /{group} datasets differ in names or shapes from {files[0].filename}'s; cannot merge")
     cursors = [_Cursor(f, group, names, rank, chunk) for rank, f in zip(ranks, files, strict=True)]
     for name in names:
-        ds = files[0][f"{group}/{name}"]
-        writer.ensure_empty(f"{group}/{name}", ds.shape[1:], ds.dtype)
-    writer.ensure_empty(f"{group}/rank", (), np.dtype(np.int32))
+        ds = files[0][dataset(group, name)]
+        writer.ensure_empty(dataset(group, name), ds.shape[1:], ds.dtype)
+    writer.ensure_empty(dataset(group, "rank"), (), np.dtype(np.int32))
     while True:
         for c in cursors:
             c.refill()
@@ -160,9 +161,9 @@ def _merge_stream(files: list[h5py.File], ranks: list[int], group: str, writer: 
         pid = np.concatenate([p["pass_id"] for _, p in parts])
         order = np.argsort(pid, kind="stable")  # ties keep rank order
         for name in names:
-            writer.append(f"{group}/{name}", np.concatenate([p[name] for _, p in parts])[order])
+            writer.append(dataset(group, name), np.concatenate([p[name] for _, p in parts])[order])
         ranks = np.concatenate([np.full(len(p["pass_id"]), r, dtype=np.int32) for r, p in parts])
-        writer.append(f"{group}/rank", ranks[order])
+        writer.append(dataset(group, "rank"), ranks[order])
 
 
 def _stack_static(files: list[h5py.File], group: str, writer: TraceWriter) -> None:
@@ -170,7 +171,7 @@ def _stack_static(files: list[h5py.File], group: str, writer: TraceWriter) -> No
     if group not in files[0]:
         return
     for name in sorted(files[0][group].keys()):
-        key = f"{group}/{name}"
+        key = dataset(group, name)
         for f in files:
             if key not in f or f[key].shape[2:] != files[0][key].shape[2:] or f[key].shape[0] != 1:
                 raise TraceError(f"{f.filename}: /{key} is missing or shaped differently from {files[0].filename}'s; cannot merge")
@@ -192,12 +193,12 @@ def rank_stops(paths: Sequence[Path | str]) -> list[str]:
     for path in paths:
         with open_trace(path) as trace:
             attrs = trace.attrs
-        if not attrs.get("recovered"):
+        if not attrs.get(Attr.RECOVERED):
             continue
-        lost = json.loads(str(attrs.get("recovered_lost", "{}")) or "{}")
+        lost = json.loads(str(attrs.get(Attr.RECOVERED_LOST, "{}")) or "{}")
         notes.append(
-            f"rank {attrs['rank']} stopped: recovered up to pass {attrs['recovered_last_pass']} "
-            f"(last segment closed at unix {float(attrs['recovered_last_segment_unix']):.3f}); lost {lost.get('lost', 'unknown')}"  # type: ignore[arg-type]
+            f"rank {attrs[Attr.RANK]} stopped: recovered up to pass {attrs[Attr.RECOVERED_LAST_PASS]} "
+            f"(last segment closed at unix {float(attrs[Attr.RECOVERED_LAST_SEGMENT_UNIX]):.3f}); lost {lost.get('lost', 'unknown')}"  # type: ignore[arg-type]
         )
     return notes
 
@@ -234,44 +235,28 @@ def _write_merged(ordered: list[Path], ranks: list[int], attrs: dict[str, object
     for path in ordered:
         with reading(path, "/ranks"), h5py.File(path, "r") as f:
             layouts.extend(read_layouts(f))
-    header = TraceHeader(
-        mode=str(attrs["mode"]),
-        id_space=str(attrs["id_space"]),
-        num_layers=int(attrs["num_layers"]),  # type: ignore[call-overload]
-        num_physical_experts=int(attrs["num_physical_experts"]),  # type: ignore[call-overload]
-        top_k=int(attrs["top_k"]),  # type: ignore[call-overload]
-        ep_size=int(attrs["ep_size"]),  # type: ignore[call-overload]
-        layer_ids=layers,
-        physical_to_logical=mapping,
-        model=str(attrs["model"]),
-        engine=str(attrs["engine"]),
-        run_id=str(attrs["run_id"]),
-        rank=-1,
-        world_size=int(attrs["world_size"]),  # type: ignore[call-overload]
-        hidden_size=int(attrs.get("hidden_size", 0)),  # type: ignore[call-overload]
-        dtype_bytes=int(attrs.get("dtype_bytes", 0)),  # type: ignore[call-overload]
-        layouts=tuple(layouts) if len(layouts) == len(ordered) else (),
-    )
+    header = TraceHeader.of_attrs(attrs, layers, mapping, rank=-1, world_size=int(attrs[Attr.WORLD_SIZE]),  # type: ignore[call-overload]
+                                  layouts=tuple(layouts) if len(layouts) == len(ordered) else ())
     files = [h5py.File(p, "r") for p in ordered]
     try:
         with TraceWriter(out, header) as writer:
             _stack_static(files, "stat", writer)
             _stack_static(files, "window", writer)
-            group = _STREAM_GROUP.get(header.mode)
+            group = STREAM_GROUP.get(header.mode)
             if group is not None and group in files[0]:
                 _merge_stream(files, ranks, group, writer, chunk_rows)
-            if "timing" in files[0]:
-                _merge_stream(files, ranks, "timing", writer, chunk_rows)
+            if Data.TIMING in files[0]:
+                _merge_stream(files, ranks, Data.TIMING, writer, chunk_rows)
             for key, value in files[0].attrs.items():
-                if key.startswith("timing_"):
+                if key.startswith(Attr.TIMING_PREFIX):
                     writer.set_attr(key, value)
-            writer.set_attr("merged_from", json.dumps([p.name for p in ordered]))
+            writer.set_attr(Attr.MERGED_FROM, json.dumps([p.name for p in ordered]))
             if damaged:
                 writer.set_attr(MERGED_RANKS_ATTR, json.dumps(ranks))
                 writer.set_attr(MERGED_DAMAGED_ATTR, json.dumps([f"{p.name}: {why}" for p, why in damaged.items()]))
             stops = rank_stops(ordered)
             if stops:
-                writer.set_attr("recovered_ranks", json.dumps(stops))
+                writer.set_attr(Attr.RECOVERED_RANKS, json.dumps(stops))
             return writer.commit()
     finally:
         for f in files:

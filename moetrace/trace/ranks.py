@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 
 from ..layout import CountedRows, RankLayout, counted_rows
-from .schema import LAYOUT_ATTRS, RANK_COORDINATES, RANKS_GROUP, TraceError
+from .schema import LAYOUT_ATTRS, RANK_COORDINATES, RANKS_GROUP, Attr, TraceError, dataset
 
 _FIELDS = {field.name for field in dataclasses.fields(RankLayout)}
 
@@ -38,7 +38,7 @@ def write_layouts(writer: Any, layouts: Sequence[RankLayout]) -> None:
     for field, name in LAYOUT_ATTRS.items():
         writer.set_attr(name, getattr(first, field))
     for name in RANK_COORDINATES:
-        writer.write(f"{RANKS_GROUP}/{name}", np.array([getattr(layout, name) for layout in layouts], dtype=np.int32))
+        writer.write(dataset(RANKS_GROUP, name), np.array([getattr(layout, name) for layout in layouts], dtype=np.int32))
 
 
 def read_layouts(file: h5py.File) -> tuple[RankLayout, ...]:
@@ -53,13 +53,13 @@ def read_layouts(file: h5py.File) -> tuple[RankLayout, ...]:
     missing = [name for name in LAYOUT_ATTRS.values() if name not in attrs] + [name for name in RANK_COORDINATES if name not in file[RANKS_GROUP]]
     if missing:
         raise TraceError(f"{file.filename}: /{RANKS_GROUP} is present but {missing} are missing; the trace was damaged or edited")
-    rows = {name: np.asarray(file[f"{RANKS_GROUP}/{name}"][()]) for name in RANK_COORDINATES}
+    rows = {name: np.asarray(file[dataset(RANKS_GROUP, name)][()]) for name in RANK_COORDINATES}
     shared = {field: attrs[name].item() if isinstance(attrs[name], np.generic) else str(attrs[name]) for field, name in LAYOUT_ATTRS.items()}
     inputs = [name for name in RANK_COORDINATES if name in _FIELDS]  # the rest are derived, and checked
     layouts = []
     try:
         for i in range(len(rows[RANK_COORDINATES[0]])):
-            layout = RankLayout(ep_size=int(attrs["ep_size"]), **shared, **{name: int(rows[name][i]) for name in inputs})
+            layout = RankLayout(ep_size=int(attrs[Attr.EP_SIZE]), **shared, **{name: int(rows[name][i]) for name in inputs})
             wrong = [name for name in RANK_COORDINATES if int(getattr(layout, name)) != int(rows[name][i])]
             if wrong:
                 raise ValueError(f"row {i} stores {wrong} that its coordinates do not give")

@@ -26,8 +26,11 @@ from .schema import (
     REQUIRED_ATTRS,
     SCHEMA_NAME,
     SCHEMA_VERSION,
+    Attr,
+    Data,
     TraceDamageError,
     TraceError,
+    dataset,
 )
 
 __all__ = ["PassChunk", "TokenChunk", "Trace", "Window", "open_trace"]
@@ -151,9 +154,9 @@ class Trace:
 
     def _validate(self) -> None:
         attrs = self._attrs
-        if attrs.get("schema") != SCHEMA_NAME:
-            raise TraceError(f"{self.path}: not a moetrace trace (root attribute schema={attrs.get('schema')!r})")
-        version = int(attrs.get("schema_version", -1))
+        if attrs.get(Attr.SCHEMA) != SCHEMA_NAME:
+            raise TraceError(f"{self.path}: not a moetrace trace (root attribute schema={attrs.get(Attr.SCHEMA)!r})")
+        version = int(attrs.get(Attr.SCHEMA_VERSION, -1))  # type: ignore[call-overload]
         if version > SCHEMA_VERSION:
             raise TraceError(
                 f"{self.path}: schema version {version} is newer than this moetrace understands "
@@ -200,35 +203,35 @@ class Trace:
 
     @property
     def mode(self) -> str:
-        return str(self._attrs["mode"])
+        return str(self._attrs[Attr.MODE])
 
     @property
     def id_space(self) -> str:
-        return str(self._attrs["id_space"])
+        return str(self._attrs[Attr.ID_SPACE])
 
     @property
     def num_layers(self) -> int:
-        return self._int("num_layers")
+        return self._int(Attr.NUM_LAYERS)
 
     @property
     def num_physical_experts(self) -> int:
-        return self._int("num_physical_experts")
+        return self._int(Attr.NUM_PHYSICAL_EXPERTS)
 
     @property
     def num_logical_experts(self) -> int:
-        return self._int("num_logical_experts")
+        return self._int(Attr.NUM_LOGICAL_EXPERTS)
 
     @property
     def top_k(self) -> int:
-        return self._int("top_k")
+        return self._int(Attr.TOP_K)
 
     @property
     def ep_size(self) -> int:
-        return self._int("ep_size")
+        return self._int(Attr.EP_SIZE)
 
     @property
     def run_id(self) -> str:
-        return str(self._attrs["run_id"])
+        return str(self._attrs[Attr.RUN_ID])
 
     @property
     def layers(self) -> np.ndarray:
@@ -253,7 +256,7 @@ class Trace:
         """Which ``/stat`` rank rows the totals count: one view per group of ranks that route the same
         tokens (TP attention replicas count once), every row when ranks hold their own tokens or the
         trace has no layout. See ``docs/trace-format.md``, "What a rank row means"."""
-        rows = self.shape("stat/num_tokens")
+        rows = self.shape(Data.STAT_NUM_TOKENS)
         return counted_of(self.layouts, rows[0] if rows else len(self.layouts))
 
     def counted_ranks(self) -> set[int] | None:
@@ -307,27 +310,27 @@ class Trace:
     def physical_count(self, per_rank: bool = False) -> np.ndarray:
         """Total counts per physical expert: ``[L, P]`` over the counted rank rows (:meth:`counted`), or every row's view ``[R, L, P]``."""
         self.check_invariants()
-        counts = self._read("stat/physical_count")
+        counts = self._read(Data.STAT_PHYSICAL_COUNT)
         return counts if per_rank else counts[self.counted().assignments].sum(axis=0)
 
     def logical_count(self, per_rank: bool = False) -> np.ndarray:
         """Total counts per logical expert: ``[L, E]`` over the counted rank rows, or every row's view ``[R, L, E]``."""
         self.check_invariants()
-        counts = self._read("stat/logical_count")
+        counts = self._read(Data.STAT_LOGICAL_COUNT)
         return counts if per_rank else counts[self.counted().assignments].sum(axis=0)
 
     def invalid_ids(self) -> np.ndarray:
         """Out-of-range ids seen per rank and layer ``[R, L]``."""
         self.check_invariants()
-        return self._read("stat/invalid_ids")
+        return self._read(Data.STAT_INVALID_IDS)
 
     def send_count(self) -> np.ndarray:
         """Token copies each rank sent to each EP rank ``[R, L, R_ep]``."""
-        return self._read("stat/send_count")
+        return self._read(Data.STAT_SEND_COUNT)
 
     def recv_count(self) -> np.ndarray:
         """Token copies each rank received from each EP rank ``[R, L, R_ep]``."""
-        return self._read("stat/recv_count")
+        return self._read(Data.STAT_RECV_COUNT)
 
     def dispatch_matrix(self) -> np.ndarray:
         """Token copies sent from each EP rank to each EP rank ``[L, R_src, R_dst]`` (from ``/stat/send_count``).
@@ -353,12 +356,12 @@ class Trace:
 
     def dropped_tokens(self) -> np.ndarray:
         """Token copies dropped over capacity per rank and layer ``[R, L]``."""
-        return self._read("stat/dropped")
+        return self._read(Data.STAT_DROPPED)
 
     def num_passes(self) -> np.ndarray:
         """Forward passes recorded per rank ``[R]``."""
         self.check_invariants()
-        return self._read("stat/num_passes")
+        return self._read(Data.STAT_NUM_PASSES)
 
     def padding_ids(self) -> np.ndarray | None:
         """Padding ids (-1) seen per rank and layer ``[R, L]``; ``None`` in traces that predate them."""
@@ -366,30 +369,30 @@ class Trace:
 
     def dropped_passes(self) -> np.ndarray:
         """Streaming passes dropped whole per rank ``[R]`` (``on_overflow="drop"``; zeros when absent)."""
-        if not self.has("stat/dropped_passes"):
+        if not self.has(Data.STAT_DROPPED_PASSES):
             return np.zeros(self.num_passes().shape, dtype=np.int64)
-        return self._read("stat/dropped_passes")
+        return self._read(Data.STAT_DROPPED_PASSES)
 
     def num_tokens(self) -> np.ndarray:
         """Tokens recorded per rank row ``[R]`` (each row's own view; :meth:`tokens_served` counts each token once)."""
         self.check_invariants()
-        return self._read("stat/num_tokens")
+        return self._read(Data.STAT_NUM_TOKENS)
 
     def window(self) -> Window:
         """The ``stat`` mode's time-ordered window (oldest first)."""
         self.check_invariants()
         return Window(
-            pass_id=self._read("window/pass_id"),
-            timestamp=self._read("window/timestamp"),
-            num_tokens=self._read("window/num_tokens"),
-            physical_count=self._read("window/physical_count"),
+            pass_id=self._read(Data.WINDOW_PASS_ID),
+            timestamp=self._read(Data.WINDOW_TIMESTAMP),
+            num_tokens=self._read(Data.WINDOW_NUM_TOKENS),
+            physical_count=self._read(Data.WINDOW_PHYSICAL_COUNT),
         )
 
     # -- timing (schema v2) ------------------------------------------------------------
     @property
     def has_timing(self) -> bool:
         """Whether the trace holds phase timing (recorded with ``RecorderConfig(timing=True)``)."""
-        return "timing_phases" in self._attrs
+        return Attr.TIMING_PHASES in self._attrs
 
     def timing_stat(self) -> dict[str, np.ndarray]:
         """Timing aggregates per rank: ``phase_seconds_sum [R, L, F]``, ``phase_histogram [R, L, F, B]``, ... (see docs/trace-format.md)."""
@@ -397,8 +400,8 @@ class Trace:
             raise TraceError(f"{self.path}: holds no phase timing (record with RecorderConfig(timing=True))")
         names = ("phase_seconds_sum", "phase_seconds_max", "phase_count", "phase_histogram", "step_seconds_sum",
                  "step_seconds_max", "step_count", "step_histogram", "peak_memory_bytes", "timing_dropped_passes")
-        out = {name: self._read(f"stat/{name}") for name in names}
-        out["histogram_edges"] = np.asarray(self._attrs["timing_histogram_edges"])
+        out = {name: self._read(dataset(Data.STAT, name)) for name in names}
+        out["histogram_edges"] = np.asarray(self._attrs[Attr.TIMING_HISTOGRAM_EDGES])
         return out
 
     def timing_rows(self) -> dict[str, np.ndarray]:
@@ -406,11 +409,11 @@ class Trace:
         if not self.has_timing:
             raise TraceError(f"{self.path}: holds no phase timing (record with RecorderConfig(timing=True))")
         with reading(self.path, "/timing"):
-            names = list(self._file["timing"]) if self.has("timing") else []
-        rows = {name: self._read(f"timing/{name}") for name in names}
+            names = list(self._file[Data.TIMING]) if self.has(Data.TIMING) else []
+        rows = {name: self._read(dataset(Data.TIMING, name)) for name in names}
         invariants.check_timing_rows(self.path, rows)
         if "rank" not in rows:
-            rank = max(self._int("rank"), 0)
+            rank = max(self._int(Attr.RANK), 0)
             rows["rank"] = np.full(len(rows.get("pass_id", ())), rank, dtype=np.int32)
         return rows
 
@@ -423,10 +426,10 @@ class Trace:
         """
         names = ("pass_id", "timestamp", "num_tokens", "physical_count", "invalid_ids", "send_count", "recv_count")
         order = invariants.RowOrder(self.path, "passes", timestamps=True)
-        for start in range(0, self.num_rows("passes/pass_id"), chunk):
+        for start in range(0, self.num_rows(Data.PASSES_PASS_ID), chunk):
             keep = self._counted_mask("passes", start, chunk) if counted_only else None
-            rows = {n: self._slice(f"passes/{n}", start, chunk) for n in names}
-            order.check(rows["pass_id"], rows["timestamp"], self._slice("passes/rank", start, chunk) if self.has("passes/rank") else None)
+            rows = {n: self._slice(dataset(Data.PASSES, n), start, chunk) for n in names}
+            order.check(rows["pass_id"], rows["timestamp"], self._slice(dataset(Data.PASSES, "rank"), start, chunk) if self.has(dataset(Data.PASSES, "rank")) else None)
             if keep is not None:
                 rows = {n: a[keep] for n, a in rows.items()}
             if len(rows["pass_id"]):
@@ -435,9 +438,9 @@ class Trace:
     def iter_tokens(self, chunk: int = 65536, counted_only: bool = False) -> Iterator[TokenChunk]:
         """``/tokens`` in chunks of at most ``chunk`` tokens (bounded memory); ``counted_only`` as for :meth:`iter_passes`."""
         order = invariants.RowOrder(self.path, "tokens")
-        for start in range(0, self.num_rows("tokens/topk_ids"), chunk):
+        for start in range(0, self.num_rows(Data.TOKENS_TOPK_IDS), chunk):
             keep = self._counted_mask("tokens", start, chunk) if counted_only else None
-            rows = {n: self._slice(f"tokens/{n}", start, chunk) for n in ("topk_ids", "pass_id", "position")}
+            rows = {n: self._slice(dataset(Data.TOKENS, n), start, chunk) for n in ("topk_ids", "pass_id", "position")}
             order.check(rows["pass_id"])
             if keep is not None:
                 rows = {n: a[keep] for n, a in rows.items()}
@@ -447,14 +450,14 @@ class Trace:
     def _counted_mask(self, group: str, start: int, count: int) -> np.ndarray | None:
         """Rows ``[n]`` of a merged stream that come from counted ranks; ``None`` when every row counts."""
         keep = self.counted_ranks()
-        if keep is None or not self.has(f"{group}/rank") or len(keep) == len(self.layouts):
+        if keep is None or not self.has(dataset(group, "rank")) or len(keep) == len(self.layouts):
             return None
-        return np.isin(self._slice(f"{group}/rank", start, count), sorted(keep))
+        return np.isin(self._slice(dataset(group, "rank"), start, count), sorted(keep))
 
     def read_tokens(self, column: str, start: int = 0, count: int | None = None) -> np.ndarray:
         """Rows ``start .. start + count - 1`` (default: to the end) of ``/tokens/<column>``
         (``topk_ids``, ``pass_id``, ``position``, or ``rank`` in merged traces)."""
-        name = f"tokens/{column}"
+        name = dataset(Data.TOKENS, column)
         return self._slice(name, start, self.num_rows(name) - start if count is None else count)
 
     def _slice(self, name: str, start: int, count: int) -> np.ndarray:

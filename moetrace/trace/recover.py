@@ -29,7 +29,7 @@ from pathlib import Path
 from .files import CHECKPOINT_RE, JOURNAL_RE, SEGMENT_RE, process_alive, sweep_dead_temporaries
 from .join import concat_segments
 from .journal import Journal
-from .schema import RECOVERED_DAMAGED_ATTR, TraceError
+from .schema import RECOVERED_DAMAGED_ATTR, Attr, TraceError
 
 __all__ = ["RankRecovery", "find_runs", "recover"]
 
@@ -131,21 +131,21 @@ def _recover_rank(run_id: str, rank: int, files: _RankFiles, out: Path, events: 
         return RankRecovery(run_id, rank, mode, None, 0, 0, 0, -1, -1, 0.0, lost, lost_passes, dumped, damaged)
     with open_trace(paths[0]) as first_trace, open_trace(paths[-1]) as last_trace:
         first_attrs, last_attrs = first_trace.attrs, last_trace.attrs
-        mode = str(first_attrs["mode"])
+        mode = str(first_attrs[Attr.MODE])
     if files.checkpoint is not None:
         first_pass = -1
-        last_pass = int(last_attrs["last_pass"])  # type: ignore[call-overload]
-        closed = float(last_attrs["checkpoint_unix"])  # type: ignore[arg-type]
+        last_pass = int(last_attrs[Attr.LAST_PASS])  # type: ignore[call-overload]
+        closed = float(last_attrs[Attr.CHECKPOINT_UNIX])  # type: ignore[arg-type]
     else:
-        first_pass = int(first_attrs["first_pass"])  # type: ignore[call-overload]
-        last_pass = int(last_attrs["last_pass"])  # type: ignore[call-overload]
-        closed = float(last_attrs["segment_unix"])  # type: ignore[arg-type]
+        first_pass = int(first_attrs[Attr.FIRST_PASS])  # type: ignore[call-overload]
+        last_pass = int(last_attrs[Attr.LAST_PASS])  # type: ignore[call-overload]
+        closed = float(last_attrs[Attr.SEGMENT_UNIX])  # type: ignore[arg-type]
     attrs = {
-        "recovered": True,
-        "recovered_last_pass": last_pass,
-        "recovered_last_segment_unix": closed,
-        "recovered_segments": len(paths),
-        "recovered_lost": json.dumps({"lost": lost, "lost_passes": lost_passes}),
+        Attr.RECOVERED: True,
+        Attr.RECOVERED_LAST_PASS: last_pass,
+        Attr.RECOVERED_LAST_SEGMENT_UNIX: closed,
+        Attr.RECOVERED_SEGMENTS: len(paths),
+        Attr.RECOVERED_LOST: json.dumps({"lost": lost, "lost_passes": lost_passes}),
         RECOVERED_DAMAGED_ATTR: json.dumps(list(damaged)),
     }
     written = concat_segments(paths, out, attrs=attrs)

@@ -18,7 +18,17 @@ import numpy as np
 
 from . import integrity
 from .integrity import reading
-from .schema import TraceError
+
+# The /requests field tables live in schema.py with every other trace name; importable from here too.
+from .schema import (
+    CANDIDATE_FIELDS,
+    MIGRATION_FIELDS,
+    REQUEST_FIELDS,
+    STRING_DTYPE,
+    Attr,
+    Data,
+    TraceError,
+)
 from .writer import TraceHeader
 
 __all__ = [
@@ -34,55 +44,6 @@ __all__ = [
 ]
 
 ROUTING_MODE = "routing"
-_STR = h5py.string_dtype("utf-8")
-
-#: ``/requests/<name>``: dtype of each per-request column.
-REQUEST_FIELDS: dict[str, np.dtype] = {
-    "id": _STR,
-    "seq": np.dtype(np.int64),
-    "session": _STR,
-    "arrival": np.dtype(np.float64),
-    "decision": np.dtype(np.float64),
-    "start": np.dtype(np.float64),
-    "first_token": np.dtype(np.float64),
-    "finish": np.dtype(np.float64),
-    "replica": np.dtype(np.int32),
-    "policy": np.dtype(np.int8),
-    "reason": np.dtype(np.int8),
-    "input_tokens": np.dtype(np.int64),
-    "cached_tokens": np.dtype(np.int64),
-    "output_tokens": np.dtype(np.int64),
-    "predicted_tokens": np.dtype(np.int64),
-    "best_tokens": np.dtype(np.int64),
-    "queue_wait": np.dtype(np.float64),
-    "ttft": np.dtype(np.float64),
-    "e2e": np.dtype(np.float64),
-    "finished": np.dtype(np.int8),
-    "cand_start": np.dtype(np.int64),
-    "cand_count": np.dtype(np.int32),
-}
-#: ``/requests/candidates/<name>``: one row per candidate replica of a decision.
-CANDIDATE_FIELDS: dict[str, np.dtype] = {
-    "request_seq": np.dtype(np.int64),
-    "replica": np.dtype(np.int32),
-    "queue": np.dtype(np.int32),
-    "running": np.dtype(np.int32),
-    "inflight_tokens": np.dtype(np.int64),
-    "match_blocks": np.dtype(np.int32),
-    "match_tokens": np.dtype(np.int64),
-    "session_owner": np.dtype(np.int8),
-    "est_wait": np.dtype(np.float64),
-    "est_ttft": np.dtype(np.float64),
-    "score": np.dtype(np.float64),
-}
-#: ``/requests/migrations/<name>``: one row per session moved between replicas.
-MIGRATION_FIELDS: dict[str, np.dtype] = {
-    "time": np.dtype(np.float64),
-    "session": _STR,
-    "source": np.dtype(np.int32),
-    "target": np.dtype(np.int32),
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class RoutingHeader(TraceHeader):
@@ -136,15 +97,15 @@ class RequestTable:
 
 def routing_attrs(policies: list[str], reasons: list[str], num_replicas: int, block_size: int, clock: str) -> dict[str, object]:
     """Root attributes a routing trace carries (prefix ``routing_``; see :class:`RequestTable`)."""
-    return {"routing_policies": policies, "routing_reasons": reasons, "routing_num_replicas": num_replicas,
-            "routing_block_size": block_size, "routing_clock": clock}
+    return {Attr.ROUTING_POLICIES: policies, Attr.ROUTING_REASONS: reasons, Attr.ROUTING_NUM_REPLICAS: num_replicas,
+            Attr.ROUTING_BLOCK_SIZE: block_size, Attr.ROUTING_CLOCK: clock}
 
 
 def is_routing_trace(path: str | Path) -> bool:
     """Whether ``path`` is a moetrace trace holding a ``/requests`` group."""
     try:
         with h5py.File(path, "r") as f:
-            return "requests" in f
+            return Data.REQUESTS in f
     except OSError:
         return False
 
@@ -155,8 +116,8 @@ def _columns(group: h5py.Group, fields: dict[str, np.dtype], where: str) -> dict
         if name not in group:
             raise TraceError(f"{where}/{name} is missing; the trace is not a complete routing trace")
         dset = group[name]
-        out[name] = dset.asstr()[...] if dtype == _STR else dset[...]
-        if dtype == _STR:
+        out[name] = dset.asstr()[...] if dtype == STRING_DTYPE else dset[...]
+        if dtype == STRING_DTYPE:
             out[name] = np.asarray(out[name], dtype=object)
     return out
 
@@ -180,21 +141,21 @@ def read_requests(path: str | Path) -> RequestTable:
             if problems:
                 name, problem = next(iter(problems.items()))
                 raise TraceError(integrity.damage_message(path, "the root" if name == "/" else name, problem))
-        if "requests" not in f:
+        if Data.REQUESTS not in f:
             raise TraceError(f"{path} has no /requests group; it is not a routing trace (record one with RoutingRecorder or `moetrace replicas replay --out`)")
-        g = f["requests"]
+        g = f[Data.REQUESTS]
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-        missing = [k for k in ("routing_policies", "routing_reasons", "routing_num_replicas", "routing_block_size", "routing_clock") if k not in attrs]
+        missing = [k for k in (Attr.ROUTING_POLICIES, Attr.ROUTING_REASONS, Attr.ROUTING_NUM_REPLICAS, Attr.ROUTING_BLOCK_SIZE, Attr.ROUTING_CLOCK) if k not in attrs]
         if missing:
             raise TraceError(f"{path} lacks the root attributes {missing}; it is not a complete routing trace")
         return RequestTable(
-            requests=_columns(g, REQUEST_FIELDS, "/requests"),
-            candidates=_columns(g["candidates"], CANDIDATE_FIELDS, "/requests/candidates"),
-            migrations=_columns(g["migrations"], MIGRATION_FIELDS, "/requests/migrations"),
-            policies=tuple(str(p) for p in attrs.pop("routing_policies")),
-            reasons=tuple(str(r) for r in attrs.pop("routing_reasons")),
-            num_replicas=int(attrs.pop("routing_num_replicas")),
-            block_size=int(attrs.pop("routing_block_size")),
-            clock=str(attrs.pop("routing_clock")),
+            requests=_columns(g, REQUEST_FIELDS, f"/{Data.REQUESTS}"),
+            candidates=_columns(f[Data.REQUESTS_CANDIDATES], CANDIDATE_FIELDS, Data.REQUESTS_CANDIDATES),
+            migrations=_columns(f[Data.REQUESTS_MIGRATIONS], MIGRATION_FIELDS, Data.REQUESTS_MIGRATIONS),
+            policies=tuple(str(p) for p in attrs.pop(Attr.ROUTING_POLICIES)),
+            reasons=tuple(str(r) for r in attrs.pop(Attr.ROUTING_REASONS)),
+            num_replicas=int(attrs.pop(Attr.ROUTING_NUM_REPLICAS)),
+            block_size=int(attrs.pop(Attr.ROUTING_BLOCK_SIZE)),
+            clock=str(attrs.pop(Attr.ROUTING_CLOCK)),
             attrs=attrs,
         )

@@ -42,6 +42,7 @@ from .files import (
 )
 from .join import concat_segments
 from .journal import Journal
+from .schema import Attr, Data
 from .stat import CounterLayout, write_stat
 from .writer import TraceHeader, TraceWriter
 
@@ -194,9 +195,9 @@ class SegmentWriter:
                 writer.ensure_empty(name, row_shape, np.dtype(dtype))
             totals = self._totals if self._totals is not None else np.zeros((self.header.num_layers, self.layout.width), np.int64)
             write_stat(writer, self.layout, self.physical_to_logical, totals[None], np.array([self._passes]), np.array([self._tokens]))
-            writer.write("stat/dropped_passes", np.array([self._dropped], dtype=np.int64))
+            writer.write(Data.STAT_DROPPED_PASSES, np.array([self._dropped], dtype=np.int64))
             closed = time.time()
-            for key, value in (("segment_index", self._index), ("first_pass", self._first), ("last_pass", self._last), ("segment_unix", closed)):
+            for key, value in ((Attr.SEGMENT_INDEX, self._index), (Attr.FIRST_PASS, self._first), (Attr.LAST_PASS, self._last), (Attr.SEGMENT_UNIX, closed)):
                 writer.set_attr(key, value)
             path = writer.commit()
         info = SegmentInfo(path, self._index, self._first, self._last, self._passes, self._tokens, closed)
@@ -241,8 +242,8 @@ class CheckpointWriter:
         with TraceWriter(self.path, self.header, compression=self.compression) as writer:
             fill(writer)
             now = time.time()
-            writer.set_attr("checkpoint_unix", now)
-            writer.set_attr("last_pass", last_pass)
+            writer.set_attr(Attr.CHECKPOINT_UNIX, now)
+            writer.set_attr(Attr.LAST_PASS, last_pass)
             writer.commit()
         self.journal.note("checkpoint", path=self.path.name, last_pass=last_pass, passes=passes)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ids import to_logical
-from .schema import PADDING_IDS
+from .schema import PADDING_IDS, Data
 from .writer import TraceWriter
 
 __all__ = ["CounterLayout", "write_stat"]
@@ -60,12 +60,12 @@ def write_stat(
         physical_to_logical: ``[L, P]`` map for ``/stat/logical_count``.
     """
     physical = rows[:, :, layout.experts]
-    writer.write("stat/physical_count", physical, compress=True)
-    writer.write("stat/logical_count", to_logical(physical, physical_to_logical), compress=True)
-    writer.write("stat/invalid_ids", layout.invalid(rows))
+    writer.write(Data.STAT_PHYSICAL_COUNT, physical, compress=True)
+    writer.write(Data.STAT_LOGICAL_COUNT, to_logical(physical, physical_to_logical), compress=True)
+    writer.write(Data.STAT_INVALID_IDS, layout.invalid(rows))
     writer.write(PADDING_IDS, rows[:, :, layout.padding])
-    writer.write("stat/send_count", rows[:, :, layout.send])
-    writer.write("stat/recv_count", rows[:, :, layout.recv])
-    writer.write("stat/dropped", rows[:, :, layout.dropped])
-    writer.write("stat/num_passes", np.asarray(num_passes, dtype=np.int64))
-    writer.write("stat/num_tokens", np.asarray(num_tokens, dtype=np.int64))
+    writer.write(Data.STAT_SEND_COUNT, rows[:, :, layout.send])
+    writer.write(Data.STAT_RECV_COUNT, rows[:, :, layout.recv])
+    writer.write(Data.STAT_DROPPED, rows[:, :, layout.dropped])
+    writer.write(Data.STAT_NUM_PASSES, np.asarray(num_passes, dtype=np.int64))
+    writer.write(Data.STAT_NUM_TOKENS, np.asarray(num_tokens, dtype=np.int64))

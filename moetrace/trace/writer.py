@@ -9,24 +9,19 @@ exception at any earlier point leaves no file under the target name, and
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tempfile
-import time
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from .._version import __version__
-from ..layout import RankLayout
 from . import integrity
 from .files import temporary_path
 from .ranks import write_layouts
-from .schema import COMPLETE_ATTR, SCHEMA_NAME, SCHEMA_VERSION, TraceWriteError
+from .schema import COMPLETE_ATTR, Data, TraceHeader, TraceWriteError
 
 __all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic", "write_text_atomic"]
 
@@ -126,33 +121,6 @@ def write_json_atomic(path: Path | str, document: object) -> Path:
     """Write ``document`` as JSON to ``path`` atomically (:func:`write_text_atomic`). Returns ``path``."""
     return write_text_atomic(path, json.dumps(document))
 
-@dataclasses.dataclass(frozen=True)
-class TraceHeader:
-    """Root attributes and static datasets of a trace."""
-
-    mode: str
-    id_space: str
-    num_layers: int
-    num_physical_experts: int
-    top_k: int
-    ep_size: int
-    layer_ids: np.ndarray  # [L] int
-    physical_to_logical: np.ndarray  # [L, P] int
-    model: str = ""
-    engine: str = ""
-    run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
-    rank: int = 0
-    world_size: int = 1
-    hidden_size: int = 0
-    dtype_bytes: int = 0
-    #: Parallel layout of each rank row, in row order (``()``: not known; see :mod:`moetrace.trace.ranks`).
-    layouts: tuple[RankLayout, ...] = ()
-
-    @property
-    def num_logical_experts(self) -> int:
-        return int(np.max(self.physical_to_logical)) + 1
-
-
 class TraceWriter:
     """Write one trace file atomically.
 
@@ -195,31 +163,10 @@ class TraceWriter:
     # -- header ---------------------------------------------------------------
     def _write_header(self) -> None:
         h, f = self.header, self._file
-        attrs = {
-            "schema": SCHEMA_NAME,
-            "schema_version": SCHEMA_VERSION,
-            "moetrace_version": __version__,
-            "mode": h.mode,
-            "id_space": h.id_space,
-            "num_layers": h.num_layers,
-            "num_logical_experts": h.num_logical_experts,
-            "num_physical_experts": h.num_physical_experts,
-            "top_k": h.top_k,
-            "ep_size": h.ep_size,
-            "model": h.model,
-            "engine": h.engine,
-            "created_unix": time.time(),
-            "run_id": h.run_id,
-            "rank": h.rank,
-            "world_size": h.world_size,
-            "hidden_size": h.hidden_size,
-            "dtype_bytes": h.dtype_bytes,
-            COMPLETE_ATTR: False,
-        }
-        for key, value in attrs.items():
+        for key, value in h.attrs().items():
             f.attrs[key] = value
-        self._create("layers", data=np.asarray(h.layer_ids, dtype=np.int32))
-        self._create("physical_to_logical", data=np.asarray(h.physical_to_logical, dtype=np.int32))
+        self._create(Data.LAYERS, data=np.asarray(h.layer_ids, dtype=np.int32))
+        self._create(Data.PHYSICAL_TO_LOGICAL, data=np.asarray(h.physical_to_logical, dtype=np.int32))
         write_layouts(self, h.layouts)
 
     def _create(self, name: str, data: np.ndarray | None = None, **options: object) -> h5py.Dataset:

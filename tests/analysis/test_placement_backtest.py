@@ -33,6 +33,7 @@ from moetrace.analysis.placement import (
     rebalance_experts,
 )
 from moetrace.analysis.placement_baseline import greedy_rebalance
+from moetrace.analysis.planners import CANDIDATES
 from moetrace.analysis.source import select_layers
 from moetrace.data import olmoe_counts
 from moetrace.reference.drift import DriftSpec, drift_routes
@@ -140,7 +141,7 @@ def test_backtest_replays_the_schedule(drift):
         assert result.realized["current"][i] == pytest.approx(balance(counts[t : t + 30].sum(axis=0).reshape(3, 8, 8).sum(axis=2)))
     summary = result.summary()
     assert summary["greedy"]["moved_bytes_mean"] == pytest.approx(summary["greedy"]["moved_mean"] * 1000)
-    assert set(summary) == {"moetrace", "moetrace-fit", "greedy", "current"}
+    assert set(summary) == {"moetrace", "moetrace-robust", "moetrace-fit", "greedy", "current", "oracle"}
     with pytest.raises(PlacementError, match="multiple of"):
         backtest(series, 65, 30, config)
     with pytest.raises(PlacementError, match="at least"):
@@ -151,12 +152,12 @@ def test_robust_planner_holds_better_on_the_next_window(drift):
     """The must-show, small: next-window balancedness above greedy on average, rarely below."""
     series = series_of(drift["token"], bucket=bt.bucket_for(80, 20))  # 5-pass buckets: 16 per window, 10 sub-windows
     assert series.bucket == 5
-    realized = {"moetrace": [], "greedy": []}
+    realized = {"moetrace-robust": [], "greedy": []}
     for config in (PlacementConfig(64, 1, 1, 8), PlacementConfig(80, 8, 2, 8)):
-        result = backtest(series, 80, 20, config, planners={k: bt.PLANNERS[k] for k in realized})
+        result = backtest(series, 80, 20, config, planners={k: CANDIDATES[k] for k in realized})
         for k in realized:
             realized[k].append(result.realized[k])
-    ours, greedy = np.concatenate(realized["moetrace"]), np.concatenate(realized["greedy"])
+    ours, greedy = np.concatenate(realized["moetrace-robust"]), np.concatenate(realized["greedy"])
     assert ours.mean() > greedy.mean()
     assert (ours < greedy).mean() <= 0.25
 
@@ -220,6 +221,11 @@ def test_cli_defaults_and_held_out_estimate(drift, tmp_path):
     assert "a fit, not a forecast" in result.stdout and "held-out estimate (planned on 48 passes, scored on the next 48" in result.stdout
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["defaults_used"] and len(plan["held_out_estimate"]["realized"]["moetrace"]) == 4
+    # Which planner was deployed, and why: validated on the fifths of the trace.
+    selection = plan["selection"]
+    assert plan["planner"] == selection["chosen"] and selection["folds"] == 4 and set(selection["validation"]) == set(CANDIDATES)
+    assert f"planner deployed: {selection['chosen']}" in result.stdout and "4 folds of the planning data" in result.stdout
+    assert "oracle" in plan["held_out_estimate"]["realized"] and "of the greedy-to-oracle gap" in result.stdout
     odd = invoke("placement", drift["token"], "--gpus", "6", "--json")
     assert odd.exit_code == 0, odd.stderr
     assert json.loads(odd.stdout)["num_replicas"] == 66 and "rounded up" in json.loads(odd.stdout)["defaults_used"][0]
@@ -233,15 +239,23 @@ def test_cli_holdout_and_backtest(drift, tmp_path):
     result = invoke("placement", drift["pass"], "--gpus", "8", "--replicas", "72", "--holdout", "0.25", "--json")
     assert result.exit_code == 0, result.stderr
     document = json.loads(result.stdout)["holdout"]
-    assert set(document["held_out"]) == {"moetrace", "moetrace-fit", "greedy", "current"} and document["plan_passes"] == 180
+    assert set(document["held_out"]) == {"moetrace", "moetrace-robust", "moetrace-fit", "greedy", "current", "oracle"} and document["plan_passes"] == 180
+    assert document["held_out"]["oracle"] >= document["held_out"]["greedy"] and set(document["gap_closed"]) == {"moetrace", "moetrace-robust", "moetrace-fit", "current"}
+    assert document["selection"]["chosen"] in CANDIDATES
     table = invoke("placement", drift["pass"], "--gpus", "8", "--holdout", "0.25")
-    assert "Hold-out: planned on the first 180 passes" in table.stdout and "in-sample (fit)" in table.stdout
+    assert "Hold-out: planned on the first 180 passes" in table.stdout and "in-sample (fit)" in table.stdout and "gap closed" in table.stdout
     png = tmp_path / "backtest.png"
-    replay = invoke("placement", drift["token"], "--gpus", "8", "--backtest", "--window", "60", "--every", "30", "--intermediate-size", "128", "--plot", png)
+    replay = invoke("placement", drift["token"], "--gpus", "8", "--backtest", "--window", "60", "--every", "30", "--intermediate-size", "128", "--plot", png, "--pass-ms", "5")
     assert replay.exit_code == 0, replay.stderr
     assert "realised mean" in replay.stdout and "bytes/rebalance" in replay.stdout and png.stat().st_size > 10_000
+    assert "Rebalance cost vs benefit" in replay.stdout and "rebalancing every 30 passes" in replay.stdout and "moetrace deployed, by validation" in replay.stdout
     as_json = json.loads(invoke("placement", drift["token"], "--gpus", "8", "--backtest", "--window", "60", "--every", "30", "--intermediate-size", "128", "--json").stdout)
     assert as_json["backtest"]["expert_bytes"] == 3 * HIDDEN * 128 * 2 and as_json["backtest"]["rebalances"] == 6
+    value = as_json["backtest"]["rebalance_value"]["planners"]["moetrace"]
+    assert value["rebalances"] == 5 and value["bytes_moved"] == pytest.approx(value["moved"] * 3 * HIDDEN * 128 * 2)
+    assert value["stall_s"] == pytest.approx(value["moved_peak"] * 3 * HIDDEN * 128 * 2 / 25e9) and value["recommendation"].startswith("rebalancing every 30 passes")
+    assert len(as_json["backtest"]["chosen"]["moetrace"]) == 6 and as_json["backtest"]["summary"]["oracle"]["realized_mean"] > 0.99
+    assert "(plan on 60 passes, score on the next 30)" in as_json["backtest"]["reasons"]["moetrace"]  # 6-pass buckets, explained in passes
 
 
 @pytest.mark.parametrize(
@@ -249,6 +263,7 @@ def test_cli_holdout_and_backtest(drift, tmp_path):
     [
         (["--backtest"], "needs --window"),
         (["--window", "10"], "add --backtest"),
+        (["--pass-ms", "3"], "add --backtest"),
         (["--holdout", "0.5", "--backtest", "--window", "10", "--every", "10"], "pass one of them"),
         (["--holdout", "1.5"], "fraction in (0, 1)"),
         (["--backtest", "--window", "400", "--every", "10"], "at least"),

@@ -91,3 +91,81 @@ def test_docs_section_is_replaced_between_markers(gpu_check, tmp_path, monkeypat
 def test_dsv3_sizes_are_deepseek_v3(gpu_check):
     s = gpu_check.SIZES["dsv3"]
     assert (s.hidden, s.intermediate, s.experts, s.top_k, s.prefill_tokens, s.decode_tokens) == (7168, 2048, 256, 8, 8192, 64)
+
+
+# ----------------------------------------------------------------------------- the checks' logic on CPU
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(("mode", "timing"), [("stat", False), ("per_pass", False), ("per_token", False), ("stat", True), ("per_token", True)])
+def test_sync_check_passes_and_reaches_every_flush_checkpoint_and_rotation(gpu_check, tmp_path, mode, timing):
+    detail = gpu_check.sync_check(CPU, tmp_path, mode, timing)
+    counts = dict(part.split(" ", 1)[::-1] for part in detail.split(": ", 1)[1].split(", "))
+    assert int(counts["rotations"]) > 0
+    assert int(counts["checkpoints" if mode == "stat" else "flushes"]) > 0
+    if timing and mode != "stat":
+        assert int(counts["timing flushes"]) > 0
+
+
+def test_sync_check_fails_when_a_path_is_not_reached(gpu_check, tmp_path, monkeypatch):
+    monkeypatch.setitem(gpu_check.SHRUNK, "segment_seconds", 3600.0)  # no rotation falls due
+    with pytest.raises(AssertionError, match="never reached: rotations"):
+        gpu_check.sync_check(CPU, tmp_path, "per_pass")
+
+
+@pytest.mark.parametrize("sabotage", ["inject_item", "inject_event_synchronize"])
+def test_sync_controls_are_caught(gpu_check, tmp_path, sabotage):
+    row = gpu_check._control("sync-debug", sabotage, lambda: gpu_check.sync_check(CPU, tmp_path, "per_token", sabotage=getattr(gpu_check, sabotage)))
+    assert row.ok is True and "HostSyncError" in row.detail, row
+    row = gpu_check._control("sync-debug", sabotage, lambda: gpu_check.capturer_sync_check(CPU, sabotage=getattr(gpu_check, sabotage)))
+    assert row.ok is True and "HostSyncError" in row.detail, row
+    assert gpu_check.capturer_sync_check(CPU).startswith("60 passes")
+
+
+def test_tripwire_refuses_event_waits_and_restores_them(gpu_check):
+    before = {name: torch.cuda.Event.__dict__.get(name) for name in ("synchronize",)}, torch.cuda.synchronize
+    with gpu_check.event_sync_tripwire() as refused:
+        with pytest.raises(gpu_check.HostSyncError, match="invisible to sync-debug"):
+            gpu_check.inject_event_synchronize(torch.zeros(1))
+        with pytest.raises(gpu_check.HostSyncError):
+            torch.cuda.synchronize()
+    assert refused == ["Event.synchronize", "torch.cuda.synchronize"]
+    assert ({name: torch.cuda.Event.__dict__.get(name) for name in ("synchronize",)}, torch.cuda.synchronize) == before
+
+
+def test_a_control_that_is_not_caught_fails(gpu_check):
+    row = gpu_check._control("x", "a check that passes on a broken part", lambda: "looked fine")
+    assert row.ok is False and "NOT caught" in row.detail
+
+
+@pytest.mark.parametrize("mode", ["stat", "per_pass", "per_token"])
+def test_graph_check_on_cpu_graphs(gpu_check, tmp_path, mode):
+    detail = gpu_check.graph_check(CPU, tmp_path, mode)
+    assert "captured before recording" in detail and "exact" in detail
+
+
+def test_graph_check_fails_with_a_gate_stuck_on(gpu_check, tmp_path):
+    row = gpu_check._control("cuda-graph", "gate stuck on", lambda: gpu_check.graph_check(CPU, tmp_path, "stat", break_gate=True))
+    assert row.ok is True and "the gate let them through" in row.detail, row
+
+
+def test_capturer_check_and_its_control(gpu_check):
+    assert "exact" in gpu_check.capturer_check(CPU)
+    row = gpu_check._control("capturer", "wrong rows", lambda: gpu_check.capturer_check(CPU, wrong_rows=True))
+    assert row.ok is True and "differ" in row.detail, row
+
+
+def test_table_and_json_are_written_when_a_check_raises(gpu_check, monkeypatch, capsys):
+    written = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "stand-in GPU")
+
+    def explode(args, out):
+        raise RuntimeError("set-up failed")
+
+    monkeypatch.setattr(gpu_check, "run_checks", explode)
+    monkeypatch.setattr(gpu_check, "write_results", lambda name, data: written.update(data) or Path("results.json"))
+    assert gpu_check.main(["--no-docs"]) == 1
+    out = capsys.readouterr().out
+    assert "the script itself" in out and "FAIL" in out
+    assert written["results"][0]["detail"] == "RuntimeError: set-up failed" and written["device"] == "stand-in GPU"

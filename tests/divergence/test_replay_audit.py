@@ -139,3 +139,50 @@ def test_audit_observation_does_not_sync() -> None:
         audit.observe_ids(0, ids.flip(-1), ids, valid)  # the same set in another order matches
         audit.observe_map(0, torch.zeros(2, 8, dtype=torch.bool).scatter(1, ids, True), ids, valid, 2)
     assert audit.report().matched.tolist() == [4]
+
+
+def _captured(model: ReferenceMoEModel, ids: torch.Tensor) -> np.ndarray:
+    """MoE-layer routes ``[S, L_moe, k]`` of a batch-1 forward, captured by the capturer (not the replay)."""
+    from moetrace.capturer import RoutedExpertsCapturer
+
+    length = ids.shape[1]
+    capturer = RoutedExpertsCapturer(CONFIG.num_layers, CONFIG.top_k, length, length)
+    with torch.no_grad():
+        model(ids, capturer=capturer)
+    capturer.on_forward_end(torch.arange(length))
+    routes = capturer.get_routed_experts(torch.arange(length).view(1, length), 0, length).astype(np.int64)
+    return routes[:, list(model.moe_layer_ids)]
+
+
+def test_diff_replay_audit_and_the_metric(tmp_path) -> None:
+    from moetrace.cli.app import app
+    from moetrace.exporters import replay_audit as audit_metrics
+    from prometheus_client import generate_latest
+    from typer.testing import CliRunner
+
+    model = ReferenceMoEModel(CONFIG)
+    ids = _ids(batch=1)
+    forced = _forced((ids.shape[1],), 2, 8, 2, seed=4)
+    with replay(model, forced) as handle:
+        used = _captured(model, ids)
+        scrape = generate_latest(audit_metrics.register(handle)).decode()
+    assert 'moetrace_replay_match_ratio{engine="reference"} 1.0' in scrape
+    assert 'moetrace_replay_matched_rows_total{engine="reference",layer="MoE layer 1 (model layer 2)"} 7.0' in scrape
+    requested = save_routes(tmp_path / "requested.json", {"r": forced}, num_experts=8)
+    runner = CliRunner()
+
+    def audit(routes: np.ndarray, name: str) -> tuple[int, str]:
+        path = save_routes(tmp_path / f"{name}.json", {"r": routes}, num_experts=8)
+        result = runner.invoke(app, ["diff", str(requested), str(path), "--replay-audit", "--json"])
+        return result.exit_code, result.output
+
+    code, out = audit(used, "used")
+    assert code == 0 and '"share": 1.0' in out
+    wrong = used.copy()
+    wrong[:3, 0] = (wrong[:3, 0] + 1) % 8  # three rows of layer 0 used other experts
+    code, out = audit(wrong, "wrong")
+    assert code == 1 and '"matched": 4' in out
+    unreached = used.copy()
+    unreached[:, 1] = -1  # layer 1 never took routes
+    code, out = audit(unreached, "unreached")
+    assert code == 1 and '"unreached": [\n    "1"' in out

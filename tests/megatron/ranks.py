@@ -423,3 +423,56 @@ def _route_without_hook(router: torch.nn.Module) -> None:
         return probs, torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
 
     router.routing = routing
+
+
+def _target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S-1]`` log-probability of each next token (fp32)."""
+    logp = torch.log_softmax(logits[:, :-1].float(), -1)
+    return logp.gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def rollout_divergence(rank: int, world: int) -> dict[str, Any]:
+    """One set of weights: routes of a bf16 eval forward (the rollout) against the fp32 training forward, before and after replay."""
+    from moetrace.adapters import megatron as mt
+
+    from moetrace.analysis.divergence import route_divergence
+
+    harness.setup_parallel(world)
+    spec = harness.StackSpec(num_layers=4, num_experts=8, top_k=2, hidden=64, ffn=64, vocab=128)
+    train = harness.build(spec)
+    rollout = harness.build(spec, dtype=torch.bfloat16)
+    rollout.load_state_dict(train.state_dict())  # the same weights, cast to bf16
+    ids = _ids(rank, batch=16, seq=128, vocab=spec.vocab, seed=11)
+    rollout.eval()
+    with torch.no_grad(), mt.record_routes(rollout) as rec:
+        rollout_lp = _target_logprobs(rollout(ids), ids)
+        rollout_routes = rec.routes()
+    train.train()
+    with mt.record_routes(train) as rec:
+        train_lp = _target_logprobs(train(ids), ids).detach()
+        train_routes = rec.routes()
+    before = route_divergence(rollout_routes, train_routes)
+    with mt.replay(train, rollout_routes) as handle, mt.record_routes(train) as rec:
+        replay_lp = _target_logprobs(train(ids), ids).detach()
+        replayed_routes = rec.routes()
+        audit = handle.audit_report()
+    after = route_divergence(rollout_routes, replayed_routes)
+    harness.teardown_parallel()
+    gap_before, gap_after = (train_lp - rollout_lp).abs(), (replay_lp - rollout_lp).abs()
+    # positions whose routes differed in some layer: the stack has no attention, so the log-prob
+    # of token t+1 depends on position t alone
+    differ = torch.as_tensor((np.sort(rollout_routes, -1) != np.sort(train_routes, -1)).any(-1).any(-1))  # [B, S]
+    affected = differ[:, :-1]
+    return {
+        "affected_tokens": int(affected.sum()),
+        "logprob_gap_affected_before": float(gap_before[affected].mean()) if affected.any() else None,
+        "logprob_gap_affected_after": float(gap_after[affected].mean()) if affected.any() else None,
+        "tokens": int(ids.numel()),
+        "before": {"set_agreement": before.set_agreement.tolist(), "router_agreement": before.router_agreement,
+                   "tokens_any_differ": before.tokens_any_differ},
+        "after": {"set_agreement": after.set_agreement.tolist(), "router_agreement": after.router_agreement,
+                  "tokens_any_differ": after.tokens_any_differ},
+        "logprob_gap_before": {"mean": float(gap_before.mean()), "max": float(gap_before.max())},
+        "logprob_gap_after": {"mean": float(gap_after.mean()), "max": float(gap_after.max())},
+        "audit": audit.to_dict(),
+    }

@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("core", ("moetrace.config", "moetrace.accumulators", "moetrace.timing", "moetrace.snapshot",
               "moetrace.recorder", "moetrace.session", "moetrace.dump", "moetrace.capturer", "moetrace.routes",
               "moetrace.replay", "moetrace.replay_audit", "moetrace.testing", "moetrace.settings", "moetrace.graphs",
-              "moetrace.devices"),
+              "moetrace.devices", "moetrace.labels"),
      "what runs inside an engine's forward: config, hooks, recorder, session, dump, capturer, replay"),
     ("http", ("moetrace.http", "moetrace.guarded_http"), "HTTP serving infrastructure: guarded server, server handle"),
     ("replicas", ("moetrace.replicas",), "request→replica routing: recorder, router, prefix cache, simulation, analysis"),

@@ -30,6 +30,7 @@ def test_one_frame_from_a_protected_control_endpoint(tmp_path, monkeypatch):
     assert refused.exit_code == 0 and "ERROR (HTTP 401 Unauthorized; pass --token)" in refused.output
     assert frame.exit_code == 0, frame.output
     out = frame.output
-    assert "rank 0: recording, 3 passes" in out and "GONE" in out
+    assert "rank 0 [TP1 EP2 tp0 ep0]: recording, 3 passes" in out and "GONE" in out
+    assert "tokens served: 9" in out
     assert "balancedness over 2 EP ranks: 0.750" in out  # per pass and layer: rank 0 gets 2 copies, rank 1 gets 4
     assert "expert" in out and "hottest experts: endpoints export no per-expert series" in out

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["plugin_state"]
+__all__ = ["expert_maps", "plugin_state", "uninstrument"]
 
 
 def plugin_state(model: torch.nn.Module) -> dict[str, Any]:
@@ -26,3 +26,20 @@ def plugin_state(model: torch.nn.Module) -> dict[str, Any]:
         "recording": handle is not None and handle.recorder.recording,
         "mode": handle.recorder.mode if handle is not None else None,
     }
+
+
+def uninstrument(model: torch.nn.Module) -> bool:
+    """Remove the plugin's hooks from this worker's model (its recorder stays, and counts nothing more)."""
+    from moetrace.adapters.vllm import plugin
+
+    session = plugin.current_session()
+    assert session is not None and session.handle is not None, "the plugin did not instrument this worker"
+    session.handle.uninstrument()
+    return not session.handle.active
+
+
+def expert_maps(model: torch.nn.Module) -> dict[int, list[int]]:
+    """Each MoE layer's ``expert_map`` in this worker (global expert -> local slot, -1: another rank's); ``{}`` without EP."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    return {int(m.layer_id): m.expert_map.tolist() for m in model.modules() if isinstance(m, MoERunner) and m.expert_map is not None}

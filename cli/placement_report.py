@@ -1,0 +1,56 @@
+"""``moetrace placement``'s explanations: which planner was deployed and why, and what rebalancing costs against what it gains."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from moetrace.analysis.backtest import BacktestResult
+from moetrace.analysis.placement_select import Selection
+from moetrace.analysis.rebalance_cost import rebalance_value, recommendation
+
+__all__ = ["print_rebalance_value", "print_selection", "rebalance_values"]
+
+#: Planners whose rebalances are costed: the deployed default and the EPLB baseline.
+COSTED = ("moetrace", "greedy")
+
+
+def print_selection(console: Console, selection: Selection) -> None:
+    """The deployed planner and the validation that chose it."""
+    console.print(f"planner deployed: [bold]{selection.chosen}[/bold] ({selection.reason})")
+
+
+def rebalance_values(result: BacktestResult, expert_bytes: int | None, link_gbps: float, pass_ms: float | None) -> dict[str, Any]:
+    """JSON-ready cost and benefit of :data:`COSTED` planners' rebalances, with a recommendation each."""
+    out: dict[str, Any] = {"link_gbps": link_gbps, "pass_ms": pass_ms, "planners": {}}
+    for name in COSTED:
+        value = rebalance_value(result, name, expert_bytes, link_gbps * 1e9)
+        if value is not None:
+            out["planners"][name] = {**value.to_dict(), "recommendation": recommendation(value, None if pass_ms is None else pass_ms / 1e3)}
+    return out
+
+
+def print_rebalance_value(console: Console, values: dict[str, Any]) -> None:
+    """The cost-benefit table of :func:`rebalance_values`, then one recommendation per planner."""
+    planners = values["planners"]
+    if not planners:
+        console.print("rebalance cost/benefit: n/a (needs at least two rebalances)")
+        return
+    table = Table(
+        title=f"Rebalance cost vs benefit (rebalances after the first; stall = the busiest GPU's bytes at {values['link_gbps']:g} GB/s)",
+        title_justify="left",
+    )
+    for col in ("planner", "balance gained vs keeping", "MoE time saved/pass", "replicas moved", "busiest GPU receives", "bytes moved", "stall", "pays above (ms/pass)"):
+        table.add_column(col, justify="right" if col != "planner" else "left")
+    for name, v in planners.items():
+        table.add_row(
+            name, f"{v['gain']:+.4f}", f"{v['saved_share']:.1%}", f"{v['moved']:.1f}", f"{v['moved_peak']:.1f}",
+            "-" if v["bytes_moved"] is None else f"{v['bytes_moved']:,.0f}",
+            "-" if v["stall_s"] is None else f"{1e3 * v['stall_s']:.3g} ms",
+            "never" if v["saved_share"] <= 0 else "-" if v["break_even_pass_s"] is None else f"{1e3 * v['break_even_pass_s']:.3g}",
+        )
+    console.print(table)
+    for name, v in planners.items():
+        console.print(f"{name}: {v['recommendation']}")

@@ -1,0 +1,226 @@
+"""Choose the planner by validation on the trace's own past, never trusting a hedge that has not held.
+
+Which planner holds best on the next window depends on the load: on
+stationary load the plain fit of the window's total (EPLB's greedy) is hard
+to beat, on drifting load a hedged plan wins (issue 25). Instead of one fixed
+default, :func:`select_planner` replays the candidates on rolling folds of
+the planning data itself (plan on ``window`` buckets, score on the next
+``every``; the latest folds that fit) and deploys:
+
+- the candidate whose mean realised balancedness over the folds is highest,
+  *if* it beats the baseline (``greedy``) by more than ``z`` standard errors
+  of the per-fold differences and loses to it in at most ``max_loss_share``
+  of the folds;
+- the baseline otherwise, or when fewer than ``min_folds`` folds fit.
+
+:class:`ValidatedPlanner` wraps this as a planner (what ``moetrace
+placement`` deploys and backtests as ``moetrace``); :class:`Selection` says
+what was chosen and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+
+import numpy as np
+
+from .. import metrics
+from .placement import PlacementConfig, align_to, predicted_gpu_load, replicas_moved
+from .planners import CANDIDATES, Planner
+
+__all__ = ["BASELINE", "PlanCache", "Selection", "SelectionRule", "ValidatedPlanner", "select_planner", "validation_folds"]
+
+#: The planner every other candidate must beat on the folds before it is deployed.
+BASELINE = "greedy"
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionRule:
+    """When a candidate displaces the baseline.
+
+    Attributes:
+        min_folds: folds needed before anything but the baseline is deployed.
+        max_folds: the latest folds used (older load says less about the next window).
+        z: the mean per-fold gain over the baseline must exceed ``z`` standard
+            errors of the per-fold gains (and be positive).
+        max_loss_share: the candidate may be below the baseline in at most this share of folds.
+    """
+
+    min_folds: int = 3
+    max_folds: int = 8
+    z: float = 1.0
+    max_loss_share: float = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The outcome of :func:`select_planner`.
+
+    Attributes:
+        chosen: the candidate deployed.
+        reason: one sentence: the folds, the figures and the rule that decided.
+        window, every: buckets planned on and scored on per fold.
+        fold_ends: ``[F]`` bucket index where each fold's scored part starts (oldest first).
+        realized: candidate -> ``[F]`` balancedness on each fold's scored part.
+        margin: chosen's mean minus the baseline's mean over the folds (0 when the baseline is chosen).
+        passes_per_bucket: passes in one bucket of the history (the explanation counts passes).
+    """
+
+    chosen: str
+    reason: str
+    window: int
+    every: int
+    fold_ends: list[int]
+    realized: dict[str, list[float]]
+    margin: float
+    passes_per_bucket: int = 1
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "chosen": self.chosen,
+            "reason": self.reason,
+            "window_buckets": self.window,
+            "every_buckets": self.every,
+            "window_passes": self.window * self.passes_per_bucket,
+            "every_passes": self.every * self.passes_per_bucket,
+            "folds": len(self.fold_ends),
+            "margin_over_baseline": self.margin,
+            "validation_mean": {k: float(np.mean(v)) if v else None for k, v in self.realized.items()},
+            "validation": self.realized,
+        }
+
+
+def validation_folds(length: int, window: int, every: int, max_folds: int) -> list[int]:
+    """Fold starts ``t`` (oldest first): plan on buckets ``[t - window, t)``, score on ``[t, t + every)``, all inside ``length``.
+
+    The latest folds come first to be kept: the last one's scored part ends at ``length``.
+    """
+    ends = []
+    t = length - every
+    while t >= window and len(ends) < max_folds:
+        ends.append(t)
+        t -= every
+    return ends[::-1]
+
+
+class PlanCache:
+    """Plans of candidates made without a deployed placement, keyed by (name, window, config, digest of the history they saw).
+
+    Rolling folds overlap from one rebalance to the next, so a backtest plans
+    each fold once; share one cache between validated planners with the same candidates.
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[object, ...], np.ndarray] = {}
+
+    def plan(self, name: str, planner: Planner, history: np.ndarray, window: int, config: PlacementConfig) -> np.ndarray:
+        key = (name, window, config, history.shape, hashlib.blake2b(np.ascontiguousarray(history).tobytes(), digest_size=16).digest())
+        if key not in self._plans:
+            self._plans[key] = planner(history, window, config, None)
+        return self._plans[key]
+
+
+def _balance(load: np.ndarray, phy2log: np.ndarray, gpus: int) -> float:
+    return metrics.balancedness(predicted_gpu_load(load, phy2log, gpus))
+
+
+def select_planner(
+    history: np.ndarray,
+    window: int,
+    every: int,
+    config: PlacementConfig,
+    candidates: Mapping[str, Planner] | None = None,
+    rule: SelectionRule = SelectionRule(),
+    cache: PlanCache | None = None,
+    passes_per_bucket: int = 1,
+) -> Selection:
+    """Backtest ``candidates`` on rolling folds of ``history [t, L, E]`` and pick one (see the module docstring).
+
+    Candidates are planned without a deployed placement (their forecast is
+    what is compared). ``candidates`` must hold :data:`BASELINE`.
+    ``passes_per_bucket`` only words the explanation in passes.
+
+    Raises:
+        ValueError: no baseline among the candidates, or non-positive ``window``/``every``.
+    """
+    candidates = CANDIDATES if candidates is None else candidates
+    if BASELINE not in candidates:
+        raise ValueError(f"candidates must include the baseline {BASELINE!r}, got {sorted(candidates)}")
+    if window <= 0 or every <= 0:
+        raise ValueError(f"window and every must be positive bucket counts, got {window} and {every}")
+    cache = PlanCache() if cache is None else cache
+    ends = validation_folds(len(history), window, every, rule.max_folds)
+    realized: dict[str, list[float]] = {name: [] for name in candidates}
+    for t in ends:
+        nxt = history[t : t + every].sum(axis=0)
+        for name, planner in candidates.items():
+            phy2log = cache.plan(name, planner, history[:t], window, config)
+            realized[name].append(_balance(nxt, phy2log, config.gpus))
+
+    def done(chosen: str, reason: str, margin: float = 0.0) -> Selection:
+        return Selection(chosen, reason, window, every, ends, realized, margin, passes_per_bucket)
+
+    if len(ends) < rule.min_folds:
+        return done(BASELINE, f"{len(ends)} validation fold(s) fit in the planning data (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket}); "
+                    f"{rule.min_folds} are needed to trust anything but the baseline, so {BASELINE} is deployed")
+    base = np.asarray(realized[BASELINE])
+    verdicts = []
+    best, best_mean = BASELINE, float(base.mean())
+    for name in candidates:
+        if name == BASELINE:
+            continue
+        gain = np.asarray(realized[name]) - base
+        mean = float(gain.mean())
+        error = float(gain.std(ddof=1) / np.sqrt(len(gain)))
+        losses = float((gain < -1e-12).mean())
+        ok = mean > 0 and mean > rule.z * error and losses <= rule.max_loss_share
+        verdicts.append(f"{name} {mean:+.4f} ± {error:.4f}, below in {losses:.0%}{'' if ok else ' (not kept)'}")
+        if ok and base.mean() + mean > best_mean:
+            best, best_mean = name, float(base.mean()) + mean
+    folds = f"{len(ends)} folds of the planning data (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket})"
+    vs = f"mean gain over {BASELINE} (± std error): " + "; ".join(verdicts)
+    if best == BASELINE:
+        return done(BASELINE, f"no candidate beat {BASELINE} by more than {rule.z:g} std error(s) with at most {rule.max_loss_share:.0%} of folds below it on {folds}; {vs}")
+    margin = best_mean - float(base.mean())
+    return done(best, f"{best} held best on {folds}: {best_mean:.4f} vs {BASELINE} {base.mean():.4f} ({margin:+.4f}); {vs}", margin)
+
+
+class ValidatedPlanner:
+    """A planner that deploys the candidate :func:`select_planner` picks on the history it is given.
+
+    ``every`` is the scored length of each fold in buckets (the deployment
+    interval); ``None`` validates on fifths of the history (plan on one, score
+    on the next). The chosen plan is renumbered to keep replicas where the
+    deployed placement has them (:func:`~moetrace.analysis.placement.align_to`;
+    loads unchanged). :attr:`selection` holds the last decision.
+    """
+
+    def __init__(
+        self,
+        every: int | None = None,
+        candidates: Mapping[str, Planner] | None = None,
+        rule: SelectionRule = SelectionRule(),
+        cache: PlanCache | None = None,
+        passes_per_bucket: int = 1,
+    ) -> None:
+        self.passes_per_bucket = passes_per_bucket
+        self.every = every
+        self.candidates = dict(CANDIDATES if candidates is None else candidates)
+        self.rule = rule
+        self.selection: Selection | None = None
+        self._cache = PlanCache() if cache is None else cache
+
+    def __call__(self, history: np.ndarray, window: int, config: PlacementConfig, current: np.ndarray | None) -> np.ndarray:
+        if self.every is None:
+            fold = max(len(history) // 5, 1)
+            self.selection = select_planner(history, fold, fold, config, self.candidates, self.rule, self._cache, self.passes_per_bucket)
+        else:
+            self.selection = select_planner(history, window, self.every, config, self.candidates, self.rule, self._cache, self.passes_per_bucket)
+        phy2log = self.candidates[self.selection.chosen](history, window, config, current)
+        if current is not None and current.shape == phy2log.shape:
+            aligned = align_to(current, phy2log, config.nodes if config.groups % config.nodes == 0 else 1, config.gpus)
+            if replicas_moved(current, aligned, config.gpus) < replicas_moved(current, phy2log, config.gpus):
+                phy2log = aligned
+        return phy2log

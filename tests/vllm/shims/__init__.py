@@ -1,0 +1,1 @@
+"""Test-harness shims for vLLM's CPU engine (see each module)."""
