@@ -112,7 +112,7 @@ def pass_block(chunk: PassChunk, layer_index: np.ndarray) -> PassBlock:
 
 
 def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterator[PassBlock]:
-    if not trace.has("window/pass_id"):
+    if not trace.has(Data.WINDOW_PASS_ID):
         return
     trace.check_invariants()
     counted = trace.counted()  # rank rows that replicate another's view are not added (TP attention)

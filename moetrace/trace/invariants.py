@@ -29,14 +29,21 @@ from typing import Any
 import numpy as np
 
 from ..ids import to_logical
-from .schema import MERGED_RANKS_ATTR, PADDING_IDS, TraceDamageError
+from .schema import (
+    MERGED_RANKS_ATTR,
+    PADDING_IDS,
+    STREAM_GROUP,
+    Attr,
+    Data,
+    TraceDamageError,
+    dataset,
+)
 
 #: An open :class:`moetrace.trace.reader.Trace` (not imported: the reader imports this module).
 Trace = Any
 
 __all__ = ["RowOrder", "check_layout", "check_rows_against_stat", "check_stat", "check_timing_rows", "violation"]
 
-_STREAMED = {"per_pass": "passes", "per_token": "tokens"}
 
 
 def violation(path: Path | str, dataset: str, figures: str) -> TraceDamageError:
@@ -52,7 +59,7 @@ def _rank_rows(trace: Trace) -> int:
     attrs = trace.attrs
     if MERGED_RANKS_ATTR in attrs:
         return len(json.loads(str(attrs[MERGED_RANKS_ATTR])))
-    return int(attrs["world_size"]) if int(attrs["rank"]) < 0 else 1
+    return int(attrs[Attr.WORLD_SIZE]) if int(attrs[Attr.RANK]) < 0 else 1
 
 
 def _expect(trace: Trace, name: str, shape: tuple[int | None, ...]) -> None:
@@ -88,36 +95,36 @@ def check_layout(trace: Trace) -> None:
         "dropped": (R, L), "send_count": (R, L, ep), "recv_count": (R, L, ep), "num_passes": (R,), "num_tokens": (R,),
         "dropped_passes": (R,),
     }.items():
-        _expect(trace, f"stat/{name}", shape)
+        _expect(trace, dataset(Data.STAT, name), shape)
     for name in ("pass_id", "timestamp", "num_tokens"):
-        _expect(trace, f"window/{name}", (R, None))
-    _expect(trace, "window/physical_count", (R, trace.shape("window/pass_id")[1] if trace.has("window/pass_id") else None, L, P))  # type: ignore[index]
-    group = _STREAMED.get(trace.mode)
-    if group == "passes":
-        n = trace.num_rows("passes/pass_id")
+        _expect(trace, dataset(Data.WINDOW, name), (R, None))
+    _expect(trace, Data.WINDOW_PHYSICAL_COUNT, (R, trace.shape(Data.WINDOW_PASS_ID)[1] if trace.has(Data.WINDOW_PASS_ID) else None, L, P))  # type: ignore[index]
+    group = STREAM_GROUP.get(trace.mode)
+    if group == Data.PASSES:
+        n = trace.num_rows(Data.PASSES_PASS_ID)
         for name, shape in {"pass_id": (n,), "timestamp": (n,), "num_tokens": (n,), "physical_count": (n, L, P), "invalid_ids": (n, L),
                             "send_count": (n, L, ep), "recv_count": (n, L, ep), "rank": (n,)}.items():
-            _expect(trace, f"passes/{name}", shape)
-    elif group == "tokens":
-        m = trace.num_rows("tokens/topk_ids")
+            _expect(trace, dataset(Data.PASSES, name), shape)
+    elif group == Data.TOKENS:
+        m = trace.num_rows(Data.TOKENS_TOPK_IDS)
         for name, shape in {"topk_ids": (m, L, k), "pass_id": (m,), "position": (m,), "rank": (m,)}.items():
-            _expect(trace, f"tokens/{name}", shape)
-    if trace.has("timing/pass_id"):
-        n = trace.num_rows("timing/pass_id")
-        with_rows = [name for name in ("step_seconds", "rank") if trace.has(f"timing/{name}")]
+            _expect(trace, dataset(Data.TOKENS, name), shape)
+    if trace.has(dataset(Data.TIMING, "pass_id")):
+        n = trace.num_rows(dataset(Data.TIMING, "pass_id"))
+        with_rows = [name for name in ("step_seconds", "rank") if trace.has(dataset(Data.TIMING, name))]
         for name in with_rows:
-            _expect(trace, f"timing/{name}", (n,))
+            _expect(trace, dataset(Data.TIMING, name), (n,))
     _check_row_totals(trace, group)
 
 
 def _check_row_totals(trace: Trace, group: str | None) -> None:
     """Streamed rows against the ``/stat`` totals: tokens rows = tokens; pass rows = passes."""
-    if group is None or not trace.has("stat/num_tokens") or not trace.has(f"{group}/pass_id"):
+    if group is None or not trace.has(Data.STAT_NUM_TOKENS) or not trace.has(dataset(group, "pass_id")):
         return
-    if group == "tokens":
-        rows, total, what = trace.num_rows("tokens/pass_id"), int(trace._read("stat/num_tokens").sum()), "/stat/num_tokens"
+    if group == Data.TOKENS:
+        rows, total, what = trace.num_rows(Data.TOKENS_PASS_ID), int(trace._read(Data.STAT_NUM_TOKENS).sum()), f"/{Data.STAT_NUM_TOKENS}"
     else:
-        rows, total, what = trace.num_rows("passes/pass_id"), int(trace._read("stat/num_passes").sum()), "/stat/num_passes"
+        rows, total, what = trace.num_rows(Data.PASSES_PASS_ID), int(trace._read(Data.STAT_NUM_PASSES).sum()), f"/{Data.STAT_NUM_PASSES}"
     if rows != total:
         raise violation(trace.path, f"/{group}", f"{rows} rows, but {what} totals {total}")
 
@@ -128,23 +135,23 @@ def check_stat(trace: Trace) -> None:
     Raises:
         TraceDamageError: naming the dataset and the figures.
     """
-    if not trace.has("stat/physical_count"):
+    if not trace.has(Data.STAT_PHYSICAL_COUNT):
         return
-    physical = trace._read("stat/physical_count").astype(np.int64)  # [R, L, P]
+    physical = trace._read(Data.STAT_PHYSICAL_COUNT).astype(np.int64)  # [R, L, P]
     mapping = trace.physical_to_logical
-    if trace.has("stat/logical_count"):
-        logical = trace._read("stat/logical_count").astype(np.int64)
+    if trace.has(Data.STAT_LOGICAL_COUNT):
+        logical = trace._read(Data.STAT_LOGICAL_COUNT).astype(np.int64)
         expected = to_logical(physical, mapping) if physical.size else np.zeros_like(logical)
         if expected.shape != logical.shape or not np.array_equal(expected, logical):
             r, layer, e = np.argwhere(expected != logical)[0] if expected.shape == logical.shape else (0, 0, 0)
             raise violation(
-                trace.path, "/stat/logical_count",
-                f"rank row {r}, layer {trace.layers[layer]}, logical expert {e} holds {logical[r, layer, e]}, but /stat/physical_count "
+                trace.path, f"/{Data.STAT_LOGICAL_COUNT}",
+                f"rank row {r}, layer {trace.layers[layer]}, logical expert {e} holds {logical[r, layer, e]}, but /{Data.STAT_PHYSICAL_COUNT} "
                 f"through /physical_to_logical sums to {expected[r, layer, e]} (totals {int(logical.sum())} vs {int(physical.sum())})",
             )
-    tokens = trace._read("stat/num_tokens").astype(np.int64) if trace.has("stat/num_tokens") else None
+    tokens = trace._read(Data.STAT_NUM_TOKENS).astype(np.int64) if trace.has(Data.STAT_NUM_TOKENS) else None
     if tokens is not None and trace.top_k > 0:
-        invalid = trace._read("stat/invalid_ids").astype(np.int64) if trace.has("stat/invalid_ids") else 0
+        invalid = trace._read(Data.STAT_INVALID_IDS).astype(np.int64) if trace.has(Data.STAT_INVALID_IDS) else 0
         padding = trace._read(PADDING_IDS).astype(np.int64) if trace.has(PADDING_IDS) else 0
         routed = physical.sum(axis=2) + invalid  # [R, L]: ids that are not padding
         limit = tokens[:, None] * trace.top_k
@@ -152,47 +159,47 @@ def check_stat(trace: Trace) -> None:
         if len(over):
             r, layer = over[0]
             raise violation(
-                trace.path, "/stat/physical_count",
+                trace.path, f"/{Data.STAT_PHYSICAL_COUNT}",
                 f"rank row {r}, layer {trace.layers[layer]}: {int(physical[r, layer].sum())} assignments + {int(np.broadcast_to(invalid, routed.shape)[r, layer])} invalid ids "
-                f"= {int(routed[r, layer])}, more than /stat/num_tokens {int(tokens[r])} x top_k {trace.top_k} = {int(limit[r, 0])}",
+                f"= {int(routed[r, layer])}, more than /{Data.STAT_NUM_TOKENS} {int(tokens[r])} x top_k {trace.top_k} = {int(limit[r, 0])}",
             )
         seen = routed + padding
         if trace.has(PADDING_IDS) and (seen % trace.top_k != 0).any():  # each hook call adds tokens x top_k ids to a layer
             r, layer = np.argwhere(seen % trace.top_k != 0)[0]
             raise violation(
-                trace.path, "/stat/padding_ids",
+                trace.path, f"/{PADDING_IDS}",
                 f"rank row {r}, layer {trace.layers[layer]}: assignments + invalid + padding = {int(seen[r, layer])}, not a multiple of top_k {trace.top_k}",
             )
-    if trace.has("window/pass_id"):
+    if trace.has(Data.WINDOW_PASS_ID):
         _check_window(trace, physical, tokens)
 
 
 def _check_window(trace: Trace, physical: np.ndarray, tokens: np.ndarray | None) -> None:
-    pass_id = trace._read("window/pass_id").astype(np.int64)  # [R, W]
-    stamp = trace._read("window/timestamp").astype(np.float64)
-    window_tokens = trace._read("window/num_tokens").astype(np.int64)
-    counts = trace._read("window/physical_count")  # [R, W, L, P]
-    passes = trace._read("stat/num_passes").astype(np.int64) if trace.has("stat/num_passes") else None
+    pass_id = trace._read(Data.WINDOW_PASS_ID).astype(np.int64)  # [R, W]
+    stamp = trace._read(Data.WINDOW_TIMESTAMP).astype(np.float64)
+    window_tokens = trace._read(Data.WINDOW_NUM_TOKENS).astype(np.int64)
+    counts = trace._read(Data.WINDOW_PHYSICAL_COUNT)  # [R, W, L, P]
+    passes = trace._read(Data.STAT_NUM_PASSES).astype(np.int64) if trace.has(Data.STAT_NUM_PASSES) else None
     for r in range(pass_id.shape[0]):
         filled = pass_id[r] >= 0
         n = int(filled.sum())
         if not filled[:n].all():
-            raise violation(trace.path, "/window/pass_id", f"rank row {r}: empty slots (-1) between filled ones {pass_id[r].tolist()[:16]}")
+            raise violation(trace.path, f"/{Data.WINDOW_PASS_ID}", f"rank row {r}: empty slots (-1) between filled ones {pass_id[r].tolist()[:16]}")
         if (np.diff(pass_id[r, :n]) <= 0).any():
-            raise violation(trace.path, "/window/pass_id", f"rank row {r}: pass ids {pass_id[r, :n].tolist()[:16]} are not increasing")
+            raise violation(trace.path, f"/{Data.WINDOW_PASS_ID}", f"rank row {r}: pass ids {pass_id[r, :n].tolist()[:16]} are not increasing")
         ts = stamp[r, :n]
         if (np.diff(ts[~np.isnan(ts)]) < 0).any():
-            raise violation(trace.path, "/window/timestamp", f"rank row {r}: timestamps go back in time ({ts.tolist()[:8]})")
+            raise violation(trace.path, f"/{Data.WINDOW_TIMESTAMP}", f"rank row {r}: timestamps go back in time ({ts.tolist()[:8]})")
         if passes is not None and n > passes[r]:
-            raise violation(trace.path, "/window/pass_id", f"rank row {r}: {n} passes in the window, but /stat/num_passes says {int(passes[r])}")
+            raise violation(trace.path, f"/{Data.WINDOW_PASS_ID}", f"rank row {r}: {n} passes in the window, but /{Data.STAT_NUM_PASSES} says {int(passes[r])}")
         if tokens is not None and window_tokens[r, :n].sum() > tokens[r]:
-            raise violation(trace.path, "/window/num_tokens", f"rank row {r}: {int(window_tokens[r, :n].sum())} tokens in the window, more than /stat/num_tokens {int(tokens[r])}")
+            raise violation(trace.path, f"/{Data.WINDOW_NUM_TOKENS}", f"rank row {r}: {int(window_tokens[r, :n].sum())} tokens in the window, more than /{Data.STAT_NUM_TOKENS} {int(tokens[r])}")
         in_window = counts[r, :n].sum(axis=0, dtype=np.int64)
         if (in_window > physical[r]).any():
             layer, p = np.argwhere(in_window > physical[r])[0]
-            raise violation(trace.path, "/window/physical_count", f"rank row {r}, layer {trace.layers[layer]}, expert slot {p}: {int(in_window[layer, p])} in the window, more than the /stat/physical_count total {int(physical[r, layer, p])}")
+            raise violation(trace.path, f"/{Data.WINDOW_PHYSICAL_COUNT}", f"rank row {r}, layer {trace.layers[layer]}, expert slot {p}: {int(in_window[layer, p])} in the window, more than the /{Data.STAT_PHYSICAL_COUNT} total {int(physical[r, layer, p])}")
         if (counts[r, n:] != 0).any():
-            raise violation(trace.path, "/window/physical_count", f"rank row {r}: counts in the {pass_id.shape[1] - n} empty slots")
+            raise violation(trace.path, f"/{Data.WINDOW_PHYSICAL_COUNT}", f"rank row {r}: counts in the {pass_id.shape[1] - n} empty slots")
 
 
 class RowOrder:
@@ -246,24 +253,24 @@ def check_rows_against_stat(trace: Trace, chunk: int = 65536) -> None:
     Raises:
         TraceDamageError: naming the dataset and the figures.
     """
-    group = _STREAMED.get(trace.mode)
-    if group is None or not trace.has("stat/physical_count") or not trace.has(f"{group}/pass_id"):
+    group = STREAM_GROUP.get(trace.mode)
+    if group is None or not trace.has(Data.STAT_PHYSICAL_COUNT) or not trace.has(dataset(group, "pass_id")):
         return
-    physical = trace._read("stat/physical_count").astype(np.int64)  # [R, L, P]
-    invalid = trace._read("stat/invalid_ids").astype(np.int64) if trace.has("stat/invalid_ids") else None
+    physical = trace._read(Data.STAT_PHYSICAL_COUNT).astype(np.int64)  # [R, L, P]
+    invalid = trace._read(Data.STAT_INVALID_IDS).astype(np.int64) if trace.has(Data.STAT_INVALID_IDS) else None
     R, L, P = physical.shape
     counted = np.zeros_like(physical)
     bad = np.zeros((R, L), np.int64)
-    multi = trace.has(f"{group}/rank")
+    multi = trace.has(dataset(group, "rank"))
     at = 0
 
     def ranks_of(n: int) -> np.ndarray:
-        ranks = trace._slice(f"{group}/rank", at, n).astype(np.int64) if multi else np.zeros(n, np.int64)
+        ranks = trace._slice(dataset(group, "rank"), at, n).astype(np.int64) if multi else np.zeros(n, np.int64)
         if len(ranks) and (ranks.min() < 0 or ranks.max() >= R):
             raise violation(trace.path, f"/{group}/rank", f"ranks {int(ranks.min())}..{int(ranks.max())} outside 0..{R - 1}")
         return ranks
 
-    if group == "passes":
+    if group == Data.PASSES:
         for part in trace.iter_passes(chunk):
             ranks = ranks_of(len(part.pass_id))
             at += len(ranks)
@@ -275,14 +282,14 @@ def check_rows_against_stat(trace: Trace, chunk: int = 65536) -> None:
             at += len(ranks)
             ids = part.topk_ids.astype(np.int64)  # [M, L, k]
             if (ids >= P).any() or (ids < -2).any():
-                raise violation(trace.path, "/tokens/topk_ids", f"ids {int(ids.min())}..{int(ids.max())} outside -2..{P - 1}")
+                raise violation(trace.path, f"/{Data.TOKENS_TOPK_IDS}", f"ids {int(ids.min())}..{int(ids.max())} outside -2..{P - 1}")
             key = (ranks[:, None, None] * L + np.arange(L)[None, :, None]) * P + ids
             counted += np.bincount(key[ids >= 0], minlength=R * L * P).reshape(R, L, P)
             row = np.broadcast_to(ranks[:, None, None] * L + np.arange(L)[None, :, None], ids.shape)
             bad += np.bincount(row[ids == -2], minlength=R * L).reshape(R, L)
     if not np.array_equal(counted, physical):
         r, layer, p = np.argwhere(counted != physical)[0]
-        raise violation(trace.path, "/stat/physical_count", f"rank row {r}, layer {trace.layers[layer]}, expert slot {p}: total {int(physical[r, layer, p])}, but the /{group} rows add up to {int(counted[r, layer, p])}")
+        raise violation(trace.path, f"/{Data.STAT_PHYSICAL_COUNT}", f"rank row {r}, layer {trace.layers[layer]}, expert slot {p}: total {int(physical[r, layer, p])}, but the /{group} rows add up to {int(counted[r, layer, p])}")
     if invalid is not None and not np.array_equal(bad, invalid):
         r, layer = np.argwhere(bad != invalid)[0]
-        raise violation(trace.path, "/stat/invalid_ids", f"rank row {r}, layer {trace.layers[layer]}: total {int(invalid[r, layer])}, but the /{group} rows hold {int(bad[r, layer])}")
+        raise violation(trace.path, f"/{Data.STAT_INVALID_IDS}", f"rank row {r}, layer {trace.layers[layer]}: total {int(invalid[r, layer])}, but the /{group} rows hold {int(bad[r, layer])}")

@@ -21,7 +21,7 @@ import numpy as np
 from . import integrity
 from .files import temporary_path
 from .ranks import write_layouts
-from .schema import COMPLETE_ATTR, Data, TraceHeader, TraceWriteError
+from .schema import COMPLETE_ATTR, Data, TraceHeader, TraceWriteError, dataset
 
 __all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic", "write_text_atomic"]
 
@@ -247,7 +247,7 @@ class TraceWriter:
         def rewrite(name: str, obj: object) -> None:
             if not isinstance(obj, h5py.Dataset):
                 return
-            target = f"{group}/{name}"
+            target = dataset(group, name)
             if obj.maxshape and obj.maxshape[0] is None:
                 self.ensure_empty(target, obj.shape[1:], obj.dtype)
                 for start in range(0, obj.shape[0], block_rows):
