@@ -5,7 +5,7 @@ Run: ``.venv/bin/python benchmarks/control_load.py [--quick]``
 This process records (a stat-mode recorder of the reference model's shape: 3
 MoE layers, 16 experts, top-2) and serves one endpoint: the control endpoint
 (``GET /status``) or the Prometheus exporter (``GET /metrics``), with the
-default :class:`~moetrace.guarded_http.ServerLimits` except a read timeout
+default :class:`~moetrace.http.ServerLimits` except a read timeout
 long enough to hold the idle connections for the whole run, and once more
 for ``/status`` without the request and CPU budgets
 (``max_requests_per_second=None, max_cpu_share=None``). A load
@@ -48,7 +48,7 @@ from harness import write_results
 from moetrace.exporters import prometheus
 
 from moetrace import control
-from moetrace.guarded_http import ServerLimits
+from moetrace.http import ServerLimits
 from tests.control.load import LoadClient, hook_cost, open_sockets, server_threads
 from tests.exporters.workload import serving_loop
 

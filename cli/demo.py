@@ -320,5 +320,11 @@ def demo(
         raise CommandError(f"--slow-rank {slow_rank} is not a rank of --ranks {ranks} (0..{ranks - 1})")
     if (slow_rank is None) != (slow_ms == 0):
         raise CommandError("--slow-rank and --slow-ms go together: give both (e.g. --slow-rank 1 --slow-ms 20)")
+    from moetrace.report import require_plotly
+
+    try:
+        require_plotly()  # report.html: checked before anything is served
+    except ImportError as exc:
+        raise CommandError(str(exc)) from None
     run_demo(DemoSettings(ranks=ranks, requests=requests, layers=layers, experts=experts, top_k=top_k, skew=skew, out=out, serve=serve,
                           timing=timing, slow_rank=slow_rank, slow_ms=slow_ms), Console())

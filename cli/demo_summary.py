@@ -17,8 +17,7 @@ import numpy as np
 from rich.console import Console
 
 from moetrace.analysis.report import AnalysisReport
-from moetrace.report.evidence import PlacementView
-from moetrace.report.sections import placement_reading
+from moetrace.report.evidence import PlacementView, placement_reading
 
 __all__ = ["WIDTH", "DemoSummary", "print_summary", "say"]
 

@@ -21,8 +21,11 @@ greedy-to-oracle gap each planner closes.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -45,7 +48,7 @@ from moetrace.analysis.backtest import (
     plan_with_selection,
     replicas_moved,
 )
-from moetrace.analysis.placement import PlacementPlan, predicted_gpu_load
+from moetrace.analysis.placement import PlacementError, PlacementPlan, predicted_gpu_load
 from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.analysis.source import select_layers
 from moetrace.trace.reader import open_trace
@@ -53,6 +56,7 @@ from moetrace.trace.schema import Attr, TraceDamageError, TraceError
 
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, parse_layers, stdout_console
+from .placement_format import FORMATS, write_plan
 from .placement_report import print_rebalance_value, print_selection, rebalance_values
 
 __all__ = ["placement"]
@@ -188,7 +192,25 @@ def _backtest_table(console: Console, result: BacktestResult) -> None:
         console.print(f"moetrace deployed, by validation on the past at each rebalance: {shares} of the rebalances")
 
 
+#: The planners' parameters (named in backticks in their errors) as this command's flags.
+_FLAGS = {"fraction": "--holdout", "window": "--window", "every": "--every", "replicas": "--replicas"}
+
+
+def _library_errors_as_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """Re-raise a :class:`PlacementError` with the parameters it names spelled as this command's flags."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+        except PlacementError as exc:
+            raise CommandError(re.sub(r"`(\w+)`", lambda m: _FLAGS.get(m[1], m[1]), str(exc))) from None
+
+    return wrapper
+
+
 @guarded
+@_library_errors_as_flags
 def placement(
     traces: Annotated[list[Path], typer.Argument(help="A moetrace HDF5 trace whose logical counts are the loads, or the per-rank files / segments of one run.")],
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs K.")],
@@ -206,6 +228,7 @@ def placement(
     plot: Annotated[Path | None, typer.Option("--plot", help="With --backtest: PNG of realised balancedness over time per planner.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON document (plan and figures) instead of tables.")] = False,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the plan (phy2log, log2phy, logcnt, figures) as JSON.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="What --out holds: 'moetrace' (the whole document) or 'sglang' (SGLang's --init-expert-location JSON).")] = "moetrace",
     layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Read several traces' passes on Dask (moetrace[dask]): 'local[:N]' or 'tcp://HOST:PORT'.")] = None,
 ) -> None:
@@ -218,6 +241,8 @@ def placement(
         raise CommandError("--window, --every, --plot and --pass-ms belong to --backtest; add --backtest")
     if run_backtest and holdout_fraction is not None:
         raise CommandError("--holdout and --backtest are two evaluations; pass one of them")
+    if fmt not in FORMATS:
+        raise CommandError(f"--format {fmt!r} is not one of {list(FORMATS)}")
     for path in (out, plot):
         if path is not None:
             output_path(path)
@@ -291,7 +316,7 @@ def placement(
 
         plot_backtest(replay, plot, title=str(attrs.get(Attr.MODEL) or Path(trace).name))
     if out is not None:
-        out.write_text(json.dumps(document))
+        write_plan(out, fmt, document, weight.shape[1])
     if as_json:
         typer.echo(json.dumps(document, indent=2))
         return

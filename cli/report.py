@@ -23,10 +23,12 @@ def report(
     top: Annotated[int, typer.Option("--top", min=1, help="Co-activated pairs and transitions per layer.")] = 5,
 ) -> None:
     """Write one HTML file (opens offline, plotly embedded) with a figure and a one-line reading per section."""
+    from moetrace.report import build_report, require_plotly
+
     try:
-        from moetrace.report import build_report
-    except ImportError as exc:  # plotly is the `report` extra
-        raise CommandError(f"moetrace report needs plotly ({exc}); install it: pip install 'moetrace[report]'") from None
+        require_plotly()  # plotly is the `report` extra
+    except ImportError as exc:
+        raise CommandError(str(exc)) from None
     output_path(out)
     files = [existing_file(t) for t in traces]
     if routes is not None:

@@ -20,10 +20,10 @@ never on the number of recorded passes. The metric set is
 
 :func:`start_http_server` serves ``prometheus_client``'s own WSGI application
 (content negotiation, OpenMetrics, gzip) on a
-:class:`moetrace.guarded_http.GuardedServerMixin` server instead of
+:class:`moetrace.http.GuardedServerMixin` server instead of
 ``prometheus_client``'s thread-per-connection one, so the endpoint has the
 control endpoint's limits (read timeout, open connections, worker threads,
-head size, request and CPU budgets; :class:`~moetrace.guarded_http.ServerLimits`).
+head size, request and CPU budgets; :class:`~moetrace.http.ServerLimits`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from moetrace.guarded_http import GuardedServerMixin, ServerLimits
+from moetrace.http import GuardedServerMixin, ServerHandle, ServerLimits
 from moetrace.recorder import Recorder, RecorderStateError, get_recorder
 from moetrace.snapshot import RecorderSnapshot
 
@@ -150,7 +150,7 @@ class _Server(GuardedServerMixin, WSGIServer):
 
 
 @dataclasses.dataclass
-class MetricsServer:
+class MetricsServer(ServerHandle):
     """A running ``/metrics`` HTTP server; :meth:`close` stops it and frees the port."""
 
     server: WSGIServer
@@ -159,26 +159,8 @@ class MetricsServer:
     host: str
 
     @property
-    def port(self) -> int:
-        return int(self.server.server_address[1])
-
-    @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
-
-    def close(self) -> None:
-        """Stop serving, wait for the server thread and close the socket (idempotent)."""
-        if self.thread.is_alive():
-            self.server.shutdown()
-            self.thread.join()
-        self.server.server_close()
-
-    def __enter__(self) -> MetricsServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return f"{self.origin}/metrics"
 
 
 def start_http_server(port: int, addr: str = "127.0.0.1", recorder: Recorder | None = None,
@@ -210,6 +192,4 @@ def start_http_server(port: int, addr: str = "127.0.0.1", recorder: Recorder | N
         registry.unregister(collector)
         raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror}; pick another port or 0 for a free one") from exc
     server.set_app(prometheus_client.make_wsgi_app(registry))
-    thread = threading.Thread(target=server.serve_forever, name="moetrace-metrics", daemon=True)
-    thread.start()
-    return MetricsServer(server, thread, registry, addr)
+    return MetricsServer(server, ServerHandle.serve(server, "moetrace-metrics"), registry, addr)

@@ -26,7 +26,7 @@ taken), 413 (body larger than ``max_body_bytes``), 500 (the dump could not be
 written, or any other failure, with its message).
 
 Hostile or broken clients cannot exhaust the process: the server runs on
-:mod:`moetrace.guarded_http` (one event-loop thread reads requests, at most
+:mod:`moetrace.http` (one event-loop thread reads requests, at most
 ``max_workers`` threads serve them; a request must arrive complete within
 ``read_timeout`` seconds, its head within ``max_header_bytes``; beyond
 ``max_connections`` a new connection gets 503 at once; 408 / 431 / 503
@@ -58,7 +58,7 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .exporters import otel, prometheus
-from .guarded_http import GuardedServerMixin, ServerLimits
+from .http import GuardedServerMixin, ServerHandle, ServerLimits
 from .recorder import NoOpRecorder, Recorder, RecorderStateError, get_recorder
 from .trace.schema import TraceWriteError
 
@@ -284,39 +284,16 @@ class _Server(GuardedServerMixin, HTTPServer):
         self.lifecycle = threading.Lock()
 
 
-class ControlServer:
-    """A running control endpoint (daemon thread); a context manager, :meth:`close` stops it."""
+class ControlServer(ServerHandle):
+    """A running control endpoint (daemon thread); a context manager, :meth:`close` stops it.
+
+    ``.url`` is ``http://host:port``; ``.port``, ``.close()`` as every :class:`~moetrace.http.ServerHandle`.
+    """
 
     def __init__(self, server: _Server) -> None:
-        self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="moetrace-control", daemon=True)
-        self._thread.start()
-
-    @property
-    def host(self) -> str:
-        return str(self._server.server_address[0])
-
-    @property
-    def port(self) -> int:
-        return int(self._server.server_address[1])
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
-
-    def close(self) -> None:
-        """Stop serving, wait for the thread and free the port (idempotent)."""
-        if self._thread.is_alive():
-            self._server.shutdown()
-            self._thread.join()
-        self._server.server_close()
-
-    def __enter__(self) -> ControlServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.server = server
+        self.host = str(server.server_address[0])
+        self.thread = self.serve(server, "moetrace-control")
 
     def __repr__(self) -> str:
         return f"ControlServer(url={self.url!r})"

@@ -26,6 +26,11 @@ files while it runs (segments, rotation, checkpoints, journal) are
 :mod:`moetrace.session`; writing dumps, with the gathers over ranks,
 :mod:`moetrace.dump`; the asynchronous host copy that ``snapshot()`` reads,
 :mod:`moetrace.snapshot`.
+
+Over 500 lines: the hooks and the recording state machine share every field under one lock
+(pass, layer, gate, counters, timing, the open session); the session, the dumps and the
+snapshot channel are their own modules already, and the no-op recorder that mirrors the
+interface sits beside it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ variant makes.
 Loading: the ``sglang.srt.plugins`` entry point ``moetrace`` runs
 :func:`plugin`, which instruments when ``MOETRACE_ENABLED=1`` (idempotent;
 SGLang loads plugins in every process). Options come from ``MOETRACE_MODE``,
-``MOETRACE_OUTPUT_DIR``, ``MOETRACE_WINDOW`` and ``MOETRACE_TOP_K``.
+``MOETRACE_OUTPUT_DIR``, ``MOETRACE_WINDOW``, ``MOETRACE_TOP_K`` and
+``MOETRACE_TIMING`` (phase timing inside SGLang's MoE layers, :mod:`.phases`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ from ..base import (
     resolve_recorder,
     unwinding,
 )
+from ..settings import PluginSettings, env_flag
 from .bridge import RecorderBridge
+from .layout import sglang_layout
+from .phases import watch_phases
 from .routed import read_routed_experts, routed_experts_payload
 
 __all__ = [
@@ -121,9 +125,9 @@ def _server_args(given: Any) -> Any:
 
 
 def _model_top_k(server_args: Any) -> int:
-    env = os.environ.get("MOETRACE_TOP_K")
-    if env:
-        return int(env)
+    top_k = PluginSettings.from_env(force=True).top_k
+    if top_k is not None:
+        return top_k
     from transformers import AutoConfig
 
     from ..hf.layers import config_top_k
@@ -141,6 +145,15 @@ def _physical_to_logical(metadata: Any) -> Any:
     if mapping is None:
         mapping = metadata.physical_to_logical_map
     return mapping.detach().cpu().numpy().astype("int64")
+
+
+def _layout(ep_size: int, ep_rank: int) -> Any:
+    """This process's :func:`~.layout.sglang_layout`, or ``None`` (every rank its own tokens) when SGLang published none."""
+    try:
+        return sglang_layout(ep_size, ep_rank)
+    except (AttributeError, RuntimeError, ValueError) as exc:
+        logger.warning("moetrace: SGLang's parallel layout is not readable (%s); each rank's view is counted as its own tokens", exc)
+        return None
 
 
 def _rank_of(recorder: Any) -> int:
@@ -212,18 +225,16 @@ def instrument(
         if recorder is not None:
             rec = check_recorder(recorder, num_layers, num_physical, top_k)
         else:
-            options = {
-                "mode": os.environ.get("MOETRACE_MODE", "stat"),
-                "output_dir": os.environ.get("MOETRACE_OUTPUT_DIR", "."),
-                "window": int(os.environ.get("MOETRACE_WINDOW", "1000")),
-                **recorder_options,
-            }
+            settings = PluginSettings.from_env(force=True)
+            options = {"mode": settings.mode, "output_dir": settings.output_dir, "window": settings.window, "timing": settings.timing,
+                       **recorder_options}
             defaults = {
                 "engine": "sglang",
                 "model": str(getattr(args, "model_path", "")),
                 "physical_to_logical": _physical_to_logical(metadata),
                 "ep_size": ep_size,
                 "ep_rank": int(rank) % ep_size,
+                "layout": _layout(ep_size, int(rank) % ep_size),
                 "device": torch.device(getattr(args, "device", None) or "cpu"),
             }
             rec = resolve_recorder(None, num_layers, num_physical, top_k, range(num_layers), defaults=defaults, **options).recorder
@@ -267,6 +278,9 @@ def instrument(
     with unwinding(hooks):
         hooks.patch(factory_cls, "init_new", staticmethod(init_new))
         _watch_rebalances(hooks, bridges)
+        timing = recorder.config.timing if recorder is not None else recorder_options.get("timing", PluginSettings.from_env(force=True).timing)
+        if timing:
+            handle.details["timed_phases"] = watch_phases(hooks, module)
         current = module.get_global_expert_distribution_recorder()
         metadata = getattr(current, "_expert_location_metadata", None)
         if metadata is not None:  # SGLang already built its recorder (plugin loaded late): bridge it now
@@ -305,7 +319,12 @@ def plugin() -> None:
     logged, never raised into SGLang's start-up.
     """
     global _PLUGIN_HANDLE
-    if os.environ.get("MOETRACE_ENABLED", "").lower() not in ("1", "true", "yes"):
+    try:
+        enabled = env_flag(os.environ, "MOETRACE_ENABLED", False)
+    except ValueError:
+        logger.exception("moetrace: the SGLang plugin is off")
+        return
+    if not enabled:
         return
     if _PLUGIN_HANDLE is not None and _PLUGIN_HANDLE.active:
         return

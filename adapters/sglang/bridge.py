@@ -24,6 +24,8 @@ __all__ = ["RecorderBridge"]
 
 logger = logging.getLogger(__name__)
 
+_UNTIMED = contextlib.nullcontext()
+
 
 class RecorderBridge:
     """SGLang's global recorder interface, forwarded to SGLang's recorder and to a moetrace recorder.
@@ -77,12 +79,30 @@ class RecorderBridge:
 
     @contextlib.contextmanager
     def with_current_layer(self, layer_idx: int) -> Iterator[None]:
+        """SGLang's layer scope, and moetrace's (its phase timing times the layer and needs it for ``with_phase``)."""
         previous, self._layer = self._layer, layer_idx
         try:
-            with self.sglang.with_current_layer(layer_idx):
+            with self.sglang.with_current_layer(layer_idx), self._moetrace_layer(layer_idx):
                 yield
         finally:
             self._layer = previous
+
+    def _moetrace_layer(self, layer_idx: int) -> contextlib.AbstractContextManager[Any]:
+        if self._broken is None:
+            try:
+                return self.moetrace.with_current_layer(layer_idx)
+            except Exception as exc:
+                self._disable(exc)
+        return _UNTIMED
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        """moetrace's ``with_phase(name)`` for the current layer (``adapters.sglang.phases``); a null scope outside a layer or after an error."""
+        if self._broken is None and self._layer is not None:
+            try:
+                return self.moetrace.with_phase(name)
+            except Exception as exc:
+                self._disable(exc)
+        return _UNTIMED
 
     def with_debug_name(self, debug_name: str) -> Any:
         return self.sglang.with_debug_name(debug_name)

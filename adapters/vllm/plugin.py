@@ -23,7 +23,9 @@ variable                   default     meaning
 Warm-up and profiling passes are not recorded: recording starts after the
 worker's ``compile_or_warm_up_model`` returns. With a control endpoint, each
 worker writes ``moetrace-control-<pid>.json`` (its URL, pid, rank) into the
-output directory, so that ``port=0`` can be found.
+output directory, so that ``port=0`` can be found. The variables are read and
+checked by :class:`moetrace.adapters.settings.PluginSettings` (importable from here too),
+the reader the SGLang plugin shares.
 """
 
 from __future__ import annotations
@@ -34,15 +36,14 @@ import json
 import logging
 import multiprocessing.util
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moetrace.config import MODES
 from moetrace.recorder import RecorderStateError
 
 from ..base import Instrumentation, NoMoELayersError
+from ..settings import PluginSettings
 from .layers import check_vllm_version
 
 __all__ = ["PluginSettings", "WorkerSession", "current_session", "register"]
@@ -50,64 +51,6 @@ __all__ = ["PluginSettings", "WorkerSession", "current_session", "register"]
 log = logging.getLogger("moetrace.vllm")
 
 _MARK = "__moetrace_plugin__"
-
-
-def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        return default
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={raw!r} is not a boolean; use 1 or 0")
-
-
-def _int(environ: Mapping[str, str], name: str, default: int | None, low: int) -> int | None:
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value < low:
-        raise ValueError(f"{name}={value} must be >= {low}")
-    return value
-
-
-@dataclass(frozen=True)
-class PluginSettings:
-    """The plugin's configuration, read from ``MOETRACE_*`` environment variables (table above)."""
-
-    enabled: bool = False
-    mode: str = "stat"
-    output_dir: Path = Path(".")
-    window: int = 1000
-    autostart: bool = True
-    dump_on_exit: bool = True
-    control_port: int | None = None
-    control_host: str = "127.0.0.1"
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> PluginSettings:
-        """Parse the environment; raises ``ValueError`` naming the variable that is wrong."""
-        env = os.environ if environ is None else environ
-        if not _flag(env, "MOETRACE_ENABLED", False):
-            return cls()
-        mode = env.get("MOETRACE_MODE") or "stat"
-        if mode not in MODES:
-            raise ValueError(f"MOETRACE_MODE={mode!r} is not one of {MODES}")
-        return cls(
-            enabled=True,
-            mode=mode,
-            output_dir=Path(env.get("MOETRACE_OUTPUT_DIR") or "."),
-            window=_int(env, "MOETRACE_WINDOW", 1000, 1) or 1000,
-            autostart=_flag(env, "MOETRACE_AUTOSTART", True),
-            dump_on_exit=_flag(env, "MOETRACE_DUMP_ON_EXIT", True),
-            control_port=_int(env, "MOETRACE_CONTROL_PORT", None, 0),
-            control_host=env.get("MOETRACE_CONTROL_HOST") or "127.0.0.1",
-        )
 
 
 class WorkerSession:

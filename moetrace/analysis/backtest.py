@@ -25,6 +25,10 @@ splits evenly over its replicas; balancedness = mean / max GPU load):
 - ``oracle``: the plan fitted to the scored window itself (:func:`oracle_plan`),
   the headroom: the share of the greedy-to-oracle gap a planner closes says how
   much of what better planning could gain it gains.
+
+Over 500 lines: the hold-out, the backtest and the held-out estimate share one replay
+loop, its planners table and its result types; split apart they would import each other's
+private scoring helpers.
 """
 
 from __future__ import annotations
@@ -280,7 +284,7 @@ def holdout(series: PassSeries, fraction: float, config: PlacementConfig, num_wi
         or inconsistent sizes.
     """
     if not 0 < fraction < 1:
-        raise PlacementError(f"--holdout must be a fraction in (0, 1) (the share of passes held out), got {fraction!r}")
+        raise PlacementError(f"`fraction` must be a fraction in (0, 1) (the share of passes held out), got {fraction!r}")
     _check(series, config)
     cut = round(len(series) * (1 - fraction))
     if cut < 1 or cut >= len(series):
@@ -425,16 +429,16 @@ def backtest(
     """
     for name, value in (("window", window), ("every", every)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise PlacementError(f"--{name} must be a positive number of passes, got {value!r}")
+            raise PlacementError(f"`{name}` must be a positive number of passes, got {value!r}")
         if value % series.bucket:
-            raise PlacementError(f"--{name}={value} is not a multiple of the series' {series.bucket}-pass buckets")
+            raise PlacementError(f"`{name}`={value} is not a multiple of the series' {series.bucket}-pass buckets")
     _check(series, config)
     w, s = window // series.bucket, every // series.bucket
     starts = list(range(w, len(series) - s + 1, s))
     if not starts:
         raise PlacementError(
-            f"the trace has {int(series.passes.sum())} passes; a backtest needs at least --window + --every = {window + every}; "
-            "pass a smaller --window/--every or record longer"
+            f"the trace has {int(series.passes.sum())} passes; a backtest needs at least `window` + `every` = {window + every}; "
+            "pass a smaller `window`/`every` or record longer"
         )
     planners = default_planners(s, series.bucket) if planners is None else planners
     deployed_start = series.physical_to_logical if series.physical_to_logical.shape[1] == config.replicas else None

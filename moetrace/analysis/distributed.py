@@ -21,6 +21,9 @@ Inputs must be ``per_pass`` or ``per_token`` traces of one run (the same
 ``run_id`` and shapes): one file per rank (as the streaming modes write
 them), several segments per rank (consecutive dumps; their passes must not
 overlap), or both. Dask is imported only when a ``client`` is given.
+
+Over 500 lines: the task plan, the worker-side readers and the driver-side merge of one
+distributed analysis must agree on one task format; split, none of the pieces is usable alone.
 """
 
 from __future__ import annotations

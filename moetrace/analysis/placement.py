@@ -27,6 +27,9 @@ replicate-then-pack on the same loads):
 
 Predicted load assumes a logical expert's tokens split evenly over its
 replicas: GPU load ``= sum over its slots of w[e] / logcnt[e]``.
+
+Over 500 lines: the hierarchical planner (groups, nodes, GPUs, replication, move-aware
+keeping) is one algorithm whose steps share their arrays and argument checks.
 """
 
 from __future__ import annotations
@@ -54,7 +57,10 @@ __all__ = [
 
 
 class PlacementError(ValueError):
-    """Placement inputs that cannot work; the message says which and what to pass."""
+    """Placement inputs that cannot work; the message says which and what to pass.
+
+    Parameters are named in backticks (`` `window` ``); the CLI spells them as its flags.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +132,7 @@ def check_placement_args(
     nodes = _positive("nodes", num_nodes)
     gpus = _positive("gpus", num_gpus)
     if replicas < num_experts:
-        raise PlacementError(f"replicas={replicas} is smaller than the {num_experts} experts; every expert needs a slot (pass --replicas >= {num_experts})")
+        raise PlacementError(f"replicas={replicas} is smaller than the {num_experts} experts; every expert needs a slot (pass `replicas` >= {num_experts})")
     if replicas % gpus:
         raise PlacementError(f"replicas={replicas} is not divisible by gpus={gpus}; every GPU must hold the same number of expert slots")
     if gpus % nodes:
@@ -392,7 +398,7 @@ def check_current(current: np.ndarray, num_layers: int, num_experts: int, num_re
     if phy2log.shape != (num_layers, num_replicas):
         raise PlacementError(
             f"the current placement has shape {list(phy2log.shape)} but the plan needs [layers={num_layers}, replicas={num_replicas}]; "
-            "pass the plan deployed for the same layers and --replicas"
+            "pass the plan deployed for the same layers and `replicas`"
         )
     if not np.issubdtype(phy2log.dtype, np.integer) or (phy2log < 0).any() or (phy2log >= num_experts).any():
         raise PlacementError(f"the current placement must hold expert ids in [0, {num_experts})")

@@ -20,6 +20,9 @@ plus two chunks, however many requests pass. Live counters (decisions by
 replica/policy/reason, hit/miss/regret tokens, queue length and running
 requests per replica, wait and TTFT histograms per replica) back
 :meth:`RoutingRecorder.snapshot` for the exporters.
+
+Over 500 lines: the RoutingRecorder's lifecycle, its bounded row buffers and the builder of
+its ``/requests`` columns share one record layout.
 """
 
 from __future__ import annotations

@@ -72,6 +72,86 @@ class _Replica:
         self.decode_queue: collections.deque = collections.deque()
 
 
+_ARRIVE, _PREFILL_DONE, _FINISH = 0, 1, 2
+
+
+class _EventLoop:
+    """The discrete-event replay of one policy: arrivals, prefill completions and finishes, in time order."""
+
+    def __init__(self, replicas: list[_Replica], router: ReplicaRouter, rec: RoutingRecorder, policy: str,
+                 block_size: int, cost: CostModel) -> None:
+        self.replicas, self.router, self.rec, self.policy = replicas, router, rec, policy
+        self.block_size, self.cost = block_size, cost
+        self.events: list[tuple[float, int, int, TraceRequest]] = []  # (time, seq, kind, request)
+        self.seq = 0
+        self.state: dict[str, list] = {}  # rid -> [request, replica, cached_tokens]
+
+    def run(self, requests: Sequence[TraceRequest]) -> None:
+        for req in requests:
+            self.events.append((req.arrival, self.seq, _ARRIVE, req))
+            self.seq += 1
+        heapq.heapify(self.events)
+        handlers = {_ARRIVE: self._arrive, _PREFILL_DONE: self._prefilled, _FINISH: self._finish}
+        while self.events:
+            now, _, kind, req = heapq.heappop(self.events)
+            handlers[kind](req, now)
+
+    def _push(self, t: float, kind: int, req: TraceRequest) -> None:
+        heapq.heappush(self.events, (t, self.seq, kind, req))
+        self.seq += 1
+
+    def _arrive(self, req: TraceRequest, now: float) -> None:
+        route_req = RouteRequest(req.rid, req.input_tokens, req.hashes, req.session)
+        self.rec.on_arrival(req.rid, req.input_tokens, session=req.session, t=now)
+        decision = self.router.route(route_req)
+        self.rec.on_decision(req.rid, decision.replica, self.policy, decision.reason, decision.candidates, t=now)
+        if decision.migrated_from is not None:
+            self.rec.on_migration(req.session or "", decision.migrated_from, decision.replica, t=now)
+        self.router.assign(decision, route_req)
+        rep = self.replicas[decision.replica]
+        self.state[req.rid] = [req, rep, 0]
+        rep.prefill_queue.append(req)
+        self._start_prefill(rep, now)
+
+    def _prefilled(self, req: TraceRequest, now: float) -> None:
+        rep = self.state[req.rid][1]
+        rep.cache.insert(req.hashes)
+        rep.prefilling = False
+        self.router.prefilled(req.rid)
+        self.rec.on_first_token(req.rid, t=now)
+        if rep.decoding < self.cost.max_batch:
+            self._start_decode(rep, req, now)
+        else:
+            rep.decode_queue.append(req)
+        self._start_prefill(rep, now)
+
+    def _finish(self, req: TraceRequest, now: float) -> None:
+        _, rep, cached = self.state.pop(req.rid)
+        rep.decoding -= 1
+        self.router.finished(req.rid)
+        self.rec.on_finish(req.rid, req.output_tokens, cached, t=now)
+        if rep.decode_queue:
+            self._start_decode(rep, rep.decode_queue.popleft(), now)
+
+    def _start_prefill(self, rep: _Replica, now: float) -> None:
+        if rep.prefilling or not rep.prefill_queue:
+            return
+        req = rep.prefill_queue.popleft()
+        matched = rep.cache.match(req.hashes)
+        if matched:
+            rep.cache.touch(req.hashes[:matched])
+        cached = min(matched * self.block_size, req.input_tokens)
+        self.state[req.rid][2] = cached
+        rep.prefilling = True
+        self.rec.on_start(req.rid, t=now)
+        self.router.started(req.rid)
+        self._push(now + self.cost.prefill(req.input_tokens - cached), _PREFILL_DONE, req)
+
+    def _start_decode(self, rep: _Replica, req: TraceRequest, now: float) -> None:
+        rep.decoding += 1
+        self._push(now + max(req.output_tokens - 1, 0) * self.cost.decode_step(rep.decoding), _FINISH, req)
+
+
 def replay(requests: Sequence[TraceRequest], num_replicas: int, policy: str, *, block_size: int, cost: CostModel,
            cache_blocks: int | None = None, config: RouterConfig | None = None, out: str | Path | None = None,
            chunk_rows: int = 8192) -> ReplayResult:
@@ -91,71 +171,7 @@ def replay(requests: Sequence[TraceRequest], num_replicas: int, policy: str, *, 
     rec = RoutingRecorder(num_replicas, output_dir=out.parent, block_size=block_size, chunk_rows=chunk_rows,
                           clock=lambda: 0.0, clock_name="simulated", engine="moetrace.replicas.simulate")
     rec.start_record()
-    events: list[tuple[float, int, int, object]] = []  # (time, seq, kind, payload)
-    seq = 0
-    ARRIVE, PREFILL_DONE, FINISH = 0, 1, 2
-    for req in requests:
-        events.append((req.arrival, seq, ARRIVE, req))
-        seq += 1
-    heapq.heapify(events)
-    state: dict[str, list] = {}  # rid -> [request, replica, cached_tokens]
-
-    def push(t: float, kind: int, payload: object) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, seq, kind, payload))
-        seq += 1
-
-    def start_prefill(rep: _Replica, now: float) -> None:
-        if rep.prefilling or not rep.prefill_queue:
-            return
-        req = rep.prefill_queue.popleft()
-        matched = rep.cache.match(req.hashes)
-        if matched:
-            rep.cache.touch(req.hashes[:matched])
-        cached = min(matched * block_size, req.input_tokens)
-        state[req.rid][2] = cached
-        rep.prefilling = True
-        rec.on_start(req.rid, t=now)
-        router.started(req.rid)
-        push(now + cost.prefill(req.input_tokens - cached), PREFILL_DONE, req)
-
-    def start_decode(rep: _Replica, req: TraceRequest, now: float) -> None:
-        rep.decoding += 1
-        push(now + max(req.output_tokens - 1, 0) * cost.decode_step(rep.decoding), FINISH, req)
-
-    while events:
-        now, _, kind, payload = heapq.heappop(events)
-        req = payload  # type: ignore[assignment]
-        if kind == ARRIVE:
-            route_req = RouteRequest(req.rid, req.input_tokens, req.hashes, req.session)
-            rec.on_arrival(req.rid, req.input_tokens, session=req.session, t=now)
-            decision = router.route(route_req)
-            rec.on_decision(req.rid, decision.replica, policy, decision.reason, decision.candidates, t=now)
-            if decision.migrated_from is not None:
-                rec.on_migration(req.session or "", decision.migrated_from, decision.replica, t=now)
-            router.assign(decision, route_req)
-            rep = replicas[decision.replica]
-            state[req.rid] = [req, rep, 0]
-            rep.prefill_queue.append(req)
-            start_prefill(rep, now)
-        elif kind == PREFILL_DONE:
-            rep = state[req.rid][1]
-            rep.cache.insert(req.hashes)
-            rep.prefilling = False
-            router.prefilled(req.rid)
-            rec.on_first_token(req.rid, t=now)
-            if rep.decoding < cost.max_batch:
-                start_decode(rep, req, now)
-            else:
-                rep.decode_queue.append(req)
-            start_prefill(rep, now)
-        else:
-            _, rep, cached = state.pop(req.rid)
-            rep.decoding -= 1
-            router.finished(req.rid)
-            rec.on_finish(req.rid, req.output_tokens, cached, t=now)
-            if rep.decode_queue:
-                start_decode(rep, rep.decode_queue.popleft(), now)
+    _EventLoop(replicas, router, rec, policy, block_size, cost).run(requests)
     try:
         path = rec.dump_record(out)
     finally:

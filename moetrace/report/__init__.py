@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .evidence import Evidence
 
-__all__ = ["SIZE_BOUND", "build_report", "write_report"]
+__all__ = ["SIZE_BOUND", "build_report", "require_plotly", "write_report"]
 
 #: What the report embeds at most, whatever the trace length (docs/report.md).
 SIZE_BOUND = (
@@ -22,6 +22,18 @@ SIZE_BOUND = (
     "the expert heatmap at most {cells} cells, at most {requests} requests x {tokens} positions of routes, "
     "top pairs and transitions per layer; plus plotly.js (about 4.8 MB)."
 )
+
+
+def require_plotly() -> None:
+    """Fail early, naming the extra to install, when plotly (the ``report`` extra) is missing.
+
+    Raises:
+        ImportError: plotly cannot be imported; the message says ``pip install 'moetrace[report]'``.
+    """
+    try:
+        import plotly  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"the HTML report needs plotly ({exc}); install it: pip install 'moetrace[report]'") from None
 
 
 def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | str | None = None, top: int = 5) -> Path:

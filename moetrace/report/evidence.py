@@ -43,7 +43,7 @@ from ..trace.reader import open_trace
 from ..trace.requests import RequestTable, is_routing_trace, read_requests
 from ..trace.schema import TraceDamageError, TraceError
 
-__all__ = ["Evidence", "ExpertEvidence", "PlacementView", "RoutingEvidence", "gather", "placement_view"]
+__all__ = ["Evidence", "ExpertEvidence", "PlacementView", "RoutingEvidence", "gather", "placement_reading", "placement_view"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,3 +197,17 @@ def gather(paths: Sequence[Path], routes: Path | None = None, top: int = 5) -> E
         routes=None if routes is None else load_routes(routes).logical(),
         routes_path=routes,
     )
+
+
+def placement_reading(view: PlacementView) -> str:
+    """One line: the in-sample fit and the held-out estimate of a placement, each labelled."""
+    c = view.config
+    text = (f"plan {c.replicas} slots on {c.gpus} GPUs (replicating {view.hottest}): in-sample (planned and scored on this run) "
+            f"{view.balancedness_before:.3f} -> {view.balancedness_after:.3f}")
+    spread = view.held_out_spread()
+    if spread is None:
+        return text + "; held-out: n/a (too few passes)"
+    held = view.held_out
+    assert held is not None
+    return text + (f"; held-out (planned on {held.window} passes, scored on the next {held.every}) "
+                   + ", ".join(f"{k} {spread[k]['mean']:.3f}" for k in ("current", "greedy", "moetrace") if k in spread))

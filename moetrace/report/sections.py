@@ -20,7 +20,7 @@ from .. import metrics
 from ..replicas.analysis import load_over_time
 from ..trace.schema import Attr
 from . import figures
-from .evidence import Evidence, ExpertEvidence, PlacementView, RoutingEvidence
+from .evidence import Evidence, ExpertEvidence, PlacementView, RoutingEvidence, placement_reading
 
 __all__ = [
     "MAX_HEATMAP_CELLS",
@@ -199,20 +199,6 @@ def _placement(ev: ExpertEvidence) -> Section | None:
         figs.extend(_placement_figures(view))
         parts.insert(0, placement_reading(view))
     return Section("placement", "EP projection and placement plan", "; ".join(parts), figs)
-
-
-def placement_reading(view: PlacementView) -> str:
-    """One line: the in-sample fit and the held-out estimate of a placement, each labelled."""
-    c = view.config
-    text = (f"plan {c.replicas} slots on {c.gpus} GPUs (replicating {view.hottest}): in-sample (planned and scored on this run) "
-            f"{view.balancedness_before:.3f} -> {view.balancedness_after:.3f}")
-    spread = view.held_out_spread()
-    if spread is None:
-        return text + "; held-out: n/a (too few passes)"
-    held = view.held_out
-    assert held is not None
-    return text + (f"; held-out (planned on {held.window} passes, scored on the next {held.every}) "
-                   + ", ".join(f"{k} {spread[k]['mean']:.3f}" for k in ("current", "greedy", "moetrace") if k in spread))
 
 
 def _placement_figures(view: PlacementView) -> list[tuple[str, go.Figure]]:

@@ -67,7 +67,7 @@ def start(kind: str, rec, limits: ServerLimits):
 
 def inner(server):
     """The guarded server behind a ControlServer or a MetricsServer."""
-    return server.server if isinstance(server, prometheus.MetricsServer) else server._server
+    return server.server
 
 
 @pytest.mark.parametrize(("kind", "budgets"), [("control", False), ("control", True), ("metrics", True)])

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-__all__ = ["NUM_EXPERTS", "NUM_LAYERS", "TOP_K", "VOCAB", "build_checkpoint", "config"]
+__all__ = ["HOT_BOOST", "HOT_SHIFT", "NUM_EXPERTS", "NUM_LAYERS", "TOP_K", "VOCAB", "build_checkpoint", "config"]
 
 NUM_LAYERS, NUM_EXPERTS, TOP_K, VOCAB = 3, 8, 2, 128
 
@@ -31,9 +31,24 @@ def config() -> Qwen3MoeConfig:
     )
 
 
-def build_checkpoint(directory: Path, seed: int = 0) -> Path:
-    """Save the model (random float32 weights) into ``directory``."""
+HOT_SHIFT, HOT_BOOST = 0.05, 0.5
+"""Router bias of a skewed checkpoint: embedding column 0 shifted by ``HOT_SHIFT`` (so the
+normalised router input has a positive component 0 for every token) and the hot experts'
+router weights on that component raised by ``HOT_BOOST``."""
+
+
+def build_checkpoint(directory: Path, seed: int = 0, hot_experts: tuple[int, ...] = ()) -> Path:
+    """Save the model (random float32 weights) into ``directory``; ``hot_experts`` get a router bias.
+
+    With ``hot_experts=(0, 1)`` those two experts take about half of the assignments in
+    every layer on the test prompts (8 experts, top-2): a skewed load to plan a placement for.
+    """
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config()).to(torch.float32)
+    if hot_experts:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[:, 0] += HOT_SHIFT
+            for layer in model.model.layers:
+                layer.mlp.gate.weight[list(hot_experts), 0] += HOT_BOOST
     model.save_pretrained(directory)
     return directory

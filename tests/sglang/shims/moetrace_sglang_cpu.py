@@ -22,6 +22,20 @@ SGLang's own code runs, it fills three gaps of a CPU-only install:
 - host buffers of SGLang's state capturers (``--enable-return-routed-experts``)
   on device ``"cpu"``: allocated plainly; SGLang's default allocator pins them
   with ``cudaHostRegister``, which a CPU-only torch does not have.
+- expert parallelism on CPU (``ep_size > 1``): SGLang's standard dispatcher maps
+  each token's physical expert ids to the rank's *local* expert index and ids of
+  experts held by other ranks to ``-1`` (its GPU kernels skip them), but the CPU
+  fallback ``moe_forward_native`` indexes a per-expert count with them and dies
+  (``index -1 is out of bounds``); it also sizes that count by the global expert
+  count while ``layer.w13_weight`` holds only the rank's experts. Under EP only,
+  :func:`_local_experts_forward` computes the rank's local experts for the slots
+  routed to them and leaves ``-1`` slots at zero, as the GPU kernels do; SGLang's
+  all-reduce then adds the ranks' partial outputs. It runs after routing and
+  after the dispatcher: the ids SGLang's recorder (and moetrace) sees are never
+  touched. Without EP the original function runs unchanged.
+- a test-only straggler: ``MOETRACE_TEST_EXPERT_DELAY="RANK:SECONDS"`` makes the
+  expert compute of global rank ``RANK`` sleep ``SECONDS`` per MoE layer (the
+  phase-timing tests use it to check that the slow rank is named). Unset: nothing.
 """
 
 from __future__ import annotations
@@ -103,8 +117,64 @@ def _plain_host_buffers(module: types.ModuleType) -> None:
     module.ALLOC_MEMORY_FUNCS["cpu"] = allocate
 
 
+def _local_experts_forward(layer: Any, x: Any, topk_output: Any, moe_runner_config: Any) -> Any:
+    """The rank's local experts on ``x [T, H]``: ``topk_ids [T, k]`` local indices, ``-1`` = another rank's expert.
+
+    Same arithmetic as SGLang's ``moe_forward_native`` (SwiGLU per expert, slot outputs
+    ``[T, k, H]`` weighted and summed over ``k``), with ``-1`` slots left at zero.
+    """
+    import torch.nn.functional as F
+
+    unsupported = [name for name, on in (
+        ("apply_router_weight_on_input", moe_runner_config.apply_router_weight_on_input),
+        (f"activation {moe_runner_config.activation!r}", moe_runner_config.activation != "silu"),
+        ("gemm1_alpha", moe_runner_config.gemm1_alpha is not None),
+        ("expert biases", getattr(layer, "w13_weight_bias", None) is not None),
+    ) if on]
+    if unsupported:
+        raise NotImplementedError(f"the CPU EP shim (tests/sglang/shims) computes SiLU experts without biases only, not {unsupported}")
+    topk_weights, topk_ids, _ = topk_output
+    slots = x.new_zeros((*topk_ids.shape, x.shape[-1]))
+    for expert in range(layer.w13_weight.shape[0]):
+        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        if len(token):
+            gate, up = F.linear(x[token], layer.w13_weight[expert]).chunk(2, dim=-1)
+            slots[token, slot] = F.linear(F.silu(gate) * up, layer.w2_weight[expert])
+    return slots.type(topk_weights.dtype).mul_(topk_weights.unsqueeze(dim=-1)).sum(dim=1).type(x.dtype)
+
+
+def _expert_delay() -> tuple[int, float] | None:
+    import os
+
+    value = os.environ.get("MOETRACE_TEST_EXPERT_DELAY")
+    if not value:
+        return None
+    rank, _, seconds = value.partition(":")
+    return int(rank), float(seconds)
+
+
+def _cpu_experts(module: types.ModuleType) -> None:
+    original = module.moe_forward_native
+    delay = _expert_delay()
+
+    def moe_forward_native(layer: Any, x: Any, topk_output: Any, moe_runner_config: Any) -> Any:
+        if delay is not None:
+            import time
+
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_rank() == delay[0]:
+                time.sleep(delay[1])
+        if getattr(layer, "moe_ep_size", 1) > 1:
+            return _local_experts_forward(layer, x, topk_output, moe_runner_config)
+        return original(layer, x, topk_output, moe_runner_config)
+
+    module.moe_forward_native = moe_forward_native
+
+
 _AFTER_IMPORT: dict[str, Callable[[types.ModuleType], None]] = {
     "sglang.srt.mem_cache.pool_host.common": _plain_host_buffers,
+    "sglang.srt.layers.moe.fused_moe_native": _cpu_experts,
 }
 
 

@@ -1,0 +1,11 @@
+"""HTTP serving infrastructure: the guarded server (:mod:`.guarded`) and the handle of a running one (:mod:`.handle`).
+
+The control endpoint (:mod:`moetrace.control`) and the Prometheus ``/metrics``
+server (:mod:`moetrace.exporters.prometheus`) both run on it; it knows nothing
+of recorders. ``import moetrace`` does not load it.
+"""
+
+from .guarded import GuardedServerMixin, ServerLimits
+from .handle import ServerHandle
+
+__all__ = ["GuardedServerMixin", "ServerHandle", "ServerLimits"]

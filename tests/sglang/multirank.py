@@ -1,0 +1,51 @@
+"""What the multi-rank SGLang tests share: the CPU setting for two ranks, and the independent counts.
+
+Two scheduler processes on this 2-core machine need one core each
+(``SGLANG_CPU_OMP_THREADS_BIND="0|1"``; without it SGLang asserts that ranks must not
+outnumber NUMA nodes). The independent count is the Hugging Face forward of the same
+checkpoint on the token sequences the engine computed (:func:`.reference.hf_routes`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .checkpoint import NUM_EXPERTS, NUM_LAYERS
+from .engine import GENERATION, PROMPTS
+from .reference import hf_routes
+
+__all__ = ["TWO_RANKS", "WORKLOAD_TOKENS", "computed_sequences", "expert_count", "generate_sequentially", "hf_computed_routes"]
+
+TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+"""Environment of a two-rank CPU engine: one core per scheduler process."""
+
+WORKLOAD_TOKENS = sum(len(p) + GENERATION["max_new_tokens"] - 1 for p in PROMPTS)
+"""Tokens the engine computes for :data:`PROMPTS` one request at a time: 5+3+7 prompt
+positions and 3 fed-back generated tokens each (the last one is never fed back) = 24."""
+
+
+def generate_sequentially(llm: Any) -> list[dict[str, Any]]:
+    """One ``generate`` call per prompt (each forward pass then holds one request)."""
+    return [llm.generate(input_ids=p, sampling_params=GENERATION) for p in PROMPTS]
+
+
+def computed_sequences(answers: list[dict[str, Any]]) -> list[list[int]]:
+    """Each request's positions that went through a forward pass: prompt + generated tokens but the last."""
+    return [p + a["output_ids"][:-1] for p, a in zip(PROMPTS, answers, strict=True)]
+
+
+def hf_computed_routes(checkpoint: Path, answers: list[dict[str, Any]]) -> list[np.ndarray]:
+    """The Hugging Face router's top-k ``[positions, L, k]`` of every computed position, per request."""
+    return hf_routes(checkpoint, computed_sequences(answers))
+
+
+def expert_count(routes: list[np.ndarray]) -> np.ndarray:
+    """Assignments per layer and logical expert ``[L, E]`` of ``routes``."""
+    count = np.zeros((NUM_LAYERS, NUM_EXPERTS), np.int64)
+    for route in routes:
+        for layer in range(NUM_LAYERS):
+            count[layer] += np.bincount(route[:, layer].ravel(), minlength=NUM_EXPERTS)
+    return count

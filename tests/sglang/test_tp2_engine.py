@@ -1,0 +1,132 @@
+"""moetrace on a live two-rank SGLang engine (``sglang.Engine``, ``tp_size=2``, EP 1, TP attention), through the plugin.
+
+Two engines on the same checkpoint and requests (3 prompts of 5, 3 and 7 tokens, 4 new
+tokens each, one request at a time): a plain one, and one with moetrace in ``stat`` mode
+with phase timing and SGLang's own recorder in ``stat`` mode. The second runs the
+test-only straggler of tests/sglang/shims (``MOETRACE_TEST_EXPERT_DELAY``: global rank 1
+sleeps ``DELAY_S`` in every MoE layer's expert compute).
+
+Under TP attention both ranks route the same 24 tokens; moetrace's gathered trace holds
+both ranks' rows and its layout, and counts each token once: 24 tokens and
+24 x 3 layers x top-2 = 144 assignments, equal to the Hugging Face forward of the same
+checkpoint on the same positions. SGLang's own ``stat`` dump all-reduces the ranks'
+counts over the TP group, so each rank's ``.pt`` holds ``tp_size`` x that count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from moetrace.trace.reader import Trace, open_trace
+
+from ..servers import moetrace_cli
+from .checkpoint import NUM_LAYERS, TOP_K, build_checkpoint
+from .engine import engine
+from .multirank import (
+    TWO_RANKS,
+    WORKLOAD_TOKENS,
+    expert_count,
+    generate_sequentially,
+    hf_computed_routes,
+)
+
+pytestmark = pytest.mark.slow
+
+TP = 2
+DELAY_S = 0.02
+"""Injected sleep of rank 1 per MoE layer and pass (test-only, tests/sglang/shims)."""
+
+
+@dataclasses.dataclass
+class Run:
+    checkpoint: Path
+    answers: list[dict[str, Any]]
+    moetrace_files: list[Path]
+    sglang_files: list[Path]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint: Path) -> list[dict[str, Any]]:
+    with engine(str(checkpoint), {**TWO_RANKS, "MOETRACE_ENABLED": "0"}, tp_size=TP) as llm:
+        return generate_sequentially(llm)
+
+
+@pytest.fixture(scope="module")
+def run(checkpoint: Path, plain: Any, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    out = tmp_path_factory.mktemp("dumps")
+    env = {
+        **TWO_RANKS, "MOETRACE_ENABLED": "1", "MOETRACE_MODE": "stat", "MOETRACE_TIMING": "1",
+        "MOETRACE_OUTPUT_DIR": str(out / "moetrace"), "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR": str(out / "sglang"),
+        "MOETRACE_TEST_EXPERT_DELAY": f"1:{DELAY_S}",
+    }
+    with engine(str(checkpoint), env, tp_size=TP, expert_distribution_recorder_mode="stat") as llm:
+        llm.start_expert_distribution_record()
+        answers = generate_sequentially(llm)
+        llm.stop_expert_distribution_record()
+        llm.dump_expert_distribution_record()
+    return Run(checkpoint, answers, sorted((out / "moetrace").glob("moetrace-*.h5")), sorted((out / "sglang").glob("*.pt")))
+
+
+@pytest.fixture(scope="module")
+def trace(run: Run) -> Trace:
+    assert len(run.moetrace_files) == 1, f"a stat dump gathers both ranks into one file; found {run.moetrace_files}"
+    with open_trace(run.moetrace_files[0]) as t:
+        yield t
+
+
+@pytest.fixture(scope="module")
+def hf_count(run: Run) -> np.ndarray:
+    return expert_count(hf_computed_routes(run.checkpoint, run.answers))
+
+
+def test_outputs_are_identical_with_and_without_moetrace(run: Run, plain: list[dict[str, Any]]) -> None:
+    assert [a["output_ids"] for a in run.answers] == [a["output_ids"] for a in plain]
+
+
+def test_trace_records_the_tp_layout(trace: Trace) -> None:
+    layouts = trace.layouts
+    assert [(x.rank, x.tp_rank, x.tp_size, x.ep_size, x.attention, x.source) for x in layouts] == [(0, 0, 2, 1, "tp", "sglang"), (1, 1, 2, 1, "tp", "sglang")]
+    assert trace.attrs["world_size"] == TP and trace.attrs["rank"] == -1
+
+
+def test_tokens_and_assignments_equal_what_the_engine_computed(trace: Trace, hf_count: np.ndarray) -> None:
+    """24 tokens, 144 assignments: each token once, not once per TP rank."""
+    assert WORKLOAD_TOKENS == 24 and int(hf_count.sum()) == 24 * NUM_LAYERS * TOP_K == 144
+    assert trace.tokens_served() == WORKLOAD_TOKENS
+    assert list(trace.num_tokens()) == [WORKLOAD_TOKENS, WORKLOAD_TOKENS]  # each row's own view
+    np.testing.assert_array_equal(trace.logical_count(), hf_count)
+    assert int(trace.physical_count().sum()) == 144
+    # each rank's own row is the full count (replicated routing), which is why rows are not added
+    rows = trace.physical_count(per_rank=True)
+    np.testing.assert_array_equal(rows[0], hf_count)
+    np.testing.assert_array_equal(rows[1], hf_count)
+
+
+def test_sglang_recorder_counts_tp_size_times(run: Run, hf_count: np.ndarray) -> None:
+    """SGLang's stat dump all-reduces both ranks' counts over the TP group: each rank's file = tp_size x computed."""
+    assert len(run.sglang_files) == TP
+    for path in run.sglang_files:
+        dump = torch.load(path, weights_only=True)
+        np.testing.assert_array_equal(dump["logical_count"].numpy().sum(axis=0), TP * hf_count)
+
+
+def test_analyze_names_the_delayed_rank(run: Run, trace: Trace) -> None:
+    """Every phase is timed on both ranks; rank 1's expert compute carries the injected delay."""
+    text = moetrace_cli("analyze", str(run.moetrace_files[0]), timeout=120)
+    assert "slowest rank (expert compute): rank 1 in 100% of passes" in text, text
+    stat = trace.timing_stat()
+    assert (stat["phase_count"] > 0).all(), "route, dispatch, expert and combine are timed in every layer of both ranks"
+    expert = stat["phase_seconds_sum"][..., 2].sum(axis=1)  # [R]
+    passes = int(trace.num_passes()[1])
+    assert expert[1] - expert[0] > 0.7 * DELAY_S * NUM_LAYERS * passes

@@ -1,0 +1,63 @@
+"""moetrace on a live two-rank SGLang HTTP server (``python -m sglang.launch_server --tp-size 2``, loopback).
+
+Driven as a user would: ``moetrace start/stop/dump --sglang --url``, requests over
+``/generate`` one at a time, then ``moetrace inspect`` of the gathered ``stat`` trace.
+Both TP ranks route the same tokens (TP attention); the trace counts them once and
+equals the Hugging Face forward of the same checkpoint on the same positions.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from moetrace.trace.reader import open_trace
+
+from ..servers import free_port, moetrace_cli, post_json, serve
+from .checkpoint import build_checkpoint
+from .engine import CPU_ENV, ENGINE_ARGS, GENERATION, PROMPTS
+from .multirank import TWO_RANKS, WORKLOAD_TOKENS, expert_count, hf_computed_routes
+from .test_server import START_TIMEOUT, _flags
+
+pytestmark = pytest.mark.slow
+
+_post = functools.partial(post_json, timeout=120)
+_cli = functools.partial(moetrace_cli, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("tp2_server")
+    checkpoint = build_checkpoint(root / "qwen3_moe")
+    port = free_port()
+    env = {**os.environ, **CPU_ENV, **TWO_RANKS, "MOETRACE_ENABLED": "1", "MOETRACE_MODE": "stat", "MOETRACE_OUTPUT_DIR": str(root / "moetrace")}
+    args = {**ENGINE_ARGS, "tp_size": 2, "expert_distribution_recorder_mode": "stat"}
+    command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(checkpoint), "--host", "127.0.0.1", "--port", str(port), *_flags(args)]
+    url = f"http://127.0.0.1:{port}"
+    with serve(command, env, root / "server.log", url + "/health", START_TIMEOUT):
+        _cli("start", "--sglang", "--url", url)
+        answers = [_post(url + "/generate", {"input_ids": p, "sampling_params": GENERATION}) for p in PROMPTS]
+        _cli("stop", "--sglang", "--url", url)
+        _cli("dump", "--sglang", "--url", url)
+    (trace,) = (root / "moetrace").glob("moetrace-*.h5")
+    yield {"checkpoint": checkpoint, "answers": answers, "trace": trace}
+
+
+def test_server_trace_counts_each_token_once(served: dict[str, Any]) -> None:
+    expected = expert_count(hf_computed_routes(served["checkpoint"], served["answers"]))
+    with open_trace(served["trace"]) as trace:
+        assert [(x.rank, x.tp_rank, x.tp_size) for x in trace.layouts] == [(0, 0, 2), (1, 1, 2)]
+        assert trace.tokens_served() == WORKLOAD_TOKENS
+        np.testing.assert_array_equal(trace.logical_count(), expected)
+        assert int(trace.logical_count().sum()) == 144
+
+
+def test_inspect_shows_the_layout(served: dict[str, Any]) -> None:
+    text = _cli("inspect", str(served["trace"]))
+    assert "Rank rows: TP2 (TP attention) (sglang); tokens served 24" in text, text
