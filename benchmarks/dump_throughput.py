@@ -1,6 +1,9 @@
 """Streaming and dump throughput, per mode and per compression, side by side with numpy.save and a memory copy.
 
-Run: ``.venv/bin/python benchmarks/dump_throughput.py [--quick]``
+Run: ``.venv/bin/python benchmarks/dump_throughput.py [--quick] [--checksums]``
+
+``--checksums`` measures only what checksums cost (``moetrace.trace.integrity``): each
+per_token variant and the stat dump with and without them, interleaved, side by side.
 
 Everything is measured in one process, one variant after the other, against
 baselines taken in the same run on the same array:
@@ -28,6 +31,7 @@ baselines taken in the same run on the same array:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -47,6 +51,7 @@ from harness import interleaved, write_results
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.trace import open_trace
+from moetrace.trace.integrity import unsealed
 
 LAYERS, EXPERTS, TOP_K, PER_PASS = 16, 64, 8, 2048
 
@@ -67,8 +72,14 @@ def compressions() -> list[str]:
     return [*names, "zstd:1", "blosc2:5"]
 
 
-def token_stream(tmp: Path, tokens_total: int, mode: str = "per_token", **config: object) -> dict[str, float]:
-    """Record ``tokens_total`` tokens through the hooks (and the writer) and dump; returns the figures."""
+def token_stream(tmp: Path, tokens_total: int, mode: str = "per_token", checksums: bool = True, **config: object) -> dict[str, float]:
+    """Record ``tokens_total`` tokens through the hooks (and the writer) and dump; returns the figures.
+    ``checksums=False`` writes without them (``moetrace.trace.integrity.unsealed``), for the cost ratio."""
+    with contextlib.nullcontext() if checksums else unsealed():
+        return _token_stream(tmp, tokens_total, mode, **config)
+
+
+def _token_stream(tmp: Path, tokens_total: int, mode: str, **config: object) -> dict[str, float]:
     rng = np.random.default_rng(1)
     routes = [torch.as_tensor(zipf_ids(rng, PER_PASS, EXPERTS, TOP_K)) for _ in range(LAYERS)]
     rec = ExpertDistributionRecorder(RecorderConfig(num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K, mode=mode, output_dir=tmp, max_tokens_per_pass=PER_PASS, **config))  # type: ignore[arg-type]
@@ -156,10 +167,15 @@ def stat_dump(tmp: Path, window: int, compression: str, rounds: int) -> dict[str
                 fh.flush()
                 os.fsync(fh.fileno())
 
-    times = interleaved({"dump": lambda: rec.dump_record(tmp / "stat.h5"), "save": lambda: save(False), "save_fsync": lambda: save(True)}, rounds=rounds, warmup=1)
+    def dump_unsealed() -> None:
+        with unsealed():
+            rec.dump_record(tmp / "stat.h5")
+
+    times = interleaved({"dump": lambda: rec.dump_record(tmp / "stat.h5"), "dump_no_checksums": dump_unsealed, "save": lambda: save(False), "save_fsync": lambda: save(True)}, rounds=rounds, warmup=1)
     mb = array.nbytes / 1e6
     out = {"raw_mb": mb, "file_mb": (tmp / "stat.h5").stat().st_size / 1e6, "moetrace_mb_s": mb / times["dump"], "numpy_mb_s": mb / times["save"],
-           "numpy_fsync_mb_s": mb / times["save_fsync"], "ratio": times["save"] / times["dump"], "ratio_fsync": times["save_fsync"] / times["dump"]}
+           "numpy_fsync_mb_s": mb / times["save_fsync"], "ratio": times["save"] / times["dump"], "ratio_fsync": times["save_fsync"] / times["dump"],
+           "no_checksums_mb_s": mb / times["dump_no_checksums"], "checksum_ratio": times["dump_no_checksums"] / times["dump"]}
     (tmp / "stat.h5").unlink()
     return out
 
@@ -196,15 +212,44 @@ def versus(source: Path, tokens: int, rounds: int) -> dict[str, object]:
     return {"source": str(source), "rounds": rounds, "tokens": tokens, "runs": figures, "median_mb_s_int16": median, "speedup": median["now"] / median["before"]}
 
 
+def checksum_cost(quick: bool) -> None:
+    """Every per_token variant with and without checksums, interleaved over rounds (median), and
+    the stat dump; prints throughput with / without (1.00 = free)."""
+    tokens, window = (131072, 64) if quick else (524288, 256)
+    variants: dict[str, dict[str, object]] = {spec: {"compression": spec} for spec in compressions()}
+    variants["none, 8 MiB segments"] = {"compression": "none", "segment_bytes": 8 * 2**20}
+    runs: dict[tuple[str, bool], list[dict[str, float]]] = {(name, c): [] for name in variants for c in (True, False)}
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        keys = list(runs)
+        for r in range(3 if quick else 5):
+            for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+                runs[key].append(token_stream(tmp, tokens, checksums=key[1], **variants[key[0]]))  # type: ignore[arg-type]
+        stat = {spec: stat_dump(tmp, window, spec, rounds=5 if quick else 9) for spec in ("none", "gzip:1")}
+    median = {key: float(np.median([f["mb_s_int16"] for f in r])) for key, r in runs.items()}
+    results: dict[str, object] = {"workload": {"tokens": tokens, "layers": LAYERS, "experts": EXPERTS, "top_k": TOP_K}, "per_token_mb_s_int16": {
+        name: {"with": median[(name, True)], "without": median[(name, False)], "ratio": median[(name, True)] / median[(name, False)]} for name in variants}, "stat_dump": stat}
+    print(f"{'per_token (MB/s, int16)':<26}{'with':>8}{'without':>9}{'ratio':>7}")
+    for name, r in results["per_token_mb_s_int16"].items():  # type: ignore[union-attr]
+        print(f"{name:<26}{r['with']:>8.0f}{r['without']:>9.0f}{r['ratio']:>7.2f}")
+    for name, r in stat.items():
+        print(f"stat dump {name:<16}{r['moetrace_mb_s']:>8.0f}{r['no_checksums_mb_s']:>9.0f}{r['checksum_ratio']:>7.2f}")
+    print(f"wrote {write_results('dump_throughput_checksums', results)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller arrays")
     parser.add_argument("--versus", type=Path, help="also time the default per_token path of the moetrace source tree at this path (an older checkout) against this one")
+    parser.add_argument("--checksums", action="store_true", help="only the cost of checksums: each variant with and without them, interleaved (results: dump_throughput_checksums.json)")
     parser.add_argument("--child-default", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.child_default:
         print(json.dumps(default_per_token(args.child_default)))
+        return
+    if args.checksums:
+        checksum_cost(args.quick)
         return
     tokens, passes, window = (131072, 256, 64) if args.quick else (524288, 1024, 256)
     results: dict[str, object] = {"workload": {"tokens": tokens, "layers": LAYERS, "experts": EXPERTS, "top_k": TOP_K, "tokens_per_pass": PER_PASS}}

@@ -6,7 +6,19 @@ import typer
 
 import moetrace
 
-from . import analysis, control, demo, diff, placement, replicas, report, timeline, top, traces
+from . import (
+    analysis,
+    control,
+    demo,
+    diff,
+    placement,
+    replicas,
+    report,
+    timeline,
+    top,
+    traces,
+    verify,
+)
 
 __all__ = ["app", "main"]
 
@@ -29,6 +41,7 @@ app.command("convert")(traces.convert)
 app.command("merge")(traces.merge)
 app.command("inspect")(traces.inspect)
 app.command("recover")(traces.recover)
+app.command("verify")(verify.verify)
 # The whole job end to end on the reference runtime.
 app.command("demo")(demo.demo)
 # Request→replica routing: replay, compare, why.

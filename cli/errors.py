@@ -2,7 +2,8 @@
 
 Exit codes: 0 success, 1 the operation failed at run time (server refused or
 unreachable, write failed), 2 bad usage or bad input (missing file, not a
-trace, truncated, newer schema, inconsistent options).
+trace, truncated, damaged, newer schema, inconsistent options). Every HDF5
+failure while reading an input exits 2 with a message, never a traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import ParamSpec, TypeVar
 
 import typer
 
+from moetrace.trace.integrity import from_hdf5
 from moetrace.trace.schema import TraceError, TraceWriteError
 
 __all__ = ["EXIT_FAILED", "EXIT_INPUT", "CommandError", "guarded", "say_error"]
@@ -52,6 +54,12 @@ def guarded(command: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(EXIT_FAILED) from None
         except (TraceError, ValueError, FileNotFoundError, IsADirectoryError) as exc:
             say_error(str(exc))
+            raise typer.Exit(EXIT_INPUT) from None
+        except Exception as exc:
+            if not from_hdf5(exc):
+                raise
+            # The backstop of the one error boundary: the library names the file where it reads.
+            say_error(f"an input trace is damaged: HDF5 failed while reading it ({exc}); run `moetrace verify` on the inputs to see what is intact")
             raise typer.Exit(EXIT_INPUT) from None
 
     return wrapper

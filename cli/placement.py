@@ -53,7 +53,7 @@ from moetrace.analysis.placement import PlacementError, PlacementPlan, predicted
 from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.analysis.source import select_layers
 from moetrace.trace.reader import open_trace
-from moetrace.trace.schema import Attr, TraceError
+from moetrace.trace.schema import Attr, TraceDamageError, TraceError
 
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, parse_layers, stdout_console
@@ -116,6 +116,8 @@ def _expert_bytes(attrs: dict[str, Any], intermediate_size: int | None) -> int |
 def _series(tr: Any, index: np.ndarray, bucket: int | None, required: bool) -> PassSeries | None:
     try:
         return load_series(tr, index, bucket)
+    except TraceDamageError:
+        raise  # a damaged trace is never answered with the fallback plan
     except TraceError:
         if required:
             raise

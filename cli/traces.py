@@ -12,11 +12,12 @@ import typer
 from rich.table import Table
 
 from moetrace.trace.convert import convert_jsonl, convert_sglang
+from moetrace.trace.integrity import CHECKSUMS, reading
 from moetrace.trace.merge import merge_traces, rank_stops
 from moetrace.trace.reader import open_trace
-from moetrace.trace.schema import Attr, Data
+from moetrace.trace.schema import MERGED_DAMAGED_ATTR, Attr, Data
 
-from .errors import guarded
+from .errors import CommandError, guarded
 from .options import existing_file, output_path, stdout_console
 
 __all__ = ["convert", "inspect", "merge", "recover"]
@@ -54,7 +55,11 @@ def merge(
         existing_file(path)
     output_path(out)
     written = merge_traces(traces, out)
-    typer.echo(f"wrote {written}: {len(traces)} ranks")
+    with open_trace(written) as merged:
+        left_out = json.loads(str(merged.attrs.get(MERGED_DAMAGED_ATTR, "[]")))
+    typer.echo(f"wrote {written}: {len(traces) - len(left_out)} ranks")
+    if left_out:
+        raise CommandError(f"{len(left_out)} damaged input(s) were left out of {written} (it holds the intact ranks only): {'; '.join(left_out)}")
     for note in rank_stops(traces):
         typer.echo(note)
 
@@ -71,8 +76,12 @@ def recover(
 
     if out is not None:
         output_path(out)
-    for rank in recover_run(directory, out, run_id=run_id, force=force):
+    ranks = recover_run(directory, out, run_id=run_id, force=force)
+    for rank in ranks:
         typer.echo(rank.describe())
+    damaged = [f"rank {r.rank}: {d}" for r in ranks for d in r.damaged]
+    if damaged:
+        raise CommandError(f"{len(damaged)} damaged file(s) were left out of the recovery (the rest is recovered above): {'; '.join(damaged)}")
 
 
 def _datasets(path: Path) -> list[dict[str, object]]:
@@ -93,12 +102,14 @@ def _datasets(path: Path) -> list[dict[str, object]]:
                 }
             )
 
-    with h5py.File(path, "r") as f:
+    with reading(path), h5py.File(path, "r") as f:
         f.visititems(visit)
     return rows
 
 
 def _plain(value: object) -> object:
+    if isinstance(value, np.ndarray):  # e.g. timing_histogram_edges
+        return [_plain(v) for v in value.tolist()] if value.dtype.kind in "OSU" else value.tolist()
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, bytes):
@@ -114,17 +125,19 @@ def inspect(
     """Schema, root attributes, the parallel layout of each rank row, datasets (shape, dtype, size raw / on disk) of a trace."""
     with open_trace(existing_file(trace)) as tr:
         attrs = {k: _plain(v) for k, v in sorted(tr.attrs.items())}
+        checksums = CHECKSUMS if tr.verified else "none (written before checksums: unverified)"
         counted = tr.counted() if tr.has(Data.STAT_NUM_TOKENS) else None
         ranks = [{**layout.as_dict(), "counted": bool(counted.assignments[i]) if counted is not None else True,
                   "tokens": int(tr.num_tokens()[i]) if counted is not None else None} for i, layout in enumerate(tr.layouts)]
         served = tr.tokens_served() if counted is not None else None
     datasets = _datasets(trace)
     if as_json:
-        typer.echo(json.dumps({"path": str(trace), "file_bytes": trace.stat().st_size, "attrs": attrs, "ranks": ranks,
+        typer.echo(json.dumps({"path": str(trace), "file_bytes": trace.stat().st_size, "checksums": checksums, "attrs": attrs, "ranks": ranks,
                                "tokens_served": served, "datasets": datasets}, indent=2))
         return
     console = stdout_console()
     console.print(f"[bold]{trace}[/bold]  {attrs.get(Attr.SCHEMA)} v{attrs.get(Attr.SCHEMA_VERSION)}  {trace.stat().st_size} bytes on disk")
+    console.print(f"checksums: {checksums}; digests checked, contents are checked as read (`moetrace verify` reads them all)")
     table = Table(title="Root attributes", title_justify="left")
     table.add_column("attribute")
     table.add_column("value")

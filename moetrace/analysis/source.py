@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 import h5py
 import numpy as np
 
+from ..trace.integrity import reading
 from ..trace.reader import PassChunk, TokenChunk, Trace
 from ..trace.schema import Data, TraceError
 
@@ -73,10 +74,8 @@ def count_records(trace: Trace) -> tuple[str, int]:
         return "tokens", trace.num_rows(Data.TOKENS_TOPK_IDS)
     if trace.mode == "per_pass":
         return "passes", trace.num_rows(Data.PASSES_PASS_ID)
-    if trace.has(Data.WINDOW_PASS_ID):
-        with h5py.File(trace.path, "r") as f:
-            return "passes", int(f[Data.WINDOW_PASS_ID].shape[1])
-    return "passes", 0
+    shape = trace.shape(Data.WINDOW_PASS_ID)
+    return "passes", int(shape[1]) if shape else 0
 
 
 def token_pass_block(chunk: TokenChunk, layer_index: np.ndarray, num_physical: int) -> PassBlock:
@@ -113,18 +112,17 @@ def pass_block(chunk: PassChunk, layer_index: np.ndarray) -> PassBlock:
 
 
 def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterator[PassBlock]:
+    if not trace.has(Data.WINDOW_PASS_ID):
+        return
+    trace.check_invariants()
     counted = trace.counted()  # rank rows that replicate another's view are not added (TP attention)
-    with h5py.File(trace.path, "r") as f:
-        if Data.WINDOW_PASS_ID not in f:
-            return
+    with reading(trace.path, "/window"), h5py.File(trace.path, "r") as f:
         pass_ids, tokens, counts = f[Data.WINDOW_PASS_ID], f[Data.WINDOW_NUM_TOKENS], f[Data.WINDOW_PHYSICAL_COUNT]
         for start in range(0, pass_ids.shape[1], chunk):
-            try:
+            with reading(trace.path, f"/window slots {start}..{start + chunk - 1}"):
                 pid = np.asarray(pass_ids[:, start : start + chunk])
                 tok = np.asarray(tokens[:, start : start + chunk])
                 cnt = np.asarray(counts[:, start : start + chunk])
-            except OSError as exc:
-                raise TraceError(f"{trace.path}: /window is unreadable or truncated ({exc})") from exc
             filled = pid.max(axis=0) >= 0  # a row is a pass when any rank filled it
             yield PassBlock(
                 pass_id=pid.max(axis=0)[filled],

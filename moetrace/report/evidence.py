@@ -41,7 +41,7 @@ from ..replicas.analysis import summarize
 from ..routes import RouteSet, load_routes
 from ..trace.reader import open_trace
 from ..trace.requests import RequestTable, is_routing_trace, read_requests
-from ..trace.schema import TraceError
+from ..trace.schema import TraceDamageError, TraceError
 
 __all__ = ["Evidence", "ExpertEvidence", "PlacementView", "RoutingEvidence", "gather", "placement_reading", "placement_view"]
 
@@ -149,6 +149,8 @@ def _series(paths: list[Path]) -> PassSeries | None:
         from ..analysis.distributed import pass_series
 
         return pass_series(paths)
+    except TraceDamageError:
+        raise  # a damaged trace is never answered without its time axis
     except TraceError:  # fewer than two passes, or a stat trace without a window: no time axis
         return None
 

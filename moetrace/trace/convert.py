@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..ids import to_logical
-from .schema import Data, TraceError
+from .schema import PADDING_IDS, Data, TraceError
 from .writer import TraceHeader, TraceWriter, token_id_dtype
 
 __all__ = ["convert", "convert_jsonl", "convert_sglang"]
@@ -66,14 +66,17 @@ def _header(mode: str, mapping: np.ndarray, top_k: int, ep_size: int, layer_ids:
     )
 
 
-def _write_stat(writer: TraceWriter, physical: np.ndarray, invalid: np.ndarray, passes: int, tokens: int) -> None:
-    """``/stat`` for one rank from ``physical [L, P]`` and ``invalid [L]``."""
+def _write_stat(writer: TraceWriter, physical: np.ndarray, invalid: np.ndarray, passes: int, tokens: int, padding: np.ndarray | None = None) -> None:
+    """``/stat`` for one rank from ``physical [L, P]``, ``invalid [L]`` and, when the source
+    says, ``padding [L]`` (ids -1)."""
 
     h = writer.header
     num_layers, ep = h.num_layers, h.ep_size
     writer.write(Data.STAT_PHYSICAL_COUNT, physical[None].astype(np.int64))
     writer.write(Data.STAT_LOGICAL_COUNT, to_logical(physical, h.physical_to_logical)[None].astype(np.int64))
     writer.write(Data.STAT_INVALID_IDS, invalid[None].astype(np.int64))
+    if padding is not None:
+        writer.write(PADDING_IDS, padding[None].astype(np.int64))
     writer.write(Data.STAT_SEND_COUNT, np.zeros((1, num_layers, ep), np.int64))
     writer.write(Data.STAT_RECV_COUNT, np.zeros((1, num_layers, ep), np.int64))
     writer.write(Data.STAT_DROPPED, np.zeros((1, num_layers), np.int64))
@@ -81,11 +84,13 @@ def _write_stat(writer: TraceWriter, physical: np.ndarray, invalid: np.ndarray, 
     writer.write(Data.STAT_NUM_TOKENS, np.array([tokens], np.int64))
 
 
-def _append_tokens(writer: TraceWriter, topk: np.ndarray, pass_id: np.ndarray, position: np.ndarray, totals: np.ndarray, invalid: np.ndarray) -> None:
-    """Append token rows (ids ``>= P`` stored as -2) and add them to ``totals [L, P]`` / ``invalid [L]``."""
+def _append_tokens(writer: TraceWriter, topk: np.ndarray, pass_id: np.ndarray, position: np.ndarray, totals: np.ndarray, invalid: np.ndarray, padding: np.ndarray) -> None:
+    """Append token rows (ids ``>= P`` stored as -2) and add them to ``totals [L, P]``,
+    ``invalid [L]`` and ``padding [L]``."""
     num_physical = totals.shape[1]
     bad = (topk >= num_physical) | (topk < -1)
     invalid += bad.sum(axis=(0, 2))
+    padding += (topk == -1).sum(axis=(0, 2))
     ids = np.where(bad, -2, topk).astype(token_id_dtype(num_physical))
     ok = ids >= 0
     layer = np.broadcast_to(np.arange(totals.shape[0])[None, :, None], ids.shape)
@@ -96,10 +101,40 @@ def _append_tokens(writer: TraceWriter, topk: np.ndarray, pass_id: np.ndarray, p
 
 
 # ----------------------------------------------------------------------------- SGLang
-def _tensor(obj: object, what: str, src: Path) -> np.ndarray:
+def _tensor(obj: object, what: str, src: Path, shape: tuple[int | None, ...] | None = None, negative: bool = False) -> np.ndarray:
+    """``obj`` as an integer array, checked: a tensor, of an integer dtype, of ``shape``
+    (``None`` = any length on that axis), and without negative values unless ``negative``.
+
+    Raises:
+        TraceError: naming the field, what it holds and what was expected.
+    """
     if not isinstance(obj, torch.Tensor):
         raise TraceError(f"{src}: {what} is not a tensor ({type(obj).__name__}); not an SGLang expert-distribution dump")
-    return obj.detach().cpu().numpy()
+    if obj.dtype == torch.bool or obj.is_floating_point() or obj.is_complex():
+        raise TraceError(f"{src}: {what} has dtype {str(obj.dtype).removeprefix('torch.')}, expected an integer tensor; not an SGLang expert-distribution dump")
+    if shape is not None and (obj.ndim != len(shape) or any(e is not None and a != e for a, e in zip(obj.shape, shape, strict=False))):
+        want = ", ".join("*" if e is None else str(e) for e in shape)
+        raise TraceError(f"{src}: {what} has shape {list(obj.shape)}, expected [{want}]; not a dump of this model's layers and experts")
+    array = obj.detach().cpu().numpy()
+    if not negative and array.size and array.min() < 0:
+        raise TraceError(f"{src}: {what} holds negative counts (min {int(array.min())}); the dump is damaged")
+    return array
+
+
+def _record_int(record: dict, key: str, src: Path, index: int, default: int = 0) -> int:
+    """An integer field of record ``index`` (``forward_pass_id``, ``rank``)."""
+    value = record.get(key, default)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = int(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TraceError(f"{src}: record {index} has {key}={value!r}, expected an integer; not an SGLang expert-distribution dump")
+    return int(value)
+
+
+def _record_tensor(record: dict, key: str, src: Path, index: int, shape: tuple[int | None, ...], negative: bool = False) -> np.ndarray:
+    if key not in record:
+        raise TraceError(f"{src}: record {index} has no {key!r}; not an SGLang expert-distribution dump of this mode")
+    return _tensor(record[key], f"record {index}'s {key}", src, shape, negative)
 
 
 def convert_sglang(src: Path | str, out: Path | str, *, top_k: int | None = None, ep_size: int = 1, run_id: str | None = None, world_size: int | None = None, model: str = "") -> Path:
@@ -139,7 +174,7 @@ def _sglang_stat(src: Path, data: dict, out: Path | str, top_k: int | None, ep_s
     counts = _tensor(data["logical_count"], "logical_count", src).astype(np.int64)
     if counts.ndim == 2:
         counts = counts[None]
-    if counts.ndim != 3:
+    if counts.ndim != 3 or 0 in counts.shape[1:]:
         raise TraceError(f"{src}: logical_count has shape {list(counts.shape)}, expected [L, E] or [steps, L, E]")
     steps = int((counts.sum(axis=(1, 2)) > 0).sum())
     total = counts.sum(axis=0)
@@ -147,39 +182,40 @@ def _sglang_stat(src: Path, data: dict, out: Path | str, top_k: int | None, ep_s
     mapping = np.tile(np.arange(num_experts), (num_layers, 1))
     rank = int(data.get("rank", 0) or 0)
     with TraceWriter(out, _header("stat", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)) as writer:
-        _write_stat(writer, total, np.zeros(num_layers, np.int64), steps, int(total.sum(axis=1).max()) // k)
+        _write_stat(writer, total, np.zeros(num_layers, np.int64), steps, -(-int(total.sum(axis=1).max()) // k))
         return writer.commit()
 
 
 def _sglang_records(src: Path, data: dict, out: Path | str, top_k: int | None, ep_size: int, run_id: str | None, world_size: int | None, model: str) -> Path:
-    mapping = _tensor(data["last_physical_to_logical_map"], "last_physical_to_logical_map", src).astype(np.int64)
-    if mapping.ndim != 2:
-        raise TraceError(f"{src}: last_physical_to_logical_map has shape {list(mapping.shape)}, expected [L, P]")
+    mapping = _tensor(data["last_physical_to_logical_map"], "last_physical_to_logical_map", src, (None, None)).astype(np.int64)
+    if 0 in mapping.shape or mapping.max() >= mapping.shape[1]:
+        raise TraceError(f"{src}: last_physical_to_logical_map {list(mapping.shape)} maps to logical ids up to {int(mapping.max()) if mapping.size else None}, expected [L, P] with ids in [0, P)")
     if not all(isinstance(r, dict) for r in data["records"]):
         raise TraceError(f"{src}: 'records' must be a list of dicts; not an SGLang expert-distribution dump")
-    records = sorted(data["records"], key=lambda r: int(r.get("forward_pass_id", 0)))
+    pass_ids = [_record_int(r, "forward_pass_id", src, i) for i, r in enumerate(data["records"])]
+    records = [r for _, r in sorted(zip(pass_ids, data["records"], strict=True), key=lambda item: item[0])]
     per_token = bool(records) and "topk_ids_of_layer" in records[0]
-    ranks = {int(r.get("rank", 0)) for r in records} or {0}
+    ranks = {_record_int(r, "rank", src, i) for i, r in enumerate(records)} or {0}
     if len(ranks) > 1:
         raise TraceError(f"{src}: records from several ranks {sorted(ranks)}; SGLang writes one file per rank")
     rank = ranks.pop()
     num_layers, num_physical = mapping.shape
     if per_token:
-        widths = [_tensor(r["topk_ids_of_layer"], "topk_ids_of_layer", src) for r in records]
+        widths = [_record_tensor(r, "topk_ids_of_layer", src, i, (num_layers, None, None), negative=True) for i, r in enumerate(records)]
         used = max((int((w >= 0).any(axis=(0, 1)).sum()) for w in widths), default=1)
         k = int(top_k) if top_k else max(used, 1)
         header = _header("per_token", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)
         with TraceWriter(out, header) as writer:
-            totals, invalid, tokens = np.zeros((num_layers, num_physical), np.int64), np.zeros(num_layers, np.int64), 0
+            totals, invalid, padding, tokens = np.zeros((num_layers, num_physical), np.int64), np.zeros(num_layers, np.int64), np.zeros(num_layers, np.int64), 0
             writer.ensure_empty(Data.TOKENS_TOPK_IDS, (num_layers, k), token_id_dtype(num_physical))
             for record, ids in zip(records, widths, strict=True):
                 rows = np.ascontiguousarray(ids.transpose(1, 0, 2)[:, :, :k])  # [T, L, k]
                 tokens += len(rows)
                 pid = np.full(len(rows), int(record.get("forward_pass_id", 0)), np.int64)
-                _append_tokens(writer, rows, pid, np.arange(len(rows)), totals, invalid)
+                _append_tokens(writer, rows, pid, np.arange(len(rows)), totals, invalid, padding)
             writer.ensure_empty(Data.TOKENS_PASS_ID, (), np.dtype(np.int64))
             writer.ensure_empty(Data.TOKENS_POSITION, (), np.dtype(np.int32))
-            _write_stat(writer, totals, invalid, len(records), tokens)
+            _write_stat(writer, totals, invalid, len(records), tokens, padding)
             return writer.commit()
     k = _need_top_k(top_k, src, "per_pass")
     header = _header("per_pass", mapping, k, ep_size, np.arange(num_layers), rank, run_id, model, "sglang", world_size)
@@ -187,10 +223,8 @@ def _sglang_records(src: Path, data: dict, out: Path | str, top_k: int | None, e
         totals, tokens = np.zeros((num_layers, num_physical), np.int64), 0
         for start in range(0, len(records), _RECORDS_PER_CHUNK):
             part = records[start : start + _RECORDS_PER_CHUNK]
-            counts = np.stack([_tensor(r["global_physical_count"], "global_physical_count", src) for r in part]).astype(np.int32)
-            if counts.shape[1:] != (num_layers, num_physical):
-                raise TraceError(f"{src}: global_physical_count has shape {list(counts.shape[1:])}, expected [{num_layers}, {num_physical}]")
-            per_pass_tokens = counts.sum(axis=2).max(axis=1) // k
+            counts = np.stack([_record_tensor(r, "global_physical_count", src, start + i, (num_layers, num_physical)) for i, r in enumerate(part)]).astype(np.int32)
+            per_pass_tokens = -(-counts.sum(axis=2, dtype=np.int64).max(axis=1) // k)  # at least every assignment seen
             tokens += int(per_pass_tokens.sum())
             totals += counts.sum(axis=0)
             n = len(part)
@@ -257,7 +291,7 @@ def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None =
     num_layers = len(layer_ids)
     mapping = np.tile(np.arange(experts), (num_layers, 1))
     writer = TraceWriter(out, _header("per_token", mapping, top_k, 1, layer_ids, 0, run_id, model, "jsonl"))
-    totals, invalid = np.zeros((num_layers, experts), np.int64), np.zeros(num_layers, np.int64)
+    totals, invalid, padding = np.zeros((num_layers, experts), np.int64), np.zeros(num_layers, np.int64), np.zeros(num_layers, np.int64)
     pending: OrderedDict[tuple[object, int], tuple[np.ndarray, int, int]] = OrderedDict()
     flushed: set[tuple[object, int]] = set()
     seen_in_group: dict[tuple[object, int], int] = {}
@@ -275,7 +309,7 @@ def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None =
             positions.append(pos)
         if rows:
             state["tokens"] += len(rows)
-            _append_tokens(writer, np.stack(rows), np.array(pids), np.array(positions), totals, invalid)
+            _append_tokens(writer, np.stack(rows), np.array(pids), np.array(positions), totals, invalid, padding)
 
     with writer:
         for number, obj in _lines(src):
@@ -304,7 +338,7 @@ def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None =
         writer.ensure_empty(Data.TOKENS_TOPK_IDS, (num_layers, top_k), token_id_dtype(experts))
         writer.ensure_empty(Data.TOKENS_PASS_ID, (), np.dtype(np.int64))
         writer.ensure_empty(Data.TOKENS_POSITION, (), np.dtype(np.int32))
-        _write_stat(writer, totals, invalid, len(pass_ids), state["tokens"])
+        _write_stat(writer, totals, invalid, len(pass_ids), state["tokens"], padding)
         return writer.commit()
 
 

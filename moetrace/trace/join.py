@@ -14,6 +14,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from .integrity import reading
 from .ranks import read_layouts
 from .reader import open_trace
 from .schema import RANKS_GROUP, SAME_SEGMENT_ATTRS, Data, TraceError
@@ -57,17 +58,19 @@ def concat_segments(
     if not paths:
         raise TraceError("no segments to join")
     for path in paths:
-        open_trace(path).close()  # validates: complete, schema, version
+        open_trace(path).close()  # validates: complete, schema, version, checksums, layout
     files = [h5py.File(p, "r") for p in paths]
     try:
         _check_same(paths, files)
         first = files[0]
-        header = TraceHeader.of_attrs(dict(first.attrs), np.asarray(first[Data.LAYERS][()]), np.asarray(first[Data.PHYSICAL_TO_LOGICAL][()]), layouts=read_layouts(first))
+        with reading(paths[0], "/layers, /physical_to_logical and /ranks"):
+            header = TraceHeader.of_attrs(dict(first.attrs), np.asarray(first[Data.LAYERS][()]), np.asarray(first[Data.PHYSICAL_TO_LOGICAL][()]), layouts=read_layouts(first))
         with TraceWriter(out, header, compression=compression) as writer:
             if len(files) == 1:
-                for group in first:
-                    if isinstance(first[group], h5py.Group) and group != RANKS_GROUP:  # /ranks is part of the header
-                        writer.copy_group(first, group)
+                with reading(paths[0]):
+                    for group in first:
+                        if isinstance(first[group], h5py.Group) and group != RANKS_GROUP:  # /ranks is part of the header
+                            writer.copy_group(first, group)
             else:
                 _join(files, writer, block_rows)
             if extra is not None:
@@ -93,7 +96,7 @@ def _join(files: Sequence[h5py.File], writer: TraceWriter, block_rows: int) -> N
         if name in (Data.LAYERS, Data.PHYSICAL_TO_LOGICAL) or name.split("/", 1)[0] == RANKS_GROUP:  # header: written with it
             continue
         if name.split("/", 1)[0] == _ADDITIVE:
-            total = sum(np.asarray(f[name][()]) for f in files if name in f)
+            total = sum(_whole(f, name) for f in files if name in f)
             writer.write(name, np.asarray(total).astype(ds.dtype), compress=ds.compression is not None)
         elif ds.maxshape and ds.maxshape[0] is None:
             writer.ensure_empty(name, ds.shape[1:], ds.dtype)
@@ -102,6 +105,13 @@ def _join(files: Sequence[h5py.File], writer: TraceWriter, block_rows: int) -> N
                     continue
                 src = f[name]
                 for start in range(0, src.shape[0], block_rows):
-                    writer.append(name, np.asarray(src[start : start + block_rows]))
+                    with reading(f.filename, f"/{name}"):
+                        rows = np.asarray(src[start : start + block_rows])
+                    writer.append(name, rows)
         else:
-            writer.write(name, np.asarray([f for f in files if name in f][-1][name][()]))
+            writer.write(name, _whole([f for f in files if name in f][-1], name))
+
+
+def _whole(file: h5py.File, name: str) -> np.ndarray:
+    with reading(file.filename, f"/{name}"):
+        return np.asarray(file[name][()])

@@ -31,9 +31,20 @@ import h5py
 import numpy as np
 
 from ..layout import RankLayout
+from .integrity import reading
 from .ranks import read_layouts
 from .reader import open_trace
-from .schema import SAME_RUN_ATTRS, STREAM_GROUP, Attr, Data, TraceError, dataset
+from .schema import (
+    MERGED_DAMAGED_ATTR,
+    MERGED_RANKS_ATTR,
+    SAME_RUN_ATTRS,
+    STREAM_GROUP,
+    Attr,
+    Data,
+    TraceDamageError,
+    TraceError,
+    dataset,
+)
 from .writer import TraceHeader, TraceWriter
 
 __all__ = ["merge_traces", "rank_stops"]
@@ -41,16 +52,29 @@ __all__ = ["merge_traces", "rank_stops"]
 _WINDOW_FILL = {"pass_id": -1, "timestamp": 0.0, "num_tokens": 0, "physical_count": 0}
 
 
-def _check_inputs(paths: Sequence[Path]) -> tuple[list[Path], dict[str, object], np.ndarray, np.ndarray]:
-    """Inputs sorted by rank, rank 0's attributes, its layers and map; raises TraceError on any mismatch."""
+def _check_inputs(paths: Sequence[Path], damaged: dict[Path, str]) -> tuple[list[Path], list[int], dict[str, object], np.ndarray, np.ndarray]:
+    """Intact inputs sorted by rank, their ranks, the first one's attributes, layers and map.
+
+    Inputs that cannot be opened because they are damaged go into ``damaged``
+    (``{path: message}``); every other mismatch raises TraceError.
+    """
     if not paths:
         raise TraceError("merge needs at least one per-rank trace")
     infos = []
     for path in paths:
-        with open_trace(path) as trace:
-            infos.append((Path(path), trace.attrs, trace.layers, trace.physical_to_logical))
+        if path in damaged:
+            continue
+        try:
+            with open_trace(path) as trace:
+                infos.append((Path(path), trace.attrs, trace.layers, trace.physical_to_logical))
+        except TraceDamageError as exc:
+            damaged[path] = str(exc)
+    if not infos:
+        raise TraceDamageError(paths[0], f"every input is damaged, nothing to merge: {'; '.join(damaged.values())}")
     first_path, first, layers, mapping = infos[0]
     for path, attrs, lay, mp in infos:
+        if attrs[Attr.MODE] == "routing":
+            raise TraceError(f"{path}: a routing trace (one router's /requests); merge joins the per-rank traces of an expert recording")
         if int(attrs[Attr.RANK]) < 0:
             raise TraceError(f"{path}: already holds every rank (rank=-1); merge joins per-rank traces")
         if attrs[Attr.RUN_ID] != first[Attr.RUN_ID]:
@@ -61,11 +85,13 @@ def _check_inputs(paths: Sequence[Path]) -> tuple[list[Path], dict[str, object],
         if not (np.array_equal(lay, layers) and np.array_equal(mp, mapping)):
             raise TraceError(f"{path}: /layers or /physical_to_logical differs from {first_path}'s; cannot merge")
     ranks = sorted(int(attrs[Attr.RANK]) for _, attrs, _, _ in infos)
-    world = int(first[Attr.WORLD_SIZE])
-    if ranks != list(range(world)):
-        raise TraceError(f"merge needs ranks 0..{world - 1} exactly once each (world_size={world}), got ranks {ranks}")
-    ordered = [p for p, _ in sorted(((p, int(a[Attr.RANK])) for p, a, _, _ in infos), key=lambda x: x[1])]
-    return ordered, first, layers, mapping
+    world = int(first[Attr.WORLD_SIZE])  # type: ignore[call-overload]
+    complete = ranks == list(range(world))
+    partial = damaged and len(set(ranks)) == len(ranks) and len(ranks) + len(damaged) == world and all(0 <= r < world for r in ranks)
+    if not (complete or partial):
+        raise TraceError(f"merge needs ranks 0..{world - 1} exactly once each (world_size={world}), got ranks {ranks}" + (f" and {len(damaged)} damaged input(s)" if damaged else ""))
+    ordered = sorted(((p, int(a[Attr.RANK])) for p, a, _, _ in infos), key=lambda x: x[1])  # type: ignore[call-overload]
+    return [p for p, _ in ordered], [r for _, r in ordered], first, layers, mapping
 
 
 class _Cursor:
@@ -83,10 +109,8 @@ class _Cursor:
         if (len(self.buffer["pass_id"]) and not grow) or self.next >= self.rows:
             return
         stop = min(self.next + self.chunk, self.rows)
-        try:
+        with reading(self.file.filename, f"/{self.group} rows {self.next}..{stop - 1}"):
             rows = {n: np.asarray(self.file[dataset(self.group, n)][self.next : stop]) for n in self.names}
-        except OSError as exc:
-            raise TraceError(f"{self.file.filename}: /{self.group} is unreadable or truncated ({exc})") from exc
         pid = rows["pass_id"]
         if len(pid) and (pid[0] < self.last_pass or (np.diff(pid) < 0).any()):
             raise TraceError(f"{self.file.filename}: pass ids in /{self.group} are not in order; cannot merge by time")
@@ -110,12 +134,12 @@ class _Cursor:
         return out
 
 
-def _merge_stream(files: list[h5py.File], group: str, writer: TraceWriter, chunk: int) -> None:
+def _merge_stream(files: list[h5py.File], ranks: list[int], group: str, writer: TraceWriter, chunk: int) -> None:
     names = sorted(files[0][group].keys())
     for f in files[1:]:
         if sorted(f[group].keys()) != names or any(f[dataset(group, n)].shape[1:] != files[0][dataset(group, n)].shape[1:] for n in names):
             raise TraceError(f"{f.filename}: /{group} datasets differ in names or shapes from {files[0].filename}'s; cannot merge")
-    cursors = [_Cursor(f, group, names, rank, chunk) for rank, f in enumerate(files)]
+    cursors = [_Cursor(f, group, names, rank, chunk) for rank, f in zip(ranks, files, strict=True)]
     for name in names:
         ds = files[0][dataset(group, name)]
         writer.ensure_empty(dataset(group, name), ds.shape[1:], ds.dtype)
@@ -153,7 +177,8 @@ def _stack_static(files: list[h5py.File], group: str, writer: TraceWriter) -> No
                 raise TraceError(f"{f.filename}: /{key} is missing or shaped differently from {files[0].filename}'s; cannot merge")
         widths = [f[key].shape[1] if f[key].ndim > 1 else 0 for f in files]
         for f in files:
-            rows = np.asarray(f[key][()])
+            with reading(f.filename, f"/{key}"):
+                rows = np.asarray(f[key][()])
             if group == "window" and rows.shape[1] < max(widths):
                 pad = np.full((1, max(widths) - rows.shape[1], *rows.shape[2:]), _WINDOW_FILL[name], dtype=rows.dtype)
                 rows = np.concatenate([rows, pad], axis=1)
@@ -181,17 +206,36 @@ def rank_stops(paths: Sequence[Path | str]) -> list[str]:
 def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int = 65536) -> Path:
     """Merge per-rank traces of one run into ``out`` (copying; see the module docstring).
 
+    A damaged input (a checksum, HDF5 structure or invariant fails, found when it is
+    opened or while its rows are copied) is left out and the others are merged: the
+    result then names the damaged inputs in ``merged_damaged`` and its ranks in
+    ``merged_ranks`` (``/stat`` rows follow that list); check those attributes, as
+    ``moetrace merge`` does, before treating it as the whole run.
+
     Raises:
-        TraceError: an input is unreadable, from another run, of another
-            shape or mode, ranks are missing or repeated, or rows are out of order.
+        TraceError: an input is unreadable for another reason, from another run, of
+            another shape or mode, ranks are missing or repeated, or every input is damaged.
         TraceWriteError: ``out`` could not be written (nothing is left under that name).
     """
-    ordered, attrs, layers, mapping = _check_inputs([Path(p) for p in paths])
+    inputs = [Path(p) for p in paths]
+    damaged: dict[Path, str] = {}
+    while True:
+        ordered, ranks, attrs, layers, mapping = _check_inputs(inputs, damaged)
+        try:
+            return _write_merged(ordered, ranks, attrs, layers, mapping, Path(out), chunk_rows, damaged)
+        except TraceDamageError as exc:
+            culprit = next((p for p in ordered if str(exc.path) == str(p)), None)
+            if culprit is None:
+                raise
+            damaged[culprit] = str(exc)
+
+
+def _write_merged(ordered: list[Path], ranks: list[int], attrs: dict[str, object], layers: np.ndarray, mapping: np.ndarray, out: Path, chunk_rows: int, damaged: dict[Path, str]) -> Path:
     layouts: list[RankLayout] = []
     for path in ordered:
-        with h5py.File(path, "r") as f:
+        with reading(path, "/ranks"), h5py.File(path, "r") as f:
             layouts.extend(read_layouts(f))
-    header = TraceHeader.of_attrs(attrs, layers, mapping, rank=-1, world_size=len(ordered),
+    header = TraceHeader.of_attrs(attrs, layers, mapping, rank=-1, world_size=int(attrs[Attr.WORLD_SIZE]),  # type: ignore[call-overload]
                                   layouts=tuple(layouts) if len(layouts) == len(ordered) else ())
     files = [h5py.File(p, "r") for p in ordered]
     try:
@@ -200,13 +244,16 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
             _stack_static(files, "window", writer)
             group = STREAM_GROUP.get(header.mode)
             if group is not None and group in files[0]:
-                _merge_stream(files, group, writer, chunk_rows)
+                _merge_stream(files, ranks, group, writer, chunk_rows)
             if Data.TIMING in files[0]:
-                _merge_stream(files, Data.TIMING, writer, chunk_rows)
+                _merge_stream(files, ranks, Data.TIMING, writer, chunk_rows)
             for key, value in files[0].attrs.items():
                 if key.startswith(Attr.TIMING_PREFIX):
                     writer.set_attr(key, value)
             writer.set_attr(Attr.MERGED_FROM, json.dumps([p.name for p in ordered]))
+            if damaged:
+                writer.set_attr(MERGED_RANKS_ATTR, json.dumps(ranks))
+                writer.set_attr(MERGED_DAMAGED_ATTR, json.dumps([f"{p.name}: {why}" for p, why in damaged.items()]))
             stops = rank_stops(ordered)
             if stops:
                 writer.set_attr(Attr.RECOVERED_RANKS, json.dumps(stops))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import h5py
 import numpy as np
@@ -23,8 +24,10 @@ _FIELDS = {field.name for field in dataclasses.fields(RankLayout)}
 __all__ = ["counted_of", "read_layouts", "write_layouts"]
 
 
-def write_layouts(file: h5py.File, layouts: Sequence[RankLayout]) -> None:
-    """Root layout attributes and ``/ranks/*`` ``[R]`` of ``layouts`` (one per rank row, row order)."""
+def write_layouts(writer: Any, layouts: Sequence[RankLayout]) -> None:
+    """Root layout attributes and ``/ranks/*`` ``[R]`` of ``layouts`` (one per rank row, row order),
+    through ``writer``, a :class:`~moetrace.trace.writer.TraceWriter` (not imported: it imports
+    this module), so the datasets get their checksums like every other."""
     if not layouts:
         return
     first = layouts[0]
@@ -33,9 +36,9 @@ def write_layouts(file: h5py.File, layouts: Sequence[RankLayout]) -> None:
             raise ValueError(f"rank {other.rank} reports layout {other.describe()} but rank {first.rank} reports {first.describe()}; "
                              "every rank of one run must describe the same layout")
     for field, name in LAYOUT_ATTRS.items():
-        file.attrs[name] = getattr(first, field)
+        writer.set_attr(name, getattr(first, field))
     for name in RANK_COORDINATES:
-        file.create_dataset(dataset(RANKS_GROUP, name), data=np.array([getattr(layout, name) for layout in layouts], dtype=np.int32))
+        writer.write(dataset(RANKS_GROUP, name), np.array([getattr(layout, name) for layout in layouts], dtype=np.int32))
 
 
 def read_layouts(file: h5py.File) -> tuple[RankLayout, ...]:

@@ -16,15 +16,19 @@ import h5py
 import numpy as np
 
 from ..layout import CountedRows, RankLayout
+from . import integrity, invariants
 from .files import parse_temporary, process_alive
+from .integrity import reading
 from .ranks import counted_of, read_layouts
 from .schema import (
     COMPLETE_ATTR,
+    PADDING_IDS,
     REQUIRED_ATTRS,
     SCHEMA_NAME,
     SCHEMA_VERSION,
     Attr,
     Data,
+    TraceDamageError,
     TraceError,
     dataset,
 )
@@ -117,7 +121,17 @@ def _unfinished_hint(path: Path) -> str:
 
 
 class Trace:
-    """An open moetrace trace. Use as a context manager or call :meth:`close`."""
+    """An open moetrace trace. Use as a context manager or call :meth:`close`.
+
+    Opening checks the schema, the trace's checksums (:mod:`.integrity`: digests now,
+    each chunk's Fletcher-32 as it is read) and its layout invariants
+    (:mod:`.invariants`); the ``/stat`` and ``/window`` invariants are checked the first
+    time either is read. Every HDF5 failure becomes a :class:`TraceError`.
+
+    Attributes:
+        verified: the trace carries checksums (``False``: written before them; readable,
+            but nothing proves it unchanged).
+    """
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
@@ -125,19 +139,24 @@ class Trace:
             raise TraceError(f"{self.path}: no such file")
         try:
             self._file = h5py.File(self.path, "r")
-        except OSError as exc:
-            raise TraceError(f"{self.path}: not an HDF5 file or truncated ({exc}){_unfinished_hint(self.path)}") from exc
+        except Exception as exc:
+            if not (integrity.from_hdf5(exc) or isinstance(exc, OSError)):
+                raise
+            raise TraceDamageError(self.path, f"{self.path}: not an HDF5 file or truncated, or its superblock is damaged ({' '.join(str(exc).split())}){_unfinished_hint(self.path)}") from exc
+        self._stat_checked = False
         try:
-            self._validate()
-        except Exception:
+            with reading(self.path):
+                self._attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in self._file.attrs.items()}
+                self._validate()
+        except BaseException:
             self._file.close()
             raise
 
     def _validate(self) -> None:
-        attrs = self._file.attrs
+        attrs = self._attrs
         if attrs.get(Attr.SCHEMA) != SCHEMA_NAME:
             raise TraceError(f"{self.path}: not a moetrace trace (root attribute schema={attrs.get(Attr.SCHEMA)!r})")
-        version = int(attrs.get(Attr.SCHEMA_VERSION, -1))
+        version = int(attrs.get(Attr.SCHEMA_VERSION, -1))  # type: ignore[call-overload]
         if version > SCHEMA_VERSION:
             raise TraceError(
                 f"{self.path}: schema version {version} is newer than this moetrace understands "
@@ -154,6 +173,14 @@ class Trace:
             if name not in self._file:
                 raise TraceError(f"{self.path}: missing dataset /{name}")
         _check_filters(self._file, self.path)
+        self.verified = integrity.is_sealed(self._file)
+        if self.verified:
+            problems = integrity.check_seal(self._file, self.path)
+            if problems:
+                name, problem = next(iter(problems.items()))
+                others = f" (and {len(problems) - 1} more objects)" if len(problems) > 1 else ""
+                raise TraceDamageError(self.path, integrity.damage_message(self.path, "the root" if name == "/" else name, problem + others))
+        invariants.check_layout(self)
 
     # -- context manager ----------------------------------------------------------
     def __enter__(self) -> Trace:
@@ -169,21 +196,18 @@ class Trace:
     @property
     def attrs(self) -> dict[str, object]:
         """Root attributes as plain Python values."""
-        out: dict[str, object] = {}
-        for key, value in self._file.attrs.items():
-            out[key] = value.item() if isinstance(value, np.generic) else value
-        return out
+        return dict(self._attrs)
 
     def _int(self, key: str) -> int:
-        return int(self._file.attrs[key])
+        return int(self._attrs[key])  # type: ignore[call-overload]
 
     @property
     def mode(self) -> str:
-        return str(self._file.attrs[Attr.MODE])
+        return str(self._attrs[Attr.MODE])
 
     @property
     def id_space(self) -> str:
-        return str(self._file.attrs[Attr.ID_SPACE])
+        return str(self._attrs[Attr.ID_SPACE])
 
     @property
     def num_layers(self) -> int:
@@ -207,7 +231,7 @@ class Trace:
 
     @property
     def run_id(self) -> str:
-        return str(self._file.attrs[Attr.RUN_ID])
+        return str(self._attrs[Attr.RUN_ID])
 
     @property
     def layers(self) -> np.ndarray:
@@ -224,14 +248,16 @@ class Trace:
     def layouts(self) -> tuple[RankLayout, ...]:
         """The parallel layout of each ``/stat`` rank row, row order (``()`` for traces written without one)."""
         if not hasattr(self, "_layouts"):
-            self._layouts = read_layouts(self._file)
+            with reading(self.path, "/ranks"):
+                self._layouts = read_layouts(self._file)
         return self._layouts
 
     def counted(self) -> CountedRows:
         """Which ``/stat`` rank rows the totals count: one view per group of ranks that route the same
         tokens (TP attention replicas count once), every row when ranks hold their own tokens or the
         trace has no layout. See ``docs/trace-format.md``, "What a rank row means"."""
-        return counted_of(self.layouts, int(self._file[Data.STAT_NUM_TOKENS].shape[0]) if Data.STAT_NUM_TOKENS in self._file else len(self.layouts))
+        rows = self.shape(Data.STAT_NUM_TOKENS)
+        return counted_of(self.layouts, rows[0] if rows else len(self.layouts))
 
     def counted_ranks(self) -> set[int] | None:
         """Global ranks whose streamed rows (``rank`` column of a merged trace) are counted; ``None``: all."""
@@ -247,33 +273,55 @@ class Trace:
 
     def has(self, name: str) -> bool:
         """Whether dataset or group ``name`` exists (e.g. ``"tokens/topk_ids"``)."""
-        return name in self._file
+        with reading(self.path, f"/{name}"):
+            return name in self._file
 
     def _read(self, name: str) -> np.ndarray:
-        if name not in self._file:
+        if not self.has(name):
             raise TraceError(f"{self.path}: has no /{name} (mode {self.mode!r})")
-        try:
+        with reading(self.path, f"/{name}"):
             return np.asarray(self._file[name][()])
-        except OSError as exc:
-            raise TraceError(f"{self.path}: dataset /{name} is unreadable or truncated ({exc})") from exc
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape of dataset ``name`` (``None`` when absent); reads no data."""
+        with reading(self.path, f"/{name}"):
+            return tuple(self._file[name].shape) if name in self._file else None
 
     def num_rows(self, name: str) -> int:
         """Rows along axis 0 of a streamed dataset (0 when absent)."""
-        return int(self._file[name].shape[0]) if name in self._file else 0
+        shape = self.shape(name)
+        return int(shape[0]) if shape else 0
+
+    def check_invariants(self) -> None:
+        """Check the ``/stat`` and ``/window`` invariants (once; the stat and window accessors call it first).
+
+        Raises:
+            TraceError: naming the dataset and the figures that disagree.
+        """
+        if not self._stat_checked:
+            self._stat_checked = True
+            try:
+                invariants.check_stat(self)
+            except BaseException:
+                self._stat_checked = False
+                raise
 
     # -- stat -------------------------------------------------------------------------
     def physical_count(self, per_rank: bool = False) -> np.ndarray:
         """Total counts per physical expert: ``[L, P]`` over the counted rank rows (:meth:`counted`), or every row's view ``[R, L, P]``."""
+        self.check_invariants()
         counts = self._read(Data.STAT_PHYSICAL_COUNT)
         return counts if per_rank else counts[self.counted().assignments].sum(axis=0)
 
     def logical_count(self, per_rank: bool = False) -> np.ndarray:
         """Total counts per logical expert: ``[L, E]`` over the counted rank rows, or every row's view ``[R, L, E]``."""
+        self.check_invariants()
         counts = self._read(Data.STAT_LOGICAL_COUNT)
         return counts if per_rank else counts[self.counted().assignments].sum(axis=0)
 
     def invalid_ids(self) -> np.ndarray:
         """Out-of-range ids seen per rank and layer ``[R, L]``."""
+        self.check_invariants()
         return self._read(Data.STAT_INVALID_IDS)
 
     def send_count(self) -> np.ndarray:
@@ -312,20 +360,27 @@ class Trace:
 
     def num_passes(self) -> np.ndarray:
         """Forward passes recorded per rank ``[R]``."""
+        self.check_invariants()
         return self._read(Data.STAT_NUM_PASSES)
+
+    def padding_ids(self) -> np.ndarray | None:
+        """Padding ids (-1) seen per rank and layer ``[R, L]``; ``None`` in traces that predate them."""
+        return self._read(PADDING_IDS) if self.has(PADDING_IDS) else None
 
     def dropped_passes(self) -> np.ndarray:
         """Streaming passes dropped whole per rank ``[R]`` (``on_overflow="drop"``; zeros when absent)."""
-        if Data.STAT_DROPPED_PASSES not in self._file:
+        if not self.has(Data.STAT_DROPPED_PASSES):
             return np.zeros(self.num_passes().shape, dtype=np.int64)
         return self._read(Data.STAT_DROPPED_PASSES)
 
     def num_tokens(self) -> np.ndarray:
         """Tokens recorded per rank row ``[R]`` (each row's own view; :meth:`tokens_served` counts each token once)."""
+        self.check_invariants()
         return self._read(Data.STAT_NUM_TOKENS)
 
     def window(self) -> Window:
         """The ``stat`` mode's time-ordered window (oldest first)."""
+        self.check_invariants()
         return Window(
             pass_id=self._read(Data.WINDOW_PASS_ID),
             timestamp=self._read(Data.WINDOW_TIMESTAMP),
@@ -337,7 +392,7 @@ class Trace:
     @property
     def has_timing(self) -> bool:
         """Whether the trace holds phase timing (recorded with ``RecorderConfig(timing=True)``)."""
-        return Attr.TIMING_PHASES in self._file.attrs
+        return Attr.TIMING_PHASES in self._attrs
 
     def timing_stat(self) -> dict[str, np.ndarray]:
         """Timing aggregates per rank: ``phase_seconds_sum [R, L, F]``, ``phase_histogram [R, L, F, B]``, ... (see docs/trace-format.md)."""
@@ -346,16 +401,19 @@ class Trace:
         names = ("phase_seconds_sum", "phase_seconds_max", "phase_count", "phase_histogram", "step_seconds_sum",
                  "step_seconds_max", "step_count", "step_histogram", "peak_memory_bytes", "timing_dropped_passes")
         out = {name: self._read(dataset(Data.STAT, name)) for name in names}
-        out["histogram_edges"] = np.asarray(self._file.attrs[Attr.TIMING_HISTOGRAM_EDGES])
+        out["histogram_edges"] = np.asarray(self._attrs[Attr.TIMING_HISTOGRAM_EDGES])
         return out
 
     def timing_rows(self) -> dict[str, np.ndarray]:
         """Every ``/timing`` row (one per pass and rank), with a ``rank [N]`` column even in a per-rank file."""
         if not self.has_timing:
             raise TraceError(f"{self.path}: holds no phase timing (record with RecorderConfig(timing=True))")
-        rows = {name: self._read(dataset(Data.TIMING, name)) for name in self._file[Data.TIMING]} if Data.TIMING in self._file else {}
+        with reading(self.path, "/timing"):
+            names = list(self._file[Data.TIMING]) if self.has(Data.TIMING) else []
+        rows = {name: self._read(dataset(Data.TIMING, name)) for name in names}
+        invariants.check_timing_rows(self.path, rows)
         if "rank" not in rows:
-            rank = max(int(self._file.attrs[Attr.RANK]), 0)
+            rank = max(self._int(Attr.RANK), 0)
             rows["rank"] = np.full(len(rows.get("pass_id", ())), rank, dtype=np.int32)
         return rows
 
@@ -367,9 +425,11 @@ class Trace:
         another rank's (see :meth:`counted_ranks`), so that totals count each token once.
         """
         names = ("pass_id", "timestamp", "num_tokens", "physical_count", "invalid_ids", "send_count", "recv_count")
+        order = invariants.RowOrder(self.path, "passes", timestamps=True)
         for start in range(0, self.num_rows(Data.PASSES_PASS_ID), chunk):
             keep = self._counted_mask("passes", start, chunk) if counted_only else None
             rows = {n: self._slice(dataset(Data.PASSES, n), start, chunk) for n in names}
+            order.check(rows["pass_id"], rows["timestamp"], self._slice(dataset(Data.PASSES, "rank"), start, chunk) if self.has(dataset(Data.PASSES, "rank")) else None)
             if keep is not None:
                 rows = {n: a[keep] for n, a in rows.items()}
             if len(rows["pass_id"]):
@@ -377,9 +437,11 @@ class Trace:
 
     def iter_tokens(self, chunk: int = 65536, counted_only: bool = False) -> Iterator[TokenChunk]:
         """``/tokens`` in chunks of at most ``chunk`` tokens (bounded memory); ``counted_only`` as for :meth:`iter_passes`."""
+        order = invariants.RowOrder(self.path, "tokens")
         for start in range(0, self.num_rows(Data.TOKENS_TOPK_IDS), chunk):
             keep = self._counted_mask("tokens", start, chunk) if counted_only else None
             rows = {n: self._slice(dataset(Data.TOKENS, n), start, chunk) for n in ("topk_ids", "pass_id", "position")}
+            order.check(rows["pass_id"])
             if keep is not None:
                 rows = {n: a[keep] for n, a in rows.items()}
             if len(rows["pass_id"]):
@@ -388,7 +450,7 @@ class Trace:
     def _counted_mask(self, group: str, start: int, count: int) -> np.ndarray | None:
         """Rows ``[n]`` of a merged stream that come from counted ranks; ``None`` when every row counts."""
         keep = self.counted_ranks()
-        if keep is None or dataset(group, "rank") not in self._file or len(keep) == len(self.layouts):
+        if keep is None or not self.has(dataset(group, "rank")) or len(keep) == len(self.layouts):
             return None
         return np.isin(self._slice(dataset(group, "rank"), start, count), sorted(keep))
 
@@ -399,10 +461,10 @@ class Trace:
         return self._slice(name, start, self.num_rows(name) - start if count is None else count)
 
     def _slice(self, name: str, start: int, count: int) -> np.ndarray:
-        try:
+        if not self.has(name):
+            raise TraceError(f"{self.path}: has no /{name} (mode {self.mode!r})")
+        with reading(self.path, f"/{name}"):
             return np.asarray(self._file[name][start : start + count])
-        except (OSError, KeyError) as exc:
-            raise TraceError(f"{self.path}: dataset /{name} is unreadable or truncated ({exc})") from exc
 
 
 def open_trace(path: Path | str) -> Trace:
@@ -410,6 +472,7 @@ def open_trace(path: Path | str) -> Trace:
 
     Raises:
         TraceError: the file is missing, not HDF5, not a moetrace trace,
-            incomplete, or of a newer schema version.
+            incomplete, of a newer schema version, damaged (a checksum or an
+            invariant fails), naming the object, the damage and the remedy.
     """
     return Trace(path)

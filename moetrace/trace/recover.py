@@ -9,7 +9,9 @@ joins them into one trace per rank, marked with root attributes:
 - ``recovered_last_pass``: the last pass id the trace holds;
 - ``recovered_last_segment_unix``: when its last segment (or the checkpoint) was closed;
 - ``recovered_segments``: how many segments were joined;
-- ``recovered_lost``: JSON description of what was lost (from the journal).
+- ``recovered_lost``: JSON description of what was lost (from the journal);
+- ``recovered_damaged``: JSON list of the segments (or checkpoint) left out because
+  ``moetrace verify`` found them damaged, each with the passes it held.
 
 Segments that an earlier ``dump_record`` consumed are already in that dump and
 are not repeated. A run whose process still runs is refused (its segments are
@@ -27,7 +29,7 @@ from pathlib import Path
 from .files import CHECKPOINT_RE, JOURNAL_RE, SEGMENT_RE, process_alive, sweep_dead_temporaries
 from .join import concat_segments
 from .journal import Journal
-from .schema import Attr, TraceError
+from .schema import RECOVERED_DAMAGED_ATTR, Attr, TraceError
 
 __all__ = ["RankRecovery", "find_runs", "recover"]
 
@@ -56,12 +58,14 @@ class RankRecovery:
     lost: str
     lost_passes: int | None
     dumped_to: tuple[str, ...]
+    damaged: tuple[str, ...] = ()
 
     def describe(self) -> str:
         where = f"{self.path}" if self.path else "nothing recoverable"
         span = f"passes {self.first_pass}..{self.last_pass} ({self.passes} passes, {self.tokens} tokens) from {self.segments} segment(s)" if self.path else ""
         dumped = f"; earlier dumps: {', '.join(self.dumped_to)}" if self.dumped_to else ""
-        return f"rank {self.rank} ({self.mode}): {where} {span}; lost: {self.lost}{dumped}".replace("  ", " ")
+        damaged = f"; DAMAGED and left out: {'; '.join(self.damaged)}" if self.damaged else ""
+        return f"rank {self.rank} ({self.mode}): {where} {span}; lost: {self.lost}{dumped}{damaged}".replace("  ", " ")
 
 
 @dataclasses.dataclass
@@ -120,8 +124,11 @@ def _recover_rank(run_id: str, rank: int, files: _RankFiles, out: Path, events: 
         if gaps:
             raise TraceError(f"rank {rank} of run {run_id}: segments {indices} are not consecutive (missing before {gaps}); was a segment deleted?")
         paths = [files.segments[i] for i in indices]
+    paths, damaged = _intact(paths, events)
+    if damaged:
+        lost = f"{lost}; and the passes of the damaged file(s) left out"
     if not paths:
-        return RankRecovery(run_id, rank, mode, None, 0, 0, 0, -1, -1, 0.0, lost, lost_passes, dumped)
+        return RankRecovery(run_id, rank, mode, None, 0, 0, 0, -1, -1, 0.0, lost, lost_passes, dumped, damaged)
     with open_trace(paths[0]) as first_trace, open_trace(paths[-1]) as last_trace:
         first_attrs, last_attrs = first_trace.attrs, last_trace.attrs
         mode = str(first_attrs[Attr.MODE])
@@ -139,13 +146,34 @@ def _recover_rank(run_id: str, rank: int, files: _RankFiles, out: Path, events: 
         Attr.RECOVERED_LAST_SEGMENT_UNIX: closed,
         Attr.RECOVERED_SEGMENTS: len(paths),
         Attr.RECOVERED_LOST: json.dumps({"lost": lost, "lost_passes": lost_passes}),
+        RECOVERED_DAMAGED_ATTR: json.dumps(list(damaged)),
     }
     written = concat_segments(paths, out, attrs=attrs)
     with open_trace(written) as trace:
         passes, tokens = int(trace.num_passes().sum()), int(trace.num_tokens().sum())
     if files.checkpoint is not None:
         first_pass = last_pass - passes + 1 if passes else -1
-    return RankRecovery(run_id, rank, mode, written, len(paths), passes, tokens, first_pass, last_pass, closed, lost, lost_passes, dumped)
+    return RankRecovery(run_id, rank, mode, written, len(paths), passes, tokens, first_pass, last_pass, closed, lost, lost_passes, dumped, damaged)
+
+
+def _intact(paths: list[Path], events: list[dict[str, object]]) -> tuple[list[Path], tuple[str, ...]]:
+    """The files among ``paths`` that :func:`~moetrace.trace.verify.verify_trace` finds
+    intact (or readable and unverified), and one line per damaged one (with the passes
+    it held, from the journal)."""
+    from .verify import verify_trace
+
+    held = {str(e.get("path")): e for e in events if e.get("event") in ("segment", "checkpoint")}
+    keep, damaged = [], []
+    for path in paths:
+        report = verify_trace(path)
+        if not report.damaged and not report.problems:
+            keep.append(path)
+            continue
+        note = held.get(path.name, {})
+        span = f" (passes {note['first_pass']}..{note['last_pass']}, {note.get('passes', '?')} passes)" if "first_pass" in note else ""
+        what = ", ".join(report.damaged) or (report.problems[0][:200] if report.problems else "")
+        damaged.append(f"{path.name}{span}: {what}")
+    return keep, tuple(damaged)
 
 
 def recover(directory: Path | str, out: Path | str | None = None, run_id: str | None = None, force: bool = False) -> list[RankRecovery]:

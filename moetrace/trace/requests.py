@@ -16,6 +16,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from . import integrity
+from .integrity import reading
+
 # The /requests field tables live in schema.py with every other trace name; importable from here too.
 from .schema import (
     CANDIDATE_FIELDS,
@@ -132,7 +135,12 @@ def read_requests(path: str | Path) -> RequestTable:
         f = h5py.File(path, "r")
     except OSError as exc:
         raise TraceError(f"{path} is not a readable HDF5 file: {exc}") from exc
-    with f:
+    with f, reading(path, "/requests"):
+        if integrity.is_sealed(f):
+            problems = integrity.check_seal(f, path)
+            if problems:
+                name, problem = next(iter(problems.items()))
+                raise TraceError(integrity.damage_message(path, "the root" if name == "/" else name, problem))
         if Data.REQUESTS not in f:
             raise TraceError(f"{path} has no /requests group; it is not a routing trace (record one with RoutingRecorder or `moetrace replicas replay --out`)")
         g = f[Data.REQUESTS]

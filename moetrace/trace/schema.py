@@ -25,13 +25,20 @@ from ..layout import RankLayout
 
 __all__ = [
     "CANDIDATE_FIELDS",
+    "CHECKSUM_ATTR",
     "COMPACTED_FROM_ATTR",
     "COMPLETE_ATTR",
+    "INTEGRITY_ATTR",
+    "INTEGRITY_VERSION",
     "LAYOUT_ATTRS",
+    "MERGED_DAMAGED_ATTR",
+    "MERGED_RANKS_ATTR",
     "MIGRATION_FIELDS",
+    "PADDING_IDS",
     "PASS_FIELDS",
     "RANKS_GROUP",
     "RANK_COORDINATES",
+    "RECOVERED_DAMAGED_ATTR",
     "REQUEST_FIELDS",
     "REQUIRED_ATTRS",
     "SAME_RUN_ATTRS",
@@ -44,6 +51,7 @@ __all__ = [
     "TOKEN_FIELDS",
     "Attr",
     "Data",
+    "TraceDamageError",
     "TraceError",
     "TraceHeader",
     "TraceWriteError",
@@ -56,6 +64,22 @@ SCHEMA_NAME = "moetrace"
 SCHEMA_VERSION = 2
 #: Root attribute set to True as the very last write before the atomic rename.
 COMPLETE_ATTR = "complete"
+#: Root attribute: the integrity scheme a trace was sealed with (absent: written before
+#: checksums, read as unverified). See :mod:`moetrace.trace.integrity`.
+INTEGRITY_ATTR = "integrity"
+INTEGRITY_VERSION = 1
+#: Attribute of every dataset and of the root: its BLAKE2b-128 digest (32 hex digits).
+CHECKSUM_ATTR = "checksum"
+#: ``[R, L]`` padding ids (-1) the hooks saw per rank and layer (traces since integrity v1):
+#: with ``/stat/invalid_ids`` it closes the count ``tokens x top_k`` of every layer.
+PADDING_IDS = "stat/padding_ids"
+#: Root attribute of a recovered trace: JSON list of the damaged segments left out.
+RECOVERED_DAMAGED_ATTR = "recovered_damaged"
+#: Root attribute of a merged trace: JSON list of the damaged per-rank inputs left out.
+MERGED_DAMAGED_ATTR = "merged_damaged"
+#: Root attribute of a merged trace that left damaged inputs out: JSON list of the ranks
+#: its ``/stat`` and ``/window`` rows hold, in row order (absent: all of 0..world_size-1).
+MERGED_RANKS_ATTR = "merged_ranks"
 #: Root attribute of a trace that retention compacted to its ``/stat`` totals: the mode it was written in.
 COMPACTED_FROM_ATTR = "compacted_from"
 #: Root attributes every trace (v1 and v2) carries.
@@ -375,6 +399,18 @@ class TraceHeader:
 
 class TraceError(ValueError):
     """A file is not a readable moetrace trace; the message names file and problem."""
+
+
+class TraceDamageError(TraceError):
+    """A trace's contents are damaged: a checksum, an HDF5 structure or an invariant fails.
+
+    Attributes:
+        path: the damaged file.
+    """
+
+    def __init__(self, path: object, message: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class TraceWriteError(OSError):

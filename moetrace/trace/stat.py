@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ids import to_logical
-from .schema import Data
+from .schema import PADDING_IDS, Data
 from .writer import TraceWriter
 
 __all__ = ["CounterLayout", "write_stat"]
@@ -63,6 +63,7 @@ def write_stat(
     writer.write(Data.STAT_PHYSICAL_COUNT, physical, compress=True)
     writer.write(Data.STAT_LOGICAL_COUNT, to_logical(physical, physical_to_logical), compress=True)
     writer.write(Data.STAT_INVALID_IDS, layout.invalid(rows))
+    writer.write(PADDING_IDS, rows[:, :, layout.padding])
     writer.write(Data.STAT_SEND_COUNT, rows[:, :, layout.send])
     writer.write(Data.STAT_RECV_COUNT, rows[:, :, layout.recv])
     writer.write(Data.STAT_DROPPED, rows[:, :, layout.dropped])

@@ -18,9 +18,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from . import integrity
 from .files import temporary_path
 from .ranks import write_layouts
-from .schema import COMPLETE_ATTR, Data, TraceHeader, TraceWriteError
+from .schema import COMPLETE_ATTR, Data, TraceHeader, TraceWriteError, dataset
 
 __all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic", "write_text_atomic"]
 
@@ -164,14 +165,20 @@ class TraceWriter:
         h, f = self.header, self._file
         for key, value in h.attrs().items():
             f.attrs[key] = value
-        f.create_dataset(Data.LAYERS, data=np.asarray(h.layer_ids, dtype=np.int32))
-        f.create_dataset(Data.PHYSICAL_TO_LOGICAL, data=np.asarray(h.physical_to_logical, dtype=np.int32))
-        write_layouts(f, h.layouts)
+        self._create(Data.LAYERS, data=np.asarray(h.layer_ids, dtype=np.int32))
+        self._create(Data.PHYSICAL_TO_LOGICAL, data=np.asarray(h.physical_to_logical, dtype=np.int32))
+        write_layouts(self, h.layouts)
+
+    def _create(self, name: str, data: np.ndarray | None = None, **options: object) -> h5py.Dataset:
+        """The one place a dataset is created: with its checksum filter (:mod:`.integrity`)."""
+        shape = tuple(data.shape) if data is not None else tuple(options["shape"])  # type: ignore[arg-type]
+        dtype = options.get("dtype", data.dtype if data is not None else None)
+        return self._file.create_dataset(name, data=data, **options, **integrity.create_options(shape, options.get("maxshape"), dtype))  # type: ignore[arg-type]
 
     # -- whole datasets ---------------------------------------------------------
     def write(self, name: str, data: np.ndarray, compress: bool = False) -> None:
         """Write a complete dataset ``name`` (e.g. ``"stat/physical_count"``)."""
-        self._guard(lambda: self._file.create_dataset(name, data=data, **(self._compression if compress and data.size > 1024 else {})))
+        self._guard(lambda: self._create(name, data=data, **(self._compression if compress and data.size > 1024 else {})))
 
     def write_pieces(self, name: str, pieces: list[np.ndarray], axis: int, length: int, compress: bool = False) -> None:
         """Write dataset ``name`` as the first ``length`` entries along ``axis`` of ``pieces``
@@ -182,7 +189,7 @@ class TraceWriter:
         options = self._compression if compress and int(np.prod(shape)) > 1024 else {}
 
         def do() -> None:
-            dset = self._file.create_dataset(name, shape=tuple(shape), dtype=first.dtype, **options)
+            dset = self._create(name, shape=tuple(shape), dtype=first.dtype, **options)
             at = 0
             for piece in pieces:
                 take = min(piece.shape[axis], length - at)
@@ -205,7 +212,7 @@ class TraceWriter:
         def do() -> None:
             if name not in self._file:
                 chunk_rows = max(1, min(4096, (1 << 20) // max(1, data[0:1].nbytes)))
-                self._file.create_dataset(
+                self._create(
                     name,
                     shape=(0, *data.shape[1:]),
                     maxshape=(None, *data.shape[1:]),
@@ -225,10 +232,30 @@ class TraceWriter:
         if name not in self._file:
             self.append(name, np.zeros((0, *row_shape), dtype=dtype))
 
-    def copy_group(self, source: TraceWriter | h5py.File, group: str) -> None:
-        """Copy ``group`` of another open trace (writer or h5py file) into this one (compressed chunks as they are)."""
+    def copy_group(self, source: TraceWriter | h5py.File, group: str, block_rows: int = 1 << 18) -> None:
+        """Copy ``group`` of another open trace (writer or h5py file) into this one.
+
+        A sealed source's chunks are copied as they are (not re-encoded; the Fletcher-32
+        checksums travel with them). A source written before checksums is rewritten
+        through :meth:`append` / :meth:`write` so that the copy gets them.
+        """
         file = source._file if isinstance(source, TraceWriter) else source
-        self._guard(lambda: file.copy(file[group], self._file, name=group))
+        if integrity.is_sealed(file) or not integrity.sealing():
+            self._guard(lambda: file.copy(file[group], self._file, name=group))
+            return
+
+        def rewrite(name: str, obj: object) -> None:
+            if not isinstance(obj, h5py.Dataset):
+                return
+            target = dataset(group, name)
+            if obj.maxshape and obj.maxshape[0] is None:
+                self.ensure_empty(target, obj.shape[1:], obj.dtype)
+                for start in range(0, obj.shape[0], block_rows):
+                    self.append(target, np.asarray(obj[start : start + block_rows]))
+            else:
+                self.write(target, np.asarray(obj[()]), compress=obj.compression is not None)
+
+        file[group].visititems(rewrite)
 
     def flush(self) -> None:
         """Push what was written so far to the file (it stays open and incomplete)."""
@@ -248,6 +275,7 @@ class TraceWriter:
         """Mark complete, flush, fsync and rename into place; returns the final path."""
         try:
             self._file.attrs[COMPLETE_ATTR] = True
+            integrity.seal(self._file, self._tmp)
             self._file.flush()
             self._file.close()
             with open(self._tmp, "rb+") as fh:

@@ -113,7 +113,7 @@ def write_stat_trace(path: Path, counts: np.ndarray, top_k: int, ep_size: int, l
     writer.write("stat/recv_count", np.zeros((1, num_layers, ep_size), np.int64))
     writer.write("stat/dropped", np.zeros((1, num_layers), np.int64))
     writer.write("stat/num_passes", np.array([1], np.int64))
-    writer.write("stat/num_tokens", np.array([int(counts[0].sum()) // top_k], np.int64))
+    writer.write("stat/num_tokens", np.array([-(-int(counts.sum(axis=1).max()) // top_k)], np.int64))  # every layer's assignments fit
     return writer.commit()
 
 

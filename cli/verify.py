@@ -1,0 +1,55 @@
+"""``moetrace verify``: is a trace intact? Checksums and invariants, per dataset."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from moetrace.trace.integrity import CHECKSUMS
+from moetrace.trace.verify import TraceReport, verify_trace
+
+from .errors import EXIT_INPUT, guarded
+from .options import stdout_console
+
+__all__ = ["verify"]
+
+
+def _print(report: TraceReport) -> None:
+    console = stdout_console()
+    state = "intact" if report.intact else ("DAMAGED" if report.damaged or report.problems else "unverified")
+    seal = CHECKSUMS if report.sealed else "no checksums (written before moetrace had them)"
+    console.print(f"[bold]{report.path}[/bold]: {state}; {seal}")
+    if report.datasets:
+        table = Table(show_header=True, header_style="bold")
+        for col in ("dataset", "status", "detail"):
+            table.add_column(col, overflow="fold")
+        for d in report.datasets:
+            table.add_row(d.name, d.status, d.detail)
+        console.print(table)
+    for problem in report.problems:
+        console.print(f"problem: {problem}", markup=False)
+
+
+@guarded
+def verify(
+    traces: Annotated[list[Path], typer.Argument(help="Trace files to check.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
+    allow_unverified: Annotated[bool, typer.Option("--allow-unverified", help="Exit 0 for readable traces written before checksums (they cannot be proven intact).")] = False,
+) -> None:
+    """Read every dataset of each trace, check its checksums and invariants, and report what is intact.
+
+    Exit 0 only when every trace is intact (2 otherwise: damaged, unreadable, or unverified without --allow-unverified).
+    """
+    reports = [verify_trace(path) for path in traces]
+    ok = all(r.intact or (allow_unverified and not r.damaged and not r.problems) for r in reports)
+    if as_json:
+        typer.echo(json.dumps({"intact": ok, "traces": [r.as_dict() for r in reports]}, indent=2))
+    else:
+        for report in reports:
+            _print(report)
+    if not ok:
+        raise typer.Exit(EXIT_INPUT)

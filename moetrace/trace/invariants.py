@@ -1,0 +1,295 @@
+"""The invariants every moetrace trace satisfies, checked when it is read.
+
+A violated invariant raises :class:`~moetrace.trace.schema.TraceError` naming the dataset
+and the figures that disagree, so a damaged trace (or an older one without checksums)
+is never answered with numbers. Shapes: ``R`` rank rows (``world_size`` in a gathered or
+merged trace, else 1), ``L`` MoE layers, ``P`` physical / ``E`` logical experts, ``k`` top-k,
+``R_ep`` EP ranks, ``W`` window slots, ``N`` / ``M`` streamed pass / token rows.
+
+- :func:`check_layout` (on open; shapes and a few small datasets): every dataset's shape
+  against the root attributes and the rank layout, streamed columns of equal length,
+  ``/layers`` distinct and non-negative, ``/physical_to_logical`` within ``[0, E)``,
+  streamed rows against the ``/stat`` totals of passes and tokens.
+- :func:`check_stat` (the first time ``/stat`` or ``/window`` is read): logical counts
+  equal the physical counts summed through the map; each layer's assignments (experts +
+  invalid ids) at most ``tokens x k``, and with padding a multiple of ``k``; the window within the totals, its pass ids
+  increasing and its timestamps non-decreasing.
+- :class:`RowOrder` (as ``/passes`` and ``/tokens`` are iterated) and
+  :func:`check_timing_rows`: pass ids non-decreasing, timestamps non-decreasing per rank.
+- :func:`check_rows_against_stat` (``moetrace verify``; it reads every row): ``/passes``
+  sums or ``/tokens`` counts per rank equal the ``/stat`` totals exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..ids import to_logical
+from .schema import (
+    MERGED_RANKS_ATTR,
+    PADDING_IDS,
+    STREAM_GROUP,
+    Attr,
+    Data,
+    TraceDamageError,
+    dataset,
+)
+
+#: An open :class:`moetrace.trace.reader.Trace` (not imported: the reader imports this module).
+Trace = Any
+
+__all__ = ["RowOrder", "check_layout", "check_rows_against_stat", "check_stat", "check_timing_rows", "violation"]
+
+
+
+def violation(path: Path | str, dataset: str, figures: str) -> TraceDamageError:
+    """The error for a broken invariant: the file, the dataset, the figures, the remedy."""
+    return TraceDamageError(
+        path,
+        f"{path}: {dataset} violates the trace's invariants: {figures}. The trace is damaged or was not written by "
+        f"moetrace; run `moetrace verify {path}` to see what is intact, and dump or copy it again"
+    )
+
+
+def _rank_rows(trace: Trace) -> int:
+    attrs = trace.attrs
+    if MERGED_RANKS_ATTR in attrs:
+        return len(json.loads(str(attrs[MERGED_RANKS_ATTR])))
+    return int(attrs[Attr.WORLD_SIZE]) if int(attrs[Attr.RANK]) < 0 else 1
+
+
+def _expect(trace: Trace, name: str, shape: tuple[int | None, ...]) -> None:
+    """``/name`` (when present) has ``shape`` (``None``: any length on that axis)."""
+    actual = trace.shape(name)
+    if actual is None:
+        return
+    if len(actual) != len(shape) or any(e is not None and a != e for a, e in zip(actual, shape, strict=False)):
+        want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+        raise violation(trace.path, f"/{name}", f"shape {list(actual)}, but the root attributes and rank layout make it {want}")
+
+
+def check_layout(trace: Trace) -> None:
+    """Shapes against the root attributes and rank layout; the small static datasets' values.
+
+    Raises:
+        TraceDamageError: naming the dataset and the figures.
+    """
+    if trace.mode == "routing":
+        return
+    L, P, E, k, ep = trace.num_layers, trace.num_physical_experts, trace.num_logical_experts, trace.top_k, trace.ep_size
+    R = _rank_rows(trace)
+    _expect(trace, "layers", (L,))
+    _expect(trace, "physical_to_logical", (L, P))
+    layers = trace.layers
+    if len(np.unique(layers)) != len(layers) or (layers < 0).any():
+        raise violation(trace.path, "/layers", f"layer ids {layers.tolist()} are not distinct non-negative model layers")
+    mapping = trace.physical_to_logical
+    if mapping.size and (mapping.min() < 0 or mapping.max() >= E):
+        raise violation(trace.path, "/physical_to_logical", f"logical ids {int(mapping.min())}..{int(mapping.max())} outside [0, {E}) (num_logical_experts={E})")
+    for name, shape in {
+        "physical_count": (R, L, P), "logical_count": (R, L, E), "invalid_ids": (R, L), "padding_ids": (R, L),
+        "dropped": (R, L), "send_count": (R, L, ep), "recv_count": (R, L, ep), "num_passes": (R,), "num_tokens": (R,),
+        "dropped_passes": (R,),
+    }.items():
+        _expect(trace, dataset(Data.STAT, name), shape)
+    for name in ("pass_id", "timestamp", "num_tokens"):
+        _expect(trace, dataset(Data.WINDOW, name), (R, None))
+    _expect(trace, Data.WINDOW_PHYSICAL_COUNT, (R, trace.shape(Data.WINDOW_PASS_ID)[1] if trace.has(Data.WINDOW_PASS_ID) else None, L, P))  # type: ignore[index]
+    group = STREAM_GROUP.get(trace.mode)
+    if group == Data.PASSES:
+        n = trace.num_rows(Data.PASSES_PASS_ID)
+        for name, shape in {"pass_id": (n,), "timestamp": (n,), "num_tokens": (n,), "physical_count": (n, L, P), "invalid_ids": (n, L),
+                            "send_count": (n, L, ep), "recv_count": (n, L, ep), "rank": (n,)}.items():
+            _expect(trace, dataset(Data.PASSES, name), shape)
+    elif group == Data.TOKENS:
+        m = trace.num_rows(Data.TOKENS_TOPK_IDS)
+        for name, shape in {"topk_ids": (m, L, k), "pass_id": (m,), "position": (m,), "rank": (m,)}.items():
+            _expect(trace, dataset(Data.TOKENS, name), shape)
+    if trace.has(dataset(Data.TIMING, "pass_id")):
+        n = trace.num_rows(dataset(Data.TIMING, "pass_id"))
+        with_rows = [name for name in ("step_seconds", "rank") if trace.has(dataset(Data.TIMING, name))]
+        for name in with_rows:
+            _expect(trace, dataset(Data.TIMING, name), (n,))
+    _check_row_totals(trace, group)
+
+
+def _check_row_totals(trace: Trace, group: str | None) -> None:
+    """Streamed rows against the ``/stat`` totals: tokens rows = tokens; pass rows = passes."""
+    if group is None or not trace.has(Data.STAT_NUM_TOKENS) or not trace.has(dataset(group, "pass_id")):
+        return
+    if group == Data.TOKENS:
+        rows, total, what = trace.num_rows(Data.TOKENS_PASS_ID), int(trace._read(Data.STAT_NUM_TOKENS).sum()), f"/{Data.STAT_NUM_TOKENS}"
+    else:
+        rows, total, what = trace.num_rows(Data.PASSES_PASS_ID), int(trace._read(Data.STAT_NUM_PASSES).sum()), f"/{Data.STAT_NUM_PASSES}"
+    if rows != total:
+        raise violation(trace.path, f"/{group}", f"{rows} rows, but {what} totals {total}")
+
+
+def check_stat(trace: Trace) -> None:
+    """``/stat`` and ``/window`` against each other and the map (see the module docstring).
+
+    Raises:
+        TraceDamageError: naming the dataset and the figures.
+    """
+    if not trace.has(Data.STAT_PHYSICAL_COUNT):
+        return
+    physical = trace._read(Data.STAT_PHYSICAL_COUNT).astype(np.int64)  # [R, L, P]
+    mapping = trace.physical_to_logical
+    if trace.has(Data.STAT_LOGICAL_COUNT):
+        logical = trace._read(Data.STAT_LOGICAL_COUNT).astype(np.int64)
+        expected = to_logical(physical, mapping) if physical.size else np.zeros_like(logical)
+        if expected.shape != logical.shape or not np.array_equal(expected, logical):
+            r, layer, e = np.argwhere(expected != logical)[0] if expected.shape == logical.shape else (0, 0, 0)
+            raise violation(
+                trace.path, f"/{Data.STAT_LOGICAL_COUNT}",
+                f"rank row {r}, layer {trace.layers[layer]}, logical expert {e} holds {logical[r, layer, e]}, but /{Data.STAT_PHYSICAL_COUNT} "
+                f"through /physical_to_logical sums to {expected[r, layer, e]} (totals {int(logical.sum())} vs {int(physical.sum())})",
+            )
+    tokens = trace._read(Data.STAT_NUM_TOKENS).astype(np.int64) if trace.has(Data.STAT_NUM_TOKENS) else None
+    if tokens is not None and trace.top_k > 0:
+        invalid = trace._read(Data.STAT_INVALID_IDS).astype(np.int64) if trace.has(Data.STAT_INVALID_IDS) else 0
+        padding = trace._read(PADDING_IDS).astype(np.int64) if trace.has(PADDING_IDS) else 0
+        routed = physical.sum(axis=2) + invalid  # [R, L]: ids that are not padding
+        limit = tokens[:, None] * trace.top_k
+        over = np.argwhere(routed > limit)
+        if len(over):
+            r, layer = over[0]
+            raise violation(
+                trace.path, f"/{Data.STAT_PHYSICAL_COUNT}",
+                f"rank row {r}, layer {trace.layers[layer]}: {int(physical[r, layer].sum())} assignments + {int(np.broadcast_to(invalid, routed.shape)[r, layer])} invalid ids "
+                f"= {int(routed[r, layer])}, more than /{Data.STAT_NUM_TOKENS} {int(tokens[r])} x top_k {trace.top_k} = {int(limit[r, 0])}",
+            )
+        seen = routed + padding
+        if trace.has(PADDING_IDS) and (seen % trace.top_k != 0).any():  # each hook call adds tokens x top_k ids to a layer
+            r, layer = np.argwhere(seen % trace.top_k != 0)[0]
+            raise violation(
+                trace.path, f"/{PADDING_IDS}",
+                f"rank row {r}, layer {trace.layers[layer]}: assignments + invalid + padding = {int(seen[r, layer])}, not a multiple of top_k {trace.top_k}",
+            )
+    if trace.has(Data.WINDOW_PASS_ID):
+        _check_window(trace, physical, tokens)
+
+
+def _check_window(trace: Trace, physical: np.ndarray, tokens: np.ndarray | None) -> None:
+    pass_id = trace._read(Data.WINDOW_PASS_ID).astype(np.int64)  # [R, W]
+    stamp = trace._read(Data.WINDOW_TIMESTAMP).astype(np.float64)
+    window_tokens = trace._read(Data.WINDOW_NUM_TOKENS).astype(np.int64)
+    counts = trace._read(Data.WINDOW_PHYSICAL_COUNT)  # [R, W, L, P]
+    passes = trace._read(Data.STAT_NUM_PASSES).astype(np.int64) if trace.has(Data.STAT_NUM_PASSES) else None
+    for r in range(pass_id.shape[0]):
+        filled = pass_id[r] >= 0
+        n = int(filled.sum())
+        if not filled[:n].all():
+            raise violation(trace.path, f"/{Data.WINDOW_PASS_ID}", f"rank row {r}: empty slots (-1) between filled ones {pass_id[r].tolist()[:16]}")
+        if (np.diff(pass_id[r, :n]) <= 0).any():
+            raise violation(trace.path, f"/{Data.WINDOW_PASS_ID}", f"rank row {r}: pass ids {pass_id[r, :n].tolist()[:16]} are not increasing")
+        ts = stamp[r, :n]
+        if (np.diff(ts[~np.isnan(ts)]) < 0).any():
+            raise violation(trace.path, f"/{Data.WINDOW_TIMESTAMP}", f"rank row {r}: timestamps go back in time ({ts.tolist()[:8]})")
+        if passes is not None and n > passes[r]:
+            raise violation(trace.path, f"/{Data.WINDOW_PASS_ID}", f"rank row {r}: {n} passes in the window, but /{Data.STAT_NUM_PASSES} says {int(passes[r])}")
+        if tokens is not None and window_tokens[r, :n].sum() > tokens[r]:
+            raise violation(trace.path, f"/{Data.WINDOW_NUM_TOKENS}", f"rank row {r}: {int(window_tokens[r, :n].sum())} tokens in the window, more than /{Data.STAT_NUM_TOKENS} {int(tokens[r])}")
+        in_window = counts[r, :n].sum(axis=0, dtype=np.int64)
+        if (in_window > physical[r]).any():
+            layer, p = np.argwhere(in_window > physical[r])[0]
+            raise violation(trace.path, f"/{Data.WINDOW_PHYSICAL_COUNT}", f"rank row {r}, layer {trace.layers[layer]}, expert slot {p}: {int(in_window[layer, p])} in the window, more than the /{Data.STAT_PHYSICAL_COUNT} total {int(physical[r, layer, p])}")
+        if (counts[r, n:] != 0).any():
+            raise violation(trace.path, f"/{Data.WINDOW_PHYSICAL_COUNT}", f"rank row {r}: counts in the {pass_id.shape[1] - n} empty slots")
+
+
+class RowOrder:
+    """Checks, chunk by chunk, that streamed rows are in pass order and (per rank) in time order."""
+
+    def __init__(self, path: Path | str, group: str, timestamps: bool = False) -> None:
+        self.path, self.group, self.timestamps = path, group, timestamps
+        self.last_pass = -(1 << 62)
+        self.last_stamp: dict[int, float] = {}
+        self.row = 0
+
+    def check(self, pass_id: np.ndarray, timestamp: np.ndarray | None = None, rank: np.ndarray | None = None) -> None:
+        """The next rows ``pass_id [n]`` (and ``timestamp [n]``, ``rank [n]``) of the group.
+
+        Raises:
+            TraceDamageError: a pass id or timestamp goes back.
+        """
+        if len(pass_id):
+            steps = np.diff(np.concatenate([[self.last_pass], pass_id.astype(np.int64)]))
+            if (steps < 0).any():
+                at = int(np.argmax(steps < 0))
+                before = self.last_pass if at == 0 else int(pass_id[at - 1])
+                raise violation(self.path, f"/{self.group}/pass_id", f"row {self.row + at} has pass id {int(pass_id[at])} after {before}: pass ids must not decrease")
+            self.last_pass = int(pass_id[-1])
+            if self.timestamps and timestamp is not None:
+                ranks = np.zeros(len(pass_id), np.int64) if rank is None else rank.astype(np.int64)
+                for r in np.unique(ranks):
+                    ts = timestamp[ranks == r].astype(np.float64)
+                    ts = ts[~np.isnan(ts)]
+                    if not len(ts):
+                        continue
+                    previous = self.last_stamp.get(int(r), -np.inf)
+                    if (np.diff(np.concatenate([[previous], ts])) < 0).any():
+                        raise violation(self.path, f"/{self.group}/timestamp", f"rank {int(r)}: timestamps go back in time near row {self.row} ({ts.tolist()[:4]} after {previous})")
+                    self.last_stamp[int(r)] = float(ts[-1])
+        self.row += len(pass_id)
+
+
+def check_timing_rows(path: Path | str, rows: dict[str, np.ndarray]) -> None:
+    """``/timing`` rows: equal lengths and pass ids non-decreasing."""
+    lengths = {name: len(col) for name, col in rows.items()}
+    if len(set(lengths.values())) > 1:
+        raise violation(path, "/timing", f"columns of different lengths {lengths}")
+    if "pass_id" in rows:
+        RowOrder(path, "timing").check(rows["pass_id"])
+
+
+def check_rows_against_stat(trace: Trace, chunk: int = 65536) -> None:
+    """Every streamed row, summed per rank, against the ``/stat`` totals (exact).
+
+    Raises:
+        TraceDamageError: naming the dataset and the figures.
+    """
+    group = STREAM_GROUP.get(trace.mode)
+    if group is None or not trace.has(Data.STAT_PHYSICAL_COUNT) or not trace.has(dataset(group, "pass_id")):
+        return
+    physical = trace._read(Data.STAT_PHYSICAL_COUNT).astype(np.int64)  # [R, L, P]
+    invalid = trace._read(Data.STAT_INVALID_IDS).astype(np.int64) if trace.has(Data.STAT_INVALID_IDS) else None
+    R, L, P = physical.shape
+    counted = np.zeros_like(physical)
+    bad = np.zeros((R, L), np.int64)
+    multi = trace.has(dataset(group, "rank"))
+    at = 0
+
+    def ranks_of(n: int) -> np.ndarray:
+        ranks = trace._slice(dataset(group, "rank"), at, n).astype(np.int64) if multi else np.zeros(n, np.int64)
+        if len(ranks) and (ranks.min() < 0 or ranks.max() >= R):
+            raise violation(trace.path, f"/{group}/rank", f"ranks {int(ranks.min())}..{int(ranks.max())} outside 0..{R - 1}")
+        return ranks
+
+    if group == Data.PASSES:
+        for part in trace.iter_passes(chunk):
+            ranks = ranks_of(len(part.pass_id))
+            at += len(ranks)
+            np.add.at(counted, ranks, part.physical_count.astype(np.int64))
+            np.add.at(bad, ranks, part.invalid_ids.astype(np.int64))
+    else:
+        for part in trace.iter_tokens(chunk):
+            ranks = ranks_of(len(part.pass_id))
+            at += len(ranks)
+            ids = part.topk_ids.astype(np.int64)  # [M, L, k]
+            if (ids >= P).any() or (ids < -2).any():
+                raise violation(trace.path, f"/{Data.TOKENS_TOPK_IDS}", f"ids {int(ids.min())}..{int(ids.max())} outside -2..{P - 1}")
+            key = (ranks[:, None, None] * L + np.arange(L)[None, :, None]) * P + ids
+            counted += np.bincount(key[ids >= 0], minlength=R * L * P).reshape(R, L, P)
+            row = np.broadcast_to(ranks[:, None, None] * L + np.arange(L)[None, :, None], ids.shape)
+            bad += np.bincount(row[ids == -2], minlength=R * L).reshape(R, L)
+    if not np.array_equal(counted, physical):
+        r, layer, p = np.argwhere(counted != physical)[0]
+        raise violation(trace.path, f"/{Data.STAT_PHYSICAL_COUNT}", f"rank row {r}, layer {trace.layers[layer]}, expert slot {p}: total {int(physical[r, layer, p])}, but the /{group} rows add up to {int(counted[r, layer, p])}")
+    if invalid is not None and not np.array_equal(bad, invalid):
+        r, layer = np.argwhere(bad != invalid)[0]
+        raise violation(trace.path, f"/{Data.STAT_INVALID_IDS}", f"rank row {r}, layer {trace.layers[layer]}: total {int(invalid[r, layer])}, but the /{group} rows hold {int(bad[r, layer])}")
