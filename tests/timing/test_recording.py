@@ -30,14 +30,21 @@ def _config(tmp_path, **fields) -> RecorderConfig:
     return RecorderConfig(**base)
 
 
-def _sleepy_pass(recorder, expert_s: float = 0.002) -> None:
+def _sleepy_pass(recorder, expert_s: float = 0.002, spans: list | None = None) -> None:
+    """One pass of 2 layers; ``spans`` gets ``(layer, inner, outer)`` seconds of each expert phase:
+    the sleep alone, and the whole ``with_phase`` block around it (an independent bracket)."""
     with recorder.with_forward_pass():
         for layer in range(2):
             with recorder.with_current_layer(layer):
                 with recorder.with_phase("route"):
                     recorder.on_select_experts(torch.tensor([[0, 1], [2, 3]]))
+                outer = time.perf_counter()
                 with recorder.with_phase("expert"):
+                    inner = time.perf_counter()
                     time.sleep(expert_s)
+                    inner = time.perf_counter() - inner
+                if spans is not None:
+                    spans.append((layer, inner, time.perf_counter() - outer))
 
 
 def test_timing_hooks_pass_the_no_host_sync_check():
@@ -82,16 +89,21 @@ def test_with_phase_errors_say_what_to_do(tmp_path):
 def test_stat_aggregates_and_percentiles(tmp_path):
     recorder = ExpertDistributionRecorder(_config(tmp_path))
     recorder.start_record()
+    spans: list = []
     for _ in range(6):
-        _sleepy_pass(recorder, 0.004)
+        _sleepy_pass(recorder, 0.004, spans)
     timing = recorder.snapshot().timing
     assert timing["step_count"] == 6
     assert (timing["phase_count"][:, [0, 2]] == 6).all() and (timing["phase_count"][:, [1, 3]] == 0).all()
-    expert = timing["phase_seconds_sum"][:, 2] / 6
-    assert (expert >= 0.004).all() and (expert < 0.05).all()
+    expert = timing["phase_seconds_sum"][:, 2]
+    inner = np.array([sum(i for la, i, _ in spans if la == layer) for layer in range(2)])
+    outer = np.array([sum(o for la, _, o in spans if la == layer) for layer in range(2)])
+    # the phase lies between the sleep it encloses and the block around it: exact, however loaded the machine
+    assert (expert >= inner).all() and (expert <= outer).all() and (inner >= 6 * 0.004).all()
     assert timing["phase_histogram"].sum() == 6 * 2 * 2
     p50 = bucket_quantile(timing["phase_histogram"][:, 2], 0.5)
-    assert ((p50 > 0.9 * 0.004) & (p50 < 0.05)).all()
+    longest = np.array([max(o for la, _, o in spans if la == layer) for layer in range(2)])
+    assert ((p50 > 0.9 * 0.004) & (p50 <= 1.1 * longest)).all()  # buckets: P50 within 8%
     assert np.isnan(timing["peak_memory_bytes"])  # CPU: no device memory figure
     path = recorder.dump_record(tmp_path / "stat.h5")
     with open_trace(path) as trace:
