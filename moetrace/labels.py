@@ -67,6 +67,49 @@ def hot_cells(counts: np.ndarray, hot: int) -> np.ndarray:
     return np.argsort(-np.asarray(counts), axis=1, kind="stable")[:, :hot]
 
 
+def route_counts(routes: np.ndarray, num_experts: int) -> np.ndarray:
+    """``[L, E]`` copies per logical expert of one request's routes ``[n, L, k]`` (``-1`` ignored)."""
+    ids = np.asarray(routes)
+    num_layers = ids.shape[1]
+    valid = ids >= 0
+    flat = (np.arange(num_layers)[None, :, None] * num_experts + np.where(valid, ids, 0))[valid]
+    return np.bincount(flat, minlength=num_layers * num_experts).reshape(num_layers, num_experts)
+
+
+def routed_tokens(routes: np.ndarray) -> int:
+    """Tokens of routes ``[n, L, k]`` that were routed in at least one layer."""
+    return int((np.asarray(routes) >= 0).all(axis=2).any(axis=1).sum())
+
+
+def token_share(tokens: np.ndarray) -> np.ndarray:
+    """``[G]`` each group's share of the tokens (zeros when there are none)."""
+    total = tokens.sum()
+    return tokens / total if total else np.zeros(len(tokens))
+
+
+def hot_excess_share(counts: np.ndarray, hot: np.ndarray) -> np.ndarray:
+    """``[G]`` each group's share of the summed excess of every layer's hot experts that carry any.
+
+    Args:
+        counts: ``[G, L, E]`` copies per group.
+        hot: ``[L, h]`` the hot experts (:func:`hot_cells` of the summed counts).
+
+    Excess (:func:`moetrace.metrics.expert_excess`) is additive over groups, so the
+    shares sum to 1; zeros when no hot expert carries excess (an even load).
+    """
+    rows = np.arange(hot.shape[0])[:, None]
+    positive = metrics.expert_excess(counts.sum(axis=0))[rows, hot] > 0  # [L, h]
+    per_group = (metrics.expert_excess(counts)[:, rows, hot] * positive).sum(axis=(1, 2))
+    total = per_group.sum()
+    return per_group / total if total > 0 else np.zeros(len(counts))
+
+
+def profile_divergence(counts: np.ndarray) -> np.ndarray:
+    """``[G]`` mean over layers of the JS divergence between each group's expert profile and the rest's (``[G, L, E]``)."""
+    total = counts.sum(axis=0)
+    return np.array([float(metrics.js_divergence(c, total - c).mean()) for c in counts])
+
+
 @dataclasses.dataclass(frozen=True)
 class LabelLoadSnapshot:
     """Per-label figures at one moment (``G`` labels, ``OTHER`` last when present).
@@ -89,26 +132,17 @@ class LabelLoadSnapshot:
     @property
     def token_share(self) -> np.ndarray:
         """``[G]`` each label's share of the routed tokens."""
-        total = self.tokens.sum()
-        return self.tokens / total if total else np.zeros(len(self.labels))
+        return token_share(self.tokens)
 
     @property
     def hot_excess_share(self) -> np.ndarray:
-        """``[G]`` each label's share of the summed excess of every layer's hot experts (sums to 1).
-
-        Zero everywhere when the hot experts carry no excess (perfectly even load).
-        """
-        excess = metrics.expert_excess(self.counts)  # [G, L, E]
-        rows = np.arange(self.hot.shape[0])[:, None]
-        per_label = excess[:, rows, self.hot].sum(axis=(1, 2))  # [G]
-        total = per_label.sum()
-        return per_label / total if total > 0 else np.zeros(len(self.labels))
+        """``[G]`` each label's share of the hot experts' excess (:func:`hot_excess_share`)."""
+        return hot_excess_share(self.counts, self.hot)
 
     @property
     def divergence(self) -> np.ndarray:
-        """``[G]`` mean over layers of the JS divergence between a label's expert profile and the rest's."""
-        total = self.counts.sum(axis=0)
-        return np.array([float(metrics.js_divergence(c, total - c).mean()) for c in self.counts])
+        """``[G]`` how far each label's expert profile is from the rest's (:func:`profile_divergence`)."""
+        return profile_divergence(self.counts)
 
 
 class LabelLoad:
@@ -148,9 +182,8 @@ class LabelLoad:
             raise ValueError(f"routes must be [n, {self.num_layers}, k], got shape {ids.shape}")
         if ids.size and (ids.min() < -1 or ids.max() >= self.num_experts):
             raise ValueError(f"routes hold ids outside [-1, {self.num_experts}): logical ids are expected (map physical ids first)")
-        valid = ids >= 0
-        flat = (np.arange(self.num_layers)[None, :, None] * self.num_experts + np.where(valid, ids, 0))[valid]
-        counts = np.bincount(flat, minlength=self.num_layers * self.num_experts).reshape(self.num_layers, self.num_experts)
+        counts = route_counts(ids, self.num_experts)
+        tokens = routed_tokens(ids)
         with self._lock:
             row = self._index.get(value)
             if row is None:
@@ -159,7 +192,7 @@ class LabelLoad:
                     self._index[value] = row
             self._counts[row] += counts
             self._requests[row] += 1
-            self._tokens[row] += int(valid.all(axis=2).any(axis=1).sum())
+            self._tokens[row] += tokens
 
     def snapshot(self, top: int | None = None) -> LabelLoadSnapshot:
         """The ``top`` labels by tokens (all tracked when ``None``) and :data:`OTHER` holding the rest."""

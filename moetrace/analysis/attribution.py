@@ -31,25 +31,24 @@ from typing import Any
 import numpy as np
 
 from .. import metrics
-from ..labels import OTHER, hot_cells
+from ..labels import (
+    OTHER,
+    hot_cells,
+    hot_excess_share,
+    profile_divergence,
+    route_counts,
+    routed_tokens,
+    token_share,
+)
 from ..routes import RoutesError, RouteSet
 
-__all__ = ["ATTRIBUTION_SCHEMA", "Attribution", "attribute", "request_counts"]
+__all__ = ["ATTRIBUTION_SCHEMA", "Attribution", "attribute"]
 
 ATTRIBUTION_SCHEMA = "moetrace-attribution"
 BY = ("request", "label")
 #: Label values analysed one by one; the rest (fewest tokens) are summed into ``"other"``.
 MAX_GROUPS = 64
 NO_LABEL = "-"
-
-
-def request_counts(routes: np.ndarray, num_experts: int) -> np.ndarray:
-    """``[L, E]`` copies per logical expert of one request's routes ``[n, L, k]`` (``-1`` ignored)."""
-    ids = np.asarray(routes)
-    num_layers = ids.shape[1]
-    valid = ids >= 0
-    flat = (np.arange(num_layers)[None, :, None] * num_experts + np.where(valid, ids, 0))[valid]
-    return np.bincount(flat, minlength=num_layers * num_experts).reshape(num_layers, num_experts)
 
 
 @dataclasses.dataclass
@@ -76,24 +75,17 @@ class Attribution:
 
     @property
     def token_share(self) -> np.ndarray:
-        total = self.group_tokens.sum()
-        return self.group_tokens / total if total else np.zeros(len(self.groups))
+        return token_share(self.group_tokens)
 
     @property
     def hot_excess_share(self) -> np.ndarray:
-        """``[G]`` share of the summed excess of every layer's hot experts (with positive excess)."""
-        excess = metrics.expert_excess(self.group_counts)  # [G, L, E]
-        rows = np.arange(self.hot.shape[0])[:, None]
-        positive = metrics.expert_excess(self.total)[rows, self.hot] > 0  # [L, h]
-        per_group = (excess[:, rows, self.hot] * positive).sum(axis=(1, 2))
-        total = per_group.sum()
-        return per_group / total if total > 0 else np.zeros(len(self.groups))
+        """``[G]`` share of the summed excess of every layer's hot experts (:func:`moetrace.labels.hot_excess_share`)."""
+        return hot_excess_share(self.group_counts, self.hot)
 
     @property
     def divergence(self) -> np.ndarray:
         """``[G]`` mean over layers of the JS divergence of a group's profile from the rest's."""
-        total = self.total
-        return np.array([float(metrics.js_divergence(c, total - c).mean()) for c in self.group_counts])
+        return profile_divergence(self.group_counts)
 
     @property
     def culprits(self) -> list[str]:
@@ -211,8 +203,8 @@ def attribute(
     if ep_size < 1 or num_experts % ep_size:
         raise ValueError(f"ep_size={ep_size} must divide the {num_experts} experts")
     rids = sorted(arrays)
-    counts = np.stack([request_counts(arrays[r], num_experts) for r in rids]).astype(np.int32)  # [Q, L, E]
-    tokens = np.array([int((arrays[r] >= 0).all(axis=2).any(axis=1).sum()) for r in rids], dtype=np.int64)
+    counts = np.stack([route_counts(arrays[r], num_experts) for r in rids]).astype(np.int32)  # [Q, L, E]
+    tokens = np.array([routed_tokens(arrays[r]) for r in rids], dtype=np.int64)
     label_key = None
     if by == "request":
         names, member = rids, np.arange(len(rids))
