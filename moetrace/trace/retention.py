@@ -107,24 +107,10 @@ class _Dump:
     compacted: bool
 
 
-def _moetrace_files_bytes(directory: Path) -> int:
-    """Bytes of the moetrace files in ``directory`` that the bound covers: dumps and the hidden
-    segments, checkpoints and journals (not writer temporaries: a write in flight; not foreign files)."""
-    total = 0
-    for entry in os.scandir(directory):
-        if not entry.is_file() or ".h5.tmp-" in entry.name:
-            continue
-        if entry.name.startswith(".moetrace-") or (not entry.name.startswith(".") and entry.name.endswith(".h5") and _is_trace(entry.path)):
-            total += entry.stat().st_size
-    return total
-
-
-def _is_trace(path: str) -> bool:
-    try:
-        with h5py.File(path, "r") as f:
-            return f.attrs.get(Attr.SCHEMA) == SCHEMA_NAME
-    except OSError:
-        return False
+def _session_files_bytes(directory: Path) -> int:
+    """Bytes of the hidden recording files in ``directory`` (segments, checkpoints, journals), not writer temporaries."""
+    return sum(entry.stat().st_size for entry in os.scandir(directory)
+               if entry.is_file() and entry.name.startswith(".moetrace-") and ".h5.tmp-" not in entry.name)
 
 
 def _dumps(directory: Path) -> list[_Dump]:
@@ -167,28 +153,36 @@ class Retention:
             now = self._clock()
             dumps = _dumps(self.directory)
             candidates = dumps[:-1]  # the newest dump is always kept
+            kept = list(dumps)  # what is left of the dumps, sizes updated as they are compacted
+
+            def remove(d: _Dump) -> bool:
+                if not self._remove(d):
+                    return False
+                candidates.remove(d)
+                kept.remove(d)
+                return True
+
             if p.max_age_seconds is not None:
                 for d in [d for d in candidates if now - d.created > p.max_age_seconds]:
-                    if self._remove(d):
-                        candidates.remove(d)
+                    remove(d)
             if p.max_dumps is not None:
-                as_written = [d for d in dumps if not d.compacted]
+                as_written = [d for d in kept if not d.compacted]
                 for d in as_written[: max(len(as_written) - p.max_dumps, 0)]:
                     if not p.compact:
-                        if self._remove(d):
-                            candidates.remove(d)
+                        remove(d)
                     elif d.mode in _STREAMING:
                         self._compact(d)  # a stat dump is its totals already: kept
+            # the bound covers the dumps and the hidden recording files (not temporaries, not foreign files)
+            session_bytes = _session_files_bytes(self.directory)
             if p.max_bytes is not None:
                 for d in list(candidates):
-                    if _moetrace_files_bytes(self.directory) <= p.max_bytes:
+                    if session_bytes + sum(k.size for k in kept) <= p.max_bytes:
                         break
                     if p.compact and d.mode in _STREAMING and self._compact(d):
                         continue
-                    if self._remove(d):
-                        candidates.remove(d)
-            stats.directory_bytes = _moetrace_files_bytes(self.directory)
-            stats.kept_dumps = len(_dumps(self.directory))
+                    remove(d)
+            stats.directory_bytes = session_bytes + sum(k.size for k in kept)
+            stats.kept_dumps = len(kept)
             stats.over_bound = p.max_bytes is not None and stats.directory_bytes > p.max_bytes
             stats.last_applied_unix = now
             return stats
