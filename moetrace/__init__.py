@@ -65,9 +65,9 @@ def stop_record() -> None:
     get_recorder().stop_record()
 
 
-def dump_record(path: str | Path | None = None) -> Path:
-    """``get_recorder().dump_record(path)``."""
-    return get_recorder().dump_record(path)
+def dump_record(path: str | Path | None = None, wait: bool = True) -> Path:
+    """``get_recorder().dump_record(path, wait)``."""
+    return get_recorder().dump_record(path, wait)
 
 
 def serve_control(*args: object, **kwargs: object) -> ControlServer:

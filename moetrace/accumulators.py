@@ -29,7 +29,7 @@ from .trace.schema import Data
 from .trace.segments import StreamRows
 from .trace.stat import CounterLayout
 from .trace.stream import HostBufferPool, StreamJob
-from .trace.writer import token_id_dtype
+from .trace.writer import chunk_rows, token_id_dtype
 
 __all__ = ["CounterLayout", "PassCounter", "PassStream", "StatWindow", "TokenStream"]
 
@@ -255,6 +255,14 @@ class PassStream:
         self.meta = np.zeros((s, 2), dtype=np.float64)  # pass_id, timestamp (tokens are in the rows)
         self.filled = 0
         self.submit = submit
+        # Hand-offs of a multiple of the counts' chunk rows keep segments on the chunk grid, so a dump
+        # joins them by copying chunks (when the full hand-off is such a multiple itself).
+        align = chunk_rows((config.num_layers, config.num_physical_experts), np.int32)
+        self.align = align if s % align == 0 else 1
+
+    def at_boundary(self) -> bool:
+        """Whether the staged passes end on a chunk boundary of the segment (a time rotation waits for it)."""
+        return self.filled % self.align == 0
 
     def push(self, current: torch.Tensor, pass_id: int, timestamp: float) -> None:
         self.staging[self.filled].copy_(current)
@@ -430,6 +438,10 @@ class TokenStream:
         self.submit(StreamJob(event=event, build=build, done=done, rotate=rotate))
         self.filled = 0
         self.passes = 0
+
+    def at_boundary(self) -> bool:
+        """Token rows (padding rows left out) never line up with passes: always."""
+        return True
 
     def discard_pass(self, rows: int) -> None:
         """Forget the current pass: set its first ``rows`` staged rows back to -1."""

@@ -1,20 +1,30 @@
-"""Writing a recorder's dumps: the gathers over ranks and the files they produce.
+"""Writing a recorder's dumps: the cut, the gathers over ranks and the files they produce.
 
-``stat`` mode under ``torch.distributed`` gathers every rank's counter rows,
-window and timing to rank 0, which writes one trace with a rank axis
-(:meth:`TraceDump.stat`). Streaming modes join the closed segments since the
-previous dump into one per-rank trace (:meth:`TraceDump.stream`). Every file
-is written through :class:`~moetrace.trace.writer.TraceWriter` (atomic: a
-failure leaves nothing under the target name, and the recorder keeps its
-state so the dump can be retried).
+A dump is a *cut* at a pass boundary and nothing more on the forward thread:
+under the recorder's lock (which a pass end also takes) a streaming mode hands
+its staged rows to the segment writer thread, which closes the open segment,
+and marks the place in that thread's queue (:meth:`RecordingSession.cut`);
+``stat`` mode copies its totals and window ring on the device
+(:meth:`TraceDump.stat_cut`). Everything slow happens afterwards, off the lock:
+the gathers over ranks on the caller's thread (collective), then on the
+background :class:`DumpQueue` thread the joining of the closed segments up to
+the cut into one per-rank trace by copying their chunks (:meth:`TraceDump.stream`),
+or the ``stat`` file with a rank axis written by rank 0 (:meth:`TraceDump.stat`),
+checksums, fsync and rename. Every file is written through
+:class:`~moetrace.trace.writer.TraceWriter` (atomic: a failure leaves nothing
+under the target name, and the segments stay for a retry or ``moetrace recover``:
+the journal notes them consumed only once the dump is renamed into place).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import threading
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -24,14 +34,14 @@ import torch.distributed as dist
 from .accumulators import PassCounter, StatWindow
 from .config import RecorderConfig
 from .layout import RankLayout
-from .session import RecordingSession
+from .session import Cut, RecordingSession
 from .timing import HISTOGRAM_EDGES, PHASES
 from .trace.join import concat_segments
 from .trace.schema import Attr, Data, dataset
 from .trace.stat import CounterLayout, write_stat
 from .trace.writer import TraceHeader, TraceWriter
 
-__all__ = ["TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "streamed_schema"]
+__all__ = ["DumpQueue", "PendingDump", "StatCut", "StatRows", "TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "streamed_schema"]
 
 #: Per rank, in rank order: timing aggregates ``{field: array}`` and (``stat`` dumps) the window's ``/timing`` rows.
 TimingParts = list[tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]]
@@ -60,6 +70,114 @@ def gather_objects(obj: object, world: int) -> list[object]:
     gathered: list[object] = [None] * world
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+@dataclasses.dataclass(frozen=True)
+class StatCut:
+    """A ``stat`` dump's cut: device copies (``totals [L, C]``, ``token_total [1]``, the window
+    ring ``[W, L, P]`` and its ``tokens [W]``) and host copies of the window's metadata."""
+
+    totals: torch.Tensor
+    token_total: torch.Tensor
+    ring: torch.Tensor
+    tokens: torch.Tensor
+    order: np.ndarray
+    pass_id: np.ndarray
+    timestamp: np.ndarray
+    num_passes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StatRows:
+    """A ``stat`` dump's gathered host arrays (see :meth:`TraceDump.write_stat_file`) and every rank row's layout."""
+
+    rows: np.ndarray
+    passes: np.ndarray
+    meta: np.ndarray
+    counts: list[np.ndarray]
+    layouts: tuple[RankLayout, ...]
+
+
+class PendingDump:
+    """One dump whose file is written on the background dump thread.
+
+    Attributes:
+        target: the file it writes (it appears, complete, when the dump ends).
+    """
+
+    def __init__(self, target: Path, work: Callable[[], Path]) -> None:
+        self.target = target
+        self._work = work
+        self._done = threading.Event()
+        self._path: Path | None = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._path = self._work()
+        except BaseException as exc:  # handed to whoever waits for the result
+            self._error = exc
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Path:
+        """The written path once the dump ended (raises its error; ``TimeoutError`` after ``timeout`` s)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the dump to {self.target} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._path is not None
+        return self._path
+
+
+class DumpQueue:
+    """Runs dumps in order on one background thread, off the forward thread.
+
+    The thread starts with the first dump and ends when no dump is left; it is not a
+    daemon, so the interpreter's exit waits for a dump in progress before the atexit
+    handlers close the recording (:func:`moetrace.session.close_at_exit`).
+    """
+
+    def __init__(self, name: str = "moetrace-dump") -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._queue: deque[PendingDump] = deque()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, target: Path, work: Callable[[], Path]) -> PendingDump:
+        pending = PendingDump(target, work)
+        with self._lock:
+            self._queue.append(pending)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=False)
+                self._thread.start()
+        return pending
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None
+                    return
+                pending = self._queue[0]
+            pending.run()
+            with self._lock:
+                self._queue.popleft()
+
+    @property
+    def pending(self) -> list[PendingDump]:
+        """Dumps not finished yet, oldest first."""
+        with self._lock:
+            return [p for p in self._queue if not p.done]
+
+    def wait(self) -> None:
+        """Wait until every dump submitted so far has ended (whatever its outcome)."""
+        for pending in self.pending:
+            pending._done.wait()
 
 
 def _rename(source: Path, target: Path) -> bool:
@@ -140,48 +258,49 @@ class TraceDump:
             writer.write(dataset(Data.TIMING, name), array[order])
 
     # ------------------------------------------------------------------ dumps
-    def stat(self, target: Path, run_id: str, rank: int, world: int, counter: PassCounter, window: StatWindow,
-             num_passes: int, timing: TimingParts | None) -> Path:
-        """``stat`` mode (collective under ``torch.distributed``): gather to rank 0, which writes ``target``.
+    def stat_cut(self, counter: PassCounter, window: StatWindow, num_passes: int) -> StatCut:
+        """``stat`` mode's cut (recorder lock held): device copies of the totals and the window ring,
+        host copies of the window's metadata. Nothing is read back to the host here."""
+        return StatCut(
+            totals=counter.totals.clone(), token_total=counter.token_total.clone(), ring=window.counts.clone(),
+            tokens=window.tokens.clone(), order=window.order(), pass_id=window.pass_id.copy(), timestamp=window.timestamp.copy(),
+            num_passes=num_passes,
+        )
 
-        Args:
-            counter: the pass counter (``totals [L, C]`` and ``token_total [1]`` on the device).
-            window: the window of the last passes.
-        """
-        totals = counter.totals
-        device = totals.device
+    def stat_gather(self, cut: StatCut, rank: int, world: int) -> StatRows:
+        """Every rank's cut on rank 0 as host arrays (collective under ``torch.distributed``; the
+        caller's thread, outside the recorder lock)."""
+        device = cut.totals.device
         layouts = tuple(gather_objects(self.config.rank_layout(rank, world), world))  # every rank row's layout
-        rows = gather(totals, world).cpu().numpy()
-        w = window
-        order = w.order()
-        slots = len(w.pass_id)
+        rows = gather(cut.totals, world).cpu().numpy()
+        order, slots = cut.order, len(cut.pass_id)
         meta = np.full((slots, 3), -1.0)
-        meta[: len(order)] = np.stack([w.pass_id, w.timestamp, w.tokens.cpu().numpy()], axis=1)[order]
-        passes = torch.cat([torch.tensor([num_passes], dtype=torch.int64, device=device), counter.token_total])
+        meta[: len(order)] = np.stack([cut.pass_id, cut.timestamp, cut.tokens.cpu().numpy()], axis=1)[order]
+        passes = torch.cat([torch.tensor([cut.num_passes], dtype=torch.int64, device=device), cut.token_total])
         if world == 1:
             # The ring as it is (no reordered copy): the oldest slots first, then the wrapped ones.
-            ring = w.counts.cpu().numpy()[None]
+            ring = cut.ring.cpu().numpy()[None]
             wrap = min(len(order), slots - int(order[0])) if len(order) else 0
-            all_counts = [ring[:, int(order[0]) : int(order[0]) + wrap], ring[:, : len(order) - wrap]] if len(order) else [ring[:, :0]]
-            all_meta, all_passes = meta[None], passes.cpu().numpy()[None]
-        else:
-            counts = torch.zeros_like(w.counts)
-            counts[: len(order)] = w.counts[torch.as_tensor(order, dtype=torch.long, device=device)]
-            all_counts = [gather(counts, world).cpu().numpy()]
-            all_meta = gather(torch.as_tensor(meta, dtype=torch.float64, device=device), world).cpu().numpy()
-            all_passes = gather(passes, world).cpu().numpy()
-        if rank != 0:
-            return target
-        header = self.header(run_id, rank=-1 if world > 1 else rank, world_size=world, layouts=layouts)  # type: ignore[arg-type]
+            counts = [ring[:, int(order[0]) : int(order[0]) + wrap], ring[:, : len(order) - wrap]] if len(order) else [ring[:, :0]]
+            return StatRows(rows, passes.cpu().numpy()[None], meta[None], counts, layouts)  # type: ignore[arg-type]
+        ordered = torch.zeros_like(cut.ring)
+        ordered[: len(order)] = cut.ring[torch.as_tensor(order, dtype=torch.long, device=device)]
+        return StatRows(rows, gather(passes, world).cpu().numpy(), gather(torch.as_tensor(meta, dtype=torch.float64, device=device), world).cpu().numpy(),
+                        [gather(ordered, world).cpu().numpy()], layouts)  # type: ignore[arg-type]
+
+    def stat(self, target: Path, run_id: str, world: int, rows: StatRows, timing: TimingParts | None) -> Path:
+        """Write a ``stat`` dump of gathered ``rows`` to ``target`` (rank 0; any thread)."""
+        header = self.header(run_id, rank=-1 if world > 1 else 0, world_size=world, layouts=rows.layouts)
         with TraceWriter(target, header, compression=self.compression) as writer:
-            self.write_stat_file(writer, rows, all_passes, all_meta, all_counts)
+            self.write_stat_file(writer, rows.rows, rows.passes, rows.meta, rows.counts)
             self.write_timing(writer, timing)
             return writer.commit()
 
-    def stream(self, target: Path, run_id: str, rank: int, world: int, session: RecordingSession, timing: TimingParts | None) -> Path:
-        """Join the closed segments since the previous dump into ``target`` (the session's rows are
-        drained already); one segment without timing is renamed, no segment gives an empty trace."""
-        taken = session.take_segments()
+    def stream(self, target: Path, run_id: str, rank: int, world: int, session: RecordingSession, cut: Cut, timing: TimingParts | None) -> Path:
+        """Join the closed segments up to ``cut`` (and those of an earlier dump that failed) into
+        ``target`` (any thread; waits for the writer thread to reach the cut); one segment without
+        timing is renamed, no segment gives an empty trace."""
+        taken = session.take_segments(cut)
         if len(taken) == 1 and self.clock_kind is None and _rename(taken[0].path, target):
             written = target  # one closed segment is already a complete trace of these passes
         elif taken:

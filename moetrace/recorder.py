@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +51,7 @@ from . import session as sessions
 from .accumulators import CounterLayout, PassCounter, PassStream, StatWindow, TokenStream
 from .config import RecorderConfig
 from .devices import resolve_device
-from .dump import TimingParts, TraceDump, dist_world, gather_objects, streamed_schema
+from .dump import DumpQueue, TraceDump, dist_world, gather_objects, streamed_schema
 from .graphs import is_capturing
 from .session import RecordingSession, Staged
 from .snapshot import RecorderSnapshot, SnapshotChannel
@@ -65,7 +65,7 @@ from .timing import (
     row_fields,
 )
 from .trace.retention import Retention
-from .trace.schema import Data, TraceWriteError, dataset
+from .trace.schema import Data, dataset
 from .trace.stream import StreamJob
 from .trace.writer import compression_options
 
@@ -160,6 +160,7 @@ class ExpertDistributionRecorder:
         self.last_dump_path: Path | None = None
         self._errors: list[str] = []
         self._retention = Retention(cfg.retention, cfg.output_dir) if cfg.retention is not None else None
+        self._dumps = DumpQueue()  # dumps' files are written on its thread, never the forward thread
 
     # ------------------------------------------------------------------ properties
     @property
@@ -429,7 +430,8 @@ class ExpertDistributionRecorder:
 
     # ------------------------------------------------------------------ lifecycle
     def start_record(self) -> None:
-        """Begin a fresh recording (counts, window and streams start empty)."""
+        """Begin a fresh recording (counts, window and streams start empty; waits for dumps still being written)."""
+        self._dumps.wait()  # their segments belong to the recording that _clear closes
         with self._lock:
             if self._recording:
                 raise RecorderStateError("already recording; call stop_record() first")
@@ -452,7 +454,8 @@ class ExpertDistributionRecorder:
                 self._rotate(self._next_pass_id - 1, wait=True)
 
     def reset(self) -> None:
-        """Discard everything recorded; keeps recording if it was."""
+        """Discard everything recorded (after the dumps still being written); keeps recording if it was."""
+        self._dumps.wait()
         with self._lock:
             self._clear()
             if self._recording:
@@ -514,16 +517,29 @@ class ExpertDistributionRecorder:
             self._close_session(keep=bool(undumped))
 
     # ------------------------------------------------------------------ dump
-    def dump_record(self, path: Path | str | None = None) -> Path:
+    def dump_record(self, path: Path | str | None = None, wait: bool = True) -> Path:
         """Write what was recorded to an HDF5 trace (atomically) and return its path.
 
-        ``stat`` mode under ``torch.distributed`` is collective: every rank must
-        call it; rank 0 writes one file with a rank axis and every rank returns
-        its path. Streaming modes write one file per rank (``-rank{r}`` suffix
-        when the world has several ranks) holding the passes since the previous
-        dump (its ``/stat`` covers the same passes), so a long run can be dumped
-        in segments. After a failure the recorded data is intact and the dump
-        can be retried.
+        The dump is a cut at a pass boundary: under the lock a pass end also takes, it only
+        hands the staged rows over (streaming modes: the segment writer closes the open
+        segment) or copies the totals and window on the device (``stat``); recording goes
+        on into a new segment at once. Joining the segments (their chunks copied, not
+        re-encoded), checksums, fsync and the rename happen on a background thread
+        (:class:`~moetrace.dump.DumpQueue`), so the forward thread never waits for them.
+
+        ``wait=True`` (the default) returns once the file is in place and raises if the
+        dump failed; ``wait=False`` returns the path at once (the file appears there,
+        complete, when the background dump ends: :meth:`wait_dumps` waits for it and raises
+        its error, ``status()`` lists it under ``pending_dumps`` and a failure under
+        ``errors``). A caller on the engine's forward thread (SGLang's scheduler) passes
+        ``wait=False``.
+
+        ``stat`` mode under ``torch.distributed`` is collective: every rank must call it;
+        rank 0 writes one file with a rank axis and every rank returns its path. Streaming
+        modes write one file per rank (``-rank{r}`` suffix when the world has several
+        ranks) holding the passes since the previous cut (its ``/stat`` covers the same
+        passes), so a long run can be dumped in segments. After a failure the segments are
+        kept and the next dump holds their passes too (or ``moetrace recover`` after a crash).
         """
         with self._lock:
             if not self._started:
@@ -534,26 +550,111 @@ class ExpertDistributionRecorder:
                 target = target.with_name(target.name + ".h5")
             rank, world = dist_world()
             if self.config.mode == "stat":
-                assert self._window is not None
-                timing = self._gather_timing(world, rows=True)
-                written = self._dump.stat(target, self._run_id, rank, world, self._counter, self._window, self._num_passes, timing)
-                self._dumped_passes = self._num_passes  # stat dumps are cumulative: every pass is in this one
+                outside = self._cut_stat(target, rank, world)
             else:
                 if world > 1:
                     target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
-                written = self._dump_stream(target, rank, world)
-            self.last_dump_path = written
-        if self._retention is not None:  # bounded disk: after the dump, outside the lock (file I/O only)
-            self._retention.apply()
-        return written
+                outside = self._cut_stream(target, rank, world)
+        pending = self._dumps.submit(target, outside())  # outside the lock: gathers, copies in flight
+        return pending.result() if wait else target
 
-    def _gather_timing(self, world: int, rows: bool) -> TimingParts | None:
-        """Every rank's timing aggregates (and window rows when ``rows``), rank order; ``None`` when timing is off."""
+    @property
+    def pending_dumps(self) -> int:
+        """Dumps whose file is still being written on the background dump thread."""
+        return len(self._dumps.pending)
+
+    def wait_dumps(self) -> None:
+        """Wait for every dump started so far; raises the first one's error if any failed."""
+        for pending in self._dumps.pending:
+            pending.result()
+
+    def _cut_stat(self, target: Path, rank: int, world: int) -> Callable[[], Callable[[], Path]]:
+        """``stat`` cut (lock held): device copies of totals and window. Returns what runs next on
+        the caller's thread outside the lock (the gathers to rank 0, collective), which returns the
+        file write for the dump thread."""
+        assert self._window is not None
+        cut = self._dump.stat_cut(self._counter, self._window, self._num_passes)
+        timing = self._timing_part(rows=True)
+        run_id = self._run_id
+        self._dumped_passes = self._num_passes  # stat dumps are cumulative: every pass is in this one
+
+        def gather() -> Callable[[], Path]:
+            rows = self._dump.stat_gather(cut, rank, world)
+            parts = gather_objects(timing, world) if timing is not None else None
+            if rank != 0:
+                return lambda: target  # rank 0 writes the file
+            return self._finished(target, lambda: self._dump.stat(target, run_id, world, rows, parts), undo=None)  # type: ignore[arg-type]
+
+        return gather
+
+    def _cut_stream(self, target: Path, rank: int, world: int) -> Callable[[], Callable[[], Path]]:
+        """Streaming cut (lock held): hand the staged rows over and mark the cut. Returns what runs
+        next on the caller's thread outside the lock (waiting for the copies just handed over),
+        which returns the join for the dump thread."""
+        session = self._session
+        if session is None:
+            raise RecorderStateError("no streaming segment is open (it was already dumped after stop_record); call start_record() to record again")
+        timing = self._timing_part(rows=False)
+        cut = session.cut(self._next_pass_id - 1, self._num_passes)
+        passes, previous_timing = self._num_passes - self._dumped_passes, self._dumped_timing
+        self._dumped_passes = self._num_passes
+        self._dumped_timing = cut_timing = self._timing_stats.arrays() if self._clock is not None else None
+        detach = not self._recording  # the last dump after stop_record: the session closes after it
+        if detach:
+            self._session = None
+            sessions.closed(self)
+        run_id, parts = self._run_id, [timing] if timing is not None else None
+
+        def undo() -> None:  # lock held: the dump failed, its passes count as not dumped again
+            self._dumped_passes -= passes
+            if self._dumped_timing is cut_timing:  # no later cut: the next dump's aggregates cover these passes too
+                self._dumped_timing = previous_timing
+            if detach and self._session is None and not self._recording and self._run_id == run_id:
+                self._session = session  # dump again to retry
+                sessions.opened(self)
+
+        def join() -> Path:
+            written = self._dump.stream(target, run_id, rank, world, session, cut, parts)  # type: ignore[arg-type]
+            if detach:
+                session.close(keep=False, undumped_passes=0)
+            return written
+
+        def settle() -> Callable[[], Path]:
+            session.settle()  # the writer thread waits for these copies; no CUDA call on other threads
+            return self._finished(target, join, undo)
+
+        return settle
+
+    def _finished(self, target: Path, write: Callable[[], Path], undo: Callable[[], None] | None) -> Callable[[], Path]:
+        """``write`` on the dump thread, then the bookkeeping: last path and retention, or the error."""
+
+        def run() -> Path:
+            try:
+                written = write()
+            except BaseException as exc:
+                with self._lock:
+                    self._errors.append(f"dump to {target} failed: {exc}")
+                    if undo is not None:
+                        undo()
+                raise
+            with self._lock:
+                self.last_dump_path = written
+            if self._retention is not None:  # bounded disk: after the dump, file I/O only
+                self._retention.apply()
+            return written
+
+        return run
+
+    def _timing_part(self, rows: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None] | None:
+        """This rank's timing aggregates since the previous dump (and ``stat``'s window rows), copied
+        at the cut; ``None`` without timing. Passes whose CUDA events are still in flight are folded
+        first only when not recording (a dump while recording never waits for the device: they go
+        into the next dump)."""
         if self._clock is None:
             return None
-        self._resolve_timing()
-        mine = (self._timing_since_dump(), self._timing_rows.ordered() if rows else None)
-        return gather_objects(mine, world)  # type: ignore[return-value]
+        if not self._recording:
+            self._resolve_timing()
+        return self._timing_since_dump(), ({k: v.copy() for k, v in self._timing_rows.ordered().items()} if rows else None)
 
     def _timing_since_dump(self) -> dict[str, np.ndarray]:
         """Aggregates since the previous streaming dump (additive fields; maxima are since start_record)."""
@@ -563,24 +664,6 @@ class ExpertDistributionRecorder:
         for name in ("phase_seconds_sum", "phase_count", "phase_histogram", "step_seconds_sum", "step_count", "step_histogram"):
             current[name] = current[name] - self._dumped_timing[name]
         return current
-
-    def _dump_stream(self, target: Path, rank: int, world: int) -> Path:
-        """Close the open segment and join the segments since the previous dump into ``target``."""
-        session = self._session
-        if session is None:
-            raise RecorderStateError("no streaming segment is open (it was already dumped after stop_record); call start_record() to record again")
-        timing = self._gather_timing(1, rows=False)
-        self._rotate(self._next_pass_id - 1, wait=True)
-        error = session.finish_rows()
-        if error is not None:
-            self._errors.append(f"streaming write failed: {error}")
-            raise TraceWriteError(f"the background trace writer failed earlier ({error}); the passes since then are lost, call reset() or start_record()") from error
-        written = self._dump.stream(target, self._run_id, rank, world, session, timing)
-        self._dumped_passes = self._num_passes
-        self._dumped_timing = self._timing_stats.arrays() if self._clock is not None else None
-        if not self._recording:
-            self._close_session(keep=False)
-        return written
 
     # ------------------------------------------------------------------ snapshot / status
     def snapshot(self) -> RecorderSnapshot:
@@ -610,6 +693,7 @@ class ExpertDistributionRecorder:
                 "tokens": tokens,
                 "dropped_passes": self.dropped_passes,
                 "last_dump_path": str(self.last_dump_path) if self.last_dump_path else None,
+                "pending_dumps": [str(p.target) for p in self._dumps.pending],
                 "output_dir": str(self.config.output_dir),
                 "errors": errors,
                 "retention": self._retention.stats.to_dict() if self._retention is not None else None,
@@ -656,7 +740,7 @@ class NoOpRecorder:
     def stop_record(self) -> None:
         raise self._unconfigured("stop_record")
 
-    def dump_record(self, path: Path | str | None = None) -> Path:
+    def dump_record(self, path: Path | str | None = None, wait: bool = True) -> Path:
         raise self._unconfigured("dump_record")
 
     def reset(self) -> None:

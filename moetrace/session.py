@@ -18,6 +18,7 @@ import atexit
 import dataclasses
 import os
 import socket
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -31,12 +32,13 @@ from .accumulators import PassCounter, PassStream, StatWindow, TokenStream
 from .config import RecorderConfig
 from .trace.files import checkpoint_path, journal_path, sweep_dead_temporaries
 from .trace.journal import Journal
+from .trace.schema import TraceWriteError
 from .trace.segments import CheckpointWriter, SegmentInfo, SegmentWriter
 from .trace.stat import CounterLayout
 from .trace.stream import BackgroundTraceWriter, HostBufferPool, StreamJob
 from .trace.writer import TraceHeader, TraceWriter, check_writable_dir
 
-__all__ = ["RecordingSession", "Staged", "close_at_exit", "closed", "opened", "wanted"]
+__all__ = ["Cut", "RecordingSession", "Staged", "close_at_exit", "closed", "opened", "wanted"]
 
 #: ``fill(writer, rows [1, L, C], passes [1, 2], meta [1, W, 3], counts [[1, W, L, P]])``: a checkpoint's ``/stat`` and ``/window``.
 FillStat = Callable[[TraceWriter, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]], None]
@@ -122,8 +124,9 @@ class RecordingSession:
         self.writer.settle()
 
     def due(self) -> bool:
-        """Whether ``segment_seconds`` have passed since the last rotation."""
-        return time.monotonic() >= self._rotate_at
+        """Whether ``segment_seconds`` have passed since the last rotation and every stream's staged
+        rows end on a chunk boundary (so that segments join by copying chunks; a few passes later)."""
+        return time.monotonic() >= self._rotate_at and all(stream.at_boundary() for stream in self._staged.streams)
 
     def rotate(self, pass_id: int, passes: int, wait: bool = False) -> None:
         """Hand what is staged to the writer thread, which closes the segment (streaming) or writes a
@@ -183,24 +186,35 @@ class RecordingSession:
 
         self.writer.submit(StreamJob(event=event, build=build, done=done))
 
-    def finish_rows(self) -> BaseException | None:
-        """Wait until every job handed over so far is written; the writer's first error, if any."""
-        self.writer.drain()
-        return self.writer.error
-
-    def take_segments(self) -> list[SegmentInfo]:
-        """The closed segments not consumed yet (oldest first), including those of a dump that failed."""
+    def cut(self, pass_id: int, passes: int) -> Cut:
+        """A dump's cut (recorder lock held, between two pass ends): hand what is staged to the
+        writer thread, which closes the open segment, and mark the place in its queue. O(1) on
+        this thread: it only enqueues (it waits only when the writer is already behind, as the
+        next pass end would)."""
+        self.rotate(pass_id, passes)
+        cut = Cut()
         sink = self.writer.sink
         assert isinstance(sink, SegmentWriter)
-        self._undumped = self._undumped + sink.take_completed()
-        return self._undumped
+        self.writer.submit(StreamJob(event=None, build=_nothing, done=lambda: cut.reached(sink.next_index)))
+        return cut
+
+    def take_segments(self, cut: Cut) -> list[SegmentInfo]:
+        """The closed segments up to ``cut`` not consumed yet (oldest first), with those of a dump
+        that failed. Waits until the writer thread has closed them (call :meth:`settle` first)."""
+        cut.wait()
+        if self.writer.error is not None:
+            raise TraceWriteError(f"the background trace writer failed earlier ({self.writer.error}); the passes since then are lost, call reset() or start_record()") from self.writer.error
+        sink = self.writer.sink
+        assert isinstance(sink, SegmentWriter)
+        self._undumped = self._undumped + sink.take_completed(before=cut.index)
+        return list(self._undumped)
 
     def consumed(self, taken: Sequence[SegmentInfo], written: Path) -> None:
         """``taken``'s rows are now in the complete trace ``written``: note it and delete the segments."""
         self.journal.note("dumped", segments=[info.index for info in taken], path=str(written))
         for info in taken:
             info.path.unlink(missing_ok=True)
-        self._undumped = []
+        self._undumped = [info for info in self._undumped if info not in taken]
 
     def close(self, keep: bool, undumped_passes: int) -> None:
         """Stop the writer thread. ``keep``: the caller rotated last (every pass is in a closed segment
@@ -222,6 +236,26 @@ class RecordingSession:
         else:
             self.journal.close()
             self.journal.path.unlink(missing_ok=True)
+
+
+class Cut:
+    """Where a dump's cut sits in the writer thread's queue: set once every job handed over
+    before it is written; ``index``: segments below it hold the cut's passes."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.index = -1
+
+    def reached(self, index: int) -> None:
+        self.index = index
+        self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+
+def _nothing() -> None:
+    return None
 
 
 class _Owner(Protocol):

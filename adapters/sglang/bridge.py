@@ -197,9 +197,13 @@ class RecorderBridge:
         SGLang's only, so they do not write a moetrace file each time.
         """
         if output_mode == "file":
+            # SGLang calls this on its scheduler thread, which runs the forward passes. While recording
+            # the dump is a cut and the file is written in the background (serving goes on); after
+            # stop_record (typically before a shutdown) it returns once the file is in place.
             try:
-                path = self.moetrace.dump_record()
-                logger.info("moetrace: wrote %s", path)
+                recording = self.moetrace.recording
+                path = self.moetrace.dump_record(wait=not recording)
+                logger.info("moetrace: %s %s", "writing in the background" if recording else "wrote", path)
             except Exception:
                 logger.exception("moetrace: dump failed (SGLang's own dump goes on)")
         return self.sglang.dump_record(output_mode=output_mode) if self._sglang_real else None

@@ -41,15 +41,16 @@ def concat_segments(
     attrs: Mapping[str, object] | None = None,
     extra: Callable[[TraceWriter], None] | None = None,
     compression: Mapping[str, object] | None = None,
-    block_rows: int = 1 << 18,
+    block_bytes: int = 4 << 20,
 ) -> Path:
     """Join consecutive segments of one rank into one trace at ``out`` (atomically).
 
     One segment is copied as it is (compressed chunks are not re-encoded).
     Several: ``/stat`` datasets are summed (each segment's totals cover its own
     passes), datasets resizable along axis 0 (``/passes``, ``/tokens``,
-    ``/timing`` ...) are concatenated in segment order, ``block_rows`` rows at a
-    time, and other datasets are taken from the last segment. ``attrs`` are
+    ``/timing`` ...) are concatenated in segment order (their stored chunks copied
+    as they are where the chunk grids line up, else decoded ``block_bytes`` at a
+    time: :meth:`~moetrace.trace.writer.TraceWriter.append_from`), and other datasets are taken from the last segment. ``attrs`` are
     added to the root; ``extra(writer)`` may write more before the commit.
 
     Raises:
@@ -72,7 +73,7 @@ def concat_segments(
                         if isinstance(first[group], h5py.Group) and group != RANKS_GROUP:  # /ranks is part of the header
                             writer.copy_group(first, group)
             else:
-                _join(files, writer, block_rows)
+                _join(files, writer, block_bytes)
             if extra is not None:
                 extra(writer)
             for key, value in (attrs or {}).items():
@@ -83,7 +84,7 @@ def concat_segments(
             f.close()
 
 
-def _join(files: Sequence[h5py.File], writer: TraceWriter, block_rows: int) -> None:
+def _join(files: Sequence[h5py.File], writer: TraceWriter, block_bytes: int) -> None:
     names: dict[str, h5py.Dataset] = {}  # every dataset of any segment, first seen first
 
     def collect(name: str, obj: object) -> None:  # returns None: visititems stops at a non-None return
@@ -101,13 +102,9 @@ def _join(files: Sequence[h5py.File], writer: TraceWriter, block_rows: int) -> N
         elif ds.maxshape and ds.maxshape[0] is None:
             writer.ensure_empty(name, ds.shape[1:], ds.dtype)
             for f in files:
-                if name not in f:
-                    continue
-                src = f[name]
-                for start in range(0, src.shape[0], block_rows):
+                if name in f:
                     with reading(f.filename, f"/{name}"):
-                        rows = np.asarray(src[start : start + block_rows])
-                    writer.append(name, rows)
+                        writer.append_from(name, f[name], block_bytes)
         else:
             writer.write(name, _whole([f for f in files if name in f][-1], name))
 

@@ -149,6 +149,11 @@ class SegmentWriter:
         self._first = self._last = -1
 
     @property
+    def next_index(self) -> int:
+        """The index the next segment will get: every segment closed so far has a smaller one."""
+        return self._index
+
+    @property
     def open_passes(self) -> int:
         """Passes written into the open (not yet closed) segment."""
         return self._passes
@@ -207,10 +212,12 @@ class SegmentWriter:
         self._index += 1
         self._reset_open()
 
-    def take_completed(self) -> list[SegmentInfo]:
-        """Closed segments not taken yet (oldest first); the caller owns their files."""
+    def take_completed(self, before: int | None = None) -> list[SegmentInfo]:
+        """Closed segments not taken yet (oldest first), only those with an index below ``before``
+        when given; the caller owns their files."""
         with self._lock:
-            done, self._completed = self._completed, []
+            done = [info for info in self._completed if before is None or info.index < before]
+            self._completed = self._completed[len(done):]
         return done
 
     def abort(self) -> None:

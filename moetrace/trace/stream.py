@@ -126,12 +126,18 @@ class BackgroundTraceWriter:
                 self._in_flight.popleft().ready.set()
 
     def settle(self) -> None:
-        """Wait (``event.synchronize()``, on the calling thread) for every copy in flight and mark it done."""
-        with self._lock:
-            while self._in_flight:
+        """Wait (``event.synchronize()``, on the calling thread) for every copy in flight and mark it done.
+
+        Each wait happens outside the lock that :meth:`poll` takes, so a dump settling its
+        copies on another thread never holds up the forward thread's pass end.
+        """
+        while True:
+            with self._lock:
+                if not self._in_flight:
+                    return
                 job = self._in_flight.popleft()
-                job.event.synchronize()  # type: ignore[union-attr]
-                job.ready.set()
+            job.event.synchronize()  # type: ignore[union-attr]
+            job.ready.set()
 
     def _run(self) -> None:
         while True:

@@ -23,7 +23,7 @@ from .files import temporary_path
 from .ranks import write_layouts
 from .schema import COMPLETE_ATTR, Data, TraceHeader, TraceWriteError, dataset
 
-__all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic", "write_text_atomic"]
+__all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "chunk_rows", "compression_options", "token_id_dtype", "write_json_atomic", "write_text_atomic"]
 
 _COMPRESS = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
 #: Accepted ``compression`` specs (``RecorderConfig.compression``); the last two need ``hdf5plugin``.
@@ -78,6 +78,14 @@ def token_id_dtype(num_physical_experts: int) -> np.dtype:
     return np.dtype(np.int32)
 
 
+def chunk_rows(row_shape: tuple[int, ...], dtype: np.dtype | type) -> int:
+    """Rows per chunk of an appended dataset of ``row_shape`` rows: about 1 MiB, at most 4096,
+    a power of two (so that hand-offs of a power-of-two number of rows end on chunk boundaries
+    and segments join by copying chunks)."""
+    row_bytes = max(1, int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+    return 1 << (max(1, min(4096, (1 << 20) // row_bytes)).bit_length() - 1)
+
+
 def check_writable_dir(directory: Path) -> Path:
     """Create ``directory`` if needed and make sure a file can be written there.
 
@@ -115,6 +123,15 @@ def write_text_atomic(path: Path | str, text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def _same_storage(a: h5py.Dataset, b: h5py.Dataset) -> bool:
+    """Whether two datasets store rows alike: dtype, chunk shape and filter pipeline (with its parameters)."""
+    if a.dtype != b.dtype or a.chunks != b.chunks or a.chunks is None:
+        return False
+    pa, pb = a.id.get_create_plist(), b.id.get_create_plist()
+    filters = [pa.get_filter(i)[:3] for i in range(pa.get_nfilters())]
+    return filters == [pb.get_filter(i)[:3] for i in range(pb.get_nfilters())]
 
 
 def write_json_atomic(path: Path | str, document: object) -> Path:
@@ -206,31 +223,65 @@ class TraceWriter:
 
     # -- streamed datasets --------------------------------------------------------
     def append(self, name: str, data: np.ndarray) -> None:
-        """Append rows to a dataset resizable along axis 0, creating it on first use."""
+        """Append rows ``[n, ...]`` to a dataset resizable along axis 0, creating it on first use.
+
+        Chunks hold :func:`chunk_rows` rows, sized from the row shape (so a first append of
+        zero rows gives the same chunks). Rows are written a chunk's worth per HDF5
+        call: h5py holds the GIL through each call, so a background writer never keeps the
+        forward thread waiting longer than one chunk's write.
+        """
         data = np.ascontiguousarray(data)
 
         def do() -> None:
-            if name not in self._file:
-                chunk_rows = max(1, min(4096, (1 << 20) // max(1, data[0:1].nbytes)))
-                self._create(
-                    name,
-                    shape=(0, *data.shape[1:]),
-                    maxshape=(None, *data.shape[1:]),
-                    dtype=data.dtype,
-                    chunks=(chunk_rows, *data.shape[1:]),
-                    **self._compression,
-                )
-            dset = self._file[name]
+            dset = self._streamed(name, data.shape[1:], data.dtype)
             start = dset.shape[0]
             dset.resize(start + data.shape[0], axis=0)
-            dset[start:] = data
+            step = dset.chunks[0]
+            at = 0
+            while at < data.shape[0]:
+                end = min(data.shape[0], at + step - (start + at) % step)  # up to the next chunk boundary
+                dset[start + at : start + end] = data[at:end]
+                at = end
+
+        self._guard(do)
+
+    def _streamed(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype) -> h5py.Dataset:
+        """Dataset ``name`` resizable along axis 0 (created, chunked and filtered, when missing)."""
+        if name not in self._file:
+            rows = chunk_rows(row_shape, dtype)
+            self._create(name, shape=(0, *row_shape), maxshape=(None, *row_shape), dtype=dtype, chunks=(rows, *row_shape), **self._compression)
+        return self._file[name]
+
+    def append_from(self, name: str, source: h5py.Dataset, block_bytes: int = 4 << 20) -> None:
+        """Append every row of ``source`` (a dataset resizable along axis 0 of another trace) to ``name``.
+
+        When both have the same chunk shape and filters and ``name``'s rows end on a chunk
+        boundary, the stored chunks are copied as they are (``read_direct_chunk`` /
+        ``write_direct_chunk``: nothing decoded or re-encoded; the Fletcher-32 checksums
+        travel with them). Otherwise rows are decoded and appended, ``block_bytes`` at a time.
+        """
+
+        def do() -> None:
+            dset = self._streamed(name, source.shape[1:], source.dtype)
+            start, rows = dset.shape[0], source.shape[0]
+            step = dset.chunks[0]
+            if rows and start % step == 0 and _same_storage(source, dset):
+                dset.resize(start + rows, axis=0)
+                tail = (0,) * (source.ndim - 1)
+                for at in range(0, rows, step):
+                    mask, chunk = source.id.read_direct_chunk((at, *tail))
+                    dset.id.write_direct_chunk((start + at, *tail), chunk, mask)
+                return
+            row_bytes = max(1, source.dtype.itemsize * int(np.prod(source.shape[1:], dtype=np.int64)))
+            block = max(1, block_bytes // row_bytes)
+            for at in range(0, rows, block):
+                self.append(name, np.asarray(source[at : at + block]))
 
         self._guard(do)
 
     def ensure_empty(self, name: str, row_shape: tuple[int, ...], dtype: np.dtype) -> None:
         """Create an empty resizable dataset if nothing was appended under ``name``."""
-        if name not in self._file:
-            self.append(name, np.zeros((0, *row_shape), dtype=dtype))
+        self._guard(lambda: self._streamed(name, tuple(row_shape), np.dtype(dtype)))
 
     def copy_group(self, source: TraceWriter | h5py.File, group: str, block_rows: int = 1 << 18) -> None:
         """Copy ``group`` of another open trace (writer or h5py file) into this one.

@@ -1,6 +1,6 @@
 """A recording process to kill: feeds seeded routing passes forever and logs each pass id first.
 
-Run as ``python -m tests.faults.recording MODE OUTPUT_DIR LOG``. Pass ``i`` routes
+Run as ``python -m tests.faults.recording MODE OUTPUT_DIR LOG [DUMP_AT]``. Pass ``i`` routes
 :func:`pass_ids` ``(i)``; its id is written to ``LOG`` (flushed) *before* the pass
 is fed, so every pass the recorder saw is in the log, independently of moetrace.
 Also used in-process by the multi-rank test (:func:`feed`).
@@ -63,14 +63,39 @@ def two_rank_worker(rank: int, world_size: int, output_dir: str, passes: int, ki
     return str(rec.dump_record(Path(output_dir) / "run.h5"))
 
 
+def hold_background_dumps(marker: Path) -> None:
+    """Make every dump stop on its background thread just before its rename (the joined rows are
+    in its temporary): write ``marker`` then, and never go on (the parent kills the process)."""
+    import threading
+
+    from moetrace.trace.writer import TraceWriter
+
+    commit = TraceWriter.commit
+
+    def held(writer: TraceWriter) -> Path:
+        if threading.current_thread().name == "moetrace-dump":
+            marker.write_text("joined\n")
+            threading.Event().wait()
+        return commit(writer)
+
+    TraceWriter.commit = held  # type: ignore[method-assign]
+
+
 def main() -> None:
+    """``MODE OUTPUT_DIR LOG [DUMP_AT]``: with ``DUMP_AT``, ``dump_record(wait=False)`` after that
+    many passes, its background join held before the rename (``LOG`` + ``.joined`` says when)."""
     mode, output_dir, log = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    dump_at = int(sys.argv[4]) if len(sys.argv) > 4 else -1
     torch.set_num_threads(1)
     rec = make_recorder(mode, output_dir)
+    if dump_at >= 0:
+        hold_background_dumps(log.with_name(log.name + ".joined"))
     rec.start_record()
     with log.open("w", encoding="utf-8") as fh:
         pass_id = 0
         while True:
+            if pass_id == dump_at:
+                rec.dump_record(output_dir / "cut.h5", wait=False)
             fh.write(f"{pass_id}\n")
             fh.flush()
             feed(rec, pass_id)

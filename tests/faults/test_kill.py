@@ -180,3 +180,46 @@ def test_recover_skips_segments_already_dumped_and_refuses_live_runs(tmp_path):
     np.testing.assert_array_equal(pid, np.repeat(np.arange(20, 45), TOKENS))
     rec.stop_record()
     rec.dump_record(tmp_path / "second.h5")
+
+
+@pytest.mark.parametrize("mode", ["per_token"])  # per_pass: the same cut and journal (the join's copy is tested in tests/recorder/test_dump_cut.py)
+def test_sigkill_during_a_background_dump_loses_nothing_recover_cannot_bring_back(tmp_path, mode):
+    """A dump while recording (``wait=False``, from the forward thread) is killed on its background
+    thread after joining every row, before the rename: the journal still knows the segments it
+    took, so ``moetrace recover`` gives back every pass from the first, the cut's included."""
+    out, log, dump_at = tmp_path / "out", tmp_path / "passes.log", 40
+    joined = log.with_name(log.name + ".joined")
+    out.mkdir()
+    child = subprocess.Popen([sys.executable, "-m", "tests.faults.recording", mode, str(out), str(log), str(dump_at)], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not joined.exists():
+            assert child.poll() is None, "the recording child exited early"
+            assert time.monotonic() < deadline, "the background dump never reached its rename"
+            time.sleep(0.02)
+        passes_at_join = len(log.read_text().split())
+        deadline = time.monotonic() + 120
+        while len(log.read_text().split()) < passes_at_join + 20:  # recording went on during the dump
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert not (out / "cut.h5").exists()
+    logged = [int(line) for line in log.read_text().split()]
+    [rank] = recover(out, tmp_path / "recovered.h5")
+    recovered = rank.last_pass + 1
+    assert recovered >= dump_at, (recovered, dump_at)  # every pass the dump had taken is back
+    assert rank.dumped_to == ()
+    with open_trace(rank.path) as trace:
+        if mode == "per_token":
+            chunks = list(trace.iter_tokens())
+            np.testing.assert_array_equal(np.concatenate([c.pass_id for c in chunks]), np.repeat(np.arange(recovered), TOKENS))
+            np.testing.assert_array_equal(np.concatenate([c.topk_ids for c in chunks]), np.concatenate([pass_ids(i) for i in range(recovered)]))
+        else:
+            chunks = list(trace.iter_passes())
+            np.testing.assert_array_equal(np.concatenate([c.pass_id for c in chunks]), np.arange(recovered))
+            expected = np.stack([np.stack([np.bincount(pass_ids(i)[:, layer].ravel(), minlength=EXPERTS) for layer in range(LAYERS)]) for i in range(recovered)])
+            np.testing.assert_array_equal(np.concatenate([c.physical_count for c in chunks]), expected)
+    assert recovered <= len(logged)
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]  # the dead dump's temporary was swept

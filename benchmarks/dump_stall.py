@@ -1,0 +1,168 @@
+"""What a dump costs the forward pass, and the dump's own time, at DeepSeek-V3 decode size (issue 37).
+
+Run: ``.venv/bin/python benchmarks/dump_stall.py [--quick] [--passes 3000 10000] [--label NAME]``
+
+The workload is DeepSeek-V3's decode shape: 58 MoE layers, 288 physical slots, top-8,
+256-token passes, recorded through the hooks on this machine's CPU (each pass is the 58
+``on_select_experts`` calls and the pass end), with 2 s segments (``segment_seconds=2``).
+For every mode (``stat``, ``per_pass``, ``per_token``) and every size (3,000 and 10,000
+passes by default), one process:
+
+1. records ``N`` passes, then calls ``dump_record`` on another thread (what the control
+   endpoint, an engine's dump endpoint or a periodic dump does) while this thread keeps
+   running forward passes until the dump is written: **while recording**;
+2. records ``N`` more passes, ``stop_record``, and dumps again the same way (the forward
+   passes go on, not recorded): **after stop**.
+
+Figures per case: a normal forward pass (median and max of the 300 passes before the dump),
+the longest forward pass while the dump ran (and the 99th percentile), the dump's wall time
+and its time per dumped pass; beside them ``numpy.save`` of the same rows (per pass and per
+token), measured in the same process. The API used (``dump_record(path)`` from a thread) is
+the same in every moetrace version, so ``PYTHONPATH=<older checkout>`` measures the code
+before a change with this very script (``--label before``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import write_results
+
+import moetrace
+from moetrace import ExpertDistributionRecorder, RecorderConfig
+from moetrace.trace import open_trace
+
+LAYERS, SLOTS, TOP_K, TOKENS = 58, 288, 8, 256
+NORMAL = 300  # passes before each dump that give "a normal forward pass"
+
+
+def routes(seed: int = 0) -> list[torch.Tensor]:
+    """One ``[TOKENS, TOP_K]`` id tensor per layer: distinct ids per token, Zipf-skewed slots."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, SLOTS + 1)
+    out = []
+    for _ in range(LAYERS):
+        keys = rng.random((TOKENS, SLOTS)) ** (1.0 / weights)
+        out.append(torch.as_tensor(np.argsort(-keys, axis=1)[:, :TOP_K].astype(np.int64)))
+    return out
+
+
+def forward(rec: ExpertDistributionRecorder, ids: list[torch.Tensor]) -> float:
+    """One forward pass through the hooks; its seconds."""
+    start = time.perf_counter()
+    with rec.with_forward_pass():
+        for layer in range(LAYERS):
+            with rec.with_current_layer(layer):
+                rec.on_select_experts(ids[layer])
+    return time.perf_counter() - start
+
+
+def dump_under_load(rec: ExpertDistributionRecorder, ids: list[torch.Tensor], path: Path) -> dict[str, float]:
+    """Dump on another thread while this one keeps running forward passes; the figures."""
+    done = threading.Event()
+    result: dict[str, object] = {}
+
+    def dump() -> None:
+        start = time.perf_counter()
+        try:
+            result["path"] = rec.dump_record(path)
+        except BaseException as exc:  # reported below
+            result["error"] = exc
+        result["seconds"] = time.perf_counter() - start
+        done.set()
+
+    thread = threading.Thread(target=dump, name="bench-dump")
+    during: list[float] = []
+    thread.start()
+    while not done.is_set():
+        during.append(forward(rec, ids))
+    thread.join()
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    with open_trace(result["path"]) as trace:  # type: ignore[arg-type]
+        passes = int(trace.num_passes().sum())
+        rows = int(trace._file["tokens/topk_ids"].shape[0]) if "tokens/topk_ids" in trace._file else 0
+    size = Path(result["path"]).stat().st_size  # type: ignore[arg-type]
+    Path(result["path"]).unlink()  # type: ignore[arg-type]
+    seconds = float(result["seconds"])  # type: ignore[arg-type]
+    return {
+        "dump_seconds": seconds, "dumped_passes": passes, "dumped_token_rows": rows, "file_mb": size / 1e6,
+        "dump_ms_per_pass": 1e3 * seconds / max(passes, 1), "passes_during_dump": len(during),
+        "longest_pass_ms": 1e3 * max(during), "p99_pass_ms": 1e3 * float(np.percentile(during, 99)),
+    }
+
+
+def case(tmp: Path, mode: str, passes: int, ids: list[torch.Tensor]) -> dict[str, dict[str, float]]:
+    rec = ExpertDistributionRecorder(RecorderConfig(
+        num_layers=LAYERS, num_physical_experts=SLOTS, top_k=TOP_K, mode=mode, output_dir=tmp,
+        max_tokens_per_pass=TOKENS, segment_seconds=2.0,
+    ))
+    out: dict[str, dict[str, float]] = {}
+    rec.start_record()
+    for label in ("while_recording", "after_stop"):
+        times = [forward(rec, ids) for _ in range(passes)]
+        normal = times[-NORMAL:]
+        if label == "after_stop":
+            rec.stop_record()
+        figures = dump_under_load(rec, ids, tmp / f"{mode}-{label}.h5")
+        figures.update({"normal_pass_ms": 1e3 * statistics.median(normal), "normal_max_pass_ms": 1e3 * max(normal)})
+        out[label] = figures
+        print(f"{mode:<10}{passes:>7} {label:<16} normal {figures['normal_pass_ms']:6.1f} ms (max {figures['normal_max_pass_ms']:6.1f})"
+              f"  longest during dump {figures['longest_pass_ms']:8.1f} ms (p99 {figures['p99_pass_ms']:6.1f})"
+              f"  dump {figures['dump_seconds']:6.2f} s = {figures['dump_ms_per_pass']:.3f} ms/pass ({figures['dumped_passes']} passes)", flush=True)
+    rec.reset()
+    return out
+
+
+def numpy_baseline(tmp: Path, passes: int) -> dict[str, float]:
+    """``numpy.save`` (no fsync) of the rows a dump of ``passes`` passes holds, per pass and per token."""
+    counts = np.random.default_rng(0).integers(0, 64, (passes, LAYERS, SLOTS), dtype=np.int32)
+    ids = np.random.default_rng(1).integers(0, SLOTS, (passes * TOKENS, LAYERS, TOP_K)).astype(np.int16)  # 288 slots: int16 ids
+    out = {}
+    for name, array in (("per_pass", counts), ("per_token", ids)):
+        start = time.perf_counter()
+        np.save(tmp / f"{name}.npy", array)
+        seconds = time.perf_counter() - start
+        (tmp / f"{name}.npy").unlink()
+        out[f"{name}_ms_per_pass"] = 1e3 * seconds / passes
+        out[f"{name}_us_per_token"] = 1e6 * seconds / (passes * TOKENS)
+        out[f"{name}_mb"] = array.nbytes / 1e6
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="300 and 1,000 passes")
+    parser.add_argument("--passes", type=int, nargs="*", help="sizes (default 3000 10000)")
+    parser.add_argument("--modes", nargs="*", default=["stat", "per_pass", "per_token"])
+    parser.add_argument("--label", default="now", help="results go to benchmarks/results/dump_stall[-LABEL].json ('now': dump_stall.json)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sizes = args.passes or ([300, 1000] if args.quick else [3000, 10000])
+    ids = routes()
+    results: dict[str, object] = {"moetrace": str(Path(moetrace.__file__).parent), "workload": {
+        "layers": LAYERS, "slots": SLOTS, "top_k": TOP_K, "tokens_per_pass": TOKENS, "segment_seconds": 2.0}, "cases": {}}
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        for passes in sizes:
+            for mode in args.modes:
+                results["cases"][f"{mode}/{passes}"] = case(tmp, mode, passes, ids)  # type: ignore[index]
+            results[f"numpy_save/{passes}"] = base = numpy_baseline(tmp, passes)
+            print(f"numpy.save {passes} passes: per_pass counts {base['per_pass_ms_per_pass']:.3f} ms/pass, "
+                  f"per_token ids {base['per_token_ms_per_pass']:.3f} ms/pass = {base['per_token_us_per_token']:.3f} us/token", flush=True)
+    print(f"wrote {write_results('dump_stall' if args.label == 'now' else f'dump_stall-{args.label}', results)}")
+
+
+if __name__ == "__main__":
+    main()
