@@ -28,9 +28,9 @@ def routing(pass_id: int) -> np.ndarray:
 
 
 def recorder(tmp_path: Path, mode: str, **config: object) -> ExpertDistributionRecorder:
+    options = {"stream_chunk_passes": 4, "stream_chunk_tokens": 32, "segment_bytes": 4096, "segment_seconds": 0, "window": 64, **config}
     return ExpertDistributionRecorder(RecorderConfig(
-        num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K, mode=mode, output_dir=tmp_path, max_tokens_per_pass=TOKENS,
-        stream_chunk_passes=4, stream_chunk_tokens=32, segment_bytes=4096, segment_seconds=0, window=64, **config,  # type: ignore[arg-type]
+        num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K, mode=mode, output_dir=tmp_path, max_tokens_per_pass=TOKENS, **options,  # type: ignore[arg-type]
     ))
 
 
@@ -116,7 +116,7 @@ class BlockedCommits:
 @pytest.mark.parametrize("mode", ["per_token", "per_pass", "stat"])
 def test_passes_keep_ending_while_the_dump_is_blocked(tmp_path, mode, monkeypatch):
     blocked = BlockedCommits(monkeypatch)
-    rec = recorder(tmp_path, mode)
+    rec = recorder(tmp_path, mode, segment_bytes=1024)  # several segments before the cut: the dump joins them (a commit)
     rec.start_record()
     feed(rec, range(0, 30))
     target = rec.dump_record(tmp_path / "cut.h5", wait=False)  # from the forward thread itself
