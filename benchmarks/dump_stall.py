@@ -15,7 +15,9 @@ passes by default), one process:
    passes go on, not recorded): **after stop**.
 
 Figures per case: a normal forward pass (median and max of the 300 passes before the dump),
-the longest forward pass while the dump ran (and the 99th percentile), the dump's wall time
+the longest forward pass while the dump ran (and the 99th percentile), the longest time the
+dump's thread held the recorder lock that every pass end takes (the bound on what a pass
+end can wait for: everything else a dump does runs beside the forward), the dump's wall time
 and its time per dumped pass; beside them ``numpy.save`` of the same rows (per pass and per
 token), measured in the same process. The API used (``dump_record(path)`` from a thread) is
 the same in every moetrace version, so ``PYTHONPATH=<older checkout>`` measures the code
@@ -68,8 +70,33 @@ def forward(rec: ExpertDistributionRecorder, ids: list[torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
+class TimedLock:
+    """The recorder's lock, timed: the longest time the dump thread held it (what a pass end can wait for)."""
+
+    def __init__(self, lock: threading.RLock, watched: str) -> None:
+        self._lock, self._watched = lock, watched
+        self._depth, self._since, self.longest = 0, 0.0, 0.0
+
+    def __enter__(self) -> bool:
+        self._lock.acquire()
+        if threading.current_thread().name == self._watched:
+            if self._depth == 0:
+                self._since = time.perf_counter()
+            self._depth += 1
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        if threading.current_thread().name == self._watched:
+            self._depth -= 1
+            if self._depth == 0:
+                self.longest = max(self.longest, time.perf_counter() - self._since)
+        self._lock.release()
+
+
 def dump_under_load(rec: ExpertDistributionRecorder, ids: list[torch.Tensor], path: Path) -> dict[str, float]:
     """Dump on another thread while this one keeps running forward passes; the figures."""
+    lock = rec._lock
+    timed = rec._lock = TimedLock(lock, "bench-dump")  # type: ignore[assignment]
     done = threading.Event()
     result: dict[str, object] = {}
 
@@ -88,6 +115,7 @@ def dump_under_load(rec: ExpertDistributionRecorder, ids: list[torch.Tensor], pa
     while not done.is_set():
         during.append(forward(rec, ids))
     thread.join()
+    rec._lock = lock  # type: ignore[assignment]
     if "error" in result:
         raise result["error"]  # type: ignore[misc]
     with open_trace(result["path"]) as trace:  # type: ignore[arg-type]
@@ -100,6 +128,7 @@ def dump_under_load(rec: ExpertDistributionRecorder, ids: list[torch.Tensor], pa
         "dump_seconds": seconds, "dumped_passes": passes, "dumped_token_rows": rows, "file_mb": size / 1e6,
         "dump_ms_per_pass": 1e3 * seconds / max(passes, 1), "passes_during_dump": len(during),
         "longest_pass_ms": 1e3 * max(during), "p99_pass_ms": 1e3 * float(np.percentile(during, 99)),
+        "longest_lock_hold_ms": 1e3 * timed.longest,
     }
 
 
@@ -120,7 +149,7 @@ def case(tmp: Path, mode: str, passes: int, ids: list[torch.Tensor]) -> dict[str
         out[label] = figures
         print(f"{mode:<10}{passes:>7} {label:<16} normal {figures['normal_pass_ms']:6.1f} ms (max {figures['normal_max_pass_ms']:6.1f})"
               f"  longest during dump {figures['longest_pass_ms']:8.1f} ms (p99 {figures['p99_pass_ms']:6.1f})"
-              f"  dump {figures['dump_seconds']:6.2f} s = {figures['dump_ms_per_pass']:.3f} ms/pass ({figures['dumped_passes']} passes)", flush=True)
+              f"  lock held {figures['longest_lock_hold_ms']:8.1f} ms  dump {figures['dump_seconds']:6.2f} s = {figures['dump_ms_per_pass']:.3f} ms/pass ({figures['dumped_passes']} passes)", flush=True)
     rec.reset()
     return out
 

@@ -71,6 +71,15 @@ def _dump(d: dict) -> list[Row]:
     return rows
 
 
+def _dump_stall(d: dict) -> list[Row]:
+    rows = []
+    for name, case in d["cases"].items():
+        r = case["while_recording"]
+        rows.append(("dump stall", f"{name} passes at DeepSeek-V3 size, dump while recording: longest pass during it vs a normal one; lock held; dump",
+                     f"{r['longest_pass_ms']:.0f} vs {r['normal_pass_ms']:.0f} ms (max {r['normal_max_pass_ms']:.0f}); {r['longest_lock_hold_ms']:.1f} ms; {r['dump_ms_per_pass']:.2f} ms/pass"))
+    return rows
+
+
 def _analysis(d: dict) -> list[Row]:
     return [("analysis throughput", f"{mode}: streaming vs one-shot numpy", f"{r['streaming_records_per_s']:,.0f} vs {r['one_shot_records_per_s']:,.0f} {r['unit']}/s, peak memory {r['streaming_peak_bytes'] / 2**20:.0f} vs {r['one_shot_peak_bytes'] / 2**20:.0f} MiB")
             for mode, r in d["throughput"].items()]
@@ -157,6 +166,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] 
     "capture_overhead": ([], ["--rounds", "4"], _capture),
     "ep_bench": (["--compare"], ["--compare", "--workload", "seed"], _ep),
     "dump_throughput": ([], ["--quick"], _dump),
+    "dump_stall": ([], ["--quick"], _dump_stall),
     "analysis_throughput": ([], ["--quick"], _analysis),
     "scrape_cost": ([], ["--quick"], _scrape),
     "routing_cost": ([], ["--quick"], _routing),

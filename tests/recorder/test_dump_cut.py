@@ -136,7 +136,7 @@ def test_passes_keep_ending_while_the_dump_is_blocked(tmp_path, mode, monkeypatc
 
 
 def test_a_failed_background_dump_loses_nothing_and_says_so(tmp_path, monkeypatch):
-    rec = recorder(tmp_path, "per_token")
+    rec = recorder(tmp_path, "per_token", segment_bytes=1024)  # several segments: the dump joins them (a commit)
     rec.start_record()
     feed(rec, range(0, 25))
     commit = TraceWriter.commit
