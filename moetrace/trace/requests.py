@@ -19,8 +19,6 @@ import numpy as np
 from . import integrity
 from .guarded import open_hdf5
 from .integrity import reading
-
-# The /requests field tables live in schema.py with every other trace name; importable from here too.
 from .schema import (
     CANDIDATE_FIELDS,
     MIGRATION_FIELDS,
@@ -29,13 +27,10 @@ from .schema import (
     Attr,
     Data,
     TraceError,
+    TraceHeader,
 )
-from .writer import TraceHeader
 
 __all__ = [
-    "CANDIDATE_FIELDS",
-    "MIGRATION_FIELDS",
-    "REQUEST_FIELDS",
     "ROUTING_MODE",
     "RequestTable",
     "RoutingHeader",
