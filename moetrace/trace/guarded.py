@@ -24,6 +24,8 @@ walk of each collection once per open file (a few hundred bytes for a trace's at
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import io
 import os
 import struct
@@ -71,10 +73,26 @@ class GuardedFile(io.FileIO):
     """A raw file that refuses to hand HDF5 a global heap collection it could not walk
     (see the module docstring); every other read passes through unchanged."""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, locking: bool = True) -> None:
         super().__init__(path, "r")
         self._size = os.fstat(self.fileno()).st_size
         self._checked: set[int] = set()
+        if locking and os.environ.get("HDF5_USE_FILE_LOCKING", "").upper() != "FALSE":
+            self._lock_shared(path)
+
+    def _lock_shared(self, path: Path | str) -> None:
+        """Take the shared ``flock`` HDF5's own driver takes on a file it reads (the file-object
+        driver takes none): a writer's exclusive lock refuses the open, as with plain h5py, and
+        retention (:func:`~moetrace.trace.files.exclusively`) sees the reader."""
+        try:
+            fcntl.flock(self.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno == errno.ENOSYS:  # a file system without locks: HDF5 goes on without too
+                return
+            self.close()
+            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise OSError(exc.errno, f"unable to lock file {path}: another process is writing it") from None
+            raise
 
     def readinto(self, buffer: object) -> int:  # type: ignore[override]
         at = self.tell()
@@ -96,8 +114,8 @@ class GuardedFile(io.FileIO):
 class _File(h5py.File):
     """An :class:`h5py.File` over a :class:`GuardedFile`; closing it closes the raw file too."""
 
-    def __init__(self, path: Path, **options: object) -> None:
-        self._raw = GuardedFile(path)
+    def __init__(self, path: Path, locking: bool = True, **options: object) -> None:
+        self._raw = GuardedFile(path, locking)
         self._path = str(path)
         try:
             super().__init__(self._raw, "r", **options)
@@ -117,7 +135,8 @@ class _File(h5py.File):
             self._raw.close()
 
 
-def open_hdf5(path: Path | str, **options: object) -> h5py.File:
-    """``h5py.File(path, "r", **options)`` with the global heap guard: use it for every file
-    moetrace reads. HDF5 failures (damage included) raise as they would from h5py."""
-    return _File(Path(path), **options)
+def open_hdf5(path: Path | str, locking: bool = True, **options: object) -> h5py.File:
+    """``h5py.File(path, "r", locking=locking, **options)`` with the global heap guard: use it for
+    every file moetrace reads. HDF5 failures (damage included) raise as they would from h5py;
+    ``locking=False`` skips the shared lock (a caller that holds the file's exclusive lock itself)."""
+    return _File(Path(path), locking, **options)

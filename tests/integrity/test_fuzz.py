@@ -14,7 +14,7 @@ Two tiers, so that over 1,000 damaged files fit in CI:
   library entry point every command reads through (``open_trace`` and then every dataset it
   holds; ``read_requests`` for routing traces; ``convert_sglang`` for ``.pt``) must raise a
   ``TraceError`` or return exactly what the undamaged file gives.
-- **Commands** (``FUZZ_CASES`` per kind, env ``MOETRACE_FUZZ_CASES``, default 6; ``report``, which
+- **Commands** (``FUZZ_CASES`` per kind, env ``MOETRACE_FUZZ_CASES``, default 4; ``report``, which
   writes a 5 MB page, on the first ``REPORT_CASES`` of them): ``analyze``, ``inspect``, ``diff``,
   ``placement``, ``merge``, ``recover`` (on the run directory, for the kinds it reads),
   ``verify``, ``timeline``, ``report`` and ``convert`` (``.pt``) run in-process through the typer
@@ -56,8 +56,8 @@ from moetrace.trace.schema import TraceError
 from .traces import MUTATIONS, TOP_K, build, corrupt, layout_of
 
 READ_CASES = int(os.environ.get("MOETRACE_FUZZ_READ_CASES", "100"))
-FUZZ_CASES = int(os.environ.get("MOETRACE_FUZZ_CASES", "6"))
-REPORT_CASES = int(os.environ.get("MOETRACE_FUZZ_REPORT_CASES", "2"))
+FUZZ_CASES = int(os.environ.get("MOETRACE_FUZZ_CASES", "4"))
+REPORT_CASES = int(os.environ.get("MOETRACE_FUZZ_REPORT_CASES", "1"))
 BOUND_S = 60  # per read or command of these small files (milliseconds each); only a loop reaches it
 KINDS = ("stat", "per_pass", "per_token", "timing", "routing", "merged", "recovered", "converted", "segment", "checkpoint", "sglang_pt")
 COMMANDS = ("analyze", "inspect", "diff", "placement", "merge", "recover", "verify", "timeline", "report", "convert")
