@@ -14,7 +14,7 @@ from rich.table import Table
 
 from moetrace.analysis.deployment import group_recordings
 from moetrace.analysis.plots import PLOT_KINDS, plot_report
-from moetrace.analysis.report import AnalysisReport, analyze_trace
+from moetrace.analysis.summary import AnalysisReport, analyze_trace
 
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, parse_layers, stdout_console

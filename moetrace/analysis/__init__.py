@@ -1,6 +1,6 @@
 """Offline analysis of moetrace traces.
 
-``metrics`` holds the one definition of each balance figure. The rest is
+``moetrace.balance`` holds the one definition of each balance figure. The rest is
 imported lazily (``moetrace.analysis.analyze_trace`` etc.) so that importing
 the recorder does not pull in rich or matplotlib.
 """

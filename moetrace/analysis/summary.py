@@ -24,7 +24,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .. import metrics
+from .. import balance
 from ..trace.reader import Trace, open_trace
 from ..trace.schema import Attr
 from .coactivation import (
@@ -64,7 +64,7 @@ def progress_bar(enabled: bool | None, total: int, description: str) -> Iterator
 
 
 @dataclasses.dataclass
-class AnalysisReport(metrics.LoadMetrics):
+class AnalysisReport(balance.LoadMetrics):
     """Balance, entropy, co-activation and drift figures of one trace.
 
     Attributes:
@@ -123,7 +123,7 @@ class AnalysisReport(metrics.LoadMetrics):
         (with one rank every rank figure is 1 by definition).
         """
         num_experts = self.logical_count.shape[1]
-        hot = metrics.hot_expert_count(num_experts)
+        hot = balance.hot_expert_count(num_experts)
         if not self.logical_count.any():
             return ["no expert assignments recorded: no balance to report (was the recorder started?)"]
         lines = [
@@ -188,7 +188,7 @@ class AnalysisReport(metrics.LoadMetrics):
                 "max_layer_expert_imbalance": float(self.expert_imbalance.max()),
                 "mean_expert_cv": float(self.expert_cv.mean()),
                 "hot_expert_share": self.overall_hot_expert_share,
-                "hot_experts": metrics.hot_expert_count(self.logical_count.shape[1]),
+                "hot_experts": balance.hot_expert_count(self.logical_count.shape[1]),
                 "rank_balance_needs_ep": self.ep_size == 1,
             },
             "headline": self.headline(),
@@ -198,7 +198,7 @@ class AnalysisReport(metrics.LoadMetrics):
                 "ep_size": self.ep_size,
                 "total_load": [int(x) for x in rank_total],
                 "hottest_rank": int(np.argmax(rank_total)),
-                "balancedness": metrics.balancedness(rank_total[None, :]),
+                "balancedness": balance.balancedness(rank_total[None, :]),
             },
             "coactivation": self._coactivation_dict(),
             "transitions": self._transitions_dict(),
