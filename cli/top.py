@@ -35,7 +35,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from moetrace import PHASES, metrics
+from moetrace import PHASES, balance
 
 from .errors import CommandError, guarded
 
@@ -168,7 +168,7 @@ def render(points: list[Endpoint], previous: dict[str, Endpoint], interval: floa
     loads = _summed(p.rank_load for p in live)
     if loads:
         layers, load = _grid(loads)  # [L, R] summed over the endpoints (every source rank)
-        lines.append(Text(f"balancedness over {load.shape[1]} EP ranks: {metrics.balancedness(load):.3f}  "
+        lines.append(Text(f"balancedness over {load.shape[1]} EP ranks: {balance.balancedness(load):.3f}  "
                           f"(1 = even; layers {layers[0]}..{layers[-1]})", style="bold"))
         per_rank = load.sum(axis=0)
         top = per_rank.max() or 1.0
