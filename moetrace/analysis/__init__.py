@@ -13,8 +13,8 @@ from typing import Any
 __all__ = ["AnalysisReport", "PlacementPlan", "analyze_trace", "ep_projection", "plot_report", "rebalance_experts"]
 
 _LAZY = {
-    "AnalysisReport": "report",
-    "analyze_trace": "report",
+    "AnalysisReport": "summary",
+    "analyze_trace": "summary",
     "ep_projection": "projection",
     "PlacementPlan": "placement",
     "rebalance_experts": "placement",
