@@ -13,9 +13,9 @@ import typer
 from .errors import CommandError, guarded
 from .options import existing_file, output_path
 
-__all__ = ["app", "print_routing_report"]
+__all__ = ["print_routing_report", "replicas_app"]
 
-app = typer.Typer(name="replicas", help="Request→replica routing: replay a request trace, compare policies, explain decisions.", no_args_is_help=True)
+replicas_app = typer.Typer(name="replicas", help="Request→replica routing: replay a request trace, compare policies, explain decisions.", no_args_is_help=True)
 
 TRACE_HELP = "Request trace, JSONL in the Mooncake format (plain or .gz); 'mooncake' = the packaged Mooncake FAST'25 trace."
 
@@ -83,7 +83,7 @@ def _config(cache_threshold: float, balance_abs: int, balance_rel: float, overla
                         overlap_weight=overlap_weight, migrate_threshold=migrate_threshold, seed=seed)
 
 
-@app.command("replay")
+@replicas_app.command("replay")
 @guarded
 def replay_trace(
     trace: Annotated[str, typer.Argument(help=TRACE_HELP)],
@@ -131,7 +131,7 @@ def replay_trace(
         typer.echo(f"routing trace: {out}")
 
 
-@app.command("compare")
+@replicas_app.command("compare")
 @guarded
 def compare(
     trace: Annotated[str, typer.Argument(help=TRACE_HELP)],
@@ -187,7 +187,7 @@ def compare(
     typer.echo(compare_table(rows))
 
 
-@app.command("why")
+@replicas_app.command("why")
 @guarded
 def explain(
     trace: Annotated[Path, typer.Argument(help="A routing trace (HDF5 with /requests).")],
@@ -206,7 +206,7 @@ def explain(
     typer.echo(json.dumps(_jsonable(answer), indent=2) if as_json else why_text(answer))
 
 
-@app.command("calibrate")
+@replicas_app.command("calibrate")
 @guarded
 def calibrate(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the cost model JSON here.")] = None,

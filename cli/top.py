@@ -39,7 +39,7 @@ from moetrace import PHASES, balance
 
 from .errors import CommandError, guarded
 
-__all__ = ["Endpoint", "render", "scrape", "top"]
+__all__ = ["Endpoint", "render_screen", "scrape", "top"]
 
 BAR_WIDTH = 40
 
@@ -150,7 +150,7 @@ def _who(point: Endpoint) -> str:
     return f"rank {info['global_rank']} [{info['layout']} tp{info['tp_rank']} ep{point.rank}{replica}]"
 
 
-def render(points: list[Endpoint], previous: dict[str, Endpoint], interval: float) -> Group:
+def render_screen(points: list[Endpoint], previous: dict[str, Endpoint], interval: float) -> Group:
     """One screen (80 columns) from this scrape and the previous one."""
     lines: list[Text] = [Text(f"moetrace top: {len(points)} endpoint(s), every {interval:g} s; q or Ctrl-C quits   "
                               f"{time.strftime('%H:%M:%S')}", style="bold")]
@@ -239,7 +239,7 @@ def top(
 
     def frame() -> Group:
         points = [scrape(u, timeout=min(1.0, interval), token=token) for u in url]
-        screen = render(points, previous, interval)
+        screen = render_screen(points, previous, interval)
         previous.update({p.url: p for p in points if p.error is None})
         return screen
 

@@ -43,7 +43,7 @@ from ..trace.reader import open_trace
 from ..trace.requests import RequestTable, is_routing_trace, read_requests
 from ..trace.schema import TraceDamageError, TraceError
 
-__all__ = ["Evidence", "ExpertEvidence", "PlacementView", "RoutingEvidence", "gather", "placement_reading", "placement_view"]
+__all__ = ["Evidence", "ExpertEvidence", "PlacementView", "RoutingEvidence", "gather_evidence", "placement_reading", "placement_view"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +169,7 @@ def _expert(paths: list[Path], top: int) -> ExpertEvidence:
     return ExpertEvidence(paths=paths, report=report, series=series, placement=placement)
 
 
-def gather(paths: Sequence[Path], routes: Path | None = None, top: int = 5) -> Evidence:
+def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int = 5) -> Evidence:
     """Read and analyse the inputs of a report.
 
     Args:
