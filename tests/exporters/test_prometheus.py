@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 import torch
 from moetrace.exporters import prometheus
-from moetrace.exporters.catalog import ALL, INFO, METRICS, PER_EP_RANK, PER_EXPERT, samples, series_per_process
+from moetrace.exporters.catalog import (
+    ALL,
+    INFO,
+    METRICS,
+    PER_EP_RANK,
+    PER_EXPERT,
+    samples,
+    series_per_process,
+)
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
