@@ -66,12 +66,14 @@ def layout(shape: FleetShape, rank: int) -> RankLayout:
                       attn_tp_size=1, router_tp_size=1, source="sglang")
 
 
-def recorder_config(shape: FleetShape, rank: int, out: Path, mode: str = "per_pass") -> RecorderConfig:
+def recorder_config(shape: FleetShape, rank: int, out: Path, mode: str = "per_pass", **fields: object) -> RecorderConfig:
+    """Rank ``rank``'s recorder: its EP rank and layout, slot ``p`` holding expert ``p % experts``; ``fields`` override."""
     mapping = np.tile(np.arange(shape.slots) % shape.experts, (shape.layers, 1))
     return RecorderConfig(num_layers=shape.layers, num_physical_experts=shape.slots, top_k=shape.top_k, ep_size=shape.ep,
                           ep_rank=rank, layer_ids=shape.layer_ids, physical_to_logical=mapping, mode=mode,
                           layout=layout(shape, rank), hidden_size=7168, dtype_bytes=2, model=f"fleet-{shape.name}",
-                          engine="moetrace.fleet-sim", output_dir=out, max_tokens_per_pass=shape.tokens, segment_seconds=0)
+                          engine="moetrace.fleet-sim", output_dir=out, max_tokens_per_pass=shape.tokens, segment_seconds=0,
+                          **fields)  # type: ignore[arg-type]
 
 
 def fleet_routing(shape: FleetShape, seed: int, pass_index: int) -> np.ndarray:
