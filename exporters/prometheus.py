@@ -46,7 +46,7 @@ from moetrace.snapshot import RecorderSnapshot
 from .catalog import HISTOGRAMS, INFO, histogram_samples, info_labels, samples, selected
 from .spec import MetricSpec, prom_family, str_labels
 
-__all__ = ["MetricsServer", "MoetraceCollector", "ServerLimits", "register", "start_http_server"]
+__all__ = ["MetricsServer", "MoetraceCollector", "register", "start_http_server"]
 
 log = logging.getLogger("moetrace.exporters.prometheus")
 

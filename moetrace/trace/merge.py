@@ -46,9 +46,10 @@ from .schema import (
     Data,
     TraceDamageError,
     TraceError,
+    TraceHeader,
     dataset,
 )
-from .writer import TraceHeader, TraceWriter
+from .writer import TraceWriter
 
 __all__ = ["DEFAULT_MEMORY_BYTES", "merge_traces", "rank_stops"]
 
