@@ -111,7 +111,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="moetrace-fleet-") as tmp:
         out = Path(tmp)
         ports = [free_port() for _ in range(LIVE)]
-        with Prometheus(out, {"fleet": [f"127.0.0.1:{p}" for p in ports]}, rule_files=[rules_path()]) as prom:
+        # 2 s: a loaded 2-core machine renders 8 scrapes at once; a 0.5 s timeout would drop some.
+        with Prometheus(out, {"fleet": [f"127.0.0.1:{p}" for p in ports]}, rule_files=[rules_path()], interval_s=2.0) as prom:
             procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(ports[r]), str(out), str(passes), str(rounds)],
                                       cwd=ROOT) for r in range(LIVE)]
             try:
@@ -124,10 +125,11 @@ def main() -> None:
 
                 def rules() -> dict[int, float]:
                     return {int(k["layer"]): v for k, v in prom.query("moetrace:layer_balancedness")}
-                time.sleep(3.0)  # six rule evaluations after the final scrape
+                time.sleep(6.0)  # three rule evaluations after the final scrape
                 got = rules()
                 series = {int(k["rank"]): v for k, v in prom.query('count by (rank) ({__name__=~"moetrace_.+", job="fleet"})')}
                 scrape = [v for _, v in prom.query('scrape_duration_seconds{job="fleet"}')]
+                up = [v for _, v in prom.query('up{job="fleet"}')]
             finally:
                 (out / "done").touch()
                 for p in procs:
@@ -147,7 +149,7 @@ def main() -> None:
         "render_ms_median": render, "render_ratio": render["per_ep_rank"] / render["default"],
         "prometheus_scrape_seconds": {"median": statistics.median(scrape), "max": max(scrape)},
         "rules_vs_routing_max_abs_diff": max(abs(got.get(k, float("nan")) - w) for k, w in want_by_layer.items()),
-        "rules_layers_seen": len(got),
+        "rules_layers_seen": len(got), "targets_up": up,
         "rules_layer_balancedness_min": min(got.values()),
         "gil_longest_gap_ms": gaps,
     }

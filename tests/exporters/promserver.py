@@ -40,14 +40,15 @@ class Prometheus:
     """A Prometheus server on a free loopback port scraping ``targets`` every 0.5 s.
 
     ``targets`` maps a job name to ``host:port`` addresses of ``/metrics`` endpoints;
-    ``rule_files`` are recording-rule files, evaluated every 0.5 s too.
+    ``rule_files`` are recording-rule files, evaluated at the same interval (``interval_s``).
     """
 
-    def __init__(self, tmp: Path, targets: dict[str, list[str]], rule_files: Sequence[Path] = ()) -> None:
+    def __init__(self, tmp: Path, targets: dict[str, list[str]], rule_files: Sequence[Path] = (),
+                 interval_s: float = SCRAPE_INTERVAL_S) -> None:
         self.binary = require_prometheus()
         self.dir = Path(tmp)
         self.port = free_port()
-        interval = f"{int(SCRAPE_INTERVAL_S * 1000)}ms"
+        interval = f"{int(interval_s * 1000)}ms"
         config = {
             "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
             "rule_files": [str(Path(f).resolve()) for f in rule_files],
