@@ -4,7 +4,7 @@ Each :class:`~moetrace.exporters.spec.MetricSpec` names a metric for Prometheus 
 says what kind it is, which labels it carries and which
 :class:`~moetrace.snapshot.RecorderSnapshot` field or property gives its value.
 Values are never computed here: they come from the snapshot's properties,
-which call :mod:`moetrace.metrics` (the one definition of each
+which call :mod:`moetrace.balance` (the one definition of each
 formula).
 
 Label dimensions (``dims``) index the value array:
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moetrace.metrics import HOT_EXPERTS
+from moetrace.balance import HOT_EXPERTS
 from moetrace.snapshot import RecorderSnapshot
 
 from .spec import MetricSpec, enabled
