@@ -18,7 +18,6 @@ __all__ = [
     "expert_cv",
     "expert_excess",
     "expert_imbalance",
-    "hot_cells",
     "hot_expert_count",
     "hot_expert_share",
     "js_divergence",
@@ -27,6 +26,7 @@ __all__ = [
     "overall_expert_imbalance",
     "overall_hot_expert_share",
     "rank_load",
+    "top_cells",
 ]
 
 #: How many (layer, expert) cells a rank exports as its hottest (a fixed top-N, whatever L and E).
@@ -149,7 +149,7 @@ def dead_experts(counts: np.ndarray) -> np.ndarray:
     return (np.asarray(counts) == 0).sum(axis=1)
 
 
-def hot_cells(counts: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def top_cells(counts: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The ``n`` largest cells of ``counts [L, E]`` over all layers: ``(layer index [n'], expert [n'], count [n'])``.
 
     ``n' = min(n, L*E)``, largest first; ties go to the lower (layer, expert) index.
@@ -242,5 +242,5 @@ class LoadMetrics:
 
     @property
     def hot_experts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The :data:`HOT_EXPERTS` hottest (layer, logical expert) cells: ``hot_cells(logical_count, HOT_EXPERTS)``."""
-        return hot_cells(self.logical_count, HOT_EXPERTS)
+        """The :data:`HOT_EXPERTS` hottest (layer, logical expert) cells: ``top_cells(logical_count, HOT_EXPERTS)``."""
+        return top_cells(self.logical_count, HOT_EXPERTS)
