@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from . import integrity, invariants
+from .guarded import open_hdf5
 from .schema import STREAM_GROUP, TraceError
 
 __all__ = ["DatasetStatus", "TraceReport", "verify_trace"]
@@ -112,7 +113,7 @@ def verify_trace(path: Path | str, progress: Callable[[int, int], None] | None =
         report.problems.append(f"{path}: no such file")
         return report
     try:
-        file = h5py.File(path, "r")
+        file = open_hdf5(path)
     except Exception as exc:
         if not (integrity.from_hdf5(exc) or isinstance(exc, OSError)):
             raise
