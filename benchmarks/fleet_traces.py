@@ -73,23 +73,19 @@ def write_fleet(ranks: int, passes: int, out: Path) -> tuple[list[Path], float]:
 
 
 def run_tool(name: str, args: list[str], limit: float, stdout: Path) -> dict[str, object]:
-    """Run one ``moetrace`` command; seconds, peak RSS (MiB, from wait4) and exit code."""
+    """Run one ``moetrace`` command under GNU ``time`` (its peak RSS is the tool's own: ``wait4`` in this
+    process would report the high-water mark this large process had when it forked); seconds, MiB, exit code."""
+    stats = stdout.with_suffix(".time")
     start = time.perf_counter()
     with stdout.open("wb") as out:
-        proc = subprocess.Popen([*MOETRACE, *args], stdout=out, stderr=subprocess.STDOUT)
-        deadline = start + limit
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                proc.returncode = -9
-                return {"tool": name, "seconds": None, "peak_rss_mib": usage.ru_maxrss / 1024, "rc": "timeout"}
-            time.sleep(0.05)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"tool": name, "seconds": time.perf_counter() - start, "peak_rss_mib": usage.ru_maxrss / 1024, "rc": proc.returncode}
+        try:
+            proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(stats), *MOETRACE, *args], stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=limit)
+        except subprocess.TimeoutExpired:
+            return {"tool": name, "seconds": None, "peak_rss_mib": None, "rc": "timeout"}
+    seconds = time.perf_counter() - start
+    peak_kib = int(stats.read_text().split()[-1])
+    return {"tool": name, "seconds": seconds, "peak_rss_mib": peak_kib / 1024, "rc": proc.returncode}
 
 
 def _answer(path: Path) -> dict[str, object]:
@@ -114,9 +110,10 @@ def measure(ranks: int, passes: int, work: Path, limit: float) -> dict[str, obje
         run_tool("report", ["report", *files, "-o", str(out / "report.html")], limit, out / "report.txt"),
         run_tool("placement", ["placement", *files, "--gpus", str(ranks)], limit, out / "placement.txt"),
     ]
-    same = None
+    same: object = None
     if all(r["rc"] == 0 for r in rows[2:4]):
-        same = _answer(out / "analyze-ranks.json") == _answer(out / "analyze-merged.json")
+        a, b = _answer(out / "analyze-ranks.json"), _answer(out / "analyze-merged.json")
+        same = a == b or {"differ": sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))}
     result = {"ranks": ranks, "passes_per_rank": passes, "write_seconds": write_s,
               "per_rank_bytes": sum(p.stat().st_size for p in paths), "merged_bytes": merged.stat().st_size if merged.exists() else None,
               "tools": rows, "analyze_merged_equals_per_rank": same,
@@ -136,7 +133,8 @@ def table(results: list[dict[str, object]]) -> str:
         for r in results:
             row = r["tools"][i]  # type: ignore[index]
             seconds = "timeout" if row["seconds"] is None else f"{row['seconds']:.1f}"
-            cells.append(f"{seconds} / {row['peak_rss_mib']:.0f}" + ("" if row["rc"] in (0, "timeout") else f" (exit {row['rc']})"))
+            peak = "-" if row["peak_rss_mib"] is None else f"{row['peak_rss_mib']:.0f}"
+            cells.append(f"{seconds} / {peak}" + ("" if row["rc"] in (0, "timeout") else f" (exit {row['rc']})"))
         lines.append(f"| {tool} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

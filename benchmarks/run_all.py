@@ -95,7 +95,8 @@ def _fleet_traces(d: dict) -> list[Row]:
     for res in d["results"]:
         for tool in res["tools"]:
             seconds = "timeout" if tool["seconds"] is None else f"{tool['seconds']:.1f} s"
-            rows.append(("fleet traces", f"{res['ranks']} ranks x {res['passes_per_rank']} passes: {tool['tool']}", f"{seconds}, {tool['peak_rss_mib']:.0f} MiB"))
+            peak = "-" if tool["peak_rss_mib"] is None else f"{tool['peak_rss_mib']:.0f} MiB"
+            rows.append(("fleet traces", f"{res['ranks']} ranks x {res['passes_per_rank']} passes: {tool['tool']}", f"{seconds}, {peak}"))
     return rows
 
 
