@@ -12,19 +12,20 @@ import typer
 from rich.table import Table
 
 from moetrace.trace.convert import convert_jsonl, convert_sglang
+from moetrace.trace.guarded import open_hdf5
 from moetrace.trace.integrity import CHECKSUMS, reading
 from moetrace.trace.merge import merge_traces, rank_stops
 from moetrace.trace.reader import open_trace
 from moetrace.trace.schema import MERGED_DAMAGED_ATTR, Attr, Data
 
 from .errors import CommandError, guarded
-from .options import existing_file, output_path, stdout_console
+from .options import existing_file, output_path, progress_meter, stdout_console
 
-__all__ = ["convert", "inspect", "merge", "recover"]
+__all__ = ["convert_to_trace", "inspect", "merge", "recover_run"]
 
 
 @guarded
-def convert(
+def convert_to_trace(
     src: Annotated[Path, typer.Argument(help="SGLang expert-distribution dump (.pt) or JSON-lines routing log.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Trace file to write (.h5).")],
     top_k: Annotated[int | None, typer.Option("--top-k", min=1, help="Experts per token (needed for SGLang stat/per_pass dumps).")] = None,
@@ -49,12 +50,17 @@ def convert(
 def merge(
     traces: Annotated[list[Path], typer.Argument(help="Per-rank traces of one run (rank 0..W-1).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Merged trace to write (.h5).")],
+    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
 ) -> None:
-    """Join per-rank traces of one run into one trace (copied, rank axis / rank column; see docs/cli.md)."""
+    """Join per-rank traces of one run into one trace (copied, rank axis / rank column; see docs/cli.md).
+
+    Streams: holds at most 256 MiB of rows over all inputs, whatever the number of ranks.
+    """
     for path in traces:
         existing_file(path)
     output_path(out)
-    written = merge_traces(traces, out)
+    with progress_meter(progress, f"merging {len(traces)} traces (rows)") as update:
+        written = merge_traces(traces, out, progress=update)
     with open_trace(written) as merged:
         left_out = json.loads(str(merged.attrs.get(MERGED_DAMAGED_ATTR, "[]")))
     typer.echo(f"wrote {written}: {len(traces) - len(left_out)} ranks")
@@ -65,7 +71,7 @@ def merge(
 
 
 @guarded
-def recover(
+def recover_run(
     directory: Annotated[Path, typer.Argument(help="The dead recorder's output directory (holds its .moetrace-* segments).")],
     out: Annotated[Path | None, typer.Option("-o", "--out", help="Trace to write (.h5); -rank<r> is added per rank when several ranks left segments.")] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Which run (or a prefix of its id) when the directory holds several.")] = None,
@@ -102,7 +108,7 @@ def _datasets(path: Path) -> list[dict[str, object]]:
                 }
             )
 
-    with reading(path), h5py.File(path, "r") as f:
+    with reading(path), open_hdf5(path) as f:
         f.visititems(visit)
     return rows
 
