@@ -50,7 +50,7 @@ from moetrace.analysis.placement_select import PlanCache, ValidatedPlanner
 from moetrace.analysis.planners import CANDIDATES, HEDGES
 from moetrace.analysis.rebalance_cost import rebalance_value
 from moetrace.analysis.source import select_layers
-from moetrace.reference.drift import DriftSpec
+from moetrace.reference.domain_drift import DriftSpec
 from moetrace.reference.regimes import REGIMES, regime_routes
 from moetrace.trace import open_trace
 

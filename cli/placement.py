@@ -35,7 +35,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moetrace import metrics
+from moetrace import balance as metrics
 from moetrace.analysis.backtest import (
     BacktestResult,
     PassSeries,

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .. import metrics
+from .. import balance as metrics
 from ..ids import to_logical
 from ..trace.reader import Trace
 from ..trace.schema import TraceError

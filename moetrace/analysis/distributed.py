@@ -63,14 +63,14 @@ from ..trace.schema import (
 from .backtest import MAX_BUCKETS, PassSeries
 from .coactivation import CoactivationAccumulator
 from .drift import WindowAccumulator
-from .report import (
+from .source import pass_block, select_layers, token_pass_block
+from .summary import (
     DEFAULT_WINDOWS,
     AnalysisReport,
     analyze_trace,
     default_window_size,
     progress_bar,
 )
-from .source import pass_block, select_layers, token_pass_block
 from .timing import analyze_timing
 
 __all__ = ["MAX_WINDOW_CELLS", "Partial", "Task", "analyze_traces", "dask_client", "make_tasks", "pass_series"]

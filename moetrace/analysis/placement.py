@@ -38,7 +38,7 @@ import dataclasses
 
 import numpy as np
 
-from .. import metrics
+from .. import balance as metrics
 
 __all__ = [
     "PlacementConfig",

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .. import metrics
+from .. import balance as metrics
 from .placement import PlacementConfig, align_to, predicted_gpu_load, replicas_moved
 from .planners import CANDIDATES, Planner
 

@@ -1,6 +1,6 @@
 """Placement on the next window: series reading, hold-out, backtest, robust planning, the CLI.
 
-The routes are synthetic drift of real counts (:mod:`moetrace.reference.drift`):
+The routes are synthetic drift of real counts (:mod:`moetrace.reference.domain_drift`):
 real OLMoE domain skew, a drifting domain mix, recorded by the real recorder.
 Expected figures are recomputed here from the routes with plain numpy.
 """
@@ -36,7 +36,7 @@ from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.analysis.planners import CANDIDATES
 from moetrace.analysis.source import select_layers
 from moetrace.data import olmoe_counts
-from moetrace.reference.drift import DriftSpec, drift_routes
+from moetrace.reference.domain_drift import DriftSpec, drift_routes
 from moetrace.trace import open_trace
 
 from .helpers import record

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moetrace import metrics
+from moetrace import balance as metrics
 from moetrace.analysis.backtest import (
     PassSeries,
     PlacementConfig,
@@ -33,7 +33,7 @@ from moetrace.analysis.placement_select import (
 )
 from moetrace.analysis.planners import CANDIDATES
 from moetrace.analysis.rebalance_cost import rebalance_value, recommendation
-from moetrace.reference.drift import DriftSpec, olmoe_domains
+from moetrace.reference.domain_drift import DriftSpec, olmoe_domains
 from moetrace.reference.regimes import REGIMES, regime_mix, regime_routes
 
 #: The candidates that hedge against the next window's load (the sub-window scenario planners).
