@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from moetrace.trace.convert import convert_jsonl, convert_sglang
+from moetrace.trace.guarded import open_hdf5
 from moetrace.trace.integrity import CHECKSUMS, reading
 from moetrace.trace.merge import merge_traces, rank_stops
 from moetrace.trace.reader import open_trace
@@ -102,7 +103,7 @@ def _datasets(path: Path) -> list[dict[str, object]]:
                 }
             )
 
-    with reading(path), h5py.File(path, "r") as f:
+    with reading(path), open_hdf5(path) as f:
         f.visititems(visit)
     return rows
 

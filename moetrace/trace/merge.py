@@ -31,6 +31,7 @@ import h5py
 import numpy as np
 
 from ..layout import RankLayout
+from .guarded import open_hdf5
 from .integrity import reading
 from .ranks import read_layouts
 from .reader import open_trace
@@ -234,11 +235,11 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
 def _write_merged(ordered: list[Path], ranks: list[int], attrs: dict[str, object], layers: np.ndarray, mapping: np.ndarray, out: Path, chunk_rows: int, damaged: dict[Path, str]) -> Path:
     layouts: list[RankLayout] = []
     for path in ordered:
-        with reading(path, "/ranks"), h5py.File(path, "r") as f:
+        with reading(path, "/ranks"), open_hdf5(path) as f:
             layouts.extend(read_layouts(f))
     header = TraceHeader.of_attrs(attrs, layers, mapping, rank=-1, world_size=int(attrs[Attr.WORLD_SIZE]),  # type: ignore[call-overload]
                                   layouts=tuple(layouts) if len(layouts) == len(ordered) else ())
-    files = [h5py.File(p, "r") for p in ordered]
+    files = [open_hdf5(p) for p in ordered]
     try:
         with TraceWriter(out, header) as writer:
             _stack_static(files, "stat", writer)

@@ -16,6 +16,7 @@ import h5py
 import numpy as np
 
 from . import integrity, invariants
+from .guarded import open_hdf5
 from .schema import TraceError
 
 __all__ = ["DatasetStatus", "TraceReport", "verify_trace"]
@@ -87,7 +88,7 @@ def verify_trace(path: Path | str) -> TraceReport:
         report.problems.append(f"{path}: no such file")
         return report
     try:
-        file = h5py.File(path, "r")
+        file = open_hdf5(path)
     except Exception as exc:
         if not (integrity.from_hdf5(exc) or isinstance(exc, OSError)):
             raise
