@@ -79,6 +79,16 @@ class GuardedFile(io.FileIO):
         self._checked: set[int] = set()
         if locking and os.environ.get("HDF5_USE_FILE_LOCKING", "").upper() != "FALSE":
             self._lock_shared(path)
+        self._refuse_open_for_write(path)
+
+    def _refuse_open_for_write(self, path: Path | str) -> None:
+        """HDF5's own driver refuses a file whose superblock (v2/v3) still says a writer has it
+        open (consistency flags: write or SWMR-write access; a running writer, or one killed
+        before it closed the file); through the file-object driver HDF5 skips that check."""
+        head = os.pread(self.fileno(), 12, 0)
+        if len(head) == 12 and head[:8] == b"\x89HDF\r\n\x1a\n" and head[8] >= 2 and head[11] & 0b101:
+            self.close()
+            raise OSError(errno.EBUSY, f"unable to open {path}: its superblock says a writer has it open (the writer is running, or was killed before closing it)")
 
     def _lock_shared(self, path: Path | str) -> None:
         """Take the shared ``flock`` HDF5's own driver takes on a file it reads (the file-object
