@@ -41,7 +41,7 @@ from .trace.schema import Attr, Data, TraceHeader, dataset
 from .trace.stat import CounterLayout, write_stat
 from .trace.writer import TraceWriter
 
-__all__ = ["DumpQueue", "PendingDump", "StatCut", "StatRows", "TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "streamed_schema"]
+__all__ = ["DumpQueue", "PendingDump", "StatCut", "StatRows", "TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "rank_world", "stat_gathers", "streamed_schema"]
 
 #: Per rank, in rank order: timing aggregates ``{field: array}`` and (``stat`` dumps) the window's ``/timing`` rows.
 TimingParts = list[tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]]
@@ -52,6 +52,28 @@ def dist_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def rank_world(config: RecorderConfig) -> tuple[int, int]:
+    """(rank, world size) this recorder's traces carry: its configured layout's when it has one, else the
+    default process group's, else (0, 1).
+
+    The layout's identity holds without a process group: vLLM tears its group down before the
+    workers' exit dumps, and a driver or converter may give a layout (rank 5 of 8) and never
+    start one.
+    """
+    if config.layout is not None:
+        return config.layout.rank, config.layout.world_size
+    return dist_world()
+
+
+def stat_gathers(config: RecorderConfig) -> bool:
+    """Whether a ``stat`` dump gathers every rank's rows over the default process group (a collective
+    that rank 0 writes): only with ``config.gather_stat`` and while a group of this recorder's world
+    size (> 1) is initialised. Otherwise each rank writes its own file (``moetrace merge`` / ``analyze``
+    join them)."""
+    world = rank_world(config)[1]
+    return config.gather_stat and world > 1 and dist_world()[1] == world
 
 
 def gather(tensor: torch.Tensor, world: int) -> torch.Tensor:
@@ -220,7 +242,7 @@ class TraceDump:
 
     def header(self, run_id: str, rank: int, world_size: int, layouts: tuple[RankLayout, ...] | None = None) -> TraceHeader:
         """The trace header; ``layouts``: each rank row's layout (default: this rank's alone)."""
-        own = (self.config.rank_layout(*dist_world()),) if layouts is None else layouts
+        own = (self.config.rank_layout(*rank_world(self.config)),) if layouts is None else layouts
         return TraceHeader.of_config(self.config, run_id, rank, world_size, own)
 
     # ------------------------------------------------------------------ pieces
@@ -267,17 +289,17 @@ class TraceDump:
             num_passes=num_passes,
         )
 
-    def stat_gather(self, cut: StatCut, rank: int, world: int) -> StatRows:
-        """Every rank's cut on rank 0 as host arrays (collective under ``torch.distributed``; the
+    def stat_gather(self, cut: StatCut, rank: int, world: int, peers: int) -> StatRows:
+        """The ``peers`` ranks' cuts on rank 0 as host arrays (collective when ``peers > 1``; the
         caller's thread, outside the recorder lock)."""
         device = cut.totals.device
-        layouts = tuple(gather_objects(self.config.rank_layout(rank, world), world))  # every rank row's layout
-        rows = gather(cut.totals, world).cpu().numpy()
+        layouts = tuple(gather_objects(self.config.rank_layout(rank, world), peers))  # every rank row's layout
+        rows = gather(cut.totals, peers).cpu().numpy()
         order, slots = cut.order, len(cut.pass_id)
         meta = np.full((slots, 3), -1.0)
         meta[: len(order)] = np.stack([cut.pass_id, cut.timestamp, cut.tokens.cpu().numpy()], axis=1)[order]
         passes = torch.cat([torch.tensor([cut.num_passes], dtype=torch.int64, device=device), cut.token_total])
-        if world == 1:
+        if peers == 1:
             # The ring as it is (no reordered copy): the oldest slots first, then the wrapped ones.
             ring = cut.ring.cpu().numpy()[None]
             wrap = min(len(order), slots - int(order[0])) if len(order) else 0
@@ -285,12 +307,13 @@ class TraceDump:
             return StatRows(rows, passes.cpu().numpy()[None], meta[None], counts, layouts)  # type: ignore[arg-type]
         ordered = torch.zeros_like(cut.ring)
         ordered[: len(order)] = cut.ring[torch.as_tensor(order, dtype=torch.long, device=device)]
-        return StatRows(rows, gather(passes, world).cpu().numpy(), gather(torch.as_tensor(meta, dtype=torch.float64, device=device), world).cpu().numpy(),
-                        [gather(ordered, world).cpu().numpy()], layouts)  # type: ignore[arg-type]
+        return StatRows(rows, gather(passes, peers).cpu().numpy(), gather(torch.as_tensor(meta, dtype=torch.float64, device=device), peers).cpu().numpy(),
+                        [gather(ordered, peers).cpu().numpy()], layouts)  # type: ignore[arg-type]
 
-    def stat(self, target: Path, run_id: str, world: int, rows: StatRows, timing: TimingParts | None) -> Path:
-        """Write a ``stat`` dump of gathered ``rows`` to ``target`` (rank 0; any thread)."""
-        header = self.header(run_id, rank=-1 if world > 1 else 0, world_size=world, layouts=rows.layouts)
+    def stat(self, target: Path, run_id: str, rank: int, world: int, peers: int, rows: StatRows, timing: TimingParts | None) -> Path:
+        """Write a ``stat`` dump of ``rows`` (``peers`` ranks' rows: one file with a rank axis when > 1,
+        written by rank 0) to ``target`` (any thread)."""
+        header = self.header(run_id, rank=-1 if peers > 1 else rank, world_size=world, layouts=rows.layouts)
         with TraceWriter(target, header, compression=self.compression) as writer:
             self.write_stat_file(writer, rows.rows, rows.passes, rows.meta, rows.counts)
             self.write_timing(writer, timing)

@@ -51,7 +51,15 @@ from . import session as sessions
 from .accumulators import PassCounter, PassStream, StatWindow, TokenStream
 from .config import RecorderConfig
 from .devices import resolve_device
-from .dump import DumpQueue, TraceDump, dist_world, gather_objects, streamed_schema
+from .dump import (
+    DumpQueue,
+    TraceDump,
+    dist_world,
+    gather_objects,
+    rank_world,
+    stat_gathers,
+    streamed_schema,
+)
 from .graphs import is_capturing
 from .session import RecordingSession, Staged
 from .snapshot import RecorderSnapshot, SnapshotChannel
@@ -490,7 +498,7 @@ class ExpertDistributionRecorder:
         """Start the recording's files: rotating segments (streaming modes) or checkpoints (stat)."""
         if not sessions.wanted(self.config):
             return
-        rank, world = dist_world()
+        rank, world = rank_world(self.config)
         header = self._dump.header(self._run_id, rank, world)
         self._session = RecordingSession(self.config, header, self._layout, self._dump.streamed, self._staged,
                                          self._dump.write_stat_file, self._dump.compression)
@@ -551,9 +559,14 @@ class ExpertDistributionRecorder:
             target = Path(path) if path is not None else self._dump.default_path()
             if target.suffix != ".h5":
                 target = target.with_name(target.name + ".h5")
-            rank, world = dist_world()
+            rank, world = rank_world(self.config)
             if self.config.mode == "stat":
-                outside = self._cut_stat(target, rank, world)
+                gathered = stat_gathers(self.config)
+                if gathered:
+                    rank = dist_world()[0]  # the collective's rank 0 writes the file
+                elif world > 1:
+                    target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
+                outside = self._cut_stat(target, rank, world, world if gathered else 1)
             else:
                 if world > 1:
                     target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
@@ -571,7 +584,7 @@ class ExpertDistributionRecorder:
         for pending in self._dumps.pending:
             pending.result()
 
-    def _cut_stat(self, target: Path, rank: int, world: int) -> Callable[[], Callable[[], Path]]:
+    def _cut_stat(self, target: Path, rank: int, world: int, peers: int) -> Callable[[], Callable[[], Path]]:
         """``stat`` cut (lock held): device copies of totals and window. Returns what runs next on
         the caller's thread outside the lock (the gathers to rank 0, collective), which returns the
         file write for the dump thread."""
@@ -582,11 +595,11 @@ class ExpertDistributionRecorder:
         self._dumped_passes = self._num_passes  # stat dumps are cumulative: every pass is in this one
 
         def gather() -> Callable[[], Path]:
-            rows = self._dump.stat_gather(cut, rank, world)
-            parts = gather_objects(timing, world) if timing is not None else None
-            if rank != 0:
+            rows = self._dump.stat_gather(cut, rank, world, peers)
+            parts = gather_objects(timing, peers) if timing is not None else None
+            if peers > 1 and rank != 0:
                 return lambda: target  # rank 0 writes the file
-            return self._finished(target, lambda: self._dump.stat(target, run_id, world, rows, parts), undo=None)  # type: ignore[arg-type]
+            return self._finished(target, lambda: self._dump.stat(target, run_id, rank, world, peers, rows, parts), undo=None)  # type: ignore[arg-type]
 
         return gather
 
@@ -678,7 +691,7 @@ class ExpertDistributionRecorder:
         return RecorderSnapshot.of_rows(
             self.config, self._layout, rows, progress, recording=recording, id_space=self.id_space,
             last_dump_path=str(last) if last else None, errors=errors, dropped_passes=self.dropped_passes, timing=timing,
-            rank_layout=self.config.rank_layout(*dist_world()),
+            rank_layout=self.config.rank_layout(*rank_world(self.config)),
             retention=self._retention.stats.to_dict() if self._retention is not None else None,
         )
 
@@ -700,7 +713,7 @@ class ExpertDistributionRecorder:
                 "output_dir": str(self.config.output_dir),
                 "errors": errors,
                 "retention": self._retention.stats.to_dict() if self._retention is not None else None,
-                "layout": self.config.rank_layout(*dist_world()).as_dict(),
+                "layout": self.config.rank_layout(*rank_world(self.config)).as_dict(),
             }
 
 
