@@ -36,22 +36,25 @@ from rich.console import Console
 from rich.table import Table
 
 from moetrace import metrics
-from moetrace.analysis.backtest import (
+from moetrace.analysis.source import load_series, select_layers
+from moetrace.placement.backtesting import (
     BacktestResult,
-    PassSeries,
-    PlacementConfig,
     backtest,
     bucket_for,
     gap_closed,
     held_out_estimate,
     holdout,
-    load_series,
     plan_with_selection,
+)
+from moetrace.placement.eplb import greedy_rebalance
+from moetrace.placement.plan import (
+    PlacementConfig,
+    PlacementError,
+    PlacementPlan,
+    predicted_gpu_load,
     replicas_moved,
 )
-from moetrace.analysis.placement import PlacementError, PlacementPlan, predicted_gpu_load
-from moetrace.analysis.placement_baseline import greedy_rebalance
-from moetrace.analysis.source import select_layers
+from moetrace.placement.series import PassSeries
 from moetrace.trace.reader import open_trace
 from moetrace.trace.schema import Attr, TraceDamageError, TraceError
 
@@ -258,7 +261,7 @@ def placement(
     plan = outcome.plan
     document.update(phy2log=plan.phy2log.tolist(), log2phy=plan.log2phy.tolist(), logcnt=plan.logcnt.tolist(), gpu_load=outcome.loads["moetrace"].tolist())
     if outcome.replay is not None and plot is not None:
-        from moetrace.analysis.backtest_plot import plot_backtest
+        from moetrace.placement.plot import plot_backtest
 
         plot_backtest(outcome.replay, plot, title=str(loads.attrs.get(Attr.MODEL) or Path(traces[0]).name))
     if out is not None:

@@ -2,7 +2,7 @@
 
 - ``moetrace`` (default): the whole document (``phy2log``, ``log2phy``, ``logcnt``, figures).
 - ``sglang``: what SGLang's ``--init-expert-location`` loads
-  (:mod:`moetrace.analysis.sglang_plan`): ``{"physical_to_logical_map": [L, N]}``
+  (:mod:`moetrace.placement.sglang_plan`): ``{"physical_to_logical_map": [L, N]}``
   with one row per model layer (``L`` = the trace's highest layer id + 1; layers not
   planned keep SGLang's trivial row) and ``N = --replicas`` slots, which must equal
   SGLang's experts + ``--ep-num-redundant-experts``.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moetrace.analysis.placement import PlacementError
-from moetrace.analysis.sglang_plan import write_sglang_plan
+from moetrace.placement.plan import PlacementError
+from moetrace.placement.sglang_plan import write_sglang_plan
 from moetrace.trace.writer import write_json_atomic
 
 from .errors import CommandError

@@ -43,6 +43,7 @@ import numpy as np
 
 from ..ids import to_logical
 from ..layout import RankLayout, counted_rows
+from ..placement.series import PassSeries
 from ..trace.integrity import reading
 from ..trace.reader import PassChunk, TokenChunk, Trace, open_trace
 from ..trace.schema import (
@@ -55,7 +56,6 @@ from ..trace.schema import (
     TraceError,
     dataset,
 )
-from .backtest import MAX_BUCKETS, PassSeries
 from .coactivation import CoactivationAccumulator
 from .drift import WindowAccumulator
 from .report import (
@@ -65,7 +65,7 @@ from .report import (
     default_window_size,
     progress_bar,
 )
-from .source import pass_block, select_layers, token_pass_block
+from .source import MAX_BUCKETS, pass_block, select_layers, token_pass_block
 from .timing import analyze_timing
 
 __all__ = ["MAX_WINDOW_CELLS", "Partial", "Task", "analyze_traces", "dask_client", "make_tasks", "pass_series"]
@@ -626,7 +626,7 @@ def pass_series(
     chunk_passes: int = 1024,
     client: Any = None,
 ) -> PassSeries:
-    """:func:`~.backtest.load_series` of the run's merged trace, from the same partials (``moetrace placement``).
+    """:func:`~moetrace.placement.backtesting.load_series` of the run's merged trace, from the same partials (``moetrace placement``).
 
     ``bucket=None`` picks the bucket size ``load_series`` ends with: the
     smallest power of two that keeps fewer than ``2 * MAX_BUCKETS`` completed

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import metrics
-from .placement import PlacementConfig, align_to, predicted_gpu_load, replicas_moved
+from .plan import PlacementConfig, align_to, predicted_gpu_load, replicas_moved
 from .planners import CANDIDATES, Planner
 
 __all__ = ["BASELINE", "PlanCache", "Selection", "SelectionRule", "ValidatedPlanner", "select_planner", "validation_folds"]
@@ -193,7 +193,7 @@ class ValidatedPlanner:
     ``every`` is the scored length of each fold in buckets (the deployment
     interval); ``None`` validates on fifths of the history (plan on one, score
     on the next). The chosen plan is renumbered to keep replicas where the
-    deployed placement has them (:func:`~moetrace.analysis.placement.align_to`;
+    deployed placement has them (:func:`~moetrace.placement.plan.align_to`;
     loads unchanged). :attr:`selection` holds the last decision.
     """
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moetrace.analysis.placement import PlacementError, predicted_gpu_load, rebalance_experts
-from moetrace.analysis.placement_baseline import greedy_rebalance
+from moetrace.placement.eplb import greedy_rebalance
+from moetrace.placement.plan import PlacementError, plan_experts, predicted_gpu_load
 
-from .helpers import olmoe
+from ..analysis.helpers import olmoe
 
 
 def olmoe_weight() -> np.ndarray:
@@ -54,7 +54,7 @@ CONFIGS = [(r, 8, 2, 8) for r in (64, 72, 80, 96, 128)] + [(r, 4, 1, 8) for r in
 @pytest.mark.parametrize(("replicas", "groups", "nodes", "gpus"), CONFIGS)
 def test_olmoe_at_least_as_good_as_greedy(replicas, groups, nodes, gpus):
     weight = olmoe_weight()
-    plan = rebalance_experts(weight, replicas, groups, nodes, gpus)
+    plan = plan_experts(weight, replicas, groups, nodes, gpus)
     check_plan(plan, weight, replicas, groups, nodes, gpus)
     greedy = predicted_gpu_load(weight, greedy_rebalance(weight, replicas, groups, nodes, gpus), gpus)
     mean = greedy.mean(axis=1)
@@ -72,7 +72,7 @@ def test_random_skewed_loads_never_worse_than_greedy(seed):
     for replicas, groups, nodes, gpus in [(32, 4, 2, 4), (40, 4, 2, 8), (48, 8, 4, 8), (36, 3, 2, 4)]:
         if 32 % groups:
             continue
-        plan = rebalance_experts(weight, replicas, groups, nodes, gpus)
+        plan = plan_experts(weight, replicas, groups, nodes, gpus)
         check_plan(plan, weight, replicas, groups, nodes, gpus)
         greedy = predicted_gpu_load(weight, greedy_rebalance(weight, replicas, groups, nodes, gpus), gpus)
         assert (plan.gpu_load.max(axis=1) <= greedy.max(axis=1) * (1 + 1e-12)).all()
@@ -80,18 +80,18 @@ def test_random_skewed_loads_never_worse_than_greedy(seed):
 
 def test_more_replicas_help_and_uniform_is_perfect():
     weight = olmoe_weight()[:3]
-    figures = [rebalance_experts(weight, n, 1, 1, 8).balancedness for n in (64, 128, 256)]
+    figures = [plan_experts(weight, n, 1, 1, 8).balancedness for n in (64, 128, 256)]
     assert figures[0] < figures[2]
-    flat = rebalance_experts(np.full((2, 16), 10.0), 16, 4, 2, 4)
+    flat = plan_experts(np.full((2, 16), 10.0), 16, 4, 2, 4)
     assert flat.balancedness == pytest.approx(1.0)
-    empty = rebalance_experts(np.zeros((1, 8)), 8, 1, 1, 2)
+    empty = plan_experts(np.zeros((1, 8)), 8, 1, 1, 2)
     assert empty.balancedness == 1.0 and (empty.logcnt == 1).all()
 
 
 def test_deepseek_v3_sizes():
     rng = np.random.default_rng(0)
     weight = rng.lognormal(0, 1.0, size=(61, 256)) * 1000
-    plan = rebalance_experts(weight, 288, 8, 4, 32)
+    plan = plan_experts(weight, 288, 8, 4, 32)
     assert plan.phy2log.shape == (61, 288) and plan.gpu_load.shape == (61, 32)
     greedy = predicted_gpu_load(weight, greedy_rebalance(weight, 288, 8, 4, 32), 32)
     assert (plan.gpu_load.max(axis=1) <= greedy.max(axis=1) * (1 + 1e-12)).all()
@@ -113,4 +113,4 @@ def test_deepseek_v3_sizes():
 )
 def test_invalid_inputs_name_the_problem(args, message):
     with pytest.raises(PlacementError, match=message):
-        rebalance_experts(*args)
+        plan_experts(*args)

@@ -14,8 +14,8 @@ import pytest
 from moetrace.cli.app import app
 from typer.testing import CliRunner
 
-from moetrace.analysis.placement import PlacementError
-from moetrace.analysis.sglang_plan import (
+from moetrace.placement.plan import PlacementError
+from moetrace.placement.sglang_plan import (
     SGLANG_MAP_KEY,
     read_sglang_plan,
     rows_in_pass,
@@ -24,7 +24,7 @@ from moetrace.analysis.sglang_plan import (
     write_sglang_plan,
 )
 
-from .helpers import record
+from ..analysis.helpers import record
 
 PLAN = np.array([[3, 0, 1, 2, 0, 3], [1, 2, 3, 0, 1, 1]])  # 2 planned layers, 4 experts, 6 slots
 

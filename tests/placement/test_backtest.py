@@ -15,32 +15,27 @@ import pytest
 from moetrace.cli.app import app
 from typer.testing import CliRunner
 
-from moetrace.analysis import backtest as bt
-from moetrace.analysis.backtest import (
-    PassSeries,
+from moetrace.analysis import source
+from moetrace.analysis.source import load_series, select_layers
+from moetrace.data import olmoe_counts
+from moetrace.placement import backtesting as bt
+from moetrace.placement.backtesting import backtest, holdout
+from moetrace.placement.eplb import greedy_rebalance
+from moetrace.placement.plan import (
     PlacementConfig,
-    RobustSettings,
-    backtest,
-    holdout,
-    load_series,
-    replicas_moved,
-    robust_rebalance,
-)
-from moetrace.analysis.placement import (
     PlacementError,
     align_to,
+    plan_experts,
     predicted_gpu_load,
-    rebalance_experts,
+    replicas_moved,
 )
-from moetrace.analysis.placement_baseline import greedy_rebalance
-from moetrace.analysis.planners import CANDIDATES
-from moetrace.analysis.source import select_layers
-from moetrace.data import olmoe_counts
+from moetrace.placement.planners import CANDIDATES, RobustSettings, robust_inputs, robust_rebalance
+from moetrace.placement.series import PassSeries
 from moetrace.reference.drift import DriftSpec, drift_routes
 from moetrace.trace import open_trace
 
-from .helpers import record
-from .test_placement import check_plan
+from ..analysis.helpers import record
+from .test_plan import check_plan
 
 PASSES, TOKENS, HIDDEN = 240, 64, 32
 runner = CliRunner()
@@ -99,7 +94,7 @@ def test_series_holds_every_pass_in_order(drift, kind):
 
 
 def test_series_merges_buckets_beyond_the_cap(drift, monkeypatch):
-    monkeypatch.setattr(bt, "MAX_BUCKETS", 16)
+    monkeypatch.setattr(source, "MAX_BUCKETS", 16)
     series = series_of(drift["token"])
     assert series.bucket == 8 and len(series) == PASSES // 8 and series.passes.sum() == PASSES
     np.testing.assert_array_equal(series.logical.sum(axis=0), drift["counts"].sum(axis=0))
@@ -179,7 +174,7 @@ def test_robust_plans_are_valid_and_moves_are_counted(drift):
 
 
 def plan_weight(history: np.ndarray, window: int) -> np.ndarray:
-    return bt.robust_inputs(history, window, RobustSettings())[0]
+    return robust_inputs(history, window, RobustSettings())[0]
 
 
 def test_moves_and_alignment():
@@ -206,7 +201,7 @@ def test_moves_and_alignment():
 )
 def test_robust_inputs_refused_clearly(kwargs, message):
     with pytest.raises(PlacementError, match=message):
-        rebalance_experts(np.ones((2, 8)), 8, 1, 1, 4, **kwargs)
+        plan_experts(np.ones((2, 8)), 8, 1, 1, 4, **kwargs)
 
 
 # ------------------------------------------------------------------------- CLI

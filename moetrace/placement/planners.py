@@ -6,8 +6,8 @@ A planner is ``planner(history [t, L, E], window, config, deployed) -> phy2log [
 placement in service (or ``None``). Candidates (:data:`CANDIDATES`):
 
 - ``greedy``: EPLB's replicate-then-pack on the window's total
-  (:func:`~moetrace.analysis.placement_baseline.greedy_rebalance`); the baseline;
-- ``moetrace-fit``: :func:`~moetrace.analysis.placement.rebalance_experts` on
+  (:func:`~moetrace.placement.eplb.greedy_rebalance`); the baseline;
+- ``moetrace-fit``: :func:`~moetrace.placement.plan.plan_experts` on
   the window's total (swap search; it fits the window's noise);
 - ``moetrace-robust``: :func:`robust_rebalance`: loads shrunk toward the longer
   history, packing chosen for the mean peak over the window's sub-windows, and a
@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .placement import PlacementConfig, PlacementPlan, rebalance_experts
-from .placement_baseline import greedy_rebalance
+from .eplb import greedy_rebalance
+from .plan import PlacementConfig, PlacementPlan, plan_experts
 
 __all__ = [
     "CANDIDATES",
@@ -88,7 +88,7 @@ def robust_rebalance(
 ) -> PlacementPlan:
     """The robust planner for the next window, from ``history [t, L, E]`` (its ``gpu_load`` is under the shrunk estimate)."""
     estimate, scenarios = robust_inputs(history, window, settings)
-    return rebalance_experts(
+    return plan_experts(
         estimate, config.replicas, config.groups, config.nodes, config.gpus,
         scenarios=scenarios, current=current, keep_tolerance=settings.keep_tolerance,
     )
@@ -109,14 +109,14 @@ def _spread_rebalance(history: np.ndarray, window: int, config: PlacementConfig,
     """Variance-aware replication: replica counts and packing start from mean + 1 std over the sub-windows."""
     estimate, scenarios = robust_inputs(history, window, RobustSettings())
     upper = estimate + scenarios.std(axis=0)
-    return rebalance_experts(
+    return plan_experts(
         upper, config.replicas, config.groups, config.nodes, config.gpus,
         scenarios=scenarios, current=current, keep_tolerance=RobustSettings().keep_tolerance,
     ).phy2log
 
 
 def _fit(weight: np.ndarray, config: PlacementConfig) -> np.ndarray:
-    return rebalance_experts(weight, config.replicas, config.groups, config.nodes, config.gpus).phy2log
+    return plan_experts(weight, config.replicas, config.groups, config.nodes, config.gpus).phy2log
 
 
 CANDIDATES: dict[str, Planner] = {

@@ -13,26 +13,25 @@ import numpy as np
 import pytest
 
 from moetrace import metrics
-from moetrace.analysis.backtest import (
-    PassSeries,
-    PlacementConfig,
+from moetrace.placement.backtesting import (
     backtest,
     default_planners,
     gap_closed,
     oracle_plan,
     plan_with_selection,
 )
-from moetrace.analysis.placement import moved_per_gpu, predicted_gpu_load
-from moetrace.analysis.placement_baseline import greedy_rebalance
-from moetrace.analysis.placement_select import (
+from moetrace.placement.cost import rebalance_value, recommendation
+from moetrace.placement.eplb import greedy_rebalance
+from moetrace.placement.plan import PlacementConfig, moved_per_gpu, predicted_gpu_load
+from moetrace.placement.planners import CANDIDATES
+from moetrace.placement.select import (
     BASELINE,
     SelectionRule,
     ValidatedPlanner,
     select_planner,
     validation_folds,
 )
-from moetrace.analysis.planners import CANDIDATES
-from moetrace.analysis.rebalance_cost import rebalance_value, recommendation
+from moetrace.placement.series import PassSeries
 from moetrace.reference.drift import DriftSpec, olmoe_domains
 from moetrace.reference.regimes import REGIMES, regime_mix, regime_routes
 

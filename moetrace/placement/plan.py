@@ -1,6 +1,6 @@
 """Expert placement with replication: which GPU hosts which (replicated) expert.
 
-One public entry point, :func:`rebalance_experts`, in the vocabulary engines
+One public entry point, :func:`plan_experts`, in the vocabulary engines
 use (DeepSeek EPLB, SGLang, vLLM): ``phy2log [L, N]``, ``log2phy [L, E, X]``
 padded with ``-1``, ``logcnt [L, E]``.
 
@@ -50,8 +50,8 @@ __all__ = [
     "expected_peak",
     "log2phy_from_phy2log",
     "moved_per_gpu",
+    "plan_experts",
     "predicted_gpu_load",
-    "rebalance_experts",
     "replicas_moved",
 ]
 
@@ -158,19 +158,30 @@ def predicted_gpu_load(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -
 
 
 def log2phy_from_phy2log(phy2log: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(log2phy [L, E, X] padded with -1, logcnt [L, E])`` from ``phy2log [L, N]``."""
+    """``(log2phy [L, E, X] padded with -1, logcnt [L, E])`` from ``phy2log [L, N]``.
+
+    A slot holding ``-1`` is unused (SGLang and vLLM pad with it): it is no
+    expert's replica and is counted nowhere. Each expert's slots are listed in
+    slot order.
+
+    Raises:
+        PlacementError: an id outside ``[-1, num_experts)``.
+    """
     phy2log = np.asarray(phy2log, dtype=np.int64)
+    if phy2log.size and (phy2log.min() < -1 or phy2log.max() >= num_experts):
+        raise PlacementError(f"phy2log holds ids outside [0, {num_experts}) other than -1 (an unused slot)")
     num_layers, num_phy = phy2log.shape
+    used = phy2log >= 0
+    layer_of = np.broadcast_to(np.arange(num_layers)[:, None], phy2log.shape)
     logcnt = np.zeros((num_layers, num_experts), dtype=np.int64)
-    np.add.at(logcnt, (np.arange(num_layers)[:, None], phy2log), 1)
-    width = int(logcnt.max())
-    log2phy = np.full((num_layers, num_experts, width), -1, dtype=np.int64)
+    np.add.at(logcnt, (layer_of[used], phy2log[used]), 1)
+    log2phy = np.full((num_layers, num_experts, max(int(logcnt.max(initial=0)), 1)), -1, dtype=np.int64)
     for layer in range(num_layers):
-        order = np.argsort(phy2log[layer], kind="stable")
+        slots = np.flatnonzero(used[layer])
+        order = slots[np.argsort(phy2log[layer, slots], kind="stable")]
         experts = phy2log[layer, order]
         starts = np.concatenate([[0], np.cumsum(logcnt[layer])[:-1]])
-        rank = np.arange(num_phy) - starts[experts]
-        log2phy[layer, experts, rank] = order
+        log2phy[layer, experts, np.arange(len(order)) - starts[experts]] = order
     return log2phy, logcnt
 
 
@@ -408,7 +419,7 @@ def check_current(current: np.ndarray, num_layers: int, num_experts: int, num_re
     return phy2log.astype(np.int64)
 
 
-def rebalance_experts(
+def plan_experts(
     weight: np.ndarray,
     num_replicas: int,
     num_groups: int,
