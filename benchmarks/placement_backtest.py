@@ -47,8 +47,8 @@ from harness import write_results
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.analysis.source import load_series, select_layers
 from moetrace.placement import backtesting as bt
+from moetrace.placement.checks import PlacementConfig
 from moetrace.placement.cost import rebalance_value
-from moetrace.placement.plan import PlacementConfig
 from moetrace.placement.planners import CANDIDATES, HEDGES, Planner
 from moetrace.placement.select import PlanCache, ValidatedPlanner
 from moetrace.reference.drift import DriftSpec

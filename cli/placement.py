@@ -46,14 +46,9 @@ from moetrace.placement.backtesting import (
     holdout,
     plan_with_selection,
 )
+from moetrace.placement.checks import PlacementConfig, PlacementError
 from moetrace.placement.eplb import greedy_rebalance
-from moetrace.placement.plan import (
-    PlacementConfig,
-    PlacementError,
-    PlacementPlan,
-    predicted_gpu_load,
-    replicas_moved,
-)
+from moetrace.placement.plan import PlacementPlan, predicted_gpu_load, replicas_moved
 from moetrace.placement.series import PassSeries
 from moetrace.trace.reader import open_trace
 from moetrace.trace.schema import Attr, TraceDamageError, TraceError
@@ -300,6 +295,7 @@ class _Loads:
     """What the trace(s) give the planner: loads over the selected layers and, when time-ordered, their series."""
 
     layer_ids: list[int]
+    num_model_layers: int  # the trace's highest layer id + 1 (SGLang's map has a row for each)
     weight: np.ndarray  # [L, E] logical loads
     physical: np.ndarray  # [L, P] the run's own physical counts
     attrs: dict[str, Any]
@@ -315,6 +311,7 @@ def _read_loads(traces: list[Path], layers: list[int] | None, scheduler: str | N
     with open_trace(existing_file(trace)) as tr:
         index = select_layers(tr, layers)
         layer_ids = [int(x) for x in tr.layers[index]]
+        num_model_layers = int(np.max(tr.layers)) + 1
         weight = tr.logical_count()[index].astype(np.float64)
         physical = tr.physical_count()[index]
         attrs = tr.attrs
@@ -325,7 +322,7 @@ def _read_loads(traces: list[Path], layers: list[int] | None, scheduler: str | N
         series = _many_series(traces, layers, bucket, scheduler)
     if series is not None:  # plan and score on the time-ordered passes (a stat trace's window may be shorter than its totals)
         weight, physical = series.logical.sum(axis=0), series.physical.sum(axis=0)
-    return _Loads(layer_ids, weight, physical, attrs, config, defaults, series)
+    return _Loads(layer_ids, num_model_layers, weight, physical, attrs, config, defaults, series)
 
 
 @dataclasses.dataclass
@@ -363,6 +360,7 @@ def _plan(traces: list[Path], loads: _Loads, deployed: np.ndarray | None, expert
         "trace": str(trace) if len(traces) == 1 else [str(t) for t in traces],
         "run_id": loads.attrs.get(Attr.RUN_ID),
         "layers": loads.layer_ids,
+        "num_model_layers": loads.num_model_layers,
         "num_replicas": config.replicas,
         "num_groups": config.groups,
         "num_nodes": config.nodes,

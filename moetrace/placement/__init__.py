@@ -11,7 +11,7 @@ The public surface (imported lazily, so that ``import moetrace.placement`` loads
 - :func:`rebalance_value`: whether a rebalance's gain pays for its weight copies;
 - :func:`write_sglang_plan`, :func:`read_sglang_plan`: SGLang's ``--init-expert-location`` file.
 
-Modules: ``plan`` (the planner and its checks), ``eplb`` (the drop-in and the baseline),
+Modules: ``checks`` (sizes and refusals), ``plan`` (the planner), ``eplb`` (the drop-in and the baseline),
 ``planners`` (the candidates), ``select`` (validation), ``backtesting``, ``series``,
 ``cost``, ``sglang_plan``, ``plot`` (matplotlib; not imported here).
 """
@@ -40,8 +40,8 @@ __all__ = [
 
 _LAZY = {
     "PassSeries": "series",
-    "PlacementConfig": "plan",
-    "PlacementError": "plan",
+    "PlacementConfig": "checks",
+    "PlacementError": "checks",
     "PlacementPlan": "plan",
     "plan_experts": "plan",
     "rebalance_experts": "eplb",

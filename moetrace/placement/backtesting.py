@@ -40,13 +40,12 @@ import math
 import numpy as np
 
 from .. import metrics
+from .checks import PlacementConfig, PlacementError, check_placement_args
+from .eplb import eplb_policy
 from .plan import (
-    PlacementConfig,
-    PlacementError,
     PlacementPlan,
     align_to,
     check_current,
-    check_placement_args,
     log2phy_from_phy2log,
     moved_per_gpu,
     plan_experts,
@@ -410,9 +409,9 @@ def plan_with_selection(
         phy2log = CANDIDATES[BASELINE](weight[None], 1, config, None)
         if current is not None:
             deployed = check_current(current, weight.shape[0], weight.shape[1], config.replicas)
-            phy2log = align_to(deployed, phy2log, config.nodes if config.groups % config.nodes == 0 else 1, config.gpus)
+            phy2log = align_to(deployed, phy2log, eplb_policy(weight.shape[1], config.groups, config.nodes)[1], config.gpus)
     log2phy, logcnt = log2phy_from_phy2log(phy2log, weight.shape[1])
-    plan = PlacementPlan(phy2log, log2phy, logcnt, predicted_gpu_load(weight, phy2log, config.gpus), config.groups % config.nodes == 0)
+    plan = PlacementPlan(phy2log, log2phy, logcnt, predicted_gpu_load(weight, phy2log, config.gpus), eplb_policy(weight.shape[1], config.groups, config.nodes)[1] == config.nodes)
     return plan, selection
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .plan import PlacementError, check_placement_args
+from .checks import PlacementError, check_placement_args
 
 __all__ = ["eplb_policy", "greedy_rebalance", "rebalance_experts"]
 

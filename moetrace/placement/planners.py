@@ -30,8 +30,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .checks import PlacementConfig
 from .eplb import greedy_rebalance
-from .plan import PlacementConfig, PlacementPlan, plan_experts
+from .plan import PlacementPlan, plan_experts
 
 __all__ = [
     "CANDIDATES",

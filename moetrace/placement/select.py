@@ -27,7 +27,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import metrics
-from .plan import PlacementConfig, align_to, predicted_gpu_load, replicas_moved
+from .checks import PlacementConfig
+from .eplb import eplb_policy
+from .plan import align_to, predicted_gpu_load, replicas_moved
 from .planners import CANDIDATES, Planner
 
 __all__ = ["BASELINE", "PlanCache", "Selection", "SelectionRule", "ValidatedPlanner", "select_planner", "validation_folds"]
@@ -220,7 +222,7 @@ class ValidatedPlanner:
             self.selection = select_planner(history, window, self.every, config, self.candidates, self.rule, self._cache, self.passes_per_bucket)
         phy2log = self.candidates[self.selection.chosen](history, window, config, current)
         if current is not None and current.shape == phy2log.shape:
-            aligned = align_to(current, phy2log, config.nodes if config.groups % config.nodes == 0 else 1, config.gpus)
+            aligned = align_to(current, phy2log, eplb_policy(history.shape[2], config.groups, config.nodes)[1], config.gpus)
             if replicas_moved(current, aligned, config.gpus) < replicas_moved(current, phy2log, config.gpus):
                 phy2log = aligned
         return phy2log

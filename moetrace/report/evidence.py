@@ -30,7 +30,8 @@ from .. import metrics
 from ..analysis.report import AnalysisReport, analyze_trace
 from ..analysis.source import load_series
 from ..placement.backtesting import BacktestResult, held_out_estimate, plan_placement
-from ..placement.plan import PlacementConfig, PlacementPlan, predicted_gpu_load
+from ..placement.checks import PlacementConfig
+from ..placement.plan import PlacementPlan, predicted_gpu_load
 from ..placement.series import PassSeries
 from ..replicas.analysis import summarize
 from ..routes import RouteSet, load_routes

@@ -20,15 +20,9 @@ from moetrace.analysis.source import load_series, select_layers
 from moetrace.data import olmoe_counts
 from moetrace.placement import backtesting as bt
 from moetrace.placement.backtesting import backtest, holdout
+from moetrace.placement.checks import PlacementConfig, PlacementError
 from moetrace.placement.eplb import greedy_rebalance
-from moetrace.placement.plan import (
-    PlacementConfig,
-    PlacementError,
-    align_to,
-    plan_experts,
-    predicted_gpu_load,
-    replicas_moved,
-)
+from moetrace.placement.plan import align_to, plan_experts, predicted_gpu_load, replicas_moved
 from moetrace.placement.planners import CANDIDATES, RobustSettings, robust_inputs, robust_rebalance
 from moetrace.placement.series import PassSeries
 from moetrace.reference.drift import DriftSpec, drift_routes
@@ -179,9 +173,12 @@ def plan_weight(history: np.ndarray, window: int) -> np.ndarray:
 
 def test_moves_and_alignment():
     a = np.array([[0, 1, 2, 3, 4, 5, 6, 7]])
-    assert replicas_moved(a, a[:, [1, 0, 3, 2, 5, 4, 7, 6]], 4) == 0  # reordered inside GPUs
+    reordered = a[:, [1, 0, 3, 2, 5, 4, 7, 6]]  # the same experts on each GPU, in other slots: each slot is a weight copy
+    assert replicas_moved(a, reordered, 4) == 8
+    np.testing.assert_array_equal(align_to(a, reordered, 1, 4), a)
     swapped = a[:, [2, 3, 0, 1, 4, 5, 6, 7]]  # GPUs 0 and 1 exchange contents
     assert replicas_moved(a, swapped, 4) == 4
+    assert replicas_moved(a, a[:, [3, 2, 1, 0, 4, 5, 6, 7]], 4) == 4  # GPUs exchange contents and reorder: still 4 slots change
     aligned = align_to(a, swapped, 1, 4)
     assert replicas_moved(a, aligned, 4) == 0
     weight = np.arange(1.0, 9.0)[None]

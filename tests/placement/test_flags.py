@@ -8,7 +8,8 @@ from moetrace.cli.app import app
 from typer.testing import CliRunner
 
 from moetrace.placement.backtesting import holdout
-from moetrace.placement.plan import PlacementConfig, PlacementError, plan_experts
+from moetrace.placement.checks import PlacementConfig, PlacementError
+from moetrace.placement.plan import plan_experts
 
 from ..analysis.helpers import record
 
