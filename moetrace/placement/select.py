@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -48,12 +49,17 @@ class SelectionRule:
         z: the mean per-fold gain over the baseline must exceed ``z`` standard
             errors of the per-fold gains (and be positive).
         max_loss_share: the candidate may be below the baseline in at most this share of folds.
+        budget_s: seconds the validation may take: folds are replayed newest
+            first and no fold is started once this is spent (so the cost is
+            bounded whatever the model's size; fewer folds than ``min_folds``
+            means the baseline is deployed, and the reason says why).
     """
 
     min_folds: int = 3
     max_folds: int = 8
     z: float = 1.0
     max_loss_share: float = 0.25
+    budget_s: float = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,19 +159,23 @@ def select_planner(
     if window <= 0 or every <= 0:
         raise ValueError(f"window and every must be positive bucket counts, got {window} and {every}")
     cache = PlanCache() if cache is None else cache
-    ends = validation_folds(len(history), window, every, rule.max_folds)
-    realized: dict[str, list[float]] = {name: [] for name in candidates}
-    for t in ends:
+    planned = validation_folds(len(history), window, every, rule.max_folds)
+    deadline = time.perf_counter() + rule.budget_s
+    scored: dict[int, dict[str, float]] = {}
+    for t in reversed(planned):  # newest first: what the budget leaves out is the oldest load
+        if time.perf_counter() > deadline:
+            break
         nxt = history[t : t + every].sum(axis=0)
-        for name, planner in candidates.items():
-            phy2log = cache.plan(name, planner, history[:t], window, config)
-            realized[name].append(_balance(nxt, phy2log, config.gpus))
+        scored[t] = {name: _balance(nxt, cache.plan(name, planner, history[:t], window, config), config.gpus) for name, planner in candidates.items()}
+    ends = sorted(scored)
+    realized: dict[str, list[float]] = {name: [scored[t][name] for t in ends] for name in candidates}
+    spent = f" (the {rule.budget_s:g} s validation budget was spent after {len(ends)} of {len(planned)})" if len(ends) < len(planned) else ""
 
     def done(chosen: str, reason: str, margin: float = 0.0) -> Selection:
         return Selection(chosen, reason, window, every, ends, realized, margin, passes_per_bucket)
 
     if len(ends) < rule.min_folds:
-        return done(BASELINE, f"{len(ends)} validation fold(s) fit in the planning data (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket}); "
+        return done(BASELINE, f"{len(ends)} validation fold(s) fit in the planning data{spent} (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket}); "
                     f"{rule.min_folds} are needed to trust anything but the baseline, so {BASELINE} is deployed")
     base = np.asarray(realized[BASELINE])
     verdicts = []
@@ -181,7 +191,7 @@ def select_planner(
         verdicts.append(f"{name} {mean:+.4f} ± {error:.4f}, below in {losses:.0%}{'' if ok else ' (not kept)'}")
         if ok and base.mean() + mean > best_mean:
             best, best_mean = name, float(base.mean()) + mean
-    folds = f"{len(ends)} folds of the planning data (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket})"
+    folds = f"{len(ends)} folds of the planning data{spent} (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket})"
     vs = f"mean gain over {BASELINE} (± std error): " + "; ".join(verdicts)
     if best == BASELINE:
         return done(BASELINE, f"no candidate beat {BASELINE} by more than {rule.z:g} std error(s) with at most {rule.max_loss_share:.0%} of folds below it on {folds}; {vs}")

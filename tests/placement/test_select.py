@@ -126,6 +126,9 @@ def test_the_rule_weighs_mean_gain_losses_and_fold_count():
     assert short.chosen == BASELINE and "2 validation fold(s)" in short.reason and "3 are needed" in short.reason
     with pytest.raises(ValueError, match="baseline"):
         select_planner(loads, 10, 1, config, {"peek": cheater(loads, 1)})
+    # A spent validation budget: no fold is replayed, the baseline is deployed, and the reason says why.
+    spent = select_planner(loads, 10, 1, config, {"greedy": CANDIDATES["greedy"], "peek": cheater(loads, 1)}, SelectionRule(budget_s=1e-9))
+    assert spent.chosen == BASELINE and spent.fold_ends == [] and "validation budget was spent after 0 of 8" in spent.reason
 
 
 def test_the_validated_planner_in_a_backtest_is_greedy_until_validated_then_the_hedge():
