@@ -213,7 +213,7 @@ def calibrate(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the cost model JSON here.")] = None,
 ) -> None:
     """Fit the replay cost model on a live reference replica (prefill per token, decode per step)."""
-    from moetrace.replicas.live import calibrate_cost_model
+    from moetrace.drivers.live import calibrate_cost_model
 
     cost = calibrate_cost_model()
     text = json.dumps(cost.to_dict(), indent=2)

@@ -61,7 +61,7 @@ from .catalog import (
     samples,
 )
 
-__all__ = ["MetricsServer", "MoetraceCollector", "ServerLimits", "register", "start_http_server"]
+__all__ = ["MetricsServer", "MoetraceCollector", "register", "start_http_server"]
 
 log = logging.getLogger("moetrace.exporters.prometheus")
 

@@ -7,7 +7,7 @@ All buffers are allocated once, at construction, and sized from the
 host thread between passes, still without reading device values.
 
 Counter rows ``[L, C]`` have the columns of
-:class:`~moetrace.trace.stat.CounterLayout` (re-exported here): counting id
+:class:`~moetrace.trace.stat.CounterLayout`: counting id
 ``i`` is three ops, column ``clamp(i + 2, 0, P + 2)`` and one ``scatter_add_``.
 
 Token counts live on the device too: under CUDA-graph replay no hook's Python
@@ -31,7 +31,7 @@ from .trace.stat import CounterLayout
 from .trace.stream import HostBufferPool, StreamJob
 from .trace.writer import token_id_dtype
 
-__all__ = ["CounterLayout", "PassCounter", "PassStream", "StatWindow", "TokenStream"]
+__all__ = ["PassCounter", "PassStream", "StatWindow", "TokenStream"]
 
 Submit = Callable[[StreamJob], None]
 

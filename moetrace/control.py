@@ -57,12 +57,13 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .exporters import otel, prometheus
+from moetrace.exporters import otel, prometheus
+
 from .http import GuardedServerMixin, ServerHandle, ServerLimits
 from .recorder import NoOpRecorder, Recorder, RecorderStateError, get_recorder
 from .trace.schema import TraceWriteError
 
-__all__ = ["ControlServer", "ServerLimits", "serve_control"]
+__all__ = ["ControlServer", "serve_control"]
 
 log = logging.getLogger("moetrace.control")
 

@@ -27,9 +27,9 @@ from .layout import RankLayout
 from .session import RecordingSession
 from .timing import HISTOGRAM_EDGES, PHASES
 from .trace.join import concat_segments
-from .trace.schema import Attr, Data, dataset
+from .trace.schema import Attr, Data, TraceHeader, dataset
 from .trace.stat import CounterLayout, write_stat
-from .trace.writer import TraceHeader, TraceWriter
+from .trace.writer import TraceWriter
 
 __all__ = ["TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "streamed_schema"]
 

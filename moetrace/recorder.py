@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import session as sessions
-from .accumulators import CounterLayout, PassCounter, PassStream, StatWindow, TokenStream
+from .accumulators import PassCounter, PassStream, StatWindow, TokenStream
 from .config import RecorderConfig
 from .devices import resolve_device
 from .dump import TimingParts, TraceDump, dist_world, gather_objects, streamed_schema
@@ -66,6 +66,7 @@ from .timing import (
 )
 from .trace.retention import Retention
 from .trace.schema import Data, TraceWriteError, dataset
+from .trace.stat import CounterLayout
 from .trace.stream import StreamJob
 from .trace.writer import compression_options
 

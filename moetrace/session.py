@@ -31,10 +31,11 @@ from .accumulators import PassCounter, PassStream, StatWindow, TokenStream
 from .config import RecorderConfig
 from .trace.files import checkpoint_path, journal_path, sweep_dead_temporaries
 from .trace.journal import Journal
+from .trace.schema import TraceHeader
 from .trace.segments import CheckpointWriter, SegmentInfo, SegmentWriter
 from .trace.stat import CounterLayout
 from .trace.stream import BackgroundTraceWriter, HostBufferPool, StreamJob
-from .trace.writer import TraceHeader, TraceWriter, check_writable_dir
+from .trace.writer import TraceWriter, check_writable_dir
 
 __all__ = ["RecordingSession", "Staged", "close_at_exit", "closed", "opened", "wanted"]
 

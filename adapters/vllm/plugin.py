@@ -24,7 +24,7 @@ Warm-up and profiling passes are not recorded: recording starts after the
 worker's ``compile_or_warm_up_model`` returns. With a control endpoint, each
 worker writes ``moetrace-control-<pid>.json`` (its URL, pid, rank) into the
 output directory, so that ``port=0`` can be found. The variables are read and
-checked by :class:`moetrace.adapters.settings.PluginSettings` (importable from here too),
+checked by :class:`moetrace.adapters.settings.PluginSettings`,
 the reader the SGLang plugin shares.
 """
 
@@ -46,7 +46,7 @@ from ..base import Instrumentation, NoMoELayersError
 from ..settings import PluginSettings
 from .layers import check_vllm_version
 
-__all__ = ["PluginSettings", "WorkerSession", "current_session", "register"]
+__all__ = ["WorkerSession", "current_session", "register"]
 
 log = logging.getLogger("moetrace.vllm")
 

@@ -41,14 +41,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..trace.requests import (
-    CANDIDATE_FIELDS,
-    MIGRATION_FIELDS,
-    REQUEST_FIELDS,
-    RoutingHeader,
-    routing_attrs,
-)
-from ..trace.schema import Data, dataset
+from ..trace.requests import RoutingHeader, routing_attrs
+from ..trace.schema import CANDIDATE_FIELDS, MIGRATION_FIELDS, REQUEST_FIELDS, Data, dataset
 from ..trace.stream import BackgroundTraceWriter, StreamJob
 from ..trace.writer import TraceWriter, check_writable_dir
 

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from ..ids import to_logical
-from .schema import PADDING_IDS, Data, TraceError
-from .writer import TraceHeader, TraceWriter, token_id_dtype
+from .schema import PADDING_IDS, Data, TraceError, TraceHeader
+from .writer import TraceWriter, token_id_dtype
 
 __all__ = ["convert", "convert_jsonl", "convert_sglang"]
 

@@ -17,8 +17,8 @@ import numpy as np
 from .integrity import reading
 from .ranks import read_layouts
 from .reader import open_trace
-from .schema import RANKS_GROUP, SAME_SEGMENT_ATTRS, Data, TraceError
-from .writer import TraceHeader, TraceWriter
+from .schema import RANKS_GROUP, SAME_SEGMENT_ATTRS, Data, TraceError, TraceHeader
+from .writer import TraceWriter
 
 __all__ = ["concat_segments"]
 

@@ -43,9 +43,10 @@ from .schema import (
     Data,
     TraceDamageError,
     TraceError,
+    TraceHeader,
     dataset,
 )
-from .writer import TraceHeader, TraceWriter
+from .writer import TraceWriter
 
 __all__ = ["merge_traces", "rank_stops"]
 

@@ -18,8 +18,6 @@ import numpy as np
 
 from . import integrity
 from .integrity import reading
-
-# The /requests field tables live in schema.py with every other trace name; importable from here too.
 from .schema import (
     CANDIDATE_FIELDS,
     MIGRATION_FIELDS,
@@ -28,13 +26,10 @@ from .schema import (
     Attr,
     Data,
     TraceError,
+    TraceHeader,
 )
-from .writer import TraceHeader
 
 __all__ = [
-    "CANDIDATE_FIELDS",
-    "MIGRATION_FIELDS",
-    "REQUEST_FIELDS",
     "ROUTING_MODE",
     "RequestTable",
     "RoutingHeader",

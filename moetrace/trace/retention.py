@@ -45,9 +45,10 @@ from .schema import (
     Attr,
     Data,
     TraceError,
+    TraceHeader,
     TraceWriteError,
 )
-from .writer import TraceHeader, TraceWriter
+from .writer import TraceWriter
 
 __all__ = ["Retention", "RetentionPolicy", "RetentionStats"]
 

@@ -29,41 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import (
-    CHECKPOINT_RE,
-    JOURNAL_RE,
-    SEGMENT_RE,
-    checkpoint_path,
-    journal_path,
-    parse_temporary,
-    process_alive,
-    segment_path,
-    sweep_dead_temporaries,
-)
-from .join import concat_segments
+from .files import segment_path
 from .journal import Journal
-from .schema import Attr, Data
+from .schema import Attr, Data, TraceHeader
 from .stat import CounterLayout, write_stat
-from .writer import TraceHeader, TraceWriter
+from .writer import TraceWriter
 
-# The names of files.py, journal.py and join.py stay importable from here (their old home).
-__all__ = [
-    "CHECKPOINT_RE",
-    "JOURNAL_RE",
-    "SEGMENT_RE",
-    "CheckpointWriter",
-    "Journal",
-    "SegmentInfo",
-    "SegmentWriter",
-    "StreamRows",
-    "checkpoint_path",
-    "concat_segments",
-    "journal_path",
-    "parse_temporary",
-    "process_alive",
-    "segment_path",
-    "sweep_dead_temporaries",
-]
+__all__ = ["CheckpointWriter", "SegmentInfo", "SegmentWriter", "StreamRows"]
 
 
 @dataclasses.dataclass

@@ -23,7 +23,7 @@ from .files import temporary_path
 from .ranks import write_layouts
 from .schema import COMPLETE_ATTR, Data, TraceHeader, TraceWriteError, dataset
 
-__all__ = ["COMPRESSIONS", "TraceHeader", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic", "write_text_atomic"]
+__all__ = ["COMPRESSIONS", "TraceWriter", "check_writable_dir", "compression_options", "token_id_dtype", "write_json_atomic", "write_text_atomic"]
 
 _COMPRESS = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
 #: Accepted ``compression`` specs (``RecorderConfig.compression``); the last two need ``hdf5plugin``.

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import moetrace
 from moetrace import control
+from moetrace.http import ServerLimits
 from moetrace.trace import open_trace
 from tests.exporters.workload import serve, serving_loop
 
@@ -60,7 +61,7 @@ def served(tmp_path):
     """
     loop, rec = serving_loop(tmp_path / "out")
     (tmp_path / "out").mkdir()
-    limits = control.ServerLimits(max_requests_per_second=None, max_cpu_share=None)
+    limits = ServerLimits(max_requests_per_second=None, max_cpu_share=None)
     with control.serve_control(rec, limits=limits) as server:
         yield server, rec, loop
 

@@ -24,7 +24,7 @@ import torch
 from moetrace.exporters import prometheus
 
 from moetrace import control
-from moetrace.guarded_http import ServerLimits
+from moetrace.http import ServerLimits
 from tests.control.load import LoadClient, hook_cost, open_sockets, server_threads
 from tests.exporters.workload import serving_loop
 

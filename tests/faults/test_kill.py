@@ -17,8 +17,8 @@ from moetrace.cli.app import app
 from typer.testing import CliRunner
 
 from moetrace.trace import TraceError, open_trace
+from moetrace.trace.files import sweep_dead_temporaries
 from moetrace.trace.recover import recover
-from moetrace.trace.segments import sweep_dead_temporaries
 from tests.faults.recording import (
     CHUNK_TOKENS,
     EXPERTS,

@@ -22,9 +22,10 @@ from moetrace.trace.schema import (
     MERGED_RANKS_ATTR,
     TraceDamageError,
     TraceError,
+    TraceHeader,
 )
 from moetrace.trace.verify import verify_trace
-from moetrace.trace.writer import TraceHeader, TraceWriter
+from moetrace.trace.writer import TraceWriter
 from tests.analysis.helpers import record
 
 from .traces import dumped, per_rank_pair, run_directory

@@ -10,7 +10,7 @@ more than one module.
 
 Run it from the repository root::
 
-    python tests/packaging/import_graph.py            # figures: modules, arrows, circles, upward arrows
+    python tests/packaging/import_graph.py            # figures: modules and folders, arrows, circles, upward arrows
     python tests/packaging/import_graph.py --figure   # the layer figure of docs/architecture.md
 
 tests/packaging/test_layers.py holds the house to 0 circles and 0 upward arrows.
@@ -25,7 +25,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["LAYERS", "Graph", "build_graph", "circles", "layer_of", "upward_arrows"]
+__all__ = [
+    "LAYERS",
+    "Graph",
+    "build_graph",
+    "circles",
+    "folder_graph",
+    "folder_layer_mismatches",
+    "folder_of",
+    "layer_of",
+    "relative_imports_across_folders",
+    "upward_arrows",
+]
 
 #: Source folder → the package it is installed as (pyproject's ``package-dir``).
 ROOTS = {"moetrace": "moetrace", "adapters": "moetrace.adapters", "exporters": "moetrace.exporters", "cli": "moetrace.cli"}
@@ -38,10 +49,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("trace", ("moetrace.trace",), "the HDF5 trace: schema (every name), writers, readers, segments, merge"),
     ("core", ("moetrace.config", "moetrace.accumulators", "moetrace.timing", "moetrace.snapshot",
               "moetrace.recorder", "moetrace.session", "moetrace.dump", "moetrace.capturer", "moetrace.routes",
-              "moetrace.replay", "moetrace.replay_audit", "moetrace.testing", "moetrace.settings", "moetrace.graphs",
+              "moetrace.replay", "moetrace.replay_audit", "moetrace.testing", "moetrace.graphs",
               "moetrace.devices", "moetrace.labels"),
      "what runs inside an engine's forward: config, hooks, recorder, session, dump, capturer, replay"),
-    ("http", ("moetrace.http", "moetrace.guarded_http"), "HTTP serving infrastructure: guarded server, server handle"),
+    ("http", ("moetrace.http",), "HTTP serving infrastructure: guarded server, server handle"),
     ("replicas", ("moetrace.replicas",), "request→replica routing: recorder, router, prefix cache, simulation, analysis"),
     ("exporters", ("moetrace.exporters",), "Prometheus and OpenTelemetry views of the recorders' snapshots"),
     ("control", ("moetrace.control",), "the HTTP control endpoint of a running process"),
@@ -49,7 +60,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("analysis", ("moetrace.analysis",), "offline analysis of traces: balance, drift, projection, reports, plots"),
     ("report", ("moetrace.report",), "the HTML report of a run: plotly figures of the analyses"),
     ("reference", ("moetrace.reference",), "the reference MoE runtime: router, experts, EP layer, model, serving loop"),
-    ("drivers", ("moetrace.replicas.live", "moetrace.replicas.http_replica"),
+    ("drivers", ("moetrace.drivers",),
      "replica drivers that run reference engines behind the router"),
     ("adapters", ("moetrace.adapters",), "engine adapters and plugins: Hugging Face, SGLang, vLLM, Megatron-Core"),
     ("facade", ("moetrace",), "the package root: `import moetrace` (the core, control on first use)"),
@@ -63,6 +74,8 @@ class Graph:
 
     modules: dict[str, Path]
     arrows: frozenset[tuple[str, str]]
+    #: Packages (folders with an ``__init__.py``) among :attr:`modules`.
+    packages: frozenset[str] = frozenset()
 
 
 def _modules(root: Path) -> dict[str, tuple[Path, bool]]:
@@ -102,7 +115,62 @@ def build_graph(root: Path) -> Graph:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 arrows.update((module, t) for t in _targets(module, is_package, node, modules) if t and t != module)
-    return Graph({m: p for m, (p, _) in modules.items()}, frozenset(arrows))
+    return Graph({m: p for m, (p, _) in modules.items()}, frozenset(arrows),
+                 frozenset(m for m, (_, is_package) in modules.items() if is_package))
+
+
+def _top(module: str) -> str:
+    """The top-level folder's package ``module`` is installed under (``moetrace.exporters``, ``moetrace``)."""
+    return max((p for p in ROOTS.values() if module == p or module.startswith(p + ".")), key=len)
+
+
+def folder_of(module: str, graph: Graph) -> str:
+    """The folder that stands for ``module`` in the folder graph.
+
+    A module inside a sub-folder of a top-level folder (``moetrace/trace/``, ``adapters/vllm/``)
+    belongs to that sub-folder, the whole of it; a module directly in a top-level folder
+    (``moetrace/recorder.py``, ``cli/app.py``) and a top-level folder's own ``__init__`` stand
+    for themselves: those folders hold several layers, their modules one each.
+    """
+    top = _top(module)
+    rest = module[len(top) + 1:].split(".") if module != top else []
+    if len(rest) >= 2 or (len(rest) == 1 and module in graph.packages):
+        return f"{top}.{rest[0]}"
+    return module
+
+
+def folder_graph(graph: Graph) -> Graph:
+    """The module graph with each sub-folder drawn as one node (see :func:`folder_of`)."""
+    folders = {folder_of(m, graph) for m in graph.modules}
+    arrows = {(folder_of(a, graph), folder_of(b, graph)) for a, b in graph.arrows}
+    return Graph({f: graph.modules.get(f, Path(f)) for f in folders}, frozenset((a, b) for a, b in arrows if a != b),
+                 frozenset(f for f in folders if f in graph.packages))
+
+
+def folder_layer_mismatches(graph: Graph) -> list[str]:
+    """``module (layer) in folder (layer)`` for every module whose layer is not its sub-folder's."""
+    found = []
+    for module in sorted(graph.modules):
+        folder = folder_of(module, graph)
+        if folder != module and layer_of(module) != layer_of(folder):
+            found.append(f"{module} ({LAYERS[layer_of(module)][0]}) in {folder} ({LAYERS[layer_of(folder)][0]})")
+    return found
+
+
+def relative_imports_across_folders(root: Path) -> list[str]:
+    """``path:line: from .x`` for every relative import whose target is in another top-level folder."""
+    modules = _modules(root)
+    found = []
+    for module, (path, is_package) in sorted(modules.items()):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = module if is_package else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = f"{base}.{node.module}" if node.module else base
+                if _top(target) != _top(module):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: from {'.' * node.level}{node.module or ''} import ...")
+    return found
 
 
 def layer_of(module: str) -> int:
@@ -182,12 +250,15 @@ def _main() -> int:
     if args.figure:
         print(figure(graph))
         return 0
-    found, up = circles(graph), upward_arrows(graph)
-    print(f"modules {len(graph.modules)}  arrows {len(graph.arrows)}  circles {len(found)}  upward arrows {len(up)}")
-    for component in found:
-        print("circle:", " ↔ ".join(component))
-    for a, b in up:
-        print(f"upward: {a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})")
+    for level, drawn in (("modules", graph), ("folders", folder_graph(graph))):
+        found, up = circles(drawn), upward_arrows(drawn)
+        print(f"{level} {len(drawn.modules)}  arrows {len(drawn.arrows)}  circles {len(found)}  upward arrows {len(up)}")
+        for component in found:
+            print("  circle:", " ↔ ".join(component))
+        for a, b in up:
+            print(f"  upward: {a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})")
+    for line in folder_layer_mismatches(graph) + relative_imports_across_folders(args.root):
+        print("  misplaced:", line)
     return 0
 
 

@@ -8,8 +8,8 @@ import pytest
 from moetrace.cli.app import app
 from typer.testing import CliRunner
 
-from moetrace.reference.replica_router import ReplicaRouter
 from moetrace.replicas import RoutingRecorder, RoutingStateError
+from moetrace.replicas.router import ReplicaRouter
 from moetrace.replicas.trace import TraceFormatError, load_trace
 
 runner = CliRunner()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moetrace.drivers.live import LiveCluster, Session, run_sessions, run_unrouted
 from moetrace.replicas import RoutingRecorder
-from moetrace.replicas.live import LiveCluster, Session, run_sessions, run_unrouted
 from moetrace.trace.requests import read_requests
 
 pytestmark = pytest.mark.slow

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moetrace.reference.prefix_cache import PrefixCache, chain_hashes
-from moetrace.reference.replica_router import (
+from moetrace.replicas.prefix_cache import PrefixCache, chain_hashes
+from moetrace.replicas.router import (
     POLICY_NAMES,
     CostModel,
     ReplicaRouter,

@@ -19,10 +19,10 @@ import urllib.request
 import numpy as np
 import pytest
 
+from moetrace.drivers.http_replica import record_response
+from moetrace.drivers.live import run_unrouted
 from moetrace.reference.launcher import free_port
 from moetrace.replicas import RoutingRecorder
-from moetrace.replicas.http_replica import record_response
-from moetrace.replicas.live import run_unrouted
 from moetrace.trace.requests import read_requests
 
 from .test_live import _sessions
@@ -57,7 +57,7 @@ def deployment(tmp_path_factory):
     out = tmp_path_factory.mktemp("sglang-router")
     ports = [free_port() for _ in range(3)]
     router_port, metrics_port = free_port(), free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "moetrace.replicas.http_replica", "--port", str(p), "--index", str(i)],
+    procs = [subprocess.Popen([sys.executable, "-m", "moetrace.drivers.http_replica", "--port", str(p), "--index", str(i)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i, p in enumerate(ports)]
     router = None
     try:

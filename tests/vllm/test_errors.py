@@ -9,8 +9,8 @@ import pytest
 import torch
 import vllm
 from moetrace.adapters import AdapterError, NoMoELayersError, UnsupportedVersionError
+from moetrace.adapters.settings import PluginSettings
 from moetrace.adapters.vllm import check_vllm_version, instrument, instrument_model
-from moetrace.adapters.vllm.plugin import PluginSettings
 from vllm.config import CompilationMode
 
 pytestmark = pytest.mark.vllm

@@ -1,6 +1,6 @@
 """A reference replica behind HTTP, speaking enough of SGLang's server API for ``sglang-router``.
 
-``python -m moetrace.replicas.http_replica --port P --index I`` serves the
+``python -m moetrace.drivers.http_replica --port P --index I`` serves the
 reference serving loop (with its prefix cache) on ``127.0.0.1:P``:
 
 - ``GET /health``, ``/health_generate``: 200 when up;
@@ -31,7 +31,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from .recorder import RoutingRecorder
+from ..replicas.recorder import RoutingRecorder
+from .engine import REPLICA_LOOP, REPLICA_MODEL, build_loop
 
 __all__ = ["ReplicaServer", "main", "parse_prompt", "record_response"]
 
@@ -56,10 +57,8 @@ class ReplicaServer:
     """The serving loop on a thread, fed by HTTP handler threads."""
 
     def __init__(self, index: int, cache_blocks: int, block_size: int, model: dict[str, Any] | None = None, loop: dict[str, Any] | None = None) -> None:
-        from .live import REPLICA_LOOP, REPLICA_MODEL, _build_loop
-
         self.index = index
-        self.loop = _build_loop(model or REPLICA_MODEL, loop or REPLICA_LOOP, cache_blocks, block_size)
+        self.loop = build_loop(model or REPLICA_MODEL, loop or REPLICA_LOOP, cache_blocks, block_size)
         self.inbox: queue.Queue = queue.Queue()
         self.stats: dict[str, dict[str, Any]] = {}
         self._waiting: dict[str, tuple[threading.Event, dict[str, Any]]] = {}

@@ -26,17 +26,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .prefix_cache import chain_hashes
-from .recorder import RoutingRecorder
-from .router import CostModel, ReplicaRouter, RouterConfig, RouteRequest
+from ..replicas.prefix_cache import chain_hashes
+from ..replicas.recorder import RoutingRecorder
+from ..replicas.router import CostModel, ReplicaRouter, RouterConfig, RouteRequest
+from .engine import REPLICA_LOOP, REPLICA_MODEL, build_loop
 
-__all__ = ["REPLICA_MODEL", "LiveCluster", "Session", "calibrate_cost_model", "run_sessions", "run_unrouted"]
-
-#: Model of the reference replicas (``ModelConfig`` fields).
-REPLICA_MODEL: dict[str, Any] = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_layers": 4, "num_experts": 8, "top_k": 2, "seed": 7}
-#: Serving-loop settings of the reference replicas.
-REPLICA_LOOP: dict[str, Any] = {"max_running": 8, "max_tokens_per_pass": 256, "num_kv_slots": 4096, "max_len": 512}
-
+__all__ = ["LiveCluster", "Session", "calibrate_cost_model", "run_sessions", "run_unrouted"]
 
 @dataclasses.dataclass(frozen=True)
 class Session:
@@ -48,22 +43,12 @@ class Session:
     max_new_tokens: int
 
 
-def _build_loop(model_cfg: dict[str, Any], loop_cfg: dict[str, Any], cache_blocks: int | None, block_size: int) -> Any:
-    import torch
-
-    from ..reference import ModelConfig, ReferenceMoEModel, ServingLoop
-
-    torch.set_num_threads(1)
-    model = ReferenceMoEModel(ModelConfig(**model_cfg))
-    return ServingLoop(model, capture=False, prefix_cache_blocks=cache_blocks, block_size=block_size, **loop_cfg)
-
-
 def _replica_main(index: int, model_cfg: dict[str, Any], loop_cfg: dict[str, Any], cache_blocks: int, block_size: int,
                   inbox: Any, events: Any) -> None:
     """A replica process: serve what arrives on ``inbox``; report on ``events``."""
     from ..reference import Request
 
-    loop = _build_loop(model_cfg, loop_cfg, cache_blocks, block_size)
+    loop = build_loop(model_cfg, loop_cfg, cache_blocks, block_size)
     arrival: dict[str, float] = {}
     counted: dict[str, dict[str, Any]] = {}
     while True:
@@ -246,7 +231,7 @@ def run_unrouted(sessions: Sequence[Session], model: dict[str, Any] | None = Non
     """The same sessions on one plain serving loop (no router, no prefix cache), turn by turn; ``{rid: output_ids}``."""
     from ..reference import Request
 
-    serving = _build_loop(model or REPLICA_MODEL, loop or REPLICA_LOOP, None, 16)
+    serving = build_loop(model or REPLICA_MODEL, loop or REPLICA_LOOP, None, 16)
     outputs: dict[str, list[int]] = {}
     history = {s.sid: [] for s in sessions}
     for turn in range(max(len(s.turns) for s in sessions)):
@@ -273,7 +258,7 @@ def calibrate_cost_model(model: dict[str, Any] | None = None, loop: dict[str, An
 
     from ..reference import Request
 
-    serving = _build_loop(model or REPLICA_MODEL, loop or REPLICA_LOOP, None, 16)
+    serving = build_loop(model or REPLICA_MODEL, loop or REPLICA_LOOP, None, 16)
     rng = np.random.default_rng(0)
     vocab = (model or REPLICA_MODEL)["vocab_size"]
     rid = iter(range(1 << 30))
