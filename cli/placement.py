@@ -40,6 +40,7 @@ from moetrace.analysis.source import load_series, select_layers
 from moetrace.placement.backtesting import (
     BacktestResult,
     backtest,
+    baseline_plan,
     bucket_for,
     gap_closed,
     held_out_estimate,
@@ -253,6 +254,7 @@ def placement(
     else:
         outcome.estimate = held_out_estimate(loads.series, loads.config)
         document["held_out_estimate"] = _estimate_dict(outcome.estimate)
+        _prefer_the_estimates_winner(outcome, loads, expert_bytes)
     plan = outcome.plan
     document.update(phy2log=plan.phy2log.tolist(), log2phy=plan.log2phy.tolist(), logcnt=plan.logcnt.tolist(), gpu_load=outcome.loads["moetrace"].tolist())
     if outcome.replay is not None and plot is not None:
@@ -372,11 +374,44 @@ def _plan(traces: list[Path], loads: _Loads, deployed: np.ndarray | None, expert
         "in_sample": {"passes": int(series.passes.sum()) if series is not None else None, "balancedness": in_sample,
                       "layer_balancedness": {k: None if v is None else metrics.layer_balancedness(v).tolist() for k, v in gpu_loads.items()}},
     }
-    if deployed is not None:
-        document["replicas_moved_from_current"] = replicas_moved(deployed, plan.phy2log, gpus) if deployed.shape == plan.phy2log.shape else None
-        if expert_bytes and document["replicas_moved_from_current"] is not None:
-            document["bytes_moved_from_current"] = document["replicas_moved_from_current"] * expert_bytes
+    _moved_from_current(document, deployed, plan, gpus, expert_bytes)
     return _Outcome(plan, selection, gpu_loads, in_sample, document, deployed)
+
+
+def _prefer_the_estimates_winner(outcome: _Outcome, loads: _Loads, expert_bytes: int | None) -> None:
+    """Deploy EPLB's plan instead when the held-out estimate on this trace has it ahead of moetrace's default.
+
+    The validation chose on folds of the past; the estimate replays the same
+    choice on the trace's later parts. When EPLB's plan realised more there on
+    average, this user's data says it wins, so it is what gets deployed (and
+    the document says why).
+    """
+    estimate = outcome.estimate
+    if estimate is None:
+        return
+    ours, eplb = float(estimate.realized["moetrace"].mean()), float(estimate.realized["greedy"].mean())
+    outcome.document["preferred_by_estimate"] = "moetrace" if ours >= eplb else "greedy"
+    if ours >= eplb:
+        return
+    outcome.plan = baseline_plan(loads.weight, loads.config, outcome.deployed)
+    outcome.loads["moetrace"] = predicted_gpu_load(loads.weight, outcome.plan.phy2log, loads.config.gpus)
+    outcome.in_sample["moetrace"] = metrics.balancedness(outcome.loads["moetrace"])
+    document = outcome.document
+    document["planner"] = "greedy"
+    document["preferred_reason"] = (f"the held-out estimate on this trace has EPLB's plan ahead of the validated choice "
+                                    f"({eplb:.4f} vs {ours:.4f} mean next-window balancedness), so EPLB's plan is deployed")
+    document["in_sample"]["balancedness"]["moetrace"] = outcome.in_sample["moetrace"]
+    document["in_sample"]["layer_balancedness"]["moetrace"] = metrics.layer_balancedness(outcome.loads["moetrace"]).tolist()
+    _moved_from_current(document, outcome.deployed, outcome.plan, loads.config.gpus, expert_bytes)
+
+
+def _moved_from_current(document: dict[str, Any], deployed: np.ndarray | None, plan: PlacementPlan, gpus: int, expert_bytes: int | None) -> None:
+    """Weight copies (and bytes) from ``--current`` to ``plan``, into ``document``."""
+    if deployed is None:
+        return
+    document["replicas_moved_from_current"] = replicas_moved(deployed, plan.phy2log, gpus) if deployed.shape == plan.phy2log.shape else None
+    if expert_bytes and document["replicas_moved_from_current"] is not None:
+        document["bytes_moved_from_current"] = document["replicas_moved_from_current"] * expert_bytes
 
 
 def _estimate_dict(estimate: Any) -> dict[str, Any] | None:
@@ -400,6 +435,8 @@ def _print_text(console: Console, loads: _Loads, outcome: _Outcome, plot: Path |
     figures = "  ".join(f"{k} {_fmt(outcome.in_sample[k])}" for k in ("current", "greedy", "moetrace"))
     console.print(f"in-sample (planned and scored on the same passes; a fit, not a forecast): {figures}")
     print_selection(console, outcome.selection)
+    if "preferred_reason" in document:
+        console.print(f"deployed instead: [bold]greedy[/bold] ({document['preferred_reason']})")
     if outcome.held is not None:
         _holdout_table(console, outcome.held)
     elif outcome.replay is not None:

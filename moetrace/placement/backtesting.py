@@ -60,6 +60,7 @@ __all__ = [
     "BacktestResult",
     "HoldoutResult",
     "backtest",
+    "baseline_plan",
     "bucket_for",
     "default_planners",
     "gap_closed",
@@ -405,14 +406,24 @@ def plan_with_selection(
             BASELINE, f"no time-ordered passes to validate on (a stat trace without a window, or fewer than 2 passes); {BASELINE}, the baseline, is deployed",
             0, 0, [], {}, 0.0,
         )
-        weight = check_placement_args(weight, config.replicas, config.groups, config.nodes, config.gpus)
-        phy2log = CANDIDATES[BASELINE](weight[None], 1, config, None)
-        if current is not None:
-            deployed = check_current(current, weight.shape[0], weight.shape[1], config.replicas)
-            phy2log = align_to(deployed, phy2log, eplb_policy(weight.shape[1], config.groups, config.nodes)[1], config.gpus)
+        return baseline_plan(weight, config, current), selection
+    return _as_plan(weight, phy2log, config), selection
+
+
+def _as_plan(weight: np.ndarray, phy2log: np.ndarray, config: PlacementConfig) -> PlacementPlan:
     log2phy, logcnt = log2phy_from_phy2log(phy2log, weight.shape[1])
-    plan = PlacementPlan(phy2log, log2phy, logcnt, predicted_gpu_load(weight, phy2log, config.gpus), eplb_policy(weight.shape[1], config.groups, config.nodes)[1] == config.nodes)
-    return plan, selection
+    hierarchical = eplb_policy(weight.shape[1], config.groups, config.nodes)[1] == config.nodes
+    return PlacementPlan(phy2log, log2phy, logcnt, predicted_gpu_load(weight, phy2log, config.gpus), hierarchical)
+
+
+def baseline_plan(weight: np.ndarray, config: PlacementConfig, current: np.ndarray | None = None) -> PlacementPlan:
+    """EPLB's plan (:data:`~moetrace.placement.select.BASELINE`) for loads ``weight [L, E]``, its slots kept where ``current`` has them."""
+    weight = check_placement_args(weight, config.replicas, config.groups, config.nodes, config.gpus)
+    phy2log = CANDIDATES[BASELINE](weight[None], 1, config, None)
+    if current is not None:
+        deployed = check_current(current, weight.shape[0], weight.shape[1], config.replicas)
+        phy2log = align_to(deployed, phy2log, eplb_policy(weight.shape[1], config.groups, config.nodes)[1], config.gpus)
+    return _as_plan(weight, phy2log, config)
 
 
 def plan_placement(weight: np.ndarray, series: PassSeries | None, config: PlacementConfig, current: np.ndarray | None = None) -> PlacementPlan:

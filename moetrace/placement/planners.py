@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 #: Seconds each candidate's packing refinement may take per plan (issue 34: every planner the default runs has a time budget).
-PLAN_BUDGET_S = 10.0
+PLAN_BUDGET_S = 30.0
 
 #: ``planner(history [t, L, E], window buckets, config, deployed phy2log or None) -> phy2log [L, N]``.
 Planner = Callable[[np.ndarray, int, PlacementConfig, "np.ndarray | None"], np.ndarray]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -49,17 +48,20 @@ class SelectionRule:
         z: the mean per-fold gain over the baseline must exceed ``z`` standard
             errors of the per-fold gains (and be positive).
         max_loss_share: the candidate may be below the baseline in at most this share of folds.
-        budget_s: seconds the validation may take: folds are replayed newest
-            first and no fold is started once this is spent (so the cost is
-            bounded whatever the model's size; fewer folds than ``min_folds``
-            means the baseline is deployed, and the reason says why).
+        max_cells: the validation's work budget, in plan cells (candidates x
+            folds x layers x slots): folds are replayed newest first and only as
+            many as fit, so the validation costs a bounded number of plan cells
+            whatever the model's size (fewer folds than ``min_folds`` means the
+            baseline is deployed, and the reason says why). Counted in work,
+            not seconds, so the choice does not depend on the machine's speed:
+            8 folds at OLMoE's size (3 x 64), 3 at DeepSeek-V3's (58 x 288).
     """
 
     min_folds: int = 3
     max_folds: int = 8
     z: float = 1.0
     max_loss_share: float = 0.25
-    budget_s: float = 120.0
+    max_cells: int = 300_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,16 +162,14 @@ def select_planner(
         raise ValueError(f"window and every must be positive bucket counts, got {window} and {every}")
     cache = PlanCache() if cache is None else cache
     planned = validation_folds(len(history), window, every, rule.max_folds)
-    deadline = time.perf_counter() + rule.budget_s
+    affordable = rule.max_cells // max(len(candidates) * history.shape[1] * config.replicas, 1)
     scored: dict[int, dict[str, float]] = {}
-    for t in reversed(planned):  # newest first: what the budget leaves out is the oldest load
-        if time.perf_counter() > deadline:
-            break
+    for t in planned[::-1][:affordable]:  # newest first: what the budget leaves out is the oldest load
         nxt = history[t : t + every].sum(axis=0)
         scored[t] = {name: _balance(nxt, cache.plan(name, planner, history[:t], window, config), config.gpus) for name, planner in candidates.items()}
     ends = sorted(scored)
     realized: dict[str, list[float]] = {name: [scored[t][name] for t in ends] for name in candidates}
-    spent = f" (the {rule.budget_s:g} s validation budget was spent after {len(ends)} of {len(planned)})" if len(ends) < len(planned) else ""
+    spent = f" (the validation budget of {rule.max_cells:,} plan cells covers {len(ends)} of {len(planned)})" if len(ends) < len(planned) else ""
 
     def done(chosen: str, reason: str, margin: float = 0.0) -> Selection:
         return Selection(chosen, reason, window, every, ends, realized, margin, passes_per_bucket)

@@ -215,7 +215,11 @@ def test_cli_defaults_and_held_out_estimate(drift, tmp_path):
     assert plan["defaults_used"] and len(plan["held_out_estimate"]["realized"]["moetrace"]) == 4
     # Which planner was deployed, and why: validated on the fifths of the trace.
     selection = plan["selection"]
-    assert plan["planner"] == selection["chosen"] and selection["folds"] == 4 and set(selection["validation"]) == set(CANDIDATES)
+    assert selection["folds"] == 4 and set(selection["validation"]) == set(CANDIDATES)
+    # deployed: the validated choice, unless the held-out estimate on this trace has EPLB's plan ahead of it
+    realized = plan["held_out_estimate"]["summary"]
+    ahead = realized["greedy"]["mean"] > realized["moetrace"]["mean"]
+    assert plan["planner"] == ("greedy" if ahead else selection["chosen"]) and ("deployed instead: greedy" in result.stdout) == ahead
     assert f"planner deployed: {selection['chosen']}" in result.stdout and "4 folds of the planning data" in result.stdout
     assert "oracle" in plan["held_out_estimate"]["realized"] and "of the greedy-to-oracle gap" in result.stdout
     odd = invoke("placement", drift["token"], "--gpus", "6", "--json")

@@ -126,9 +126,11 @@ def test_the_rule_weighs_mean_gain_losses_and_fold_count():
     assert short.chosen == BASELINE and "2 validation fold(s)" in short.reason and "3 are needed" in short.reason
     with pytest.raises(ValueError, match="baseline"):
         select_planner(loads, 10, 1, config, {"peek": cheater(loads, 1)})
-    # A spent validation budget: no fold is replayed, the baseline is deployed, and the reason says why.
-    spent = select_planner(loads, 10, 1, config, {"greedy": CANDIDATES["greedy"], "peek": cheater(loads, 1)}, SelectionRule(budget_s=1e-9))
-    assert spent.chosen == BASELINE and spent.fold_ends == [] and "validation budget was spent after 0 of 8" in spent.reason
+    # The validation's work budget (2 candidates x 1 layer x 16 slots = 32 cells a fold): the newest folds that fit, the reason says so.
+    two = select_planner(loads, 10, 1, config, {"greedy": CANDIDATES["greedy"], "peek": cheater(loads, 1)}, SelectionRule(max_cells=64))
+    assert two.fold_ends == ends[-2:] and two.chosen == BASELINE and "covers 2 of 8" in two.reason
+    none = select_planner(loads, 10, 1, config, {"greedy": CANDIDATES["greedy"], "peek": cheater(loads, 1)}, SelectionRule(max_cells=31))
+    assert none.fold_ends == [] and none.chosen == BASELINE and "covers 0 of 8" in none.reason
 
 
 def test_the_validated_planner_in_a_backtest_is_greedy_until_validated_then_the_hedge():
