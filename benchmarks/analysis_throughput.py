@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import interleaved, write_results
 
-from moetrace import metrics
+from moetrace import balance
 from moetrace.analysis import analyze_trace
 from moetrace.data import olmoe_counts
 from moetrace.placement.eplb import greedy_rebalance
@@ -135,9 +135,9 @@ def one_shot_passes(path: Path, window: int) -> dict[str, np.ndarray]:
     n = len(counts)
     starts = np.arange(0, n, window)
     per_window = np.add.reduceat(counts, starts, axis=0)
-    js = [metrics.js_divergence(per_window[i - 1], per_window[i]).mean() for i in range(1, len(per_window))]
-    balance = [metrics.balancedness(metrics.rank_load(w, EP)) for w in per_window]
-    return {"totals": counts.sum(axis=0), "windows": per_window, "js": np.array(js), "balance": np.array(balance)}
+    js = [balance.js_divergence(per_window[i - 1], per_window[i]).mean() for i in range(1, len(per_window))]
+    per_window_balance = [balance.balancedness(balance.rank_load(w, EP)) for w in per_window]
+    return {"totals": counts.sum(axis=0), "windows": per_window, "js": np.array(js), "balance": np.array(per_window_balance)}
 
 
 def _peak(fn) -> int:
@@ -159,8 +159,8 @@ def throughput(tmp: Path, tokens: int, passes: int, rounds: int) -> dict[str, ob
     assert np.array_equal(report.logical_count, ref["totals"])
     assert np.array_equal(report.coactivation.coactivation, ref["coactivation"])
     assert np.array_equal(report.coactivation.transitions, ref["transitions"])
-    balance = [metrics.balancedness(metrics.rank_load(w, EP)) for w in ref["windows"]]
-    assert np.allclose(report.drift.balancedness, balance)
+    expected = [balance.balancedness(balance.rank_load(w, EP)) for w in ref["windows"]]
+    assert np.allclose(report.drift.balancedness, expected)
     report_p = analyze_trace(pass_trace, window=window)
     ref_p = one_shot_passes(pass_trace, window)
     assert np.array_equal(report_p.physical_count, ref_p["totals"])
@@ -196,7 +196,7 @@ def placement(rounds: int) -> dict[str, object]:
     args = (288, 8, 4, 32)
     times = interleaved({"moetrace": lambda: plan_experts(weight, *args), "greedy": lambda: greedy_rebalance(weight, *args)}, rounds=rounds, warmup=1)
     plan = plan_experts(weight, *args)
-    greedy = metrics.balancedness(predicted_gpu_load(weight, greedy_rebalance(weight, *args), 32))
+    greedy = balance.balancedness(predicted_gpu_load(weight, greedy_rebalance(weight, *args), 32))
     dsv3 = {"shape": "61 layers x 256 experts, 288 slots, 8 groups, 4 nodes, 32 GPUs", "loads": "lognormal(0, 1)", "moetrace_s": times["moetrace"], "greedy_s": times["greedy"], "balancedness_moetrace": plan.balancedness, "balancedness_greedy": greedy}
     data = olmoe_counts()
     olmoe = np.concatenate([np.asarray(v, dtype=np.float64) for v in data["expert_counts"].values()])  # 18 x 64
@@ -207,8 +207,8 @@ def placement(rounds: int) -> dict[str, object]:
                 continue
             ours = plan_experts(olmoe, replicas, groups, nodes, gpus)
             base = predicted_gpu_load(olmoe, greedy_rebalance(olmoe, replicas, groups, nodes, gpus), gpus)
-            before = metrics.balancedness(metrics.rank_load(olmoe, gpus))
-            table.append({"replicas": replicas, "groups": groups, "nodes": nodes, "gpus": gpus, "hierarchical": ours.hierarchical, "before": before, "greedy": metrics.balancedness(base), "moetrace": ours.balancedness, "layers_better": int((ours.gpu_load.max(axis=1) < base.max(axis=1) * (1 - 1e-12)).sum()), "layers_equal": int(np.isclose(ours.gpu_load.max(axis=1), base.max(axis=1), rtol=1e-12).sum())})
+            before = balance.balancedness(balance.rank_load(olmoe, gpus))
+            table.append({"replicas": replicas, "groups": groups, "nodes": nodes, "gpus": gpus, "hierarchical": ours.hierarchical, "before": before, "greedy": balance.balancedness(base), "moetrace": ours.balancedness, "layers_better": int((ours.gpu_load.max(axis=1) < base.max(axis=1) * (1 - 1e-12)).sum()), "layers_equal": int(np.isclose(ours.gpu_load.max(axis=1), base.max(axis=1), rtol=1e-12).sum())})
     return {"deepseek_v3": dsv3, "olmoe": table}
 
 

@@ -63,9 +63,9 @@ from moetrace import ExpertDistributionRecorder, NoOpRecorder, RecorderConfig
 from moetrace.capturer import RoutedExpertsCapturer
 from moetrace.reference.ep import EPMoELayer
 from moetrace.reference.experts import SwiGLUExperts
+from moetrace.reference.gate import TopKRouter
 from moetrace.reference.launcher import free_port
 from moetrace.reference.moe import MoELayer
-from moetrace.reference.router import TopKRouter
 from moetrace.testing import CpuGraph, HostSyncError, assert_no_host_sync
 from moetrace.trace import open_trace
 

@@ -51,7 +51,7 @@ from moetrace.placement.checks import PlacementConfig
 from moetrace.placement.cost import rebalance_value
 from moetrace.placement.planners import CANDIDATES, HEDGES, Planner
 from moetrace.placement.select import PlanCache, ValidatedPlanner
-from moetrace.reference.drift import DriftSpec
+from moetrace.reference.domain_drift import DriftSpec
 from moetrace.reference.regimes import REGIMES, regime_routes
 from moetrace.trace import open_trace
 

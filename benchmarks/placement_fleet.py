@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import interleaved, write_results
 
-from moetrace import metrics
+from moetrace import balance
 from moetrace.placement import (
     PassSeries,
     PlacementConfig,
@@ -88,13 +88,13 @@ def main() -> None:
     total = layers * SLOTS
     drift = {
         name: {"copies": replicas_moved(deployed, p, GPUS), "kept_slots": int((deployed == p).sum()), "slots": total,
-               "bytes": replicas_moved(deployed, p, GPUS) * EXPERT_BYTES, "balancedness_on_new_load": metrics.balancedness(predicted_gpu_load(after, p, GPUS))}
+               "bytes": replicas_moved(deployed, p, GPUS) * EXPERT_BYTES, "balancedness_on_new_load": balance.balancedness(predicted_gpu_load(after, p, GPUS))}
         for name, p in (("moetrace replan (current=)", replanned), ("vLLM-style slot preservation", vllm_style), ("fresh plan, slots as they fall", fresh))
     }
     payload = {
         "layers": layers, "experts": EXPERTS, "slots": SLOTS, "groups": GROUPS, "nodes": NODES, "gpus": GPUS, "rounds": rounds,
         "seconds": seconds, "ratio_to_eplb": {k: v / seconds["eplb"] for k, v in seconds.items()},
-        "balancedness": {"eplb": metrics.balancedness(predicted_gpu_load(before, eplb, GPUS)), "plan_experts": ours.balancedness,
+        "balancedness": {"eplb": balance.balancedness(predicted_gpu_load(before, eplb, GPUS)), "plan_experts": ours.balancedness,
                          "default_with_selection": plan.balancedness},
         "colocated_replicas": {"eplb": int(colocated(eplb, GPUS).sum()), "plan_experts": int(ours.colocated.sum())},
         "selection": selection.reason,

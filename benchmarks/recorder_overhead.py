@@ -26,7 +26,7 @@ from harness import interleaved, write_results
 
 from moetrace import ExpertDistributionRecorder, NoOpRecorder, RecorderConfig
 from moetrace.reference.experts import SwiGLUExperts
-from moetrace.reference.router import TopKRouter
+from moetrace.reference.gate import TopKRouter
 
 HIDDEN, EXPERTS, TOP_K = 1024, 64, 8
 

@@ -25,7 +25,7 @@ from harness import interleaved, write_results
 from moetrace.replicas import RoutingRecorder
 from moetrace.replicas.prefix_cache import PrefixCache
 from moetrace.replicas.router import ReplicaRouter, RouteRequest
-from moetrace.replicas.trace import load_trace
+from moetrace.replicas.workload import load_trace
 
 
 def _per_decision(replicas: int, rounds: int, inner: int, tmp: str) -> dict[str, float]:
@@ -100,12 +100,12 @@ def _memory(decisions: int, tmp: str) -> dict[str, object]:
 def _replay_speed(replicas: int, limit: int | None, tmp: str) -> dict[str, float]:
     from pathlib import Path
 
-    from moetrace.replicas.simulate import REFERENCE_COST, replay, scale_to_utilization
+    from moetrace.replicas.simulate import REFERENCE_COST, scale_to_utilization, simulate
 
     requests = load_trace(limit=limit)
     cost = scale_to_utilization(requests, replicas, REFERENCE_COST, 0.9)
     start, cpu = time.perf_counter(), time.process_time()
-    replay(requests, replicas, "constrained_locality", block_size=512, cost=cost, cache_blocks=20000, out=Path(tmp) / f"r{replicas}.h5")
+    simulate(requests, replicas, "constrained_locality", block_size=512, cost=cost, cache_blocks=20000, out=Path(tmp) / f"r{replicas}.h5")
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     span = requests[-1].arrival - requests[0].arrival
     return {"requests": len(requests), "trace_seconds": span, "wall_seconds": wall, "cpu_seconds": cpu, "speedup": span / wall}

@@ -14,7 +14,9 @@ from rich.table import Table
 
 from moetrace.analysis.deployment import group_recordings
 from moetrace.analysis.plots import PLOT_KINDS, plot_report
-from moetrace.analysis.report import AnalysisReport, analyze_trace
+from moetrace.analysis.summary import AnalysisReport, analyze_trace
+from moetrace.trace.reader import open_trace
+from moetrace.trace.schema import Data
 
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, parse_layers, stdout_console
@@ -22,7 +24,7 @@ from .timing import print_timing
 
 __all__ = ["analyze", "plot", "print_projection", "print_report"]
 
-LAYERS_HELP = "Model layer ids to analyse, e.g. '0,7,12-15' (default: all)."
+ANALYZE_LAYERS_HELP = "Model layer ids to analyse, e.g. '0,7,12-15' (default: all)."
 #: Hottest experts shown per layer in the 80-column table (``--json`` lists ``--top``).
 HOTTEST_SHOWN = 3
 
@@ -51,6 +53,20 @@ def print_projection(rows: list[dict[str, object]], console: Console) -> None:
 def print_report(report: AnalysisReport, console: Console) -> None:
     """The analysis as text: headline, per-layer, per-rank and EP-projection tables (80 columns wide)."""
     d = report.to_dict()
+    _print_head(report, d, console)
+    _print_expert_table(d, console)
+    if report.ep_size > 1:
+        _print_rank_tables(report, d, console)
+    print_projection(d["ep_projection"], console)
+    _print_coactivation(d, console)
+    _print_drift(d, report.ep_size > 1, console)
+    if d["timing"] is not None:
+        print_timing(d["timing"], console)
+    for note in d["notes"]:
+        console.print(f"note: {note}")
+
+
+def _print_head(report: AnalysisReport, d: dict, console: Console) -> None:
     t, totals = d["trace"], d["totals"]
     console.print(f"[bold]{report.path}[/bold]")
     console.print(
@@ -63,7 +79,9 @@ def print_report(report: AnalysisReport, console: Console) -> None:
     )
     for line in d["headline"]:
         console.print(f"[bold]{line}[/bold]")
-    ep = report.ep_size > 1
+
+
+def _print_expert_table(d: dict, console: Console) -> None:
     hot = d["overall"]["hot_experts"]
     table = Table(title="Per layer: balance over logical experts", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("layer", "imbalance", "CV", f"top {hot}", "entropy", "dead", "hottest (x mean)"):
@@ -73,23 +91,27 @@ def print_report(report: AnalysisReport, console: Console) -> None:
         table.add_row(str(row["layer"]), f"{row['expert_imbalance']:.2f}", f"{row['expert_cv']:.2f}", f"{100 * row['hot_expert_share']:.0f}%",
                       f"{row['entropy_ratio']:.2f}", str(len(row["dead_experts"])), hottest)
     console.print(table)
+
+
+def _print_rank_tables(report: AnalysisReport, d: dict, console: Console) -> None:
     ranks = d["ranks"]
-    if ep:
-        layer_table = Table(title=f"Per layer: balance over {report.ep_size} EP ranks", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-        for col in ("layer", "balancedness", "imbalance", "hottest rank"):
-            layer_table.add_column(col, justify="right")
-        for row in d["per_layer"]:
-            layer_table.add_row(str(row["layer"]), _fmt(row["balancedness"]), f"{row['imbalance']:.2f}", str(int(np.argmax(row["rank_load"]))))
-        console.print(layer_table)
-        rank_table = Table(title="Per EP rank, all layers", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-        rank_table.add_column("rank", justify="right")
-        rank_table.add_column("token copies", justify="right")
-        rank_table.add_column("x mean", justify="right")
-        mean = float(np.mean(ranks["total_load"])) or 1.0
-        for r, load in enumerate(ranks["total_load"]):
-            rank_table.add_row(str(r), str(load), f"{load / mean:.2f}")
-        console.print(rank_table)
-    print_projection(d["ep_projection"], console)
+    layer_table = Table(title=f"Per layer: balance over {report.ep_size} EP ranks", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("layer", "balancedness", "imbalance", "hottest rank"):
+        layer_table.add_column(col, justify="right")
+    for row in d["per_layer"]:
+        layer_table.add_row(str(row["layer"]), _fmt(row["balancedness"]), f"{row['imbalance']:.2f}", str(int(np.argmax(row["rank_load"]))))
+    console.print(layer_table)
+    rank_table = Table(title="Per EP rank, all layers", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    rank_table.add_column("rank", justify="right")
+    rank_table.add_column("token copies", justify="right")
+    rank_table.add_column("x mean", justify="right")
+    mean = float(np.mean(ranks["total_load"])) or 1.0
+    for r, load in enumerate(ranks["total_load"]):
+        rank_table.add_row(str(r), str(load), f"{load / mean:.2f}")
+    console.print(rank_table)
+
+
+def _print_coactivation(d: dict, console: Console) -> None:
     if d["coactivation"] is not None:
         co = Table(title="Co-activation: top expert pairs (lift = observed / independent)", title_justify="left")
         co.add_column("layer", justify="right")
@@ -105,26 +127,25 @@ def print_report(report: AnalysisReport, console: Console) -> None:
             top = ", ".join(f"{x['a']}->{x['b']} ({x['share']:.3f})" for x in row["top"])
             tr.add_row(str(row["from_layer"]), str(row["to_layer"]), _fmt(row["mutual_information_bits"]), _fmt(row["normalized_mutual_information"]), top)
         console.print(tr)
-    drift = d["drift"]
-    if drift is not None:
-        js = "n/a (one window)" if drift["mean_js"] is None else f"mean {drift['mean_js']:.4f}, max {drift['max_js']:.4f}"
-        window_balance = (f"; window balancedness min {_fmt(drift['balancedness_min'])} mean {_fmt(drift['balancedness_mean'])} "
-                          f"max {_fmt(drift['balancedness_max'])}") if ep else ""
-        console.print(
-            f"drift: {drift['num_windows']} windows of {drift['passes_per_window']} passes; "
-            f"JS divergence between successive windows {js}{window_balance}"
-        )
-    if d["timing"] is not None:
-        print_timing(d["timing"], console)
-    for note in d["notes"]:
-        console.print(f"note: {note}")
 
+
+def _print_drift(d: dict, ep: bool, console: Console) -> None:
+    drift = d["drift"]
+    if drift is None:
+        return
+    js = "n/a (one window)" if drift["mean_js"] is None else f"mean {drift['mean_js']:.4f}, max {drift['max_js']:.4f}"
+    window_balance = (f"; window balancedness min {_fmt(drift['balancedness_min'])} mean {_fmt(drift['balancedness_mean'])} "
+                      f"max {_fmt(drift['balancedness_max'])}") if ep else ""
+    console.print(
+        f"drift: {drift['num_windows']} windows of {drift['passes_per_window']} passes; "
+        f"JS divergence between successive windows {js}{window_balance}"
+    )
 
 @guarded
 def analyze(
     traces: Annotated[list[Path], typer.Argument(help="A moetrace HDF5 trace, the per-rank files / segments of one run (analysed as one), or the recordings of one deployment (a time series).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report (schema in docs/analysis.md) instead of tables.")] = False,
-    layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
+    layers: Annotated[str | None, typer.Option("--layers", help=ANALYZE_LAYERS_HELP)] = None,
     window: Annotated[int | None, typer.Option("--window", min=1, help="Passes per drift window (default: about 20 windows).")] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="Hottest experts, pairs and transitions listed per layer (the expert table shows at most 3).")] = 5,
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
@@ -133,8 +154,6 @@ def analyze(
     ep_size: Annotated[int, typer.Option("--ep-size", min=1, help="With --by: EP ranks for the hottest-rank figures (contiguous placement).")] = 1,
 ) -> None:
     """Expert and rank balance, entropy, dead/hot experts, EP projection, co-activation, transitions and drift of a trace."""
-    from moetrace.trace.requests import is_routing_trace
-
     if by is not None:  # which requests / labels drive the load: moetrace.analysis.attribution
         from .attribution import print_attribution, run_attribution
 
@@ -148,36 +167,42 @@ def analyze(
         return
 
     if len(traces) > 1 or scheduler is not None:  # several files, or Dask: moetrace.analysis.distributed
-        from moetrace.analysis.distributed import analyze_traces, dask_client
-
-        files = [existing_file(t) for t in traces]
-        recordings = group_recordings(files) if len(files) > 1 else [files]
-        if len(recordings) > 1:  # several runs: the deployment series (moetrace.analysis.deployment)
-            _analyze_deployment(files, parse_layers(layers), top, scheduler, as_json)
-            return
-        options = {"layers": parse_layers(layers), "window": window, "top": top}
-        if scheduler is None:
-            report = analyze_traces(files, progress=progress, **options)  # type: ignore[arg-type]
-        else:
-            with dask_client(scheduler) as client:
-                report = analyze_traces(files, client=client, **options)  # type: ignore[arg-type]
-        if as_json:
-            typer.echo(json.dumps(report.to_dict(), indent=2))
-        else:
-            print_report(report, stdout_console())
+        report = _analyze_many([existing_file(t) for t in traces], parse_layers(layers), window, top, progress, scheduler, as_json)
+    else:
+        report = _analyze_one(existing_file(traces[0]), parse_layers(layers), window, top, progress, as_json)
+    if report is None:  # printed already (a deployment series, a routing trace)
         return
-    trace = traces[0]
-    if is_routing_trace(existing_file(trace)):  # request->replica routing evidence (moetrace replicas)
-        from .replicas import print_routing_report
-
-        print_routing_report(trace, as_json)
-        return
-    report = analyze_trace(existing_file(trace), layers=parse_layers(layers), window=window, top=top, progress=progress)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         print_report(report, stdout_console())
 
+
+def _analyze_one(path: Path, layers: list[int] | None, window: int | None, top: int, progress: bool | None,
+                 as_json: bool) -> AnalysisReport | None:
+    """One trace, opened once: its analysis, or (a routing trace) the routing report, printed here."""
+    with open_trace(path) as trace:
+        if not trace.has(Data.REQUESTS):
+            return analyze_trace(trace, layers=layers, window=window, top=top, progress=progress)
+    from .replicas import print_routing_report
+
+    print_routing_report(path, as_json)  # request->replica routing evidence (moetrace replicas)
+    return None
+
+
+def _analyze_many(files: list[Path], layers: list[int] | None, window: int | None, top: int, progress: bool | None,
+                  scheduler: str | None, as_json: bool) -> AnalysisReport | None:
+    """The files of one run analysed as one (in process or on Dask), or the deployment series of several runs."""
+    from moetrace.analysis.distributed import analyze_traces, dask_client
+
+    recordings = group_recordings(files) if len(files) > 1 else [files]
+    if len(recordings) > 1:  # several runs: the deployment series (moetrace.analysis.deployment)
+        _analyze_deployment(files, layers, top, scheduler, as_json)
+        return None
+    if scheduler is None:
+        return analyze_traces(files, layers=layers, window=window, top=top, progress=progress)
+    with dask_client(scheduler) as client:
+        return analyze_traces(files, client=client, layers=layers, window=window, top=top)
 
 def _analyze_deployment(files: list[Path], layers: list[int] | None, top: int, scheduler: str | None, as_json: bool) -> None:
     from moetrace.analysis.deployment import analyze_deployment
@@ -201,7 +226,7 @@ def plot(
     trace: Annotated[Path, typer.Argument(help="A moetrace HDF5 trace.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="PNG file to write.")],
     kind: Annotated[str, typer.Option("--kind", help=f"One of: {', '.join(PLOT_KINDS)}.")] = "heatmap",
-    layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
+    layers: Annotated[str | None, typer.Option("--layers", help=ANALYZE_LAYERS_HELP)] = None,
     layer: Annotated[int | None, typer.Option("--layer", help="Model layer id of the co-activation matrix (default: first analysed).")] = None,
     window: Annotated[int | None, typer.Option("--window", min=1, help="Passes per window for the timeline.")] = None,
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,

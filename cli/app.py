@@ -37,15 +37,15 @@ app.command("diff")(diff.diff)
 app.command("timeline")(timeline.timeline)
 app.command("report")(report.report)
 # Producing and examining trace files.
-app.command("convert")(traces.convert)
+app.command("convert")(traces.convert_to_trace)
 app.command("merge")(traces.merge)
 app.command("inspect")(traces.inspect)
-app.command("recover")(traces.recover)
+app.command("recover")(traces.recover_run)
 app.command("verify")(verify.verify)
 # The whole job end to end on the reference runtime.
 app.command("demo")(demo.demo)
 # Request→replica routing: replay, compare, why.
-app.add_typer(replicas.app, name="replicas")
+app.add_typer(replicas.replicas_app, name="replicas")
 # Driving a running process.
 app.command("start")(control.start)
 app.command("stop")(control.stop)

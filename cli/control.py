@@ -23,11 +23,12 @@ from urllib.parse import urlsplit
 
 import typer
 
+from moetrace.control import TOKEN_ENV
+
 from .errors import EXIT_FAILED, CommandError, guarded
 
 __all__ = ["dump", "start", "status", "stop"]
 
-TOKEN_ENV = "MOETRACE_CONTROL_TOKEN"
 URL_ENV = "MOETRACE_CONTROL_URL"
 _SGLANG_PATHS = {
     "start": "/start_expert_distribution_record",

@@ -255,12 +255,12 @@ def _save_routes(ranks: list[dict[str, Any]], settings: DemoSettings, path: Path
 def _write_outputs(settings: DemoSettings, ranks: list[dict[str, Any]], interrupted: bool, started: float, console: Console) -> dict[str, Any]:
     """Merge, analyse, write every file, print the one-screen summary."""
     from moetrace.report import write_report
-    from moetrace.report.evidence import gather
+    from moetrace.report.evidence import gather_evidence
 
     out = settings.out
     trace = merge_traces([r["trace"] for r in ranks], out / "trace.h5")
     routes_path = _save_routes(ranks, settings, out / "routes.json")
-    evidence = gather([trace], routes_path)
+    evidence = gather_evidence([trace], routes_path)
     assert evidence.expert is not None
     report = evidence.expert.report
     document = report.to_dict()

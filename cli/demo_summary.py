@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from moetrace.analysis.report import AnalysisReport
+from moetrace.analysis.summary import AnalysisReport
 from moetrace.report.evidence import PlacementView, placement_reading
 
 __all__ = ["WIDTH", "DemoSummary", "print_summary", "say"]

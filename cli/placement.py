@@ -35,7 +35,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moetrace import metrics
+from moetrace import balance
 from moetrace.analysis.source import load_series, select_layers
 from moetrace.placement.backtesting import (
     BacktestResult,
@@ -143,8 +143,8 @@ def _in_sample_table(console: Console, layer_ids: list[int], figures: dict[str, 
     for col in ("layer", "current", "greedy", "moetrace", "max replicas"):
         table.add_column(col, justify="right")
     for i, layer in enumerate(layer_ids):
-        table.add_row(str(layer), *(_fmt(None if figures[k] is None else float(metrics.layer_balancedness(figures[k])[i])) for k in ("current", "greedy", "moetrace")), str(int(plan.logcnt[i].max())))
-    table.add_row("all", *(_fmt(None if figures[k] is None else metrics.balancedness(figures[k])) for k in ("current", "greedy", "moetrace")), str(plan.log2phy.shape[2]), style="bold")
+        table.add_row(str(layer), *(_fmt(None if figures[k] is None else float(balance.layer_balancedness(figures[k])[i])) for k in ("current", "greedy", "moetrace")), str(int(plan.logcnt[i].max())))
+    table.add_row("all", *(_fmt(None if figures[k] is None else balance.balancedness(figures[k])) for k in ("current", "greedy", "moetrace")), str(plan.log2phy.shape[2]), style="bold")
     console.print(table)
 
 
@@ -350,11 +350,11 @@ def _plan(traces: list[Path], loads: _Loads, deployed: np.ndarray | None, expert
     plan, selection = plan_with_selection(weight, series, config, deployed)
     greedy = greedy_rebalance(weight, config.replicas, config.groups, config.nodes, config.gpus)
     gpu_loads = {
-        "current": metrics.rank_load(loads.physical, gpus) if loads.physical.shape[1] % gpus == 0 else None,
+        "current": balance.rank_load(loads.physical, gpus) if loads.physical.shape[1] % gpus == 0 else None,
         "greedy": predicted_gpu_load(weight, greedy, gpus),
         "moetrace": predicted_gpu_load(weight, plan.phy2log, gpus),
     }
-    in_sample = {k: None if v is None else metrics.balancedness(v) for k, v in gpu_loads.items()}
+    in_sample = {k: None if v is None else balance.balancedness(v) for k, v in gpu_loads.items()}
     trace = traces[0]
     document: dict[str, Any] = {
         "schema": "moetrace.placement",
@@ -372,7 +372,7 @@ def _plan(traces: list[Path], loads: _Loads, deployed: np.ndarray | None, expert
         "planner": selection.chosen,
         "selection": selection.to_dict(),
         "in_sample": {"passes": int(series.passes.sum()) if series is not None else None, "balancedness": in_sample,
-                      "layer_balancedness": {k: None if v is None else metrics.layer_balancedness(v).tolist() for k, v in gpu_loads.items()}},
+                      "layer_balancedness": {k: None if v is None else balance.layer_balancedness(v).tolist() for k, v in gpu_loads.items()}},
     }
     _moved_from_current(document, deployed, plan, gpus, expert_bytes)
     return _Outcome(plan, selection, gpu_loads, in_sample, document, deployed)
@@ -395,13 +395,13 @@ def _prefer_the_estimates_winner(outcome: _Outcome, loads: _Loads, expert_bytes:
         return
     outcome.plan = baseline_plan(loads.weight, loads.config, outcome.deployed)
     outcome.loads["moetrace"] = predicted_gpu_load(loads.weight, outcome.plan.phy2log, loads.config.gpus)
-    outcome.in_sample["moetrace"] = metrics.balancedness(outcome.loads["moetrace"])
+    outcome.in_sample["moetrace"] = balance.balancedness(outcome.loads["moetrace"])
     document = outcome.document
     document["planner"] = "greedy"
     document["preferred_reason"] = (f"the held-out estimate on this trace has EPLB's plan ahead of the validated choice "
                                     f"({eplb:.4f} vs {ours:.4f} mean next-window balancedness), so EPLB's plan is deployed")
     document["in_sample"]["balancedness"]["moetrace"] = outcome.in_sample["moetrace"]
-    document["in_sample"]["layer_balancedness"]["moetrace"] = metrics.layer_balancedness(outcome.loads["moetrace"]).tolist()
+    document["in_sample"]["layer_balancedness"]["moetrace"] = balance.layer_balancedness(outcome.loads["moetrace"]).tolist()
     _moved_from_current(document, outcome.deployed, outcome.plan, loads.config.gpus, expert_bytes)
 
 

@@ -13,9 +13,9 @@ import typer
 from .errors import CommandError, guarded
 from .options import existing_file, output_path
 
-__all__ = ["app", "print_routing_report"]
+__all__ = ["print_routing_report", "replicas_app"]
 
-app = typer.Typer(name="replicas", help="Request→replica routing: replay a request trace, compare policies, explain decisions.", no_args_is_help=True)
+replicas_app = typer.Typer(name="replicas", help="Request→replica routing: replay a request trace, compare policies, explain decisions.", no_args_is_help=True)
 
 TRACE_HELP = "Request trace, JSONL in the Mooncake format (plain or .gz); 'mooncake' = the packaged Mooncake FAST'25 trace."
 
@@ -31,7 +31,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def _load(trace: str, block_size: int, limit: int | None) -> list:
-    from moetrace.replicas.trace import load_trace
+    from moetrace.replicas.workload import load_trace
 
     path = None if trace == "mooncake" else existing_file(Path(trace), "request trace")
     return load_trace(path, block_size=block_size, limit=limit)
@@ -83,9 +83,9 @@ def _config(cache_threshold: float, balance_abs: int, balance_rel: float, overla
                         overlap_weight=overlap_weight, migrate_threshold=migrate_threshold, seed=seed)
 
 
-@app.command("replay")
+@replicas_app.command("replay")
 @guarded
-def replay(
+def replay_trace(
     trace: Annotated[str, typer.Argument(help=TRACE_HELP)],
     replicas: Replicas = 8,
     policy: Annotated[str, typer.Option("--policy", "-p", help="Routing policy.")] = "cache_aware",
@@ -107,7 +107,7 @@ def replay(
     """Replay a request trace by its timestamps, in simulated time, through one routing policy."""
     from moetrace.replicas.analysis import compare_table, summarize
     from moetrace.replicas.analysis import plot_load as draw_load
-    from moetrace.replicas.simulate import replay as run_replay
+    from moetrace.replicas.simulate import simulate
     from moetrace.trace.requests import read_requests
 
     _check(replicas, policy)
@@ -116,7 +116,7 @@ def replay(
     requests = _load(trace, block_size, limit)
     cost = _cost(requests, replicas, cost_model, utilization)
     config = _config(cache_threshold, balance_abs, balance_rel, overlap_weight, migrate_threshold, seed)
-    result = run_replay(requests, replicas, policy, block_size=block_size, cost=cost, cache_blocks=cache_blocks or None, out=out, config=config)
+    result = simulate(requests, replicas, policy, block_size=block_size, cost=cost, cache_blocks=cache_blocks or None, out=out, config=config)
     table = read_requests(result.path)
     summary = summarize(table)
     if plot_load is not None:
@@ -131,7 +131,7 @@ def replay(
         typer.echo(f"routing trace: {out}")
 
 
-@app.command("compare")
+@replicas_app.command("compare")
 @guarded
 def compare(
     trace: Annotated[str, typer.Argument(help=TRACE_HELP)],
@@ -154,8 +154,8 @@ def compare(
     """Replay a request trace through every policy; one row per policy (cache, then latency evidence)."""
     from moetrace.replicas.analysis import compare_table, plot_ttft_cdf, summarize
     from moetrace.replicas.router import POLICY_NAMES
-    from moetrace.replicas.simulate import replay as run_replay
-    from moetrace.replicas.trace import reusable_blocks
+    from moetrace.replicas.simulate import simulate
+    from moetrace.replicas.workload import reusable_blocks
     from moetrace.trace.requests import read_requests
 
     names = [p.strip() for p in policies.split(",")] if policies else list(POLICY_NAMES)
@@ -170,7 +170,7 @@ def compare(
     rows, tables = [], {}
     with tempfile.TemporaryDirectory(prefix="moetrace-compare-") as tmp:
         for name in names:
-            result = run_replay(requests, replicas, name, block_size=block_size, cost=cost, cache_blocks=cache_blocks or None,
+            result = simulate(requests, replicas, name, block_size=block_size, cost=cost, cache_blocks=cache_blocks or None,
                                 out=Path(tmp) / f"{name}.h5", config=config)
             table = read_requests(result.path)
             rows.append(summarize(table))
@@ -187,27 +187,26 @@ def compare(
     typer.echo(compare_table(rows))
 
 
-@app.command("why")
+@replicas_app.command("why")
 @guarded
-def why(
+def explain(
     trace: Annotated[Path, typer.Argument(help="A routing trace (HDF5 with /requests).")],
     request_id: Annotated[str, typer.Argument(help="The request's id.")],
     as_json: AsJson = False,
 ) -> None:
     """Why did this request go to that replica: every candidate's signals and the rule that decided."""
-    from moetrace.replicas.analysis import why as explain
-    from moetrace.replicas.analysis import why_text
+    from moetrace.replicas.analysis import why, why_text
     from moetrace.trace.requests import read_requests
 
     table = read_requests(existing_file(trace))
     try:
-        answer = explain(table, request_id)
+        answer = why(table, request_id)
     except KeyError as exc:
         raise CommandError(str(exc.args[0])) from None
     typer.echo(json.dumps(_jsonable(answer), indent=2) if as_json else why_text(answer))
 
 
-@app.command("calibrate")
+@replicas_app.command("calibrate")
 @guarded
 def calibrate(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the cost model JSON here.")] = None,

@@ -35,11 +35,11 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from moetrace import PHASES, metrics
+from moetrace import PHASES, balance
 
 from .errors import CommandError, guarded
 
-__all__ = ["Endpoint", "render", "scrape", "top"]
+__all__ = ["Endpoint", "render_screen", "scrape", "top"]
 
 BAR_WIDTH = 40
 
@@ -150,7 +150,7 @@ def _who(point: Endpoint) -> str:
     return f"rank {info['global_rank']} [{info['layout']} tp{info['tp_rank']} ep{point.rank}{replica}]"
 
 
-def render(points: list[Endpoint], previous: dict[str, Endpoint], interval: float) -> Group:
+def render_screen(points: list[Endpoint], previous: dict[str, Endpoint], interval: float) -> Group:
     """One screen (80 columns) from this scrape and the previous one."""
     lines: list[Text] = [Text(f"moetrace top: {len(points)} endpoint(s), every {interval:g} s; q or Ctrl-C quits   "
                               f"{time.strftime('%H:%M:%S')}", style="bold")]
@@ -168,7 +168,7 @@ def render(points: list[Endpoint], previous: dict[str, Endpoint], interval: floa
     loads = _summed(p.rank_load for p in live)
     if loads:
         layers, load = _grid(loads)  # [L, R] summed over the endpoints (every source rank)
-        lines.append(Text(f"balancedness over {load.shape[1]} EP ranks: {metrics.balancedness(load):.3f}  "
+        lines.append(Text(f"balancedness over {load.shape[1]} EP ranks: {balance.balancedness(load):.3f}  "
                           f"(1 = even; layers {layers[0]}..{layers[-1]})", style="bold"))
         per_rank = load.sum(axis=0)
         top = per_rank.max() or 1.0
@@ -239,7 +239,7 @@ def top(
 
     def frame() -> Group:
         points = [scrape(u, timeout=min(1.0, interval), token=token) for u in url]
-        screen = render(points, previous, interval)
+        screen = render_screen(points, previous, interval)
         previous.update({p.url: p for p in points if p.error is None})
         return screen
 

@@ -20,11 +20,11 @@ from moetrace.trace.schema import MERGED_DAMAGED_ATTR, Attr, Data
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, stdout_console
 
-__all__ = ["convert", "inspect", "merge", "recover"]
+__all__ = ["convert_to_trace", "inspect", "merge", "recover_run"]
 
 
 @guarded
-def convert(
+def convert_to_trace(
     src: Annotated[Path, typer.Argument(help="SGLang expert-distribution dump (.pt) or JSON-lines routing log.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Trace file to write (.h5).")],
     top_k: Annotated[int | None, typer.Option("--top-k", min=1, help="Experts per token (needed for SGLang stat/per_pass dumps).")] = None,
@@ -65,7 +65,7 @@ def merge(
 
 
 @guarded
-def recover(
+def recover_run(
     directory: Annotated[Path, typer.Argument(help="The dead recorder's output directory (holds its .moetrace-* segments).")],
     out: Annotated[Path | None, typer.Option("-o", "--out", help="Trace to write (.h5); -rank<r> is added per rank when several ranks left segments.")] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Which run (or a prefix of its id) when the directory holds several.")] = None,

@@ -4,7 +4,7 @@ Each :class:`MetricSpec` names a metric for Prometheus and for OpenTelemetry,
 says what kind it is, which labels it carries and which
 :class:`~moetrace.snapshot.RecorderSnapshot` field or property gives its value.
 Values are never computed here: they come from the snapshot's properties,
-which call :mod:`moetrace.metrics` (the one definition of each
+which call :mod:`moetrace.balance` (the one definition of each
 formula).
 
 Label dimensions (``dims``) index the value array:

@@ -11,7 +11,7 @@ value into :data:`OTHER`.
 :class:`LabelLoad` adds a finished request's routes ``[n, L, k]`` (host
 numpy, at request completion: never inside a forward) to its label's
 ``[L, E]`` logical counts. Its :meth:`~LabelLoad.snapshot` gives each label's
-share of the hot experts' *excess* (:func:`moetrace.metrics.expert_excess`:
+share of the hot experts' *excess* (:func:`moetrace.balance.expert_excess`:
 load above an even share, additive over labels), its share of tokens, and
 how far its expert profile is from everyone else's (JS divergence), the
 figures the exporters publish for the top-N labels.
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import metrics
+from . import balance
 
 __all__ = ["MAX_LABEL_CHARS", "MAX_LABEL_KEYS", "OTHER", "LabelError", "LabelLoad", "LabelLoadSnapshot", "check_labels", "hot_cells"]
 
@@ -94,12 +94,12 @@ def hot_excess_share(counts: np.ndarray, hot: np.ndarray) -> np.ndarray:
         counts: ``[G, L, E]`` copies per group.
         hot: ``[L, h]`` the hot experts (:func:`hot_cells` of the summed counts).
 
-    Excess (:func:`moetrace.metrics.expert_excess`) is additive over groups, so the
+    Excess (:func:`moetrace.balance.expert_excess`) is additive over groups, so the
     shares sum to 1; zeros when no hot expert carries excess (an even load).
     """
     rows = np.arange(hot.shape[0])[:, None]
-    positive = metrics.expert_excess(counts.sum(axis=0))[rows, hot] > 0  # [L, h]
-    per_group = (metrics.expert_excess(counts)[:, rows, hot] * positive).sum(axis=(1, 2))
+    positive = balance.expert_excess(counts.sum(axis=0))[rows, hot] > 0  # [L, h]
+    per_group = (balance.expert_excess(counts)[:, rows, hot] * positive).sum(axis=(1, 2))
     total = per_group.sum()
     return per_group / total if total > 0 else np.zeros(len(counts))
 
@@ -107,7 +107,7 @@ def hot_excess_share(counts: np.ndarray, hot: np.ndarray) -> np.ndarray:
 def profile_divergence(counts: np.ndarray) -> np.ndarray:
     """``[G]`` mean over layers of the JS divergence between each group's expert profile and the rest's (``[G, L, E]``)."""
     total = counts.sum(axis=0)
-    return np.array([float(metrics.js_divergence(c, total - c).mean()) for c in counts])
+    return np.array([float(balance.js_divergence(c, total - c).mean()) for c in counts])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +152,7 @@ class LabelLoad:
         num_layers, num_experts: ``L`` and logical ``E`` of the routes added.
         key: the label name to group by (``"tenant"``...); requests without it count as ``"-"``.
         max_tracked: distinct values kept exactly; later ones are folded into :data:`OTHER`.
-        hot: hot experts per layer (default: the hottest 10%, :func:`moetrace.metrics.hot_expert_count`).
+        hot: hot experts per layer (default: the hottest 10%, :func:`moetrace.balance.hot_expert_count`).
     """
 
     def __init__(self, num_layers: int, num_experts: int, key: str, max_tracked: int = 64, hot: int | None = None) -> None:
@@ -162,7 +162,7 @@ class LabelLoad:
             raise ValueError(f"max_tracked must be positive, got {max_tracked}")
         check_labels({key: "x"}, "key")
         self.num_layers, self.num_experts, self.key, self.max_tracked = num_layers, num_experts, key, max_tracked
-        self.hot = hot or metrics.hot_expert_count(num_experts)
+        self.hot = hot or balance.hot_expert_count(num_experts)
         self._lock = threading.Lock()
         self._index: dict[str, int] = {}
         self._counts = np.zeros((max_tracked + 1, num_layers, num_experts), dtype=np.int64)  # last row: OTHER

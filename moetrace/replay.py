@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from .capturer import decode_routed_experts
 from .replay_audit import ReplayAudit, ReplayAuditReport
-from .routes import RoutesError, check_routes, load_routes, select_layers
+from .routes import RoutesError, check_routes, load_routes, select_route_layers
 
 __all__ = [
     "LayerRoutes",
@@ -252,7 +252,7 @@ def prepare_routes(
         dense = np.setdiff1d(np.arange(layers), layer_ids)
         if (arr[..., dense, :] >= 0).any():
             raise ReplayError(f"routes hold expert ids in layers {dense.tolist()}, which are not MoE layers of this model (MoE layers: {list(layer_ids)})")
-        arr = select_layers(arr, layer_ids)
+        arr = select_route_layers(arr, layer_ids)
     return arr
 
 

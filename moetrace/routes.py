@@ -40,7 +40,7 @@ __all__ = [
     "pad_routes",
     "routed_rows",
     "save_routes",
-    "select_layers",
+    "select_route_layers",
 ]
 
 ROUTES_FORMAT = "moetrace-routes"
@@ -113,7 +113,7 @@ def logical_ids(routes: Any, physical_to_logical: Any) -> np.ndarray:
     return np.where(arr >= 0, mapped, -1)
 
 
-def select_layers(routes: np.ndarray, layer_ids: Sequence[int]) -> np.ndarray:
+def select_route_layers(routes: np.ndarray, layer_ids: Sequence[int]) -> np.ndarray:
     """Model-layer routes ``[..., L_model, k]`` (dense layers ``-1``) -> MoE-layer routes ``[..., len(layer_ids), k]``."""
     if routes.ndim < 2 or (layer_ids and max(layer_ids) >= routes.shape[-2]):
         raise RoutesError(f"routes {list(routes.shape)} have no layer {max(layer_ids)}; expected model layer ids {list(layer_ids)}")

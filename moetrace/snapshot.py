@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from . import metrics
+from . import balance as metrics
 from .config import RecorderConfig
 from .dispatch import ep_ideal_bytes, exchanged_bytes, remote_copies
 from .ids import to_logical

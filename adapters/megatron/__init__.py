@@ -104,16 +104,16 @@ class MegatronInstrumentation(Instrumentation):
         per-EP-rank load) and ``entropy`` (normalised routing entropy) over this
         rank's tokens since ``start_record``. Reads device values: call it after the step.
         """
-        from moetrace import metrics
+        from moetrace import balance
 
         assert self.recorder is not None
         snap = self.recorder.snapshot()
         counts = np.asarray(snap.logical_count, dtype=np.float64)
-        load = metrics.rank_load(counts, max(1, self.layers[0].ep_size))
+        load = balance.rank_load(counts, max(1, self.layers[0].ep_size))
         report = {name: values for name, values in megatron_aux_losses([layer.module for layer in self.layers]).items()}
-        report["balancedness"] = metrics.layer_balancedness(load)
-        report["imbalance"] = metrics.layer_imbalance(load)
-        report["entropy"] = metrics.entropy_ratio(counts)
+        report["balancedness"] = balance.layer_balancedness(load)
+        report["imbalance"] = balance.layer_imbalance(load)
+        report["entropy"] = balance.entropy_ratio(counts)
         return report
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from moetrace import metrics
+from moetrace import balance
 from moetrace.data import olmoe_counts
 from moetrace.placement.plan import plan_experts
 
@@ -29,7 +29,7 @@ def main() -> Path:
     counts = np.asarray(data["expert_counts"][DOMAIN][LAYER], dtype=np.float64)[None, :]  # [1, 64]
     num_experts = counts.shape[1]
     share = counts[0] / counts[0].mean()
-    contiguous = metrics.rank_load(counts, RANKS)[0]
+    contiguous = balance.rank_load(counts, RANKS)[0]
     planned = plan_experts(counts, num_experts, 1, 1, RANKS).gpu_load[0]
     scale = counts[0].sum() / RANKS  # rank loads as a multiple of the mean rank load
 
@@ -42,7 +42,7 @@ def main() -> Path:
     left.set_xlabel(f"expert (colour = contiguous EP rank of {RANKS})")
     left.set_ylabel("load / mean expert load")
     left.set_title(f"Expert balance: OLMoE layer {data['layers'][LAYER]} ({DOMAIN}); "
-                   f"expert imbalance {float(metrics.expert_imbalance(counts)[0]):.2f}")
+                   f"expert imbalance {float(balance.expert_imbalance(counts)[0]):.2f}")
     left.legend(loc="upper right")
 
     x = np.arange(RANKS)
@@ -54,8 +54,8 @@ def main() -> Path:
     right.set_xticks(x)
     right.set_xlabel(f"EP rank (R = {RANKS})")
     right.set_ylabel("rank load / mean rank load")
-    b_contiguous = metrics.balancedness(contiguous[None, :])
-    b_planned = metrics.balancedness(planned[None, :])
+    b_contiguous = balance.balancedness(contiguous[None, :])
+    b_planned = balance.balancedness(planned[None, :])
     right.set_title(f"Rank balance: contiguous {b_contiguous:.2f}, planned {b_planned:.2f}")
     right.set_ylim(0, 1.35 * contiguous.max() / scale)
     right.legend(loc="upper right", fontsize="small")

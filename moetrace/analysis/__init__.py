@@ -1,6 +1,6 @@
 """Offline analysis of moetrace traces.
 
-``metrics`` holds the one definition of each balance figure. The rest is
+``moetrace.balance`` holds the one definition of each balance figure. The rest is
 imported lazily (``moetrace.analysis.analyze_trace`` etc.) so that importing
 the recorder does not pull in rich or matplotlib.
 """
@@ -13,8 +13,8 @@ from typing import Any
 __all__ = ["AnalysisReport", "analyze_trace", "ep_projection", "plot_report"]
 
 _LAZY = {
-    "AnalysisReport": "report",
-    "analyze_trace": "report",
+    "AnalysisReport": "summary",
+    "analyze_trace": "summary",
     "ep_projection": "projection",
     "plot_report": "plots",
 }

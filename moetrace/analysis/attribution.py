@@ -5,7 +5,7 @@ vLLM's ``routed_experts``, the reference serving loop), with labels where the
 requests carried them. Everything is counted in logical expert space.
 
 For each layer's hot experts, the figure is each group's share of the
-expert's **excess** (:func:`moetrace.metrics.expert_excess`: copies above an
+expert's **excess** (:func:`moetrace.balance.expert_excess`: copies above an
 even share of the layer). Excess is additive over groups, so the shares of
 one expert sum to 1, and a group that sends many tokens but spreads them
 evenly has a share near 0 however large its share of the load. The same for
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import metrics
+from .. import balance
 from ..labels import (
     OTHER,
     hot_cells,
@@ -103,8 +103,8 @@ class Attribution:
 
     def to_dict(self) -> dict[str, Any]:
         total = self.total
-        excess_total = metrics.expert_excess(total)
-        excess_groups = metrics.expert_excess(self.group_counts)
+        excess_total = balance.expert_excess(total)
+        excess_groups = balance.expert_excess(self.group_counts)
         layers = []
         for i, layer in enumerate(self.layer_ids):
             hot = []
@@ -120,12 +120,12 @@ class Attribution:
                 hot.append(entry)
             row: dict[str, Any] = {"layer": int(layer), "hot_experts": hot}
             if self.ep_size > 1:
-                ranks = metrics.rank_load(self.group_counts[:, i, :], self.ep_size)  # [G, R]
+                ranks = balance.rank_load(self.group_counts[:, i, :], self.ep_size)  # [G, R]
                 rank_total = ranks.sum(axis=0)
                 r = int(np.argmax(rank_total))
-                x = float(metrics.expert_excess(rank_total)[r])
+                x = float(balance.expert_excess(rank_total)[r])
                 row["hottest_rank"] = {"rank": r, "load": int(rank_total[r]), "excess": x,
-                                       "contributors": self._contributors(metrics.expert_excess(ranks)[:, r], x)}
+                                       "contributors": self._contributors(balance.expert_excess(ranks)[:, r], x)}
             layers.append(row)
         share, tokens, div = self.hot_excess_share, self.token_share, self.divergence
         groups = []
@@ -224,7 +224,7 @@ def attribute(
     one_hot[member, np.arange(len(rids))] = 1
     group_counts = (one_hot @ counts.reshape(len(rids), -1)).reshape(num_groups, *counts.shape[1:])
     total = group_counts.sum(axis=0)
-    cells = hot_cells(total, hot or metrics.hot_expert_count(num_experts))
+    cells = hot_cells(total, hot or balance.hot_expert_count(num_experts))
     layer_ids = rs.layer_ids if rs.layer_ids is not None and len(rs.layer_ids) == counts.shape[1] else list(range(counts.shape[1]))
     p_values = None
     if by == "label" and num_groups > 1:
@@ -241,8 +241,8 @@ def _permutation_p_values(counts: np.ndarray, member: np.ndarray, num_groups: in
     hot-cell excesses ``h[q]`` over the total; a shuffle only regroups ``h``.
     """
     rows = np.arange(cells.shape[0])[:, None]
-    positive = metrics.expert_excess(counts.sum(axis=0))[rows, cells] > 0  # [L, h]
-    per_request = (metrics.expert_excess(counts)[:, rows, cells] * positive).sum(axis=(1, 2))  # [Q]
+    positive = balance.expert_excess(counts.sum(axis=0))[rows, cells] > 0  # [L, h]
+    per_request = (balance.expert_excess(counts)[:, rows, cells] * positive).sum(axis=(1, 2))  # [Q]
     observed = np.bincount(member, weights=per_request, minlength=num_groups)
     exceed = np.zeros(num_groups, dtype=np.int64)
     for _ in range(permutations):

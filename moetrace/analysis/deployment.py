@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import metrics
+from .. import balance
 from ..trace.reader import open_trace
 from ..trace.schema import COMPACTED_FROM_ATTR, Attr, TraceError
 
@@ -101,12 +101,12 @@ class RecordingSummary:
     @property
     def balancedness(self) -> float | None:
         """Rank balancedness of this recording's own layout (``None`` with one rank)."""
-        return metrics.balancedness(self.rank_load) if self.ep_size > 1 else None
+        return balance.balancedness(self.rank_load) if self.ep_size > 1 else None
 
     @property
     def expert_imbalance(self) -> float:
-        """Hottest over mean logical expert, all layers (:func:`moetrace.metrics.overall_expert_imbalance`)."""
-        return metrics.overall_expert_imbalance(self.logical_count)
+        """Hottest over mean logical expert, all layers (:func:`moetrace.balance.overall_expert_imbalance`)."""
+        return balance.overall_expert_imbalance(self.logical_count)
 
     def hottest(self, top: int) -> list[dict[str, Any]]:
         """The ``top`` busiest ``(layer, logical expert)`` cells, with their load over the layer mean."""
@@ -204,7 +204,7 @@ def summarise_recording(paths: Sequence[Path | str], layers: Sequence[int] | Non
         TraceError: the files are not one run, or a file is unreadable.
     """
     from .distributed import analyze_traces
-    from .report import analyze_trace
+    from .summary import analyze_trace
 
     files = [Path(p) for p in paths]
     report = analyze_trace(files[0], layers=layers) if len(files) == 1 else analyze_traces(files, layers=layers)
@@ -255,7 +255,7 @@ class DeploymentReport:
     def drift(self) -> list[float]:
         """Mean over layers of the JS divergence between each recording and the next (``len - 1`` values)."""
         rs = self.recordings
-        return [float(metrics.js_divergence(a.logical_count, b.logical_count).mean()) for a, b in itertools.pairwise(rs)]
+        return [float(balance.js_divergence(a.logical_count, b.logical_count).mean()) for a, b in itertools.pairwise(rs)]
 
     def remaps(self) -> list[int]:
         """Indices ``i`` where recording ``i`` has another physical map or EP size than ``i - 1``."""
@@ -273,9 +273,9 @@ class DeploymentReport:
     def _span_dict(self, members: list[RecordingSummary], **extra: Any) -> dict[str, Any]:
         logical = np.sum([r.logical_count for r in members], axis=0)
         sizes = {r.ep_size for r in members}
-        balance = None
+        balancedness = None
         if len(sizes) == 1 and sizes != {1}:  # one layout size: the rank loads add up
-            balance = metrics.balancedness(np.sum([r.rank_load for r in members], axis=0))
+            balancedness = balance.balancedness(np.sum([r.rank_load for r in members], axis=0))
         slow = [r.slowest_rank for r in members if r.slowest_rank is not None]
         return {
             **extra,
@@ -284,9 +284,9 @@ class DeploymentReport:
             "tokens": sum(r.num_tokens for r in members),
             "assignments": int(logical.sum()),
             "dropped_passes": sum(r.dropped_passes for r in members),
-            "balancedness": balance,
+            "balancedness": balancedness,
             "balancedness_min": min((r.balancedness for r in members if r.balancedness is not None), default=None),
-            "expert_imbalance": metrics.overall_expert_imbalance(logical),
+            "expert_imbalance": balance.overall_expert_imbalance(logical),
             "hottest": _hottest(logical, self.layer_ids, self.top),
             "slowest_rank_recordings": {str(k): slow.count(k) for k in sorted(set(slow))},
         }

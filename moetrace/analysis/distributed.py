@@ -58,14 +58,14 @@ from ..trace.schema import (
 )
 from .coactivation import CoactivationAccumulator
 from .drift import WindowAccumulator
-from .report import (
+from .source import MAX_BUCKETS, pass_block, select_layers, token_pass_block
+from .summary import (
     DEFAULT_WINDOWS,
     AnalysisReport,
     analyze_trace,
     default_window_size,
     progress_bar,
 )
-from .source import MAX_BUCKETS, pass_block, select_layers, token_pass_block
 from .timing import analyze_timing
 
 __all__ = ["MAX_WINDOW_CELLS", "Partial", "Task", "analyze_traces", "dask_client", "make_tasks", "pass_series"]
@@ -626,7 +626,7 @@ def pass_series(
     chunk_passes: int = 1024,
     client: Any = None,
 ) -> PassSeries:
-    """:func:`~moetrace.placement.backtesting.load_series` of the run's merged trace, from the same partials (``moetrace placement``).
+    """:func:`~moetrace.analysis.source.load_series` of the run's merged trace, from the same partials (``moetrace placement``).
 
     ``bucket=None`` picks the bucket size ``load_series`` ends with: the
     smallest power of two that keeps fewer than ``2 * MAX_BUCKETS`` completed

@@ -2,7 +2,7 @@
 
 A window is ``N`` consecutive distinct passes. For each window we keep its
 token count, its balancedness over EP ranks and the Jensen-Shannon divergence
-(``metrics.js_divergence``) of its per-layer logical distribution from the
+(``balance.js_divergence``) of its per-layer logical distribution from the
 previous window's. Only per-window summaries are kept, so memory does not grow
 with the window size or the trace length beyond one float row per window.
 """
@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from .. import metrics
+from .. import balance
 from ..ids import to_logical
 from .source import PassBlock
 
@@ -146,13 +146,13 @@ class WindowAccumulator:
         if self._window < 0:
             return
         logical = to_logical(self._sum, self._map)
-        balance = metrics.balancedness(metrics.rank_load(self._sum, self._ep))
+        balancedness = balance.balancedness(balance.rank_load(self._sum, self._ep))
         if self._previous is None:
             js_mean, js_max, js_layer = float("nan"), float("nan"), -1
         else:
-            js = metrics.js_divergence(self._previous, logical)
+            js = balance.js_divergence(self._previous, logical)
             js_mean, js_max, js_layer = float(js.mean()), float(js.max()), int(self._layer_ids[int(np.argmax(js))])
-        self._rows.append((self._first, self._last, self._passes, self._tokens, balance, js_mean, js_max, js_layer))
+        self._rows.append((self._first, self._last, self._passes, self._tokens, balancedness, js_mean, js_max, js_layer))
         self._previous = logical
         self._sum = np.zeros_like(self._sum)
         self._passes = self._tokens = 0

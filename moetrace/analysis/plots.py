@@ -1,4 +1,4 @@
-"""PNG plots of an :class:`~moetrace.analysis.report.AnalysisReport` (headless, Agg).
+"""PNG plots of an :class:`~moetrace.analysis.summary.AnalysisReport` (headless, Agg).
 
 Figures are built with :class:`matplotlib.figure.Figure` and the Agg canvas
 directly, so plotting never touches pyplot's global state or needs a display.
@@ -13,7 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ..trace.schema import Attr
-from .report import AnalysisReport
+from .summary import AnalysisReport
 
 __all__ = ["PLOT_KINDS", "plot_report"]
 

@@ -2,10 +2,10 @@
 
 From the logical expert load ``w [L, E]`` of any trace (one rank is enough), each
 divisor ``R > 1`` of ``E`` gets the rank-level balancedness
-(:func:`moetrace.metrics.balancedness`) of three placements:
+(:func:`moetrace.balance.balancedness`) of three placements:
 
 - **contiguous**: rank ``r`` holds experts ``[r·E/R, (r+1)·E/R)``, the default of
-  SGLang, vLLM and the reference runtime (:func:`moetrace.metrics.rank_load`);
+  SGLang, vLLM and the reference runtime (:func:`moetrace.balance.rank_load`);
 - **planned**: moetrace's planner (:func:`~moetrace.placement.plan.plan_experts`,
   global, one node) with ``E`` slots, i.e. no replica;
 - **planned + redundant**: the same with ``redundant_per_rank`` extra slots per rank
@@ -29,7 +29,7 @@ import dataclasses
 
 import numpy as np
 
-from .. import metrics
+from .. import balance
 from ..placement.plan import plan_experts
 
 __all__ = ["DEFAULT_REDUNDANT_PER_RANK", "ProjectionRow", "ep_projection", "projection_ranks"]
@@ -112,7 +112,7 @@ def ep_projection(
     num_experts = load.shape[1]
     rows = []
     for ranks in projection_ranks(num_experts):
-        contiguous = metrics.rank_load(load, ranks)
+        contiguous = balance.rank_load(load, ranks)
         planner = plan_experts(load, num_experts, 1, 1, ranks).gpu_load
         planned, kept = _lower_peak(planner, contiguous)
         extra = ranks * redundant_per_rank
@@ -122,14 +122,14 @@ def ep_projection(
             ProjectionRow(
                 ranks=ranks,
                 experts_per_rank=num_experts // ranks,
-                contiguous_balancedness=metrics.balancedness(contiguous),
-                planned_balancedness=metrics.balancedness(planned),
+                contiguous_balancedness=balance.balancedness(contiguous),
+                planned_balancedness=balance.balancedness(planned),
                 redundant_slots=extra,
-                planned_redundant_balancedness=metrics.balancedness(redundant),
+                planned_redundant_balancedness=balance.balancedness(redundant),
                 layers_kept_contiguous=int(kept.sum()),
-                contiguous_layer_balancedness=metrics.layer_balancedness(contiguous),
-                planned_layer_balancedness=metrics.layer_balancedness(planned),
-                planned_redundant_layer_balancedness=metrics.layer_balancedness(redundant),
+                contiguous_layer_balancedness=balance.layer_balancedness(contiguous),
+                planned_layer_balancedness=balance.layer_balancedness(planned),
+                planned_redundant_layer_balancedness=balance.layer_balancedness(redundant),
             )
         )
     return rows

@@ -31,7 +31,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ..replicas.recorder import RoutingRecorder
+from ..replicas.routing_recorder import RoutingRecorder
 from .engine import REPLICA_LOOP, REPLICA_MODEL, build_loop
 
 __all__ = ["ReplicaServer", "main", "parse_prompt", "record_response"]

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..replicas.prefix_cache import chain_hashes
-from ..replicas.recorder import RoutingRecorder
 from ..replicas.router import CostModel, ReplicaRouter, RouterConfig, RouteRequest
+from ..replicas.routing_recorder import RoutingRecorder
 from .engine import REPLICA_LOOP, REPLICA_MODEL, build_loop
 
 __all__ = ["LiveCluster", "Session", "calibrate_cost_model", "run_sessions", "run_unrouted"]

@@ -39,7 +39,7 @@ import math
 
 import numpy as np
 
-from .. import metrics
+from .. import balance
 from .checks import PlacementConfig, PlacementError, check_placement_args
 from .eplb import eplb_policy
 from .plan import (
@@ -96,11 +96,11 @@ def _current_balance(physical: np.ndarray, gpus: int) -> float | None:
     """Balancedness of the trace's own placement (``P / K`` contiguous slots per GPU), or None if ``K`` does not divide ``P``."""
     if physical.shape[-1] % gpus:
         return None
-    return metrics.balancedness(metrics.rank_load(physical, gpus))
+    return balance.balancedness(balance.rank_load(physical, gpus))
 
 
 def _balance(load: np.ndarray, phy2log: np.ndarray, gpus: int) -> float:
-    return metrics.balancedness(predicted_gpu_load(load, phy2log, gpus))
+    return balance.balancedness(predicted_gpu_load(load, phy2log, gpus))
 
 
 # ---------------------------------------------------------------------- hold-out

@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from .. import metrics
+from .. import balance
 from .checks import PlacementError, check_placement_args
 from .eplb import eplb_policy, greedy_rebalance
 
@@ -84,13 +84,13 @@ class PlacementPlan:
 
     @property
     def balancedness(self) -> float:
-        """Predicted overall balancedness over GPUs (``metrics.balancedness``)."""
-        return metrics.balancedness(self.gpu_load)
+        """Predicted overall balancedness over GPUs (``balance.balancedness``)."""
+        return balance.balancedness(self.gpu_load)
 
     @property
     def layer_balancedness(self) -> np.ndarray:
         """Predicted balancedness per layer ``[L]``."""
-        return metrics.layer_balancedness(self.gpu_load)
+        return balance.layer_balancedness(self.gpu_load)
 
     @property
     def colocated(self) -> np.ndarray:

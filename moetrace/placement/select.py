@@ -26,7 +26,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .. import metrics
+from .. import balance
 from .checks import PlacementConfig
 from .eplb import eplb_policy
 from .plan import align_to, predicted_gpu_load, replicas_moved
@@ -133,7 +133,7 @@ class PlanCache:
 
 
 def _balance(load: np.ndarray, phy2log: np.ndarray, gpus: int) -> float:
-    return metrics.balancedness(predicted_gpu_load(load, phy2log, gpus))
+    return balance.balancedness(predicted_gpu_load(load, phy2log, gpus))
 
 
 def select_planner(

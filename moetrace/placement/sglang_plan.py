@@ -125,7 +125,7 @@ def sglang_physical_count(topk_ids: np.ndarray, rows: np.ndarray, phy2log: np.nd
     SGLang sends token row ``t`` of a pass (all its top-k slots) to replica ``t mod n`` of
     each chosen expert, its ``n`` replicas ordered by physical slot id
     (``_topk_ids_logical_to_physical_dynamic`` with ``rank_invariant``). Rank ``r``'s load
-    is the sum of its ``N / R`` slots (:func:`moetrace.metrics.rank_load`).
+    is the sum of its ``N / R`` slots (:func:`moetrace.balance.rank_load`).
     """
     ids = np.asarray(topk_ids, dtype=np.int64)
     mapping = np.asarray(phy2log, dtype=np.int64)

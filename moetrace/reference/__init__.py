@@ -17,12 +17,12 @@ Every MoE layer reports to the recorder; see docs/reference-runtime.md.
 from ..dispatch import DispatchLayout, build_dispatch_layout
 from .ep import EXCHANGE_MODES, EPMoELayer
 from .experts import SwiGLUExperts
+from .gate import TopKRouter, fitted_bias, olmoe_bias, zipf_bias
 from .kv import KVSlotAllocator, ReqToTokenPool, SlotError
 from .launcher import WorkerError, default_backend, free_port, launch, timed_steps
 from .model import EPSpec, ForwardBatch, KVCache, ModelConfig, ReferenceMoEModel, Segment
 from .moe import MoELayer
 from .replay import replay
-from .router import TopKRouter, fitted_bias, olmoe_bias, zipf_bias
 from .serving import Progress, Request, RequestResult, ServingLoop, routed_positions
 
 __all__ = [

@@ -36,8 +36,8 @@ import torch.distributed as dist
 from ..dispatch import build_dispatch_layout, expert_capacity, slot_in_group
 from ..recorder import get_recorder
 from .experts import SwiGLUExperts
+from .gate import TopKRouter
 from .moe import check_input, check_parts
-from .router import TopKRouter
 
 __all__ = ["EXCHANGE_MODES", "EPMoELayer"]
 

@@ -28,9 +28,9 @@ from ..config import RecorderConfig
 from ..recorder import get_recorder
 from .ep import EXCHANGE_MODES, EPMoELayer
 from .experts import SwiGLUExperts
+from .gate import TopKRouter
 from .init import derive_seed, seeded_normal
 from .moe import MoELayer
-from .router import TopKRouter
 
 __all__ = ["EPSpec", "ForwardBatch", "KVCache", "ModelConfig", "ReferenceMoEModel", "Segment"]
 

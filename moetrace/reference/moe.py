@@ -16,7 +16,7 @@ import torch
 from ..dispatch import capacity_keep_mask, expert_capacity
 from ..recorder import get_recorder
 from .experts import SwiGLUExperts
-from .router import TopKRouter
+from .gate import TopKRouter
 
 __all__ = ["MoELayer", "check_input", "check_parts"]
 

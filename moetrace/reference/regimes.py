@@ -1,7 +1,7 @@
 """Labelled load regimes: time-ordered routes whose domain mix follows a named schedule.
 
 Every regime routes tokens through the real OLMoE-1B-7B domain skews
-(:func:`moetrace.reference.drift.mixed_routes`: reference routers biased with
+(:func:`moetrace.reference.domain_drift.mixed_routes`: reference routers biased with
 the packaged counts of 6 text domains); what differs, and is synthetic, is the
 *schedule* of domains over passes. A placement planner chosen on one schedule
 alone can lose on another (issue 25), so the backtest runs them all:
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .drift import DriftSpec, domain_mix, mixed_routes, olmoe_domains
+from .domain_drift import DriftSpec, domain_mix, mixed_routes, olmoe_domains
 from .init import derive_seed
 
 __all__ = ["REGIMES", "regime_mix", "regime_routes"]
@@ -85,7 +85,7 @@ def regime_routes(regime: str, spec: DriftSpec) -> tuple[list[np.ndarray], np.nd
     """Routes ``[T, 3, k]`` per pass of a named regime, sized and seeded by ``spec`` (its volatility is the regime's).
 
     Returns ``(passes, domain_of_request [num_passes, requests_per_pass])``
-    (domains in :func:`~moetrace.reference.drift.olmoe_domains` order).
+    (domains in :func:`~moetrace.reference.domain_drift.olmoe_domains` order).
     """
     mix = regime_mix(regime, spec.num_passes, spec.seed)
     return mixed_routes(spec, mix)

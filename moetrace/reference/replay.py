@@ -6,7 +6,7 @@
     with replay(model, routes):              # [B, S, MoE layers, k] or [B, S, model layers, k]
         logits = model(input_ids)            # input_ids [B, S]; each router returns the replayed ids
 
-Each MoE layer's :class:`~moetrace.reference.router.TopKRouter` runs under
+Each MoE layer's :class:`~moetrace.reference.gate.TopKRouter` runs under
 :class:`moetrace.replay.TopKReplay`: its ``torch.topk`` over the softmax
 probabilities returns the replayed ids with the probabilities at them, then
 the router renormalises as configured (``renormalize``). The recorder and a

@@ -7,7 +7,7 @@ none of this. Replicas that run reference engines behind the router are
 :mod:`moetrace.drivers`.
 """
 
-from .recorder import (
+from .routing_recorder import (
     LATENCY_BUCKETS,
     POLICIES,
     REASONS,

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .prefix_cache import PrefixCache
-from .recorder import Candidate
+from .routing_recorder import Candidate
 
 __all__ = ["POLICY_NAMES", "CostModel", "Decision", "ReplicaRouter", "ReplicaView", "RouteRequest", "RouterConfig"]
 

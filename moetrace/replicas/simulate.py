@@ -1,4 +1,4 @@
-"""Trace replay in simulated time: a router in front of N replicas under a cost model.
+"""Request-trace simulation: a router in front of N simulated replicas under a cost model, in simulated time.
 
 Each simulated replica has a block-level LRU prefix cache
 (:class:`~moetrace.replicas.prefix_cache.PrefixCache`, ``cache_blocks``
@@ -26,19 +26,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .prefix_cache import PrefixCache
-from .recorder import RoutingRecorder
 from .router import CostModel, ReplicaRouter, RouterConfig, RouteRequest
-from .trace import TraceRequest
+from .routing_recorder import RoutingRecorder
+from .workload import TraceRequest
 
-__all__ = ["REFERENCE_COST", "ReplayResult", "offered_utilization", "replay", "scale_to_utilization"]
+__all__ = ["REFERENCE_COST", "SimulationResult", "offered_utilization", "scale_to_utilization", "simulate"]
 
 #: Cost model fitted on live reference replicas (``moetrace replicas calibrate``; docs/replicas.md).
 REFERENCE_COST = CostModel(prefill_fixed=7.1e-3, prefill_per_token=1.7e-5, decode_fixed=2.5e-3, decode_per_seq=1.6e-4, max_batch=8)
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplayResult:
-    """A finished replay: where its trace is and what ran."""
+class SimulationResult:
+    """A finished simulation: where its routing trace is and what ran."""
 
     path: Path
     policy: str
@@ -76,7 +76,7 @@ _ARRIVE, _PREFILL_DONE, _FINISH = 0, 1, 2
 
 
 class _EventLoop:
-    """The discrete-event replay of one policy: arrivals, prefill completions and finishes, in time order."""
+    """The discrete-event simulation of one policy: arrivals, prefill completions and finishes, in time order."""
 
     def __init__(self, replicas: list[_Replica], router: ReplicaRouter, rec: RoutingRecorder, policy: str,
                  block_size: int, cost: CostModel) -> None:
@@ -152,10 +152,10 @@ class _EventLoop:
         self._push(now + max(req.output_tokens - 1, 0) * self.cost.decode_step(rep.decoding), _FINISH, req)
 
 
-def replay(requests: Sequence[TraceRequest], num_replicas: int, policy: str, *, block_size: int, cost: CostModel,
-           cache_blocks: int | None = None, config: RouterConfig | None = None, out: str | Path | None = None,
-           chunk_rows: int = 8192) -> ReplayResult:
-    """Replay ``requests`` (sorted by arrival) through a :class:`ReplicaRouter`; write the routing trace.
+def simulate(requests: Sequence[TraceRequest], num_replicas: int, policy: str, *, block_size: int, cost: CostModel,
+             cache_blocks: int | None = None, config: RouterConfig | None = None, out: str | Path | None = None,
+             chunk_rows: int = 8192) -> SimulationResult:
+    """Simulate ``requests`` (sorted by arrival, by their timestamps) through a :class:`ReplicaRouter`; write the routing trace.
 
     Args:
         cache_blocks: prefix-cache capacity of each replica in blocks (``None``: unlimited).
@@ -176,4 +176,4 @@ def replay(requests: Sequence[TraceRequest], num_replicas: int, policy: str, *, 
         path = rec.dump_record(out)
     finally:
         rec.close()
-    return ReplayResult(path, policy, num_replicas, len(requests), cost, sum(r.cache.evictions for r in replicas))
+    return SimulationResult(path, policy, num_replicas, len(requests), cost, sum(r.cache.evictions for r in replicas))

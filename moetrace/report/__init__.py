@@ -50,13 +50,13 @@ def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | st
         RoutesError: the routes file cannot be read.
         ValueError: nothing to report on.
     """
-    from .evidence import gather
+    from .evidence import gather_evidence
 
-    return write_report(gather([Path(p) for p in paths], None if routes is None else Path(routes), top=top), out)
+    return write_report(gather_evidence([Path(p) for p in paths], None if routes is None else Path(routes), top=top), out)
 
 
 def write_report(evidence: Evidence, out: Path | str) -> Path:
-    """Write the HTML report of gathered ``evidence`` (:func:`.evidence.gather`) to ``out``; returns the path."""
+    """Write the HTML report of gathered ``evidence`` (:func:`.evidence.gather_evidence`) to ``out``; returns the path."""
     from .page import write_page
     from .sections import (
         MAX_HEATMAP_CELLS,

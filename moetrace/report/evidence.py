@@ -3,7 +3,7 @@
 Inputs are sorted by what they hold:
 
 - expert traces (any mode; one file, a merged file, or the per-rank files /
-  segments of one run): :func:`~moetrace.analysis.report.analyze_trace` or
+  segments of one run): :func:`~moetrace.analysis.summary.analyze_trace` or
   :func:`~moetrace.analysis.distributed.analyze_traces`, the time-ordered
   loads (:func:`~moetrace.placement.backtesting.load_series` /
   :func:`~moetrace.analysis.distributed.pass_series`) and, with EP ranks, a
@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import metrics
-from ..analysis.report import AnalysisReport, analyze_trace
+from .. import balance
 from ..analysis.source import load_series
+from ..analysis.summary import AnalysisReport, analyze_trace
 from ..placement.backtesting import BacktestResult, held_out_estimate, plan_placement
 from ..placement.checks import PlacementConfig
 from ..placement.plan import PlacementPlan, predicted_gpu_load
@@ -39,7 +39,7 @@ from ..trace.reader import open_trace
 from ..trace.requests import RequestTable, is_routing_trace, read_requests
 from ..trace.schema import TraceDamageError, TraceError
 
-__all__ = ["Evidence", "ExpertEvidence", "PlacementView", "RoutingEvidence", "gather", "placement_reading", "placement_view"]
+__all__ = ["Evidence", "ExpertEvidence", "PlacementView", "RoutingEvidence", "gather_evidence", "placement_reading", "placement_view"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,7 @@ class PlacementView:
         hottest: the ``G`` experts with the most load (the likely replicas).
         current_load: ``[L, G]`` the run's loads on its own placement (in-sample).
         planned_load: ``[L, G]`` the same loads on the plan (in-sample: planned and scored on this run).
-        balancedness_before, balancedness_after: ``metrics.balancedness`` of those two.
+        balancedness_before, balancedness_after: ``balance.balancedness`` of those two.
         held_out: plan on one part of the passes, score on the next (``None``: too few passes).
     """
 
@@ -80,7 +80,7 @@ def placement_view(weight: np.ndarray, physical: np.ndarray, series: PassSeries 
     num_experts = weight.shape[1]
     config = PlacementConfig(math.ceil(num_experts / gpus) * gpus + gpus, 1, 1, gpus)
     plan = plan_placement(weight, series, config)
-    current = metrics.rank_load(physical, gpus)
+    current = balance.rank_load(physical, gpus)
     planned = predicted_gpu_load(weight, plan.phy2log, gpus)
     return PlacementView(
         config=config,
@@ -88,8 +88,8 @@ def placement_view(weight: np.ndarray, physical: np.ndarray, series: PassSeries 
         hottest=sorted(int(e) for e in np.argsort(-weight.sum(axis=0), kind="stable")[:gpus]),
         current_load=current,
         planned_load=planned,
-        balancedness_before=metrics.balancedness(current),
-        balancedness_after=metrics.balancedness(planned),
+        balancedness_before=balance.balancedness(current),
+        balancedness_after=balance.balancedness(planned),
         held_out=held_out_estimate(series, config),
     )
 
@@ -165,7 +165,7 @@ def _expert(paths: list[Path], top: int) -> ExpertEvidence:
     return ExpertEvidence(paths=paths, report=report, series=series, placement=placement)
 
 
-def gather(paths: Sequence[Path], routes: Path | None = None, top: int = 5) -> Evidence:
+def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int = 5) -> Evidence:
     """Read and analyse the inputs of a report.
 
     Args:

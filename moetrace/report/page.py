@@ -22,7 +22,7 @@ from ..trace.writer import write_text_atomic
 from .figures import TEMPLATE
 from .sections import Section
 
-__all__ = ["render", "write_page"]
+__all__ = ["render_page", "write_page"]
 
 _STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; max-width: 1180px; padding: 0 16px 40px; color: #1d2330; }
@@ -84,7 +84,7 @@ def _section_html(section: Section) -> str:
     return "\n".join(parts)
 
 
-def render(sections: Sequence[Section], inputs: Sequence[Path], bound: str) -> str:
+def render_page(sections: Sequence[Section], inputs: Sequence[Path], bound: str) -> str:
     """The whole page as one string."""
     figures = "{" + ",".join(f"{json.dumps(fid)}:{pio.to_json(fig, validate=False)}" for s in sections for fid, fig in s.figures) + "}"
     nav = "".join(f'<a href="#{s.key}">{html.escape(s.title)}</a>' for s in sections)
@@ -116,4 +116,4 @@ def render(sections: Sequence[Section], inputs: Sequence[Path], bound: str) -> s
 
 def write_page(path: Path, sections: Sequence[Section], inputs: Sequence[Path], bound: str) -> Path:
     """Render and write the page atomically; returns ``path``."""
-    return write_text_atomic(path, render(sections, inputs, bound))
+    return write_text_atomic(path, render_page(sections, inputs, bound))

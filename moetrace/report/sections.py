@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from .. import metrics
+from .. import balance
 from ..replicas.analysis import load_over_time
 from ..trace.schema import Attr
 from . import figures
@@ -125,15 +125,15 @@ def _rank_load(ev: ExpertEvidence) -> Section | None:
         figs.append(("fig-rank-layer", figures.rank_heatmap(r.layer_ids, load)))
         if ev.series is not None:
             first, physical, merged = _merge_buckets(ev.series.first_pass, ev.series.physical)
-            per_bucket = np.stack([metrics.rank_load(p, r.ep_size) for p in physical])  # [n, L, R]
+            per_bucket = np.stack([balance.rank_load(p, r.ep_size) for p in physical])  # [n, L, R]
             share = per_bucket.sum(axis=1)
             share = share / np.maximum(share.sum(axis=1, keepdims=True), 1)
-            balance = np.asarray([metrics.balancedness(b) for b in per_bucket])
+            over_time = np.asarray([balance.balancedness(b) for b in per_bucket])
             size = ev.series.bucket * merged
             figs.append(("fig-rank-time", figures.lines(
                 first, {f"rank {i}": share[:, i] for i in range(r.ep_size)}, f"Share of token copies per rank over time ({size} pass{'es' if size > 1 else ''} per point)",
-                "first pass of the bucket", "share of copies", secondary={"balancedness": balance}, secondary_label="balancedness")))
-            parts.append(f"over time balancedness {balance.min():.3f}-{balance.max():.3f}")
+                "first pass of the bucket", "share of copies", secondary={"balancedness": over_time}, secondary_label="balancedness")))
+            parts.append(f"over time balancedness {over_time.min():.3f}-{over_time.max():.3f}")
     if drift is not None and len(drift) > 1:
         x = drift.first_pass
         js = np.where(np.isnan(drift.js_mean), None, drift.js_mean)

@@ -261,13 +261,8 @@ def _group(obj: dict) -> object:
     return None
 
 
-def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None = None, run_id: str | None = None, model: str = "", chunk: int = _CHUNK) -> Path:
-    """Convert a JSON-lines routing log into a ``per_token`` trace at ``out`` (format in the module docstring).
-
-    Raises:
-        TraceError: naming the file and line of the first malformed record.
-    """
-    src = Path(src)
+def _scan_jsonl(src: Path) -> tuple[set[int], int, int]:
+    """The first read of a JSON-lines routing log: its layer ids, largest expert id and top-k."""
     if not src.is_file():
         raise TraceError(f"{src}: no such file")
     layers: set[int] = set()
@@ -283,6 +278,17 @@ def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None =
         count += 1
     if not count:
         raise TraceError(f"{src}: no routing records")
+    return layers, max_id, top_k
+
+
+def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None = None, run_id: str | None = None, model: str = "", chunk: int = _CHUNK) -> Path:
+    """Convert a JSON-lines routing log into a ``per_token`` trace at ``out`` (format in the module docstring).
+
+    Raises:
+        TraceError: naming the file and line of the first malformed record.
+    """
+    src = Path(src)
+    layers, max_id, top_k = _scan_jsonl(src)
     experts = int(num_experts) if num_experts else max_id + 1
     if experts < 1:
         raise TraceError(f"{src}: no expert ids >= 0; pass --num-experts")

@@ -40,7 +40,7 @@ from .schema import (
 )
 
 #: An open :class:`moetrace.trace.reader.Trace` (not imported: the reader imports this module).
-Trace = Any
+OpenTrace = Any
 
 __all__ = ["RowOrder", "check_layout", "check_rows_against_stat", "check_stat", "check_timing_rows", "violation"]
 
@@ -55,14 +55,14 @@ def violation(path: Path | str, dataset: str, figures: str) -> TraceDamageError:
     )
 
 
-def _rank_rows(trace: Trace) -> int:
+def _rank_rows(trace: OpenTrace) -> int:
     attrs = trace.attrs
     if MERGED_RANKS_ATTR in attrs:
         return len(json.loads(str(attrs[MERGED_RANKS_ATTR])))
     return int(attrs[Attr.WORLD_SIZE]) if int(attrs[Attr.RANK]) < 0 else 1
 
 
-def _expect(trace: Trace, name: str, shape: tuple[int | None, ...]) -> None:
+def _expect(trace: OpenTrace, name: str, shape: tuple[int | None, ...]) -> None:
     """``/name`` (when present) has ``shape`` (``None``: any length on that axis)."""
     actual = trace.shape(name)
     if actual is None:
@@ -72,7 +72,7 @@ def _expect(trace: Trace, name: str, shape: tuple[int | None, ...]) -> None:
         raise violation(trace.path, f"/{name}", f"shape {list(actual)}, but the root attributes and rank layout make it {want}")
 
 
-def check_layout(trace: Trace) -> None:
+def check_layout(trace: OpenTrace) -> None:
     """Shapes against the root attributes and rank layout; the small static datasets' values.
 
     Raises:
@@ -117,7 +117,7 @@ def check_layout(trace: Trace) -> None:
     _check_row_totals(trace, group)
 
 
-def _check_row_totals(trace: Trace, group: str | None) -> None:
+def _check_row_totals(trace: OpenTrace, group: str | None) -> None:
     """Streamed rows against the ``/stat`` totals: tokens rows = tokens; pass rows = passes."""
     if group is None or not trace.has(Data.STAT_NUM_TOKENS) or not trace.has(dataset(group, "pass_id")):
         return
@@ -129,7 +129,7 @@ def _check_row_totals(trace: Trace, group: str | None) -> None:
         raise violation(trace.path, f"/{group}", f"{rows} rows, but {what} totals {total}")
 
 
-def check_stat(trace: Trace) -> None:
+def check_stat(trace: OpenTrace) -> None:
     """``/stat`` and ``/window`` against each other and the map (see the module docstring).
 
     Raises:
@@ -174,7 +174,7 @@ def check_stat(trace: Trace) -> None:
         _check_window(trace, physical, tokens)
 
 
-def _check_window(trace: Trace, physical: np.ndarray, tokens: np.ndarray | None) -> None:
+def _check_window(trace: OpenTrace, physical: np.ndarray, tokens: np.ndarray | None) -> None:
     pass_id = trace._read(Data.WINDOW_PASS_ID).astype(np.int64)  # [R, W]
     stamp = trace._read(Data.WINDOW_TIMESTAMP).astype(np.float64)
     window_tokens = trace._read(Data.WINDOW_NUM_TOKENS).astype(np.int64)
@@ -247,7 +247,7 @@ def check_timing_rows(path: Path | str, rows: dict[str, np.ndarray]) -> None:
         RowOrder(path, "timing").check(rows["pass_id"])
 
 
-def check_rows_against_stat(trace: Trace, chunk: int = 65536) -> None:
+def check_rows_against_stat(trace: OpenTrace, chunk: int = 65536) -> None:
     """Every streamed row, summed per rank, against the ``/stat`` totals (exact).
 
     Raises:

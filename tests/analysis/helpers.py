@@ -69,7 +69,7 @@ def oracle_counts(passes: list[np.ndarray], num_experts: int) -> np.ndarray:
 
 
 def oracle_figures(counts: np.ndarray, ep_size: int) -> dict[str, np.ndarray | float]:
-    """Balance figures written out from DESIGN.md's definitions, without moetrace.metrics."""
+    """Balance figures written out from DESIGN.md's definitions, without moetrace.balance."""
     num_layers, num_experts = counts.shape
     per_rank = num_experts // ep_size
     load = np.array([[counts[layer, r * per_rank : (r + 1) * per_rank].sum() for r in range(ep_size)] for layer in range(num_layers)], dtype=np.float64)

@@ -44,7 +44,7 @@ CAPPED = textwrap.dedent(
     import json, resource, sys
     import h5py, numpy as np
     from moetrace.analysis import analyze_trace
-    import moetrace.analysis.report, moetrace.analysis.coactivation, moetrace.analysis.drift  # noqa: F401
+    import moetrace.analysis.summary, moetrace.analysis.coactivation, moetrace.analysis.drift  # noqa: F401
     vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
     limit = vm + int(sys.argv[2])
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))

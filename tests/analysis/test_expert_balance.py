@@ -20,7 +20,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from moetrace import ExpertDistributionRecorder, RecorderConfig, metrics
+from moetrace import ExpertDistributionRecorder, RecorderConfig, balance
 from moetrace.analysis import analyze_trace
 
 from .helpers import random_passes, record, write_stat_trace
@@ -148,13 +148,13 @@ def test_snapshot_and_prometheus_carry_expert_figures(tmp_path):
 
 def test_metric_edge_cases():
     counts = np.array([[0, 0, 0, 0], [5, 5, 5, 5], [8, 0, 0, 0]])
-    np.testing.assert_allclose(metrics.expert_imbalance(counts), [1.0, 1.0, 4.0])
-    np.testing.assert_allclose(metrics.expert_cv(counts), [0.0, 0.0, math.sqrt(3)])
-    np.testing.assert_allclose(metrics.hot_expert_share(counts), [0.0, 0.25, 1.0])
-    assert metrics.overall_expert_imbalance(counts) == pytest.approx((0 + 5 + 8) / (0 + 5 + 2))
-    assert metrics.overall_expert_imbalance(np.zeros((2, 4))) == 1.0
-    assert metrics.overall_hot_expert_share(np.zeros((2, 4))) == 0.0
-    assert [metrics.hot_expert_count(e) for e in (1, 8, 10, 11, 30, 64, 256)] == [1, 1, 1, 2, 3, 7, 26]
+    np.testing.assert_allclose(balance.expert_imbalance(counts), [1.0, 1.0, 4.0])
+    np.testing.assert_allclose(balance.expert_cv(counts), [0.0, 0.0, math.sqrt(3)])
+    np.testing.assert_allclose(balance.hot_expert_share(counts), [0.0, 0.25, 1.0])
+    assert balance.overall_expert_imbalance(counts) == pytest.approx((0 + 5 + 8) / (0 + 5 + 2))
+    assert balance.overall_expert_imbalance(np.zeros((2, 4))) == 1.0
+    assert balance.overall_hot_expert_share(np.zeros((2, 4))) == 0.0
+    assert [balance.hot_expert_count(e) for e in (1, 8, 10, 11, 30, 64, 256)] == [1, 1, 1, 2, 3, 7, 26]
 
 
 def _readme_block(lang: str, needle: str) -> str:

@@ -15,7 +15,7 @@ import pytest
 from moetrace.cli.demo import DemoSettings, run_demo
 from rich.console import Console
 
-from moetrace.report.evidence import gather
+from moetrace.report.evidence import gather_evidence
 from moetrace.report.sections import build_sections
 from moetrace.trace import open_trace
 
@@ -80,8 +80,8 @@ def _check_report(out: Path, summary: dict) -> None:
         check_page(open_report(driver, out / "report.html"), ["headline", "experts", "ranks", "timing", "placement", "routes", "coactivation"])
         before, after = choose_request(driver, 1)
         assert before["z"] != after["z"]
-    merged = build_sections(gather([out / "trace.h5"]))
-    per_rank = build_sections(gather(sorted((out / "ranks").glob("trace-rank*.h5"))))
+    merged = build_sections(gather_evidence([out / "trace.h5"]))
+    per_rank = build_sections(gather_evidence(sorted((out / "ranks").glob("trace-rank*.h5"))))
     assert [(s.key, s.reading) for s in per_rank] == [(s.key, s.reading) for s in merged]
 
 

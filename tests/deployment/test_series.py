@@ -5,7 +5,7 @@ wall-clock time (a fast clock: ``time.time`` advanced by 20 minutes per recordin
 Half-way the deployment is remapped: 18 physical slots on 3 EP ranks with two
 redundant replicas instead of 16 slots on 2 ranks. The series is recomputed by
 hand from the ids each recording was fed, with numpy loops written from the
-metric definitions (DESIGN.md), not through moetrace.metrics.
+metric definitions (DESIGN.md), not through moetrace.balance.
 """
 
 from __future__ import annotations

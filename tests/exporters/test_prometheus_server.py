@@ -16,7 +16,7 @@ import pytest
 from moetrace.exporters import prometheus
 from moetrace.exporters.catalog import INFO, METRICS, PER_EXPERT, samples
 
-from moetrace import metrics
+from moetrace import balance
 from moetrace.reference import launch
 from moetrace.trace import open_trace
 from tests.exporters import dashboard
@@ -146,4 +146,4 @@ def _check_ranks(prom: Prometheus, snaps: list[dict]) -> None:
     group_load = np.sum([snap["rank_load"] for snap in snaps], axis=0)
     promql = ("sum(avg by (layer) (sum by (layer, ep_rank) (moetrace_rank_routed_tokens_total)))"
               " / sum(max by (layer) (sum by (layer, ep_rank) (moetrace_rank_routed_tokens_total)))")
-    assert prom.value(promql) == pytest.approx(metrics.balancedness(group_load), rel=1e-12)
+    assert prom.value(promql) == pytest.approx(balance.balancedness(group_load), rel=1e-12)

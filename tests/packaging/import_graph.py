@@ -12,6 +12,7 @@ Run it from the repository root::
 
     python tests/packaging/import_graph.py            # figures: modules and folders, arrows, circles, upward arrows
     python tests/packaging/import_graph.py --figure   # the layer figure of docs/architecture.md
+    python tests/packaging/import_graph.py --modules  # each layer's modules, by folder (docs/architecture.md)
 
 tests/packaging/test_layers.py holds the house to 0 circles and 0 upward arrows.
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
+import textwrap
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +37,7 @@ __all__ = [
     "folder_layer_mismatches",
     "folder_of",
     "layer_of",
+    "module_list",
     "relative_imports_across_folders",
     "upward_arrows",
 ]
@@ -44,7 +48,7 @@ ROOTS = {"moetrace": "moetrace", "adapters": "moetrace.adapters", "exporters": "
 #: The layers, bottom to top: (name, module prefixes, what the layer is for). A module belongs to
 #: the layer of its longest matching prefix; a module may import its own layer and those below.
 LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("base", ("moetrace._version", "moetrace.ids", "moetrace.data", "moetrace.dispatch", "moetrace.metrics", "moetrace.layout"),
+    ("base", ("moetrace._version", "moetrace.ids", "moetrace.data", "moetrace.dispatch", "moetrace.balance", "moetrace.layout"),
      "versions, id spaces, vendored data, dispatch formulas, balance metric definitions, rank layouts"),
     ("trace", ("moetrace.trace",), "the HDF5 trace: schema (every name), writers, readers, segments, merge"),
     ("core", ("moetrace.config", "moetrace.accumulators", "moetrace.timing", "moetrace.snapshot",
@@ -241,14 +245,34 @@ def figure(graph: Graph) -> str:
     return "\n".join(lines)
 
 
+def module_list(graph: Graph, root: Path) -> str:
+    """Each layer's modules, top to bottom, by source folder: the list of docs/architecture.md."""
+    lines = []
+    for index in reversed(range(len(LAYERS))):
+        by_folder: dict[str, list[str]] = defaultdict(list)
+        for module, path in graph.modules.items():
+            if layer_of(module) == index:
+                rel = path.relative_to(root)
+                by_folder[rel.parent.as_posix() + "/"].append(rel.stem)
+        for folder in sorted(by_folder):
+            head = f"{LAYERS[index][0]:<10} {folder:<20} "
+            lines += textwrap.wrap(", ".join(sorted(by_folder[folder])), 100, initial_indent=head,
+                                   subsequent_indent=" " * len(head), break_on_hyphens=False)
+    return "\n".join(lines)
+
+
 def _main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2])
     parser.add_argument("--figure", action="store_true", help="print the layer figure instead of the figures")
+    parser.add_argument("--modules", action="store_true", help="print each layer's modules instead of the figures")
     args = parser.parse_args()
     graph = build_graph(args.root)
     if args.figure:
         print(figure(graph))
+        return 0
+    if args.modules:
+        print(module_list(graph, args.root))
         return 0
     for level, drawn in (("modules", graph), ("folders", folder_graph(graph))):
         found, up = circles(drawn), upward_arrows(drawn)

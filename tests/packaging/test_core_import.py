@@ -25,7 +25,7 @@ CORE = {
     "moetrace.graphs",
     "moetrace.ids",
     "moetrace.layout",
-    "moetrace.metrics",
+    "moetrace.balance",
     "moetrace.recorder",
     "moetrace.session",
     "moetrace.snapshot",

@@ -18,6 +18,7 @@ from .import_graph import (
     folder_graph,
     folder_layer_mismatches,
     layer_of,
+    module_list,
     relative_imports_across_folders,
     upward_arrows,
 )
@@ -72,6 +73,11 @@ def test_the_graph_sees_what_the_modules_import(graph) -> None:
 def test_the_architecture_figure_is_the_one_the_code_draws(graph) -> None:
     doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     assert figure(graph) in doc, "docs/architecture.md's figure is stale: paste `python tests/packaging/import_graph.py --figure`"
+
+
+def test_the_architecture_module_list_is_the_one_the_code_draws(graph) -> None:
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert module_list(graph, ROOT) in doc, "docs/architecture.md's module list is stale: paste `python tests/packaging/import_graph.py --modules`"
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -38,7 +38,7 @@ def test_olmoe_bias_from_a_non_editable_install(wheel: Path, tmp_path: Path) -> 
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel)], check=True)
     code = (
-        "import moetrace, moetrace.reference.router as r\n"
+        "import moetrace, moetrace.reference.gate as r\n"
         "print(moetrace.__file__)\n"
         "b = r.olmoe_bias(8, layer=2, domain='github')\n"
         "assert b.shape == (8,) and abs(float(b.mean())) < 1e-6 and float(b.std()) > 0.05\n"

@@ -1,6 +1,6 @@
 """Placement on the next window: series reading, hold-out, backtest, robust planning, the CLI.
 
-The routes are synthetic drift of real counts (:mod:`moetrace.reference.drift`):
+The routes are synthetic drift of real counts (:mod:`moetrace.reference.domain_drift`):
 real OLMoE domain skew, a drifting domain mix, recorded by the real recorder.
 Expected figures are recomputed here from the routes with plain numpy.
 """
@@ -25,7 +25,7 @@ from moetrace.placement.eplb import greedy_rebalance
 from moetrace.placement.plan import align_to, plan_experts, predicted_gpu_load, replicas_moved
 from moetrace.placement.planners import CANDIDATES, RobustSettings, robust_inputs, robust_rebalance
 from moetrace.placement.series import PassSeries
-from moetrace.reference.drift import DriftSpec, drift_routes
+from moetrace.reference.domain_drift import DriftSpec, drift_routes
 from moetrace.trace import open_trace
 
 from ..analysis.helpers import record

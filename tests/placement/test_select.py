@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moetrace import metrics
+from moetrace.balance import balancedness
 from moetrace.placement.backtesting import (
     backtest,
     default_planners,
@@ -33,7 +33,7 @@ from moetrace.placement.select import (
     validation_folds,
 )
 from moetrace.placement.series import PassSeries
-from moetrace.reference.drift import DriftSpec, olmoe_domains
+from moetrace.reference.domain_drift import DriftSpec, olmoe_domains
 from moetrace.reference.regimes import REGIMES, regime_mix, regime_routes
 
 #: The candidates that hedge against the next window's load (the sub-window scenario planners).
@@ -46,7 +46,7 @@ def series_of(logical: np.ndarray) -> PassSeries:
 
 
 def balance(load: np.ndarray, phy2log: np.ndarray, gpus: int) -> float:
-    return metrics.balancedness(predicted_gpu_load(load, phy2log, gpus))
+    return balancedness(predicted_gpu_load(load, phy2log, gpus))
 
 
 def alternating(n: int = 60) -> np.ndarray:

@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.analysis.distributed import analyze_traces
-from moetrace.analysis.report import analyze_trace
+from moetrace.analysis.summary import analyze_trace
 from moetrace.layout import RankLayout
 from moetrace.reference import EPMoELayer, MoELayer, SwiGLUExperts, TopKRouter, launch, zipf_bias
 from moetrace.trace import open_trace

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from moetrace.replicas import RoutingRecorder, RoutingStateError
 from moetrace.replicas.router import ReplicaRouter
-from moetrace.replicas.trace import TraceFormatError, load_trace
+from moetrace.replicas.workload import TraceFormatError, load_trace
 
 runner = CliRunner()
 GOOD = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}

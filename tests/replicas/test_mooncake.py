@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from moetrace.replicas.analysis import summarize
-from moetrace.replicas.simulate import REFERENCE_COST, replay, scale_to_utilization
-from moetrace.replicas.trace import load_trace
+from moetrace.replicas.simulate import REFERENCE_COST, scale_to_utilization, simulate
+from moetrace.replicas.workload import load_trace
 from moetrace.trace.requests import read_requests
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("mooncake")
     requests = load_trace()
     cost = scale_to_utilization(requests, 8, REFERENCE_COST, 0.9)
-    return {p: summarize(read_requests(replay(requests, 8, p, block_size=512, cost=cost, cache_blocks=20000, out=out / f"{p}.h5").path))
+    return {p: summarize(read_requests(simulate(requests, 8, p, block_size=512, cost=cost, cache_blocks=20000, out=out / f"{p}.h5").path))
             for p in POLICIES}
 
 

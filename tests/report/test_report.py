@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from moetrace.capturer import RoutedExpertsCapturer
 from moetrace.report import build_report
-from moetrace.report.evidence import gather
+from moetrace.report.evidence import gather_evidence
 from moetrace.report.sections import build_sections
 from moetrace.routes import save_routes
 
@@ -85,7 +85,7 @@ def test_routing_trace_report_in_the_browser(tmp_path, chrome):
 
 def test_sections_only_where_the_trace_holds_the_data(tmp_path):
     counts = np.random.default_rng(0).integers(1, 50, size=(3, 8))
-    sections = build_sections(gather([write_stat_trace(tmp_path / "s.h5", counts, top_k=2, ep_size=1, layer_ids=[0, 1, 2])]))
+    sections = build_sections(gather_evidence([write_stat_trace(tmp_path / "s.h5", counts, top_k=2, ep_size=1, layer_ids=[0, 1, 2])]))
     # stat, one rank, no timing, no routes, no per-token ids: headline, expert load and the EP projection only
     assert [s.key for s in sections] == ["headline", "experts", "placement"]
     assert all(s.reading for s in sections)
@@ -93,7 +93,7 @@ def test_sections_only_where_the_trace_holds_the_data(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert html.stat().st_mode & 0o777 == 0o666 & ~umask  # readable like any file the user writes, not mkstemp's 0600
-    two = build_sections(gather([write_stat_trace(tmp_path / "t.h5", counts, top_k=2, ep_size=2, layer_ids=[0, 1, 2])]))
+    two = build_sections(gather_evidence([write_stat_trace(tmp_path / "t.h5", counts, top_k=2, ep_size=2, layer_ids=[0, 1, 2])]))
     assert [s.key for s in two] == ["headline", "experts", "ranks", "placement"]  # rank load and a plan (in-sample only)
     placement = next(s for s in two if s.key == "placement")
     assert "in-sample" in placement.reading and "held-out: n/a" in placement.reading

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from moetrace import metrics
+from moetrace import balance
 from moetrace.placement.plan import replicas_moved
 from moetrace.placement.sglang_plan import (
     SGLANG_MAP_KEY,
@@ -122,7 +122,7 @@ def _views(run: Run) -> np.ndarray:
 def _realised_rank_load(run: Run) -> np.ndarray:
     """``[L, R]``: each rank's own slots in its own view (rank r computes slots [5r, 5r + 5))."""
     views = _views(run)
-    return np.stack([metrics.rank_load(views[r], RANKS)[:, r] for r in range(RANKS)], axis=1)
+    return np.stack([balance.rank_load(views[r], RANKS)[:, r] for r in range(RANKS)], axis=1)
 
 
 def test_each_rank_records_its_ep_coordinates(trivial: Run) -> None:
@@ -139,7 +139,7 @@ def test_physical_counts_per_rank_equal_an_independent_count(checkpoint: Path, t
     views = _views(trivial)
     for view in views:
         np.testing.assert_array_equal(view, expected)
-    np.testing.assert_array_equal(_realised_rank_load(trivial), metrics.rank_load(expected, RANKS))
+    np.testing.assert_array_equal(_realised_rank_load(trivial), balance.rank_load(expected, RANKS))
     assert (expected[:, NUM_EXPERTS:] == 0).all(), "the trivial location's redundant slots get no tokens (no dispatch map)"
     hot_share = expected[:, list(HOT)].sum() / expected.sum()
     assert hot_share > 0.4, f"the biased router makes experts {HOT} hot ({hot_share:.2f} of the assignments)"
@@ -169,18 +169,18 @@ def test_realised_balance_equals_the_prediction_and_beats_trivial(checkpoint: Pa
     for view in views:  # counts under the plan equal the independent count, slot by slot
         np.testing.assert_array_equal(view, expected)
     realised = _realised_rank_load(planned)
-    predicted = metrics.rank_load(sglang_physical_count(_tokens(trivial.files[0]), _trace_rows(trivial.files[0]), mapping), RANKS)
+    predicted = balance.rank_load(sglang_physical_count(_tokens(trivial.files[0]), _trace_rows(trivial.files[0]), mapping), RANKS)
     np.testing.assert_array_equal(realised, predicted)  # predicted from the recorded passes, before the restart
-    trivial_balance = metrics.balancedness(_realised_rank_load(trivial))
-    assert metrics.balancedness(realised) > trivial_balance
+    trivial_balance = balance.balancedness(_realised_rank_load(trivial))
+    assert balance.balancedness(realised) > trivial_balance
     assert plan["document"]["in_sample"]["balancedness"]["current"] == pytest.approx(trivial_balance)
     trivial_map = np.tile(np.arange(SLOTS) % NUM_EXPERTS, (NUM_LAYERS, 1))
     moved = replicas_moved(trivial_map, mapping, RANKS)
     assert moved > 0
     even_split = plan["document"]["in_sample"]["balancedness"]["moetrace"]
     print(f"\nrank balancedness on the same requests: trivial (measured) {trivial_balance:.3f} | planner's prediction (even split "
-          f"over replicas) {even_split:.3f} | prediction with SGLang's replica pick {metrics.balancedness(predicted):.3f} | "
-          f"realised with the plan {metrics.balancedness(realised):.3f} | replicas moved {moved}")
+          f"over replicas) {even_split:.3f} | prediction with SGLang's replica pick {balance.balancedness(predicted):.3f} | "
+          f"realised with the plan {balance.balancedness(realised):.3f} | replicas moved {moved}")
     for layer in range(NUM_LAYERS):
         print(f"layer {layer}: slots of rank 0 {mapping[layer, :5].tolist()} rank 1 {mapping[layer, 5:].tolist()}; "
               f"load trivial {_realised_rank_load(trivial)[layer].tolist()} predicted {predicted[layer].tolist()} realised {realised[layer].tolist()}")

@@ -11,7 +11,7 @@ import torch
 
 import moetrace
 from moetrace import PHASES, ExpertDistributionRecorder, RecorderConfig, RecorderStateError
-from moetrace.analysis.report import analyze_trace
+from moetrace.analysis.summary import analyze_trace
 from moetrace.analysis.timeline import build_timeline
 from moetrace.analysis.timing import analyze_timing
 from moetrace.reference import EPSpec, ModelConfig, ReferenceMoEModel

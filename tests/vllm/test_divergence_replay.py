@@ -40,7 +40,7 @@ from typer.testing import CliRunner
 
 from moetrace.analysis.divergence import diff_sources
 from moetrace.capturer import RoutedExpertsCapturer
-from moetrace.routes import load_routes, pad_routes, save_routes, select_layers
+from moetrace.routes import load_routes, pad_routes, save_routes, select_route_layers
 from moetrace.trace.reader import open_trace
 from tests.divergence.oracle import assert_matches_oracle, oracle
 
@@ -162,7 +162,7 @@ def _teacher_forced(model: torch.nn.Module, tokens: list[int], layer_ids: list[i
     finally:
         handle.uninstrument()
     logprobs = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-    return select_layers(routes.astype(np.int64), layer_ids), logprobs.numpy()
+    return select_route_layers(routes.astype(np.int64), layer_ids), logprobs.numpy()
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -266,7 +266,7 @@ def test_one_padded_training_batch_replays_every_request(runs: Runs, tmp_path: P
         try:
             with torch.no_grad():
                 runs.model(ids, attention_mask=mask)
-            got = [select_layers(handle.routed_experts(row, length, batch_size=len(runs.requests)).astype(np.int64), runs.layer_ids)
+            got = [select_route_layers(handle.routed_experts(row, length, batch_size=len(runs.requests)).astype(np.int64), runs.layer_ids)
                    for row in range(len(runs.requests))]
         finally:
             handle.uninstrument()

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from ..data import olmoe_counts
+from .gate import TopKRouter, olmoe_bias
 from .init import derive_seed
-from .router import TopKRouter, olmoe_bias
 
 __all__ = ["DriftSpec", "domain_mix", "drift_routes", "mixed_routes", "olmoe_domains"]
 

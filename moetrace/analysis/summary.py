@@ -24,7 +24,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .. import metrics
+from .. import balance
 from ..trace.reader import Trace, open_trace
 from ..trace.schema import Attr
 from .coactivation import (
@@ -64,7 +64,7 @@ def progress_bar(enabled: bool | None, total: int, description: str) -> Iterator
 
 
 @dataclasses.dataclass
-class AnalysisReport(metrics.LoadMetrics):
+class AnalysisReport(balance.LoadMetrics):
     """Balance, entropy, co-activation and drift figures of one trace.
 
     Attributes:
@@ -123,7 +123,7 @@ class AnalysisReport(metrics.LoadMetrics):
         (with one rank every rank figure is 1 by definition).
         """
         num_experts = self.logical_count.shape[1]
-        hot = metrics.hot_expert_count(num_experts)
+        hot = balance.hot_expert_count(num_experts)
         if not self.logical_count.any():
             return ["no expert assignments recorded: no balance to report (was the recorder started?)"]
         lines = [
@@ -188,7 +188,7 @@ class AnalysisReport(metrics.LoadMetrics):
                 "max_layer_expert_imbalance": float(self.expert_imbalance.max()),
                 "mean_expert_cv": float(self.expert_cv.mean()),
                 "hot_expert_share": self.overall_hot_expert_share,
-                "hot_experts": metrics.hot_expert_count(self.logical_count.shape[1]),
+                "hot_experts": balance.hot_expert_count(self.logical_count.shape[1]),
                 "rank_balance_needs_ep": self.ep_size == 1,
             },
             "headline": self.headline(),
@@ -198,7 +198,7 @@ class AnalysisReport(metrics.LoadMetrics):
                 "ep_size": self.ep_size,
                 "total_load": [int(x) for x in rank_total],
                 "hottest_rank": int(np.argmax(rank_total)),
-                "balancedness": metrics.balancedness(rank_total[None, :]),
+                "balancedness": balance.balancedness(rank_total[None, :]),
             },
             "coactivation": self._coactivation_dict(),
             "transitions": self._transitions_dict(),
@@ -247,7 +247,7 @@ def default_window_size(trace: Trace, unit_count: int) -> int:
 
 
 def analyze_trace(
-    path: Path | str,
+    source: Trace | Path | str,
     *,
     layers: Sequence[int] | None = None,
     window: int | None = None,
@@ -259,7 +259,8 @@ def analyze_trace(
     """Analyse a trace in one streaming read.
 
     Args:
-        path: a moetrace HDF5 trace (any mode).
+        source: a moetrace HDF5 trace (any mode): an open :class:`Trace` (read, left open:
+            ``moetrace analyze`` opens the file once) or its path (opened and closed here).
         layers: model layer ids to analyse (default all).
         window: passes per drift window (default: about 20 windows).
         top: hottest experts / pairs / transitions listed per layer.
@@ -274,50 +275,63 @@ def analyze_trace(
         raise ValueError(f"window must be a positive number of passes, got {window}")
     if top < 1:
         raise ValueError(f"top must be positive, got {top}")
-    with open_trace(path) as trace:
-        index = select_layers(trace, layers)
-        layer_ids = trace.layers[index]
-        mapping = trace.physical_to_logical[index]
-        num_experts = trace.num_logical_experts
-        physical = trace.physical_count()[index].astype(np.int64)
-        logical = trace.logical_count()[index].astype(np.int64)
-        notes: list[str] = []
-        unit, records = count_records(trace)
-        passes_per_window = window or default_window_size(trace, records)
-        windows = WindowAccumulator(passes_per_window, mapping, trace.ep_size, layer_ids)
-        coactivation = None
-        with progress_bar(progress, records, f"analyzing {trace.path.name} ({unit})") as advance:
-            if trace.mode == "per_token":
-                coactivation = CoactivationAccumulator(mapping, index, num_experts)
-                for chunk in trace.iter_tokens(chunk_tokens, counted_only=True):
-                    windows.add(token_pass_block(chunk, index, trace.num_physical_experts))
-                    coactivation.add(chunk.topk_ids)
-                    advance(len(chunk.pass_id))
-            else:
-                for block in iter_pass_blocks(trace, index, chunk_passes):
-                    windows.add(block)
-                    advance(len(block.pass_id))
-                notes.append("co-activation and cross-layer transitions need a per_token trace")
-        drift = windows.finish()
-        if trace.mode != "stat" and records and not np.array_equal(windows.total, physical):
-            notes.append(f"/{'tokens' if trace.mode == 'per_token' else 'passes'} does not add up to /stat totals; the trace may have been edited or partly written")
-        if not records:
-            notes.append("no time-ordered data (empty window or stream): no drift series")
-        report = AnalysisReport(
-            path=trace.path,
-            attrs=trace.attrs,
-            layer_ids=np.asarray(layer_ids),
-            physical_count=physical,
-            logical_count=logical,
-            ep_size=trace.ep_size,
-            num_passes=int(trace.num_passes().max(initial=0)),
-            num_tokens=trace.tokens_served(),
-            invalid_ids=int(trace.invalid_ids()[:, index].sum()),
-            dropped=int(trace.dropped_tokens()[:, index].sum()),
-            top=top,
-            coactivation=coactivation,
-            drift=drift if len(drift) else None,
-            notes=notes,
-            timing=analyze_timing(trace),
-        )
-    return report
+    if isinstance(source, Trace):
+        return _analyze(source, layers, window, top, progress, chunk_passes, chunk_tokens)
+    with open_trace(source) as trace:
+        return _analyze(trace, layers, window, top, progress, chunk_passes, chunk_tokens)
+
+
+def _analyze(trace: Trace, layers: Sequence[int] | None, window: int | None, top: int, progress: bool | None,
+             chunk_passes: int, chunk_tokens: int) -> AnalysisReport:
+    index = select_layers(trace, layers)
+    physical = trace.physical_count()[index].astype(np.int64)
+    drift, coactivation, notes = _stream(trace, index, window, progress, chunk_passes, chunk_tokens, physical)
+    return AnalysisReport(
+        path=trace.path,
+        attrs=trace.attrs,
+        layer_ids=np.asarray(trace.layers[index]),
+        physical_count=physical,
+        logical_count=trace.logical_count()[index].astype(np.int64),
+        ep_size=trace.ep_size,
+        num_passes=int(trace.num_passes().max(initial=0)),
+        num_tokens=trace.tokens_served(),
+        invalid_ids=int(trace.invalid_ids()[:, index].sum()),
+        dropped=int(trace.dropped_tokens()[:, index].sum()),
+        top=top,
+        coactivation=coactivation,
+        drift=drift if len(drift) else None,
+        notes=notes,
+        timing=analyze_timing(trace),
+    )
+
+
+def _stream(trace: Trace, index: np.ndarray, window: int | None, progress: bool | None, chunk_passes: int,
+            chunk_tokens: int, physical: np.ndarray) -> tuple[DriftSeries, CoactivationAccumulator | None, list[str]]:
+    """The one read of the time-ordered data: the drift series, co-activation (``per_token``) and notes.
+
+    ``index`` selects the analysed layers; ``physical`` is their ``[L, P]`` ``/stat`` totals,
+    which the streamed rows must add up to.
+    """
+    mapping = trace.physical_to_logical[index]
+    notes: list[str] = []
+    unit, records = count_records(trace)
+    windows = WindowAccumulator(window or default_window_size(trace, records), mapping, trace.ep_size, trace.layers[index])
+    coactivation = None
+    with progress_bar(progress, records, f"analyzing {trace.path.name} ({unit})") as advance:
+        if trace.mode == "per_token":
+            coactivation = CoactivationAccumulator(mapping, index, trace.num_logical_experts)
+            for chunk in trace.iter_tokens(chunk_tokens, counted_only=True):
+                windows.add(token_pass_block(chunk, index, trace.num_physical_experts))
+                coactivation.add(chunk.topk_ids)
+                advance(len(chunk.pass_id))
+        else:
+            for block in iter_pass_blocks(trace, index, chunk_passes):
+                windows.add(block)
+                advance(len(block.pass_id))
+            notes.append("co-activation and cross-layer transitions need a per_token trace")
+    drift = windows.finish()
+    if trace.mode != "stat" and records and not np.array_equal(windows.total, physical):
+        notes.append(f"/{'tokens' if trace.mode == 'per_token' else 'passes'} does not add up to /stat totals; the trace may have been edited or partly written")
+    if not records:
+        notes.append("no time-ordered data (empty window or stream): no drift series")
+    return drift, coactivation, notes
