@@ -84,6 +84,22 @@ def _scrape(d: dict) -> list[Row]:
     return rows
 
 
+def _fleet_metrics(d: dict) -> list[Row]:
+    r = d["render_ms_median"]
+    return [("fleet metrics", f"DeepSeek-V3 rank: series default vs per_ep_rank; render one scrape ({d['live_processes']} live ranks)",
+             f"{d['series_per_process_formula']:,} vs {d['series_per_process_per_ep_rank']:,}; {r['default']:.0f} vs {r['per_ep_rank']:.0f} ms ({d['render_ratio']:.1f}x)")]
+
+
+def _fleet_traces(d: dict) -> list[Row]:
+    rows = []
+    for res in d["results"]:
+        for tool in res["tools"]:
+            seconds = "timeout" if tool["seconds"] is None else f"{tool['seconds']:.1f} s"
+            peak = "-" if tool["peak_rss_mib"] is None else f"{tool['peak_rss_mib']:.0f} MiB"
+            rows.append(("fleet traces", f"{res['ranks']} ranks x {res['passes_per_rank']} passes: {tool['tool']}", f"{seconds}, {peak}"))
+    return rows
+
+
 def _analysis_dask(d: dict) -> list[Row]:
     single, cluster = d["records_per_s"]["single process"], d["records_per_s"]["LocalCluster(2)"]
     return [("distributed analysis", f"{d['ranks']} per-rank traces, {d['records']:,} tokens: single process vs LocalCluster(2)",
@@ -159,6 +175,8 @@ BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] 
     "dump_throughput": ([], ["--quick"], _dump),
     "analysis_throughput": ([], ["--quick"], _analysis),
     "scrape_cost": ([], ["--quick"], _scrape),
+    "fleet_metrics": ([], ["--quick"], _fleet_metrics),
+    "fleet_traces": ([], ["--quick"], _fleet_traces),
     "routing_cost": ([], ["--quick"], _routing),
     "replay_overhead": ([], ["--rounds", "4"], _replay),
     "timing_overhead": ([], ["--quick"], _timing),

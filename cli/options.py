@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .errors import CommandError
 
-__all__ = ["existing_file", "output_path", "parse_layers", "stdout_console"]
+__all__ = ["existing_file", "output_path", "parse_layers", "progress_meter", "stdout_console"]
 
 
 def parse_layers(text: str | None) -> list[int] | None:
@@ -59,3 +63,20 @@ def stdout_console() -> Console:
     unless ``COLUMNS`` sets the width (e.g. ``COLUMNS=80 moetrace analyze run.h5 | less``)."""
     console = Console()
     return console if console.is_terminal or os.environ.get("COLUMNS", "").isdigit() else Console(width=160)
+
+
+@contextlib.contextmanager
+def progress_meter(enabled: bool | None, description: str, unit_bytes: bool = False) -> Iterator[Callable[[int, int], None]]:
+    """A rich progress bar on stderr for a task that reports ``update(done, total)`` (total known only once it starts).
+
+    ``enabled=None`` shows it only when stderr is a terminal; ``unit_bytes`` shows sizes instead of counts.
+    """
+    console = Console(file=sys.stderr)
+    if not (console.is_terminal if enabled is None else enabled):
+        yield lambda done, total: None
+        return
+    amount = DownloadColumn() if unit_bytes else TextColumn("{task.completed:,.0f}/{task.total:,.0f}")
+    with Progress(TextColumn("{task.description}"), BarColumn(), amount, TimeRemainingColumn(), console=console,
+                  transient=console.is_terminal) as progress:
+        task = progress.add_task(description, total=None)
+        yield lambda done, total: progress.update(task, completed=done, total=total)

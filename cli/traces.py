@@ -12,13 +12,14 @@ import typer
 from rich.table import Table
 
 from moetrace.trace.convert import convert_jsonl, convert_sglang
+from moetrace.trace.guarded import open_hdf5
 from moetrace.trace.integrity import CHECKSUMS, reading
 from moetrace.trace.merge import merge_traces, rank_stops
 from moetrace.trace.reader import open_trace
 from moetrace.trace.schema import MERGED_DAMAGED_ATTR, Attr, Data
 
 from .errors import CommandError, guarded
-from .options import existing_file, output_path, stdout_console
+from .options import existing_file, output_path, progress_meter, stdout_console
 
 __all__ = ["convert_to_trace", "inspect", "merge", "recover_run"]
 
@@ -49,12 +50,17 @@ def convert_to_trace(
 def merge(
     traces: Annotated[list[Path], typer.Argument(help="Per-rank traces of one run (rank 0..W-1).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Merged trace to write (.h5).")],
+    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
 ) -> None:
-    """Join per-rank traces of one run into one trace (copied, rank axis / rank column; see docs/cli.md)."""
+    """Join per-rank traces of one run into one trace (copied, rank axis / rank column; see docs/cli.md).
+
+    Streams: holds at most 256 MiB of rows over all inputs, whatever the number of ranks.
+    """
     for path in traces:
         existing_file(path)
     output_path(out)
-    written = merge_traces(traces, out)
+    with progress_meter(progress, f"merging {len(traces)} traces (rows)") as update:
+        written = merge_traces(traces, out, progress=update)
     with open_trace(written) as merged:
         left_out = json.loads(str(merged.attrs.get(MERGED_DAMAGED_ATTR, "[]")))
     typer.echo(f"wrote {written}: {len(traces) - len(left_out)} ranks")
@@ -102,7 +108,7 @@ def _datasets(path: Path) -> list[dict[str, object]]:
                 }
             )
 
-    with reading(path), h5py.File(path, "r") as f:
+    with reading(path), open_hdf5(path) as f:
         f.visititems(visit)
     return rows
 

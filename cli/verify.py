@@ -13,7 +13,7 @@ from moetrace.trace.integrity import CHECKSUMS
 from moetrace.trace.verify import TraceReport, verify_trace
 
 from .errors import EXIT_INPUT, guarded
-from .options import stdout_console
+from .options import progress_meter, stdout_console
 
 __all__ = ["verify"]
 
@@ -39,12 +39,16 @@ def verify(
     traces: Annotated[list[Path], typer.Argument(help="Trace files to check.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")] = False,
     allow_unverified: Annotated[bool, typer.Option("--allow-unverified", help="Exit 0 for readable traces written before checksums (they cannot be proven intact).")] = False,
+    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
 ) -> None:
     """Read every dataset of each trace, check its checksums and invariants, and report what is intact.
 
     Exit 0 only when every trace is intact (2 otherwise: damaged, unreadable, or unverified without --allow-unverified).
     """
-    reports = [verify_trace(path) for path in traces]
+    reports = []
+    for path in traces:
+        with progress_meter(progress, f"verifying {path.name}", unit_bytes=True) as update:
+            reports.append(verify_trace(path, progress=update))
     ok = all(r.intact or (allow_unverified and not r.damaged and not r.problems) for r in reports)
     if as_json:
         typer.echo(json.dumps({"intact": ok, "traces": [r.as_dict() for r in reports]}, indent=2))

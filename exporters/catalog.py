@@ -1,6 +1,6 @@
-"""The exported metrics, defined once for every exporter.
+"""The recorder's exported metrics, defined once for every exporter.
 
-Each :class:`MetricSpec` names a metric for Prometheus and for OpenTelemetry,
+Each :class:`~moetrace.exporters.spec.MetricSpec` names a metric for Prometheus and for OpenTelemetry,
 says what kind it is, which labels it carries and which
 :class:`~moetrace.snapshot.RecorderSnapshot` field or property gives its value.
 Values are never computed here: they come from the snapshot's properties,
@@ -12,83 +12,35 @@ Label dimensions (``dims``) index the value array:
 - ``()``: one value per process;
 - ``("layer",)``: ``[L]``, labelled with the model layer id (``layer_ids[l]``);
 - ``("layer", "ep_rank")``: ``[L, R]``, second axis is the EP rank;
-- ``("layer", "expert")``: ``[L, E]``, second axis is the logical expert id.
+- ``("layer", "expert")``: ``[L, E]``, second axis is the logical expert id; or, for the
+  hottest-experts top-N, ``(layer index [N], expert [N], count [N])`` (only those cells).
 
 Every sample also carries ``rank``: the EP rank of the process that recorded it.
+
+Bounded by default: a rank process exports O(layers) series (what it knows
+about itself) plus a fixed top-N of hot experts; the ``[layer, ep_rank]``
+matrices (:data:`PER_EP_RANK`, option ``per_ep_rank``) and the ``[layer,
+expert]`` counts (:data:`PER_EXPERT`, option ``per_expert``) are opt-in. The
+fleet's view (per-layer balancedness over ranks, the straggler) is computed by
+the Prometheus recording rules of :func:`rules_path`, over every rank's
+``moetrace_layer_received_tokens_total``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
 
 import numpy as np
 
+from moetrace.balance import HOT_EXPERTS
 from moetrace.snapshot import RecorderSnapshot
 
-__all__ = ["HISTOGRAMS", "INFO", "METRICS", "PER_EXPERT", "HistogramSpec", "InfoSpec", "MetricSpec", "histogram_samples",
-           "info_labels", "markdown_table", "samples"]
+from .spec import MetricSpec, enabled
 
-Value = Callable[[RecorderSnapshot], "float | int | np.ndarray"]
-
-
-@dataclasses.dataclass(frozen=True)
-class MetricSpec:
-    """One exported metric.
-
-    Attributes:
-        prom_name: Prometheus name as exposed (counters end in ``_total``).
-        otel_name: OpenTelemetry instrument name (``moetrace.*``).
-        kind: ``"counter"`` (monotonic within one recording) or ``"gauge"``.
-        unit: UCUM unit for OpenTelemetry (``{token}``, ``1``, ``s``, ``By``).
-        dims: label dimensions of the value array (see the module docstring).
-        help: one-line description.
-        formula: how the value is defined, for the docs.
-        value: reads the value from a snapshot.
-    """
-
-    prom_name: str
-    otel_name: str
-    kind: str
-    unit: str
-    dims: tuple[str, ...]
-    help: str
-    formula: str
-    value: Value
-
-
-@dataclasses.dataclass(frozen=True)
-class HistogramSpec:
-    """One exported histogram of per-pass durations (phase timing; empty without it).
-
-    Attributes:
-        prom_name: Prometheus histogram name (``_bucket``/``_sum``/``_count`` are added).
-        otel_name: OpenTelemetry name prefix: the OTel API has no asynchronous
-            histogram, so OTel gets ``<otel_name>.time`` (seconds, counter) and
-            ``<otel_name>.count`` (counter) per series instead of buckets.
-        dims: label dimensions of the series axis (``("phase",)`` or ``()``).
-        help, formula: as for :class:`MetricSpec`.
-        value: ``snapshot -> (fine-bucket counts [S, B], sums [S])`` with ``S``
-            series (one per phase, or one), buckets of ``moetrace.timing.HISTOGRAM_EDGES``.
-    """
-
-    prom_name: str
-    otel_name: str
-    dims: tuple[str, ...]
-    help: str
-    formula: str
-    value: Callable[[RecorderSnapshot], tuple[np.ndarray, np.ndarray]]
-
-
-@dataclasses.dataclass(frozen=True)
-class InfoSpec:
-    """The constant-1 metric whose labels describe the recorder."""
-
-    prom_name: str = "moetrace_info"
-    otel_name: str = "moetrace.info"
-    help: str = ("Recorder description: model, engine, mode, id space, EP size, the parallel layout and this rank's "
-                 "coordinates in it; replica=\"true\" when its token counters read 0 because a TP peer counts them (value is always 1).")
-    labels: tuple[str, ...] = ("model", "engine", "mode", "id_space", "ep_size", "layout", "global_rank", "tp_rank", "dp_rank", "pp_rank", "replica")
+__all__ = ["ALL", "HISTOGRAMS", "INFO", "METRICS", "PER_EP_RANK", "PER_EXPERT", "histogram_samples", "info_labels",
+           "markdown_table", "rules_path", "samples", "selected", "series_per_process"]
 
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -102,9 +54,6 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moetrace_layer_routed_tokens_total", "moetrace.layer.routed_tokens", "counter", "{token}", ("layer",),
                "Token copies (token x top-k slot) routed to any expert of the layer.",
                "`counted(tokens_per_layer)`, tokens_per_layer = Σ_e count[l, e]", lambda s: s.counted(s.tokens_per_layer)),
-    MetricSpec("moetrace_rank_routed_tokens_total", "moetrace.rank.routed_tokens", "counter", "{token}", ("layer", "ep_rank"),
-               "Token copies routed to the experts hosted by EP rank ep_rank (load T[l, r]).",
-               "`counted(rank_load)`, T[l, r] = Σ_{p on r} physical_count[l, p]; rank r hosts p ∈ [r·P/R, (r+1)·P/R)", lambda s: s.counted(s.rank_load)),
     MetricSpec("moetrace_balancedness", "moetrace.balancedness", "gauge", "1", (),
                "Balancedness over EP ranks, all layers, Σ_l mean_r T / Σ_l max_r T (1 = perfect; "
                "always 1 with ep_size=1: rank balance needs EP, see moetrace_expert_imbalance).",
@@ -145,12 +94,17 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moetrace_dropped_passes_total", "moetrace.dropped_passes", "counter", "{pass}", (),
                "Streaming passes dropped whole because the trace writer was behind (on_overflow=\"drop\").",
                "`dropped_passes`", lambda s: s.dropped_passes),
-    MetricSpec("moetrace_dispatch_sent_tokens_total", "moetrace.dispatch.sent_tokens", "counter", "{token}", ("layer", "ep_rank"),
-               "Token copies this rank sent to EP rank ep_rank (reported by on_dispatch).", "`send_count`",
-               lambda s: s.send_count),
-    MetricSpec("moetrace_dispatch_received_tokens_total", "moetrace.dispatch.received_tokens", "counter", "{token}", ("layer", "ep_rank"),
-               "Token copies this rank received from EP rank ep_rank (reported by on_dispatch).", "`recv_count`",
-               lambda s: s.recv_count),
+    MetricSpec("moetrace_layer_sent_tokens_total", "moetrace.layer.sent_tokens", "counter", "{token}", ("layer",),
+               "Token copies this rank's dispatch sent to all EP ranks, itself included (reported by on_dispatch).",
+               "`layer_sent` = Σ_r send[l, r]", lambda s: s.send_count.sum(axis=1)),
+    MetricSpec("moetrace_layer_received_tokens_total", "moetrace.layer.received_tokens", "counter", "{token}", ("layer",),
+               "Token copies the experts of this rank received from all EP ranks, itself included: its expert load "
+               "(reported by on_dispatch with recv_counts; the fleet rules read it).",
+               "`layer_received` = Σ_s recv[l, s]", lambda s: s.recv_count.sum(axis=1)),
+    MetricSpec("moetrace_hot_expert_routed_tokens", "moetrace.hot_expert.routed_tokens", "gauge", "{token}", ("layer", "expert"),
+               f"Token copies this rank routed to each of its {HOT_EXPERTS} hottest (layer, logical expert) cells since "
+               "start_record (a fixed top-N: the cells, so the series, change as the load moves).",
+               f"`hot_experts` = the {HOT_EXPERTS} largest count[l, e]", lambda s: s.hot_experts),
     MetricSpec("moetrace_alltoall_ideal_bytes_total", "moetrace.alltoall.ideal_bytes", "counter", "By", ("layer",),
                "Ideal EP all-to-all volume, dispatch plus combine (0 when hidden_size is unknown).",
                "`alltoall_bytes_ideal` = 2·T·k·H·b, T = routed copies / k", lambda s: s.alltoall_bytes_ideal),
@@ -185,6 +139,21 @@ METRICS: tuple[MetricSpec, ...] = (
 """Metrics every exporter emits."""
 
 
+PER_EP_RANK: tuple[MetricSpec, ...] = (
+    MetricSpec("moetrace_rank_routed_tokens_total", "moetrace.rank.routed_tokens", "counter", "{token}", ("layer", "ep_rank"),
+               "Token copies routed to the experts hosted by EP rank ep_rank (load T[l, r]).",
+               "`counted(rank_load)`, T[l, r] = Σ_{p on r} physical_count[l, p]; rank r hosts p ∈ [r·P/R, (r+1)·P/R)", lambda s: s.counted(s.rank_load), opt_in="per_ep_rank"),
+    MetricSpec("moetrace_dispatch_sent_tokens_total", "moetrace.dispatch.sent_tokens", "counter", "{token}", ("layer", "ep_rank"),
+               "Token copies this rank sent to EP rank ep_rank (reported by on_dispatch).", "`send_count`",
+               lambda s: s.send_count, opt_in="per_ep_rank"),
+    MetricSpec("moetrace_dispatch_received_tokens_total", "moetrace.dispatch.received_tokens", "counter", "{token}", ("layer", "ep_rank"),
+               "Token copies this rank received from EP rank ep_rank (reported by on_dispatch).", "`recv_count`",
+               lambda s: s.recv_count, opt_in="per_ep_rank"),
+)
+"""The ``[layer, ep_rank]`` matrices, only with ``per_ep_rank=True``: L x R series each (4,176 at DeepSeek-V3's
+58 layers x EP72); a fleet reads their sums from the rules instead."""
+
+
 def _retention(s: RecorderSnapshot, key: str) -> int:
     return int(s.retention[key]) if s.retention is not None else 0  # type: ignore[call-overload]
 
@@ -199,28 +168,66 @@ def _step_hist(s: RecorderSnapshot) -> tuple[np.ndarray, np.ndarray]:
     return s.timing["step_histogram"][None, :], np.array([s.step_seconds_sum])
 
 
-HISTOGRAMS: tuple[HistogramSpec, ...] = (
-    HistogramSpec("moetrace_phase_seconds", "moetrace.phase", ("phase",),
-                  "Per-pass time of one MoE phase in one layer (route, dispatch, expert, combine), all layers pooled; timing=True only.",
-                  "`phase_histogram` [F, B], `phase_seconds_sum` [F]", _phase_hist),
-    HistogramSpec("moetrace_step_seconds", "moetrace.step", (),
-                  "Time of one recorded forward pass on this rank (host wall on CPU, device time on CUDA); timing=True only.",
-                  "`timing['step_histogram']`, `step_seconds_sum`", _step_hist),
+HISTOGRAMS: tuple[MetricSpec, ...] = (
+    MetricSpec("moetrace_phase_seconds", "moetrace.phase", "histogram", "s", ("phase",),
+               "Per-pass time of one MoE phase in one layer (route, dispatch, expert, combine), all layers pooled; timing=True only.",
+               "`phase_histogram` [F, B], `phase_seconds_sum` [F]", _phase_hist),
+    MetricSpec("moetrace_step_seconds", "moetrace.step", "histogram", "s", (),
+               "Time of one recorded forward pass on this rank (host wall on CPU, device time on CUDA); timing=True only.",
+               "`timing['step_histogram']`, `step_seconds_sum`", _step_hist),
 )
-"""Histograms of phase timing (series only when the recorder times phases)."""
+"""Histograms of phase timing (series only when the recorder times phases). ``value``: ``snapshot -> (fine-bucket
+counts [S, B], sums [S])`` with ``S`` series (one per phase, or one), buckets of ``moetrace.timing.HISTOGRAM_EDGES``;
+OpenTelemetry gets ``<otel_name>.time`` and ``<otel_name>.count`` counters instead of buckets."""
 
 PER_EXPERT = MetricSpec(
     "moetrace_expert_routed_tokens_total", "moetrace.expert.routed_tokens", "counter", "{token}", ("layer", "expert"),
     "Token copies routed to each logical expert (only with per_expert=True: L x E series).",
-    "`counted(logical_count[l, e])`", lambda s: s.counted(s.logical_count),
+    "`counted(logical_count[l, e])`", lambda s: s.counted(s.logical_count), opt_in="per_expert",
 )
 """The per-expert metric, emitted only when asked (layers x experts series)."""
 
-INFO = InfoSpec()
+INFO = MetricSpec(
+    "moetrace_info", "moetrace.info", "info", "1",
+    ("model", "engine", "mode", "id_space", "ep_size", "layout", "global_rank", "tp_rank", "dp_rank", "pp_rank", "replica"),
+    "Recorder description: model, engine, mode, id space, EP size, the parallel layout and this rank's "
+    "coordinates in it; replica=\"true\" when its token counters read 0 because a TP peer counts them (value is always 1).",
+    "constant 1", lambda s: info_labels(s),
+)
+"""The constant-1 metric whose labels describe the recorder."""
+
+ALL: tuple[MetricSpec, ...] = (*METRICS, *PER_EP_RANK, PER_EXPERT)
+"""Every counter and gauge, default and opt-in (histograms and info apart)."""
 
 
-def _label_value(dim: str, index: int, layer_ids: np.ndarray) -> int:
-    return int(layer_ids[index]) if dim == "layer" else index
+def selected(per_expert: bool = False, per_ep_rank: bool = False) -> tuple[MetricSpec, ...]:
+    """The counters and gauges an exporter emits: :data:`METRICS` plus the opt-in families asked for."""
+    return enabled(ALL, per_expert=per_expert, per_ep_rank=per_ep_rank)
+
+
+def series_per_process(num_layers: int, ep_size: int, num_experts: int, per_expert: bool = False,
+                       per_ep_rank: bool = False) -> int:
+    """Series one rank process exports without timing (info included): the formula of ``docs/observability.md``.
+
+    Default ``S + D·L + N`` (``S`` per-process series, ``D`` per-layer metrics, ``N`` hot experts);
+    ``per_ep_rank`` adds ``3·L·R``, ``per_expert`` adds ``L·E``.
+    """
+    sizes = {(): 1, ("layer",): num_layers, ("layer", "ep_rank"): num_layers * ep_size,
+             ("layer", "expert"): num_layers * num_experts}
+    total = 1  # moetrace_info
+    for spec in selected(per_expert, per_ep_rank):
+        total += min(HOT_EXPERTS, num_layers * num_experts) if spec.kind == "gauge" and spec.dims == ("layer", "expert") \
+            else sizes[spec.dims]
+    return total
+
+
+def rules_path() -> Path:
+    """The Prometheus recording rules for the fleet view (``moetrace/data/prometheus/moetrace-fleet.rules.yml``)."""
+    return Path(str(resources.files("moetrace.data") / "prometheus" / "moetrace-fleet.rules.yml"))
+
+
+def _label_values(dim: str, index: np.ndarray, layer_ids: np.ndarray) -> list[int]:
+    return [int(v) for v in (layer_ids[index] if dim == "layer" else index)]
 
 
 def samples(spec: MetricSpec, snap: RecorderSnapshot) -> Iterator[tuple[dict[str, int], float | int]]:
@@ -229,18 +236,24 @@ def samples(spec: MetricSpec, snap: RecorderSnapshot) -> Iterator[tuple[dict[str
     if not spec.dims:
         yield {"rank": snap.rank}, value  # type: ignore[misc]
         return
-    array = np.asarray(value)
-    if array.ndim != len(spec.dims):
-        raise ValueError(f"{spec.prom_name}: value has shape {array.shape}, expected dims {spec.dims}")
-    as_int = array.dtype.kind in "iub"
-    for index in np.ndindex(*array.shape):
+    if isinstance(value, tuple):  # sparse cells: (index per dim ..., values)
+        *index, array = value
+    else:
+        array = np.asarray(value)
+        if array.ndim != len(spec.dims):
+            raise ValueError(f"{spec.prom_name}: value has shape {array.shape}, expected dims {spec.dims}")
+        index = [axis.reshape(-1) for axis in np.indices(array.shape)]
+        array = array.reshape(-1)
+    columns = [_label_values(dim, np.asarray(i), snap.layer_ids) for dim, i in zip(spec.dims, index, strict=True)]
+    items = array.tolist()  # Python ints for integer arrays, floats otherwise
+    for n, item in enumerate(items):
         labels = {"rank": snap.rank}
-        labels.update({dim: _label_value(dim, i, snap.layer_ids) for dim, i in zip(spec.dims, index, strict=True)})
-        item = array[index]
-        yield labels, int(item) if as_int else float(item)
+        for dim, column in zip(spec.dims, columns, strict=True):
+            labels[dim] = column[n]
+        yield labels, item
 
 
-def histogram_samples(spec: HistogramSpec, snap: RecorderSnapshot) -> Iterator[tuple[dict[str, object], np.ndarray, int, float]]:
+def histogram_samples(spec: MetricSpec, snap: RecorderSnapshot) -> Iterator[tuple[dict[str, object], np.ndarray, int, float]]:
     """``(labels, cumulative counts at EXPORT_EDGES, count, sum)`` per series; nothing without timing."""
     from moetrace.timing import PHASES, cumulative_buckets
 
@@ -266,14 +279,10 @@ def markdown_table() -> str:
     """The metric reference table of ``docs/observability.md``, generated from this catalog."""
     rows = ["| Prometheus | OpenTelemetry | kind | unit | labels | meaning | formula (`RecorderSnapshot`) |",
             "|---|---|---|---|---|---|---|"]
-    for spec in (*METRICS, PER_EXPERT):
+    for spec in (*ALL, *HISTOGRAMS, INFO):
         labels = ", ".join(("rank", *spec.dims))
-        rows.append(f"| `{spec.prom_name}` | `{spec.otel_name}` | {spec.kind} | `{spec.unit}` | {labels} | "
-                    f"{spec.help} | {spec.formula} |")
-    for hist in HISTOGRAMS:
-        labels = ", ".join(("rank", *hist.dims))
-        rows.append(f"| `{hist.prom_name}` | `{hist.otel_name}.time`, `{hist.otel_name}.count` | histogram | `s` | {labels} | "
-                    f"{hist.help} | {hist.formula} |")
-    labels = ", ".join(("rank", *INFO.labels))
-    rows.append(f"| `{INFO.prom_name}` | `{INFO.otel_name}` | gauge (info) | `1` | {labels} | {INFO.help} | constant 1 |")
+        kind = {"histogram": "histogram", "info": "gauge (info)"}.get(spec.kind, spec.kind)
+        otel = f"`{spec.otel_name}.time`, `{spec.otel_name}.count`" if spec.kind == "histogram" else f"`{spec.otel_name}`"
+        opt = f" Opt-in: `{spec.opt_in}=True`." if spec.opt_in else ""
+        rows.append(f"| `{spec.prom_name}` | {otel} | {kind} | `{spec.unit}` | {labels} | {spec.help}{opt} | {spec.formula} |")
     return "\n".join(rows) + "\n"

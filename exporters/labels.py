@@ -16,45 +16,34 @@ values exactly). Every series carries ``label_key`` (the label name) and
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-import numpy as np
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from moetrace.labels import LabelLoad, LabelLoadSnapshot
 
-__all__ = ["LABEL_METRICS", "LabelCollector", "LabelMetricSpec", "instrument", "register"]
+from .spec import MetricSpec, otel_instrument, prom_family
 
+__all__ = ["LABEL_METRICS", "LabelCollector", "instrument", "register"]
 
-@dataclasses.dataclass(frozen=True)
-class LabelMetricSpec:
-    """One per-label metric: its names for both exporters and the snapshot value ``[G]``."""
+_DIMS = ("label_key", "label")
 
-    prom_name: str
-    otel_name: str
-    kind: str
-    unit: str
-    help: str
-    value: Callable[[LabelLoadSnapshot], np.ndarray]
-
-
-LABEL_METRICS = (
-    LabelMetricSpec("moetrace_label_requests_total", "moetrace.label.requests", "counter", "{request}",
-                    "Finished requests counted under the label", lambda s: s.requests),
-    LabelMetricSpec("moetrace_label_tokens_total", "moetrace.label.tokens", "counter", "{token}",
-                    "Routed tokens of the label's finished requests", lambda s: s.tokens),
-    LabelMetricSpec("moetrace_label_hot_expert_excess_share", "moetrace.label.hot_expert_excess_share", "gauge", "1",
-                    "Share of the hot experts' excess load (copies above an even share) that the label produced",
-                    lambda s: s.hot_excess_share),
-    LabelMetricSpec("moetrace_label_expert_profile_divergence", "moetrace.label.expert_profile_divergence", "gauge", "1",
-                    "Mean over layers of the JS divergence between the label's expert profile and the rest's",
-                    lambda s: s.divergence),
+LABEL_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("moetrace_label_requests_total", "moetrace.label.requests", "counter", "{request}", _DIMS,
+               "Finished requests counted under the label", "`requests`", lambda s: s.requests),
+    MetricSpec("moetrace_label_tokens_total", "moetrace.label.tokens", "counter", "{token}", _DIMS,
+               "Routed tokens of the label's finished requests", "`tokens`", lambda s: s.tokens),
+    MetricSpec("moetrace_label_hot_expert_excess_share", "moetrace.label.hot_expert_excess_share", "gauge", "1", _DIMS,
+               "Share of the hot experts' excess load (copies above an even share) that the label produced",
+               "`hot_excess_share`", lambda s: s.hot_excess_share),
+    MetricSpec("moetrace_label_expert_profile_divergence", "moetrace.label.expert_profile_divergence", "gauge", "1", _DIMS,
+               "Mean over layers of the JS divergence between the label's expert profile and the rest's",
+               "`divergence`", lambda s: s.divergence),
 )
 
 
-def _samples(spec: LabelMetricSpec, snap: LabelLoadSnapshot) -> Iterator[tuple[dict[str, str], float]]:
+def _samples(spec: MetricSpec, snap: LabelLoadSnapshot) -> Iterator[tuple[dict[str, str], float]]:
     values = spec.value(snap)
     for name, value in zip(snap.labels, values, strict=True):
         yield {"label_key": snap.key, "label": name}, float(value)
@@ -76,10 +65,7 @@ class LabelCollector(Collector):
 
     def _families(self, snap: LabelLoadSnapshot | None) -> Iterator[Metric]:
         for spec in LABEL_METRICS:
-            if spec.kind == "counter":
-                family: Metric = CounterMetricFamily(spec.prom_name.removesuffix("_total"), spec.help, labels=["label_key", "label"])
-            else:
-                family = GaugeMetricFamily(spec.prom_name, spec.help, labels=["label_key", "label"])
+            family = prom_family(spec, spec.dims)
             if snap is not None:
                 for labels, value in _samples(spec, snap):
                     family.add_metric(list(labels.values()), value)
@@ -104,8 +90,7 @@ def instrument(load: LabelLoad, top: int = 10, meter_provider: object | None = N
     meter = provider.get_meter("moetrace", __version__)  # type: ignore[attr-defined]
     out: dict[str, object] = {}
     for spec in LABEL_METRICS:
-        def callback(options: CallbackOptions, spec: LabelMetricSpec = spec) -> list[Observation]:
+        def callback(options: CallbackOptions, spec: MetricSpec = spec) -> list[Observation]:
             return [Observation(v, labels) for labels, v in _samples(spec, load.snapshot(top))]
-        create = meter.create_observable_counter if spec.kind == "counter" else meter.create_observable_gauge
-        out[spec.otel_name] = create(spec.otel_name, callbacks=[callback], unit=spec.unit, description=spec.help)
+        _, out[spec.otel_name] = otel_instrument(meter, spec, callback)
     return out

@@ -40,16 +40,8 @@ from moetrace._version import __version__
 from moetrace.recorder import Recorder, RecorderStateError, get_recorder
 from moetrace.snapshot import RecorderSnapshot
 
-from .catalog import (
-    HISTOGRAMS,
-    INFO,
-    METRICS,
-    PER_EXPERT,
-    MetricSpec,
-    histogram_samples,
-    info_labels,
-    samples,
-)
+from .catalog import HISTOGRAMS, INFO, histogram_samples, info_labels, samples, selected
+from .spec import MetricSpec, otel_instrument
 
 __all__ = [
     "MoetraceInstruments",
@@ -112,7 +104,7 @@ def _observations(spec: MetricSpec, snap: RecorderSnapshot) -> Iterator[Observat
 
 
 def instrument(meter_provider: MeterProvider | None = None, recorder: Recorder | None = None,
-               per_expert: bool = False) -> MoetraceInstruments:
+               per_expert: bool = False, per_ep_rank: bool = False) -> MoetraceInstruments:
     """Create moetrace's observable instruments on the ``moetrace`` meter.
 
     Args:
@@ -122,6 +114,7 @@ def instrument(meter_provider: MeterProvider | None = None, recorder: Recorder |
             :func:`moetrace.get_recorder` at each collection. An unconfigured
             recorder reports no data points.
         per_expert: also create ``moetrace.expert.routed_tokens`` (L x E series).
+        per_ep_rank: also create the ``[layer, ep_rank]`` instruments (3 x L x R series).
 
     Returns:
         a :class:`MoetraceInstruments` handle; call ``close()`` to stop reporting.
@@ -139,17 +132,16 @@ def instrument(meter_provider: MeterProvider | None = None, recorder: Recorder |
             return [] if snap is None else list(produce(snap))
         return observe
 
-    for spec in (*METRICS, PER_EXPERT) if per_expert else METRICS:
-        create = meter.create_observable_counter if spec.kind == "counter" else meter.create_observable_gauge
+    for spec in selected(per_expert=per_expert, per_ep_rank=per_ep_rank):
         observe = callback(spec.otel_name, lambda snap, spec=spec: _observations(spec, snap))
-        handle.instruments[spec.otel_name] = create(spec.otel_name, callbacks=[observe], unit=spec.unit, description=spec.help)
+        _, handle.instruments[spec.otel_name] = otel_instrument(meter, spec, observe)
     for hist in HISTOGRAMS:  # no asynchronous histogram in the OTel API: time and count counters
         for suffix, unit, pick in ((".time", "s", 3), (".count", "{pass}", 2)):
-            name = hist.otel_name + suffix
-            observe = callback(name, lambda snap, hist=hist, pick=pick: [Observation(item[pick], item[0]) for item in histogram_samples(hist, snap)])
-            handle.instruments[name] = meter.create_observable_counter(name, callbacks=[observe], unit=unit, description=hist.help)
+            observe = callback(hist.otel_name + suffix, lambda snap, hist=hist, pick=pick: [Observation(item[pick], item[0]) for item in histogram_samples(hist, snap)])
+            name, instrument = otel_instrument(meter, hist, observe, suffix=suffix, unit=unit)
+            handle.instruments[name] = instrument
     info = callback(INFO.otel_name, lambda snap: [Observation(1, info_labels(snap))])
-    handle.instruments[INFO.otel_name] = meter.create_observable_gauge(INFO.otel_name, callbacks=[info], unit="1", description=INFO.help)
+    _, handle.instruments[INFO.otel_name] = otel_instrument(meter, INFO, info)
     return handle
 
 

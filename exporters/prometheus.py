@@ -13,8 +13,8 @@ or add the collector to an application's own registry::
 
 A scrape takes one snapshot (a host copy the recorder made at the end of the
 last pass; the device is never touched) and derives every metric from it, so
-its cost depends on layers x EP ranks (x experts with ``per_expert=True``),
-never on the number of recorded passes. The metric set is
+its cost depends on the layers (x EP ranks with ``per_ep_rank=True``, x experts
+with ``per_expert=True``), never on the number of recorded passes. The metric set is
 :data:`moetrace.exporters.catalog.METRICS`; every sample has a ``rank`` label
 (this process's EP rank): run one exporter per rank, each on its own port.
 
@@ -36,52 +36,31 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import prometheus_client
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    InfoMetricFamily,
-    Metric,
-)
+from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from moetrace.http import GuardedServerMixin, ServerHandle, ServerLimits
 from moetrace.recorder import Recorder, RecorderStateError, get_recorder
 from moetrace.snapshot import RecorderSnapshot
 
-from .catalog import (
-    HISTOGRAMS,
-    INFO,
-    METRICS,
-    PER_EXPERT,
-    HistogramSpec,
-    MetricSpec,
-    histogram_samples,
-    info_labels,
-    samples,
-)
+from .catalog import HISTOGRAMS, INFO, histogram_samples, info_labels, samples, selected
+from .spec import MetricSpec, prom_family, str_labels
 
 __all__ = ["MetricsServer", "MoetraceCollector", "register", "start_http_server"]
 
 log = logging.getLogger("moetrace.exporters.prometheus")
 
 
-def _family(spec: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
-    labels = ["rank", *spec.dims]
-    if spec.kind == "counter":
-        return CounterMetricFamily(spec.prom_name.removesuffix("_total"), spec.help, labels=labels)
-    return GaugeMetricFamily(spec.prom_name, spec.help, labels=labels)
-
-
-def _histogram(spec: HistogramSpec, snap: RecorderSnapshot | None) -> HistogramMetricFamily:
+def _histogram(spec: MetricSpec, snap: RecorderSnapshot | None) -> Metric:
     """A histogram family; buckets at ``moetrace.timing.EXPORT_EDGES`` (values counted below each bound)."""
     from moetrace.timing import EXPORT_EDGES
 
-    family = HistogramMetricFamily(spec.prom_name, spec.help, labels=["rank", *spec.dims])
+    family = prom_family(spec, ["rank", *spec.dims])
+    assert isinstance(family, HistogramMetricFamily)
     if snap is not None:
         for labels, cumulative, count, total in histogram_samples(spec, snap):
             buckets = [(f"{edge:.6g}", int(c)) for edge, c in zip(EXPORT_EDGES, cumulative, strict=True)]
-            family.add_metric([str(v) for v in labels.values()], [*buckets, ("+Inf", count)], total)
+            family.add_metric(str_labels(labels), [*buckets, ("+Inf", count)], total)
     return family
 
 
@@ -95,11 +74,14 @@ class MoetraceCollector(Collector):
             yields no metrics.
         per_expert: also emit ``moetrace_expert_routed_tokens_total``
             (layers x experts series; off by default for cardinality).
+        per_ep_rank: also emit the ``[layer, ep_rank]`` matrices
+            (:data:`~moetrace.exporters.catalog.PER_EP_RANK`: 3 x layers x EP
+            ranks series; off by default, the fleet rules need only the per-layer series).
     """
 
-    def __init__(self, recorder: Recorder | None = None, per_expert: bool = False) -> None:
+    def __init__(self, recorder: Recorder | None = None, per_expert: bool = False, per_ep_rank: bool = False) -> None:
         self._recorder = recorder
-        self._specs = (*METRICS, PER_EXPERT) if per_expert else METRICS
+        self._specs = selected(per_expert=per_expert, per_ep_rank=per_ep_rank)
 
     def _snapshot(self) -> RecorderSnapshot | None:
         recorder = self._recorder if self._recorder is not None else get_recorder()
@@ -110,31 +92,31 @@ class MoetraceCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         """The metric families (without samples), so registries can check for name clashes."""
-        yield from (_family(spec) for spec in self._specs)
+        yield from (prom_family(spec, ["rank", *spec.dims]) for spec in self._specs)
         yield from (_histogram(spec, None) for spec in HISTOGRAMS)
-        yield InfoMetricFamily(INFO.prom_name.removesuffix("_info"), INFO.help, labels=["rank", *INFO.labels])
+        yield prom_family(INFO, ["rank", *INFO.dims])
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         if snap is None:
             return
         for spec in self._specs:
-            family = _family(spec)
+            family = prom_family(spec, ["rank", *spec.dims])
             for labels, value in samples(spec, snap):
-                family.add_metric([str(v) for v in labels.values()], value)
+                family.add_metric(str_labels(labels), value)
             yield family
         for hist in HISTOGRAMS:
             yield _histogram(hist, snap)
-        info = InfoMetricFamily(INFO.prom_name.removesuffix("_info"), INFO.help)
-        info.add_metric([], info_labels(snap))
+        info = prom_family(INFO, [])
+        info.add_metric([], info_labels(snap))  # type: ignore[attr-defined]
         yield info
 
 
 def register(recorder: Recorder | None = None, registry: CollectorRegistry | None = None,
-             per_expert: bool = False) -> CollectorRegistry:
+             per_expert: bool = False, per_ep_rank: bool = False) -> CollectorRegistry:
     """Register a :class:`MoetraceCollector` on ``registry`` (a new private one when ``None``) and return it."""
     registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-    registry.register(MoetraceCollector(recorder, per_expert=per_expert))
+    registry.register(MoetraceCollector(recorder, per_expert=per_expert, per_ep_rank=per_ep_rank))
     return registry
 
 
@@ -165,7 +147,7 @@ class MetricsServer(ServerHandle):
 
 def start_http_server(port: int, addr: str = "127.0.0.1", recorder: Recorder | None = None,
                       registry: CollectorRegistry | None = None, per_expert: bool = False,
-                      limits: ServerLimits | None = None) -> MetricsServer:
+                      limits: ServerLimits | None = None, per_ep_rank: bool = False) -> MetricsServer:
     """Serve moetrace's metrics over HTTP in a daemon thread.
 
     Args:
@@ -176,6 +158,7 @@ def start_http_server(port: int, addr: str = "127.0.0.1", recorder: Recorder | N
         registry: serve this registry after adding the collector to it; a
             private one when ``None``.
         per_expert: also emit per-expert series.
+        per_ep_rank: also emit the ``[layer, ep_rank]`` matrices.
         limits: connection limits (read timeout, open connections, worker
             threads, head size, request and CPU budgets); ``None``:
             :class:`ServerLimits` defaults.
@@ -184,7 +167,7 @@ def start_http_server(port: int, addr: str = "127.0.0.1", recorder: Recorder | N
         a :class:`MetricsServer` with ``.port``, ``.url`` and ``.close()``.
     """
     registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-    collector = MoetraceCollector(recorder, per_expert=per_expert)
+    collector = MoetraceCollector(recorder, per_expert=per_expert, per_ep_rank=per_ep_rank)
     registry.register(collector)
     try:
         server = _Server((addr, port), _Handler, limits)

@@ -24,10 +24,33 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-__all__ = ["ReplayAuditCollector", "register"]
+from .spec import MetricSpec, prom_family
+
+__all__ = ["REPLAY_METRICS", "ReplayAuditCollector", "register"]
+
+
+def _per_layer(values: Any) -> Any:
+    return lambda report: [({"engine": report.engine, "layer": name}, float(v))
+                           for name, v in zip(report.layers, values(report), strict=True)]
+
+
+REPLAY_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("moetrace_replay_requested_rows_total", "moetrace.replay.requested_rows", "counter", "{row}", ("engine", "layer"),
+               "(token, layer) rows a replay requested", "`requested`", _per_layer(lambda r: r.requested)),
+    MetricSpec("moetrace_replay_matched_rows_total", "moetrace.replay.matched_rows", "counter", "{row}", ("engine", "layer"),
+               "requested rows whose experts actually used equal the requested set", "`matched`",
+               _per_layer(lambda r: r.matched)),
+    MetricSpec("moetrace_replay_match_ratio", "moetrace.replay.match_ratio", "gauge", "1", ("engine",),
+               "matched / requested (token, layer) rows over every replayed layer", "`share`",
+               lambda r: [({"engine": r.engine}, r.share)]),
+    MetricSpec("moetrace_replay_unreached_routers", "moetrace.replay.unreached_routers", "gauge", "{layer}", ("engine",),
+               "replayed layers whose router a forward never reached", "`len(unreached)`",
+               lambda r: [({"engine": r.engine}, float(len(r.unreached)))]),
+)
+"""The audit's metrics; ``value`` reads an audit report and returns its ``(labels, value)`` samples."""
 
 
 class ReplayAuditCollector(Collector):
@@ -37,25 +60,15 @@ class ReplayAuditCollector(Collector):
         self._report = source.audit_report if hasattr(source, "audit_report") else source.report
 
     def describe(self) -> Iterator[Metric]:
-        yield from self._families()
-
-    def _families(self) -> tuple[CounterMetricFamily, CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
-        return (
-            CounterMetricFamily("moetrace_replay_requested_rows", "(token, layer) rows a replay requested", labels=["engine", "layer"]),
-            CounterMetricFamily("moetrace_replay_matched_rows", "requested rows whose experts actually used equal the requested set", labels=["engine", "layer"]),
-            GaugeMetricFamily("moetrace_replay_match_ratio", "matched / requested (token, layer) rows over every replayed layer", labels=["engine"]),
-            GaugeMetricFamily("moetrace_replay_unreached_routers", "replayed layers whose router a forward never reached", labels=["engine"]),
-        )
+        yield from (prom_family(spec, spec.dims) for spec in REPLAY_METRICS)
 
     def collect(self) -> Iterator[Metric]:
         report = self._report()
-        requested, matched, ratio, unreached = self._families()
-        for name, r, m in zip(report.layers, report.requested, report.matched, strict=True):
-            requested.add_metric([report.engine, name], float(r))
-            matched.add_metric([report.engine, name], float(m))
-        ratio.add_metric([report.engine], report.share)
-        unreached.add_metric([report.engine], float(len(report.unreached)))
-        yield from (requested, matched, ratio, unreached)
+        for spec in REPLAY_METRICS:
+            family = prom_family(spec, spec.dims)
+            for labels, value in spec.value(report):
+                family.add_metric(list(labels.values()), value)  # type: ignore[attr-defined]
+            yield family
 
 
 def register(source: Any, registry: CollectorRegistry | None = None) -> CollectorRegistry:

@@ -7,7 +7,7 @@ Usage::
     handle = routing.instrument(recorder, meter_provider=p)  # OpenTelemetry: observable instruments
 
 Same conventions as :mod:`moetrace.exporters.catalog`: one
-:class:`RoutingMetricSpec` per metric names it for both exporters (Prometheus:
+:class:`~moetrace.exporters.spec.MetricSpec` per metric names it for both exporters (Prometheus:
 ``moetrace_`` prefix, base units, ``_total`` on counters; OpenTelemetry:
 ``moetrace.*``, UCUM units); values come from the snapshot, never computed
 here. Labels are bounded: ``replica`` (< the recorder's ``num_replicas``),
@@ -26,64 +26,48 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from moetrace.replicas import LATENCY_BUCKETS, POLICIES, REASONS, RoutingRecorder, RoutingSnapshot
 
-__all__ = ["HISTOGRAMS", "ROUTING_METRICS", "RoutingCollector", "RoutingMetricSpec", "instrument", "register", "samples"]
+from .spec import MetricSpec, otel_instrument, prom_family
+
+__all__ = ["HISTOGRAMS", "ROUTING_METRICS", "RoutingCollector", "instrument", "register", "samples"]
 
 
-@dataclasses.dataclass(frozen=True)
-class RoutingMetricSpec:
-    """One routing metric: names, kind (``counter`` / ``gauge`` / ``histogram``), unit, labels, value."""
-
-    prom_name: str
-    otel_name: str
-    kind: str
-    unit: str
-    dims: tuple[str, ...]
-    help: str
-    value: Callable[[RoutingSnapshot], object]
-
-
-ROUTING_METRICS: tuple[RoutingMetricSpec, ...] = (
-    RoutingMetricSpec("moetrace_replica_decisions_total", "moetrace.replica.decisions", "counter", "{decision}", ("replica", "policy", "reason"),
-                      "Routing decisions by chosen replica, policy and the rule that decided.", lambda s: s.decisions),
-    RoutingMetricSpec("moetrace_replica_hit_tokens_total", "moetrace.replica.hit_tokens", "counter", "{token}", ("replica",),
-                      "Prompt tokens the replica served from its prefix cache (as it counted them).", lambda s: s.hit_tokens),
-    RoutingMetricSpec("moetrace_replica_miss_tokens_total", "moetrace.replica.miss_tokens", "counter", "{token}", ("replica",),
-                      "Prompt tokens the replica had to prefill.", lambda s: s.miss_tokens),
-    RoutingMetricSpec("moetrace_replica_regret_tokens_total", "moetrace.replica.regret_tokens", "counter", "{token}", ("replica",),
-                      "Prefix overlap lost by not choosing the best-overlap replica (best candidate's match - chosen's).", lambda s: s.regret_tokens),
-    RoutingMetricSpec("moetrace_replica_queue_length", "moetrace.replica.queue_length", "gauge", "{request}", ("replica",),
-                      "Requests routed to the replica that have not started.", lambda s: s.queue_length),
-    RoutingMetricSpec("moetrace_replica_running_requests", "moetrace.replica.running_requests", "gauge", "{request}", ("replica",),
-                      "Requests the replica started and has not finished.", lambda s: s.running),
-    RoutingMetricSpec("moetrace_replica_migrations_total", "moetrace.replica.migrations", "counter", "{session}", (),
-                      "Sessions moved from one replica to another.", lambda s: s.migrations),
-    RoutingMetricSpec("moetrace_replica_finished_requests_total", "moetrace.replica.finished_requests", "counter", "{request}", (),
-                      "Requests finished since start_record.", lambda s: s.finished),
+ROUTING_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("moetrace_replica_decisions_total", "moetrace.replica.decisions", "counter", "{decision}", ("replica", "policy", "reason"),
+                      "Routing decisions by chosen replica, policy and the rule that decided.", "", lambda s: s.decisions),
+    MetricSpec("moetrace_replica_hit_tokens_total", "moetrace.replica.hit_tokens", "counter", "{token}", ("replica",),
+                      "Prompt tokens the replica served from its prefix cache (as it counted them).", "", lambda s: s.hit_tokens),
+    MetricSpec("moetrace_replica_miss_tokens_total", "moetrace.replica.miss_tokens", "counter", "{token}", ("replica",),
+                      "Prompt tokens the replica had to prefill.", "", lambda s: s.miss_tokens),
+    MetricSpec("moetrace_replica_regret_tokens_total", "moetrace.replica.regret_tokens", "counter", "{token}", ("replica",),
+                      "Prefix overlap lost by not choosing the best-overlap replica (best candidate's match - chosen's).", "", lambda s: s.regret_tokens),
+    MetricSpec("moetrace_replica_queue_length", "moetrace.replica.queue_length", "gauge", "{request}", ("replica",),
+                      "Requests routed to the replica that have not started.", "", lambda s: s.queue_length),
+    MetricSpec("moetrace_replica_running_requests", "moetrace.replica.running_requests", "gauge", "{request}", ("replica",),
+                      "Requests the replica started and has not finished.", "", lambda s: s.running),
+    MetricSpec("moetrace_replica_migrations_total", "moetrace.replica.migrations", "counter", "{session}", (),
+                      "Sessions moved from one replica to another.", "", lambda s: s.migrations),
+    MetricSpec("moetrace_replica_finished_requests_total", "moetrace.replica.finished_requests", "counter", "{request}", (),
+                      "Requests finished since start_record.", "", lambda s: s.finished),
 )
 """Counters and gauges."""
 
-HISTOGRAMS: tuple[RoutingMetricSpec, ...] = (
-    RoutingMetricSpec("moetrace_replica_queue_wait_seconds", "moetrace.replica.queue_wait", "histogram", "s", ("replica",),
-                      "Arrival at the router to prefill start, per replica.", lambda s: (s.wait_buckets, s.wait_sum)),
-    RoutingMetricSpec("moetrace_replica_ttft_seconds", "moetrace.replica.ttft", "histogram", "s", ("replica",),
-                      "Arrival at the router to first token, per replica.", lambda s: (s.ttft_buckets, s.ttft_sum)),
+HISTOGRAMS: tuple[MetricSpec, ...] = (
+    MetricSpec("moetrace_replica_queue_wait_seconds", "moetrace.replica.queue_wait", "histogram", "s", ("replica",),
+                      "Arrival at the router to prefill start, per replica.", "", lambda s: (s.wait_buckets, s.wait_sum)),
+    MetricSpec("moetrace_replica_ttft_seconds", "moetrace.replica.ttft", "histogram", "s", ("replica",),
+                      "Arrival at the router to first token, per replica.", "", lambda s: (s.ttft_buckets, s.ttft_sum)),
 )
 """Wait and TTFT histograms (buckets: LATENCY_BUCKETS)."""
 
 _NAMES = {"policy": POLICIES, "reason": REASONS}
 
 
-def samples(spec: RoutingMetricSpec, snap: RoutingSnapshot) -> Iterator[tuple[dict[str, str], int | float]]:
+def samples(spec: MetricSpec, snap: RoutingSnapshot) -> Iterator[tuple[dict[str, str], int | float]]:
     """``(labels, value)`` of each series of a counter/gauge ``spec``; decision series only where non-zero."""
     value = spec.value(snap)
     if not spec.dims:
@@ -96,7 +80,7 @@ def samples(spec: RoutingMetricSpec, snap: RoutingSnapshot) -> Iterator[tuple[di
         yield labels, int(item) if array.dtype.kind in "iub" else float(item)
 
 
-def _histogram(spec: RoutingMetricSpec, snap: RoutingSnapshot) -> Iterator[tuple[str, list[tuple[str, float]], float]]:
+def _histogram(spec: MetricSpec, snap: RoutingSnapshot) -> Iterator[tuple[str, list[tuple[str, float]], float]]:
     buckets, sums = spec.value(snap)  # type: ignore[misc]
     for r in range(snap.num_replicas):
         cumulative = np.cumsum(buckets[r])
@@ -118,16 +102,14 @@ class RoutingCollector(Collector):
 
     def _families(self, snap: RoutingSnapshot | None) -> Iterator[Metric]:
         for spec in ROUTING_METRICS:
-            if spec.kind == "counter":
-                family: Metric = CounterMetricFamily(spec.prom_name.removesuffix("_total"), spec.help, labels=list(spec.dims))
-            else:
-                family = GaugeMetricFamily(spec.prom_name, spec.help, labels=list(spec.dims))
+            family = prom_family(spec, spec.dims)
             if snap is not None:
                 for labels, value in samples(spec, snap):
                     family.add_metric(list(labels.values()), value)
             yield family
         for spec in HISTOGRAMS:
-            hist = HistogramMetricFamily(spec.prom_name, spec.help, labels=["replica"])
+            hist = prom_family(spec, spec.dims)
+            assert isinstance(hist, HistogramMetricFamily)
             if snap is not None:
                 for replica, pairs, total in _histogram(spec, snap):
                     hist.add_metric([replica], pairs, total)
@@ -169,18 +151,17 @@ def instrument(recorder: RoutingRecorder, meter_provider: object | None = None) 
         return callback
 
     for spec in ROUTING_METRICS:
-        create = meter.create_observable_counter if spec.kind == "counter" else meter.create_observable_gauge
         cb = observe(lambda snap, spec=spec: (Observation(v, labels) for labels, v in samples(spec, snap)))
-        handle.instruments[spec.otel_name] = create(spec.otel_name, callbacks=[cb], unit=spec.unit, description=spec.help)
+        _, handle.instruments[spec.otel_name] = otel_instrument(meter, spec, cb)
     for spec in HISTOGRAMS:
-        def parts(snap: RoutingSnapshot, spec: RoutingMetricSpec = spec) -> Iterator[tuple[str, Observation]]:
+        def parts(snap: RoutingSnapshot, spec: MetricSpec = spec) -> Iterator[tuple[str, Observation]]:
             for replica, pairs, total in _histogram(spec, snap):
                 for le, count in pairs:
                     yield "bucket", Observation(count, {"replica": replica, "le": le})
                 yield "sum", Observation(total, {"replica": replica})
                 yield "count", Observation(pairs[-1][1], {"replica": replica})
         for part, unit in (("bucket", "{request}"), ("sum", "s"), ("count", "{request}")):
-            name = f"{spec.otel_name}.{part}"
             cb = observe(lambda snap, part=part, parts=parts: (o for p, o in parts(snap) if p == part))
-            handle.instruments[name] = meter.create_observable_counter(name, callbacks=[cb], unit=unit, description=f"{spec.help} ({part})")
+            name, instrument = otel_instrument(meter, spec, cb, suffix=f".{part}", unit=unit)
+            handle.instruments[name] = instrument
     return handle

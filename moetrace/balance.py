@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = [
+    "HOT_EXPERTS",
     "HOT_EXPERT_DIVISOR",
     "LoadMetrics",
     "balancedness",
@@ -25,8 +26,11 @@ __all__ = [
     "overall_expert_imbalance",
     "overall_hot_expert_share",
     "rank_load",
+    "top_cells",
 ]
 
+#: How many (layer, expert) cells a rank exports as its hottest (a fixed top-N, whatever L and E).
+HOT_EXPERTS = 10
 #: The "hot" experts are the hottest ``ceil(E / HOT_EXPERT_DIVISOR)`` of a layer (10%, at least one).
 HOT_EXPERT_DIVISOR = 10
 
@@ -145,6 +149,18 @@ def dead_experts(counts: np.ndarray) -> np.ndarray:
     return (np.asarray(counts) == 0).sum(axis=1)
 
 
+def top_cells(counts: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ``n`` largest cells of ``counts [L, E]`` over all layers: ``(layer index [n'], expert [n'], count [n'])``.
+
+    ``n' = min(n, L*E)``, largest first; ties go to the lower (layer, expert) index.
+    """
+    flat = np.asarray(counts).reshape(-1)
+    n = min(int(n), flat.size)
+    order = np.argsort(-flat, kind="stable")[:n]
+    layer, expert = np.divmod(order, np.asarray(counts).shape[1])
+    return layer, expert, flat[order]
+
+
 def js_divergence(counts_a: np.ndarray, counts_b: np.ndarray) -> np.ndarray:
     """Jensen-Shannon divergence (base 2, in ``[0, 1]``) between two count rows per layer ``[L]``.
 
@@ -223,3 +239,8 @@ class LoadMetrics:
     @property
     def dead_experts(self) -> np.ndarray:
         return dead_experts(self.logical_count)
+
+    @property
+    def hot_experts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The :data:`HOT_EXPERTS` hottest (layer, logical expert) cells: ``top_cells(logical_count, HOT_EXPERTS)``."""
+        return top_cells(self.logical_count, HOT_EXPERTS)

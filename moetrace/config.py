@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -89,6 +90,10 @@ class RecorderConfig:
             (:class:`~moetrace.trace.retention.RetentionPolicy`: keep the last N
             dumps / D seconds / B bytes of ``output_dir``, older streaming dumps
             compacted to their totals), applied after every dump; ``None``: keep all.
+        run_id: the run id every rank's traces carry (a launcher gives all ranks the
+            same one, so ``moetrace merge`` / ``analyze`` join their files); ``None``:
+            a new one at each ``start_record``, broadcast to the ranks of the
+            process group when there is one.
     """
 
     num_layers: int
@@ -117,6 +122,7 @@ class RecorderConfig:
     on_overflow: str = "block"
     retention: RetentionPolicy | None = None
     layout: RankLayout | None = None
+    run_id: str | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -161,6 +167,8 @@ class RecorderConfig:
             if (self.layout.ep_size, self.layout.ep_rank) != (ep_size, int(self.ep_rank)):
                 raise ValueError(f"layout says EP rank {self.layout.ep_rank} of {self.layout.ep_size} but ep_size={ep_size}, "
                                  f"ep_rank={self.ep_rank}; pass the same EP coordinates to both")
+        if self.run_id is not None and not (isinstance(self.run_id, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.run_id)):
+            raise ValueError(f"run_id must be 1-64 letters, digits, '_' or '-' (it names journal files), got {self.run_id!r}")
         if self.hidden_size is not None:
             set_(self, "hidden_size", _positive_int("hidden_size", self.hidden_size))
         set_(self, "num_layers", num_layers)

@@ -476,6 +476,8 @@ class ExpertDistributionRecorder:
         self._errors = []
 
     def _shared_run_id(self) -> str:
+        if self.config.run_id is not None:
+            return self.config.run_id
         run_id = [uuid.uuid4().hex]
         if dist_world()[1] > 1:
             dist.broadcast_object_list(run_id, src=0)

@@ -43,8 +43,9 @@ class TopKSlot:
     Megatron's ``RouterReplay`` (recording or replaying as its action says), or
     another slot. ``compute`` (optional) replaces the default top-k: replay's
     ``(scores, topk, num_groups, group_topk, *, default) -> (values, ids)``, where
-    ``default`` is Megatron's own top-k (for rows replay leaves to the router). Other attributes are
-    read from ``inner`` (``RouterReplay.set_target_indices`` and friends keep working).
+    ``default`` is Megatron's own top-k (for rows replay leaves to the router). ``on_scores``
+    (optional) sees the router's ``[T, E]`` scores first (replay checks ``T`` there). Other
+    attributes are read from ``inner`` (``RouterReplay.set_target_indices`` and friends keep working).
     """
 
     def __init__(
@@ -52,8 +53,9 @@ class TopKSlot:
         inner: Any,
         on_ids: Callable[[torch.Tensor], None] | None = None,
         compute: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+        on_scores: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
-        self.inner, self.on_ids, self.compute = inner, on_ids, compute
+        self.inner, self.on_ids, self.compute, self.on_scores = inner, on_ids, compute, on_scores
 
     def get_replay_topk(
         self,
@@ -64,6 +66,8 @@ class TopKSlot:
         default_compute_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(values [T, k], ids [T, k])`` as Megatron's ``RouterReplay.get_replay_topk``."""
+        if self.on_scores is not None:
+            self.on_scores(scores)
         compute = default_compute_topk
         if self.compute is not None:
             own = self.compute

@@ -85,7 +85,9 @@ def replay(model: torch.nn.Module, routes: Any) -> MegatronReplay:
 
     Args:
         model: the module whose ``forward`` is replayed (a ``GPTModel``, a stack of
-            ``MoELayer`` s); its first argument is ``input_ids [B, S]``.
+            ``MoELayer`` s); it may take anything (``input_ids [B, S]``, hidden states
+            ``[S, B, H]``...): each router checks the tokens it routes, ``S * B``, against
+            the routes.
         routes: ``[B, S, L, k]`` or ``[S, L, k]`` logical ids, ``-1`` for rows without
             routes; ``L`` is the MoE layers or every model layer (``-1`` for dense
             ones). A numpy array, a tensor, a wire payload, or a one-request routes
@@ -93,8 +95,8 @@ def replay(model: torch.nn.Module, routes: Any) -> MegatronReplay:
             ``routed_experts`` saved with :func:`moetrace.routes.save_routes`).
 
     Raises:
-        ReplayError: routes that do not fit (shape, top-k, ids), a forward whose token
-            count differs from the routes'.
+        ReplayError: routes that do not fit (shape, top-k, ids); (in the forward) a router
+            that routes another number of tokens than the routes hold.
         ReplayUnreachedError: (at the end of a forward) a targeted router was not reached.
     """
     check_not_replaying(model)
@@ -116,7 +118,7 @@ def replay(model: torch.nn.Module, routes: Any) -> MegatronReplay:
     try:
         for layer, routes_l in zip(layers, per_layer, strict=True):
             _attach(hooks, layer, routes_l, audit, mechanism)
-        _attach_forward(hooks, model, audit, targets, seq * batch)
+        _attach_forward(hooks, model, audit, targets)
     except BaseException:
         hooks.remove_all()
         raise
@@ -127,7 +129,8 @@ def _check_tokens(scores: torch.Tensor, routes: LayerRoutes, name: str) -> None:
     if scores.shape[0] != routes.ids.shape[0]:
         raise ReplayError(
             f"{name} routes {scores.shape[0]} tokens but the routes hold {routes.ids.shape[0]} (batch x seq); give routes "
-            "[B, S, layers, k] for input_ids [B, S] (sequence parallel and context parallel splits are not replayed)"
+            "[B, S, layers, k] for a forward of B sequences of S tokens (input_ids [B, S] or hidden states [S, B, H]; "
+            "sequence parallel and context parallel splits are not replayed)"
         )
 
 
@@ -150,7 +153,10 @@ def _attach(hooks: HookRegistry, layer: MegatronMoELayer, routes: LayerRoutes, a
         def reached(ids: torch.Tensor) -> None:
             audit.reached(index)
 
-        hooks.patch(router, "router_replay", TopKSlot(router.router_replay, on_ids=reached))
+        def check(scores: torch.Tensor) -> None:  # RouterReplay would gather fewer rows without a word
+            _check_tokens(scores, routes, name)
+
+        hooks.patch(router, "router_replay", TopKSlot(router.router_replay, on_ids=reached, on_scores=check))
     else:
 
         def compute(scores: torch.Tensor, topk: int, num_groups: int | None = None, group_topk: int | None = None, *, default: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,16 +180,16 @@ def _attach(hooks: HookRegistry, layer: MegatronMoELayer, routes: LayerRoutes, a
     hooks.patch(dispatcher, "dispatch_preprocess", dispatch_preprocess)
 
 
-def _attach_forward(hooks: HookRegistry, model: torch.nn.Module, audit: ReplayAudit, targets: list[tuple[int, int]], tokens: int) -> None:
-    def begin(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        ids = args[0] if args else kwargs.get("input_ids")
-        if isinstance(ids, torch.Tensor) and ids.numel() != tokens:
-            raise ReplayError(f"the forward has input_ids {list(ids.shape)} ({ids.numel()} tokens) but the routes are for {tokens} tokens")
+def _attach_forward(hooks: HookRegistry, model: torch.nn.Module, audit: ReplayAudit, targets: list[tuple[int, int]]) -> None:
+    """Audit each forward of ``model``. Its arguments are not read: whatever it takes (input ids,
+    hidden states), the token count is checked where it is exact, at each router (:func:`_check_tokens`)."""
+
+    def begin(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         audit.begin_forward(targets)
 
     def end(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         audit.end_forward()
 
-    pre = model.register_forward_pre_hook(begin, with_kwargs=True)
+    pre = model.register_forward_pre_hook(begin)
     post = model.register_forward_hook(end)
     hooks.on_remove("replay forward hooks", lambda: (pre.remove(), post.remove(), None)[-1])

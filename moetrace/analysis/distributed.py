@@ -44,6 +44,7 @@ import numpy as np
 from ..ids import to_logical
 from ..layout import RankLayout, counted_rows
 from ..placement.series import PassSeries
+from ..trace.guarded import open_hdf5
 from ..trace.integrity import reading
 from ..trace.reader import PassChunk, TokenChunk, Trace, open_trace
 from ..trace.schema import (
@@ -143,7 +144,7 @@ def _rows(file: h5py.File, path: str, group: str, names: Sequence[str], start: i
 
 def task_pass_ids(task: Task) -> np.ndarray:
     """Distinct pass ids of a task's rows (sorted)."""
-    with reading(task.path), h5py.File(task.path, "r") as f:
+    with reading(task.path), open_hdf5(task.path) as f:
         return np.unique(_rows(f, task.path, STREAM_GROUP[task.mode], ["pass_id"], task.start, task.stop)["pass_id"]).astype(np.int64)
 
 
@@ -156,7 +157,7 @@ def task_partial(task: Task, ctx: _Context) -> Partial:
     tokens = np.zeros(0, dtype=np.int64)
     first = -1
     group = STREAM_GROUP[task.mode]
-    with reading(task.path), h5py.File(task.path, "r") as f:
+    with reading(task.path), open_hdf5(task.path) as f:
         for start in range(task.start, task.stop, ctx.chunk_rows):
             stop = min(start + ctx.chunk_rows, task.stop)
             rows = _rows(f, task.path, group, TOKEN_FIELDS if task.mode == "per_token" else PASS_FIELDS, start, stop)

@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 
-import h5py
 import numpy as np
 
 from ..ids import to_logical
 from ..placement.series import PassSeries
+from ..trace.guarded import open_hdf5
 from ..trace.integrity import reading
 from ..trace.reader import PassChunk, TokenChunk, Trace
 from ..trace.schema import Data, TraceError
@@ -120,7 +120,7 @@ def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterato
         return
     trace.check_invariants()
     counted = trace.counted()  # rank rows that replicate another's view are not added (TP attention)
-    with reading(trace.path, "/window"), h5py.File(trace.path, "r") as f:
+    with reading(trace.path, "/window"), open_hdf5(trace.path) as f:
         pass_ids, tokens, counts = f[Data.WINDOW_PASS_ID], f[Data.WINDOW_NUM_TOKENS], f[Data.WINDOW_PHYSICAL_COUNT]
         for start in range(0, pass_ids.shape[1], chunk):
             with reading(trace.path, f"/window slots {start}..{start + chunk - 1}"):

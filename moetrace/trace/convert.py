@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import json
 import math
+import zipfile
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,6 +139,24 @@ def _record_tensor(record: dict, key: str, src: Path, index: int, shape: tuple[i
     return _tensor(record[key], f"record {index}'s {key}", src, shape, negative)
 
 
+def _check_crc(src: Path) -> None:
+    """A torch file (a zip archive) whose members do not match their CRC-32 is damaged: ``torch.load``
+    does not check them and would hand back the damaged tensors as numbers.
+
+    Raises:
+        TraceError: a member's CRC-32 fails or the archive's structure is broken.
+    """
+    if not zipfile.is_zipfile(src):
+        return  # the legacy (pre-1.6) format carries no checksums; torch.load judges it
+    try:
+        with zipfile.ZipFile(src) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as exc:
+        raise TraceError(f"{src}: its zip structure is damaged ({exc}); copy the dump again from a good source") from exc
+    if bad is not None:
+        raise TraceError(f"{src}: {bad} does not match its CRC-32: the dump is damaged; copy it again from a good source")
+
+
 def convert_sglang(src: Path | str, out: Path | str, *, top_k: int | None = None, ep_size: int = 1, run_id: str | None = None, world_size: int | None = None, model: str = "") -> Path:
     """Convert an SGLang expert-distribution dump (``.pt``) into a trace at ``out``.
 
@@ -149,6 +169,7 @@ def convert_sglang(src: Path | str, out: Path | str, *, top_k: int | None = None
     src = Path(src)
     if not src.is_file():
         raise TraceError(f"{src}: no such file")
+    _check_crc(src)
     try:
         data = torch.load(src, map_location="cpu", weights_only=True)
     except Exception as exc:

@@ -14,6 +14,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from .guarded import open_hdf5
 from .integrity import reading
 from .ranks import read_layouts
 from .reader import open_trace
@@ -59,7 +60,7 @@ def concat_segments(
         raise TraceError("no segments to join")
     for path in paths:
         open_trace(path).close()  # validates: complete, schema, version, checksums, layout
-    files = [h5py.File(p, "r") for p in paths]
+    files = [open_hdf5(p) for p in paths]
     try:
         _check_same(paths, files)
         first = files[0]

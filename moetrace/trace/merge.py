@@ -18,19 +18,23 @@ the result stays valid when the inputs move or are deleted) into one trace:
   non-decreasing), plus a ``rank`` column ``[N]`` (int32) naming the source rank;
 - ``/timing/*`` (phase timing, any mode) the same way, and rank 0's ``timing_*`` root attributes.
 
-Memory is bounded by ``chunk_rows`` rows per input.
+Memory is bounded by ``memory_bytes`` (default 256 MiB) of rows in flight over all inputs:
+each input's cursor reads ``memory_bytes / inputs`` bytes of rows at a time (at least one row),
+so the peak stays flat as the number of ranks grows, whatever the size of one row (a
+DeepSeek-V3 ``per_pass`` row is 67 KB). ``chunk_rows`` caps the rows per read further.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import h5py
 import numpy as np
 
 from ..layout import RankLayout
+from .guarded import open_hdf5
 from .integrity import reading
 from .ranks import read_layouts
 from .reader import open_trace
@@ -48,7 +52,10 @@ from .schema import (
 )
 from .writer import TraceWriter
 
-__all__ = ["merge_traces", "rank_stops"]
+__all__ = ["DEFAULT_MEMORY_BYTES", "merge_traces", "rank_stops"]
+
+#: Rows in flight over all inputs of one merge, in bytes.
+DEFAULT_MEMORY_BYTES = 256 << 20
 
 _WINDOW_FILL = {"pass_id": -1, "timestamp": 0.0, "num_tokens": 0, "physical_count": 0}
 
@@ -135,11 +142,20 @@ class _Cursor:
         return out
 
 
-def _merge_stream(files: list[h5py.File], ranks: list[int], group: str, writer: TraceWriter, chunk: int) -> None:
+def _row_bytes(file: h5py.File, group: str, names: list[str]) -> int:
+    """Bytes of one row over the datasets ``names`` of ``group``."""
+    return sum(int(np.prod(file[dataset(group, n)].shape[1:], dtype=np.int64)) * file[dataset(group, n)].dtype.itemsize for n in names)
+
+
+def _merge_stream(files: list[h5py.File], ranks: list[int], group: str, writer: TraceWriter, budget: tuple[int, int],
+                  advance: Callable[[int], None]) -> None:
+    """k-way merge of ``group``; ``budget`` = (bytes in flight over all inputs, rows per read cap)."""
     names = sorted(files[0][group].keys())
     for f in files[1:]:
         if sorted(f[group].keys()) != names or any(f[dataset(group, n)].shape[1:] != files[0][dataset(group, n)].shape[1:] for n in names):
             raise TraceError(f"{f.filename}: /{group} datasets differ in names or shapes from {files[0].filename}'s; cannot merge")
+    memory_bytes, chunk_rows = budget
+    chunk = max(1, min(chunk_rows, memory_bytes // len(files) // max(1, _row_bytes(files[0], group, names))))
     cursors = [_Cursor(f, group, names, rank, chunk) for rank, f in zip(ranks, files, strict=True)]
     for name in names:
         ds = files[0][dataset(group, name)]
@@ -165,6 +181,7 @@ def _merge_stream(files: list[h5py.File], ranks: list[int], group: str, writer: 
             writer.append(dataset(group, name), np.concatenate([p[name] for _, p in parts])[order])
         ranks = np.concatenate([np.full(len(p["pass_id"]), r, dtype=np.int32) for r, p in parts])
         writer.append(dataset(group, "rank"), ranks[order])
+        advance(len(order))
 
 
 def _stack_static(files: list[h5py.File], group: str, writer: TraceWriter) -> None:
@@ -204,8 +221,12 @@ def rank_stops(paths: Sequence[Path | str]) -> list[str]:
     return notes
 
 
-def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int = 65536) -> Path:
+def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int = 65536, memory_bytes: int = DEFAULT_MEMORY_BYTES,
+                 progress: Callable[[int, int], None] | None = None) -> Path:
     """Merge per-rank traces of one run into ``out`` (copying; see the module docstring).
+
+    ``memory_bytes`` bounds the rows in flight over all inputs, ``chunk_rows`` the rows of one
+    read; ``progress(done, total)`` is called with the streamed rows copied so far.
 
     A damaged input (a checksum, HDF5 structure or invariant fails, found when it is
     opened or while its rows are copied) is left out and the others are merged: the
@@ -223,7 +244,7 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
     while True:
         ordered, ranks, attrs, layers, mapping = _check_inputs(inputs, damaged)
         try:
-            return _write_merged(ordered, ranks, attrs, layers, mapping, Path(out), chunk_rows, damaged)
+            return _write_merged(ordered, ranks, attrs, layers, mapping, Path(out), (memory_bytes, chunk_rows), damaged, progress)
         except TraceDamageError as exc:
             culprit = next((p for p in ordered if str(exc.path) == str(p)), None)
             if culprit is None:
@@ -231,23 +252,31 @@ def merge_traces(paths: Sequence[Path | str], out: Path | str, chunk_rows: int =
             damaged[culprit] = str(exc)
 
 
-def _write_merged(ordered: list[Path], ranks: list[int], attrs: dict[str, object], layers: np.ndarray, mapping: np.ndarray, out: Path, chunk_rows: int, damaged: dict[Path, str]) -> Path:
+def _write_merged(ordered: list[Path], ranks: list[int], attrs: dict[str, object], layers: np.ndarray, mapping: np.ndarray, out: Path,
+                  budget: tuple[int, int], damaged: dict[Path, str], progress: Callable[[int, int], None] | None) -> Path:
     layouts: list[RankLayout] = []
     for path in ordered:
-        with reading(path, "/ranks"), h5py.File(path, "r") as f:
+        with reading(path, "/ranks"), open_hdf5(path) as f:
             layouts.extend(read_layouts(f))
     header = TraceHeader.of_attrs(attrs, layers, mapping, rank=-1, world_size=int(attrs[Attr.WORLD_SIZE]),  # type: ignore[call-overload]
                                   layouts=tuple(layouts) if len(layouts) == len(ordered) else ())
-    files = [h5py.File(p, "r") for p in ordered]
+    files = [open_hdf5(p) for p in ordered]
     try:
         with TraceWriter(out, header) as writer:
             _stack_static(files, "stat", writer)
             _stack_static(files, "window", writer)
             group = STREAM_GROUP.get(header.mode)
-            if group is not None and group in files[0]:
-                _merge_stream(files, ranks, group, writer, chunk_rows)
-            if Data.TIMING in files[0]:
-                _merge_stream(files, ranks, Data.TIMING, writer, chunk_rows)
+            groups = [g for g in (group, Data.TIMING) if g is not None and g in files[0]]
+            total = sum(f[dataset(g, "pass_id")].shape[0] for g in groups for f in files)
+            done = [0]
+
+            def advance(rows: int) -> None:
+                done[0] += rows
+                if progress is not None:
+                    progress(done[0], total)
+
+            for g in groups:
+                _merge_stream(files, ranks, g, writer, budget, advance)
             for key, value in files[0].attrs.items():
                 if key.startswith(Attr.TIMING_PREFIX):
                     writer.set_attr(key, value)

@@ -18,6 +18,7 @@ import numpy as np
 from ..layout import CountedRows, RankLayout
 from . import integrity, invariants
 from .files import parse_temporary, process_alive
+from .guarded import open_hdf5
 from .integrity import reading
 from .ranks import counted_of, read_layouts
 from .schema import (
@@ -138,7 +139,7 @@ class Trace:
         if not self.path.exists():
             raise TraceError(f"{self.path}: no such file")
         try:
-            self._file = h5py.File(self.path, "r")
+            self._file = open_hdf5(self.path)
         except Exception as exc:
             if not (integrity.from_hdf5(exc) or isinstance(exc, OSError)):
                 raise

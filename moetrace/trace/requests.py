@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from . import integrity
+from .guarded import open_hdf5
 from .integrity import reading
 from .schema import (
     CANDIDATE_FIELDS,
@@ -99,7 +100,7 @@ def routing_attrs(policies: list[str], reasons: list[str], num_replicas: int, bl
 def is_routing_trace(path: str | Path) -> bool:
     """Whether ``path`` is a moetrace trace holding a ``/requests`` group."""
     try:
-        with h5py.File(path, "r") as f:
+        with open_hdf5(path) as f:
             return Data.REQUESTS in f
     except OSError:
         return False
@@ -127,7 +128,7 @@ def read_requests(path: str | Path) -> RequestTable:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; pass a routing trace written by `moetrace replicas replay --out` or RoutingRecorder.dump_record()")
     try:
-        f = h5py.File(path, "r")
+        f = open_hdf5(path)
     except OSError as exc:
         raise TraceError(f"{path} is not a readable HDF5 file: {exc}") from exc
     with f, reading(path, "/requests"):

@@ -36,9 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import h5py
-
 from .files import exclusively
+from .guarded import open_hdf5
 from .schema import (
     COMPACTED_FROM_ATTR,
     SCHEMA_NAME,
@@ -121,7 +120,7 @@ def _dumps(directory: Path) -> list[_Dump]:
         if not entry.is_file() or entry.name.startswith(".") or not entry.name.endswith(".h5"):
             continue
         try:
-            with h5py.File(entry.path, "r") as f:
+            with open_hdf5(entry.path) as f:
                 attrs = f.attrs
                 if attrs.get(Attr.SCHEMA) != SCHEMA_NAME or not attrs.get(Attr.COMPLETE, False):
                     continue
@@ -211,7 +210,7 @@ class Retention:
                 return False
             before = dump.path.stat().st_size
             try:
-                with h5py.File(dump.path, "r", locking=False) as src:  # our exclusive lock is held
+                with open_hdf5(dump.path, locking=False) as src:  # our exclusive lock is held
                     attrs = dict(src.attrs)
                     header = TraceHeader.of_attrs(attrs, src[Data.LAYERS][()], src[Data.PHYSICAL_TO_LOGICAL][()], mode="stat")
                     with TraceWriter(dump.path, header) as writer:

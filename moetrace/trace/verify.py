@@ -10,13 +10,15 @@ checksums, so nothing proves it unchanged), and, per trace, which invariants fai
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
 import numpy as np
 
 from . import integrity, invariants
-from .schema import TraceError
+from .guarded import open_hdf5
+from .schema import STREAM_GROUP, TraceError
 
 __all__ = ["DatasetStatus", "TraceReport", "verify_trace"]
 
@@ -68,45 +70,75 @@ class TraceReport:
         }
 
 
-def _read_all(dset: h5py.Dataset) -> None:
+class _Progress:
+    """Bytes read so far of a known total: reading every dataset once, then the streamed rows again for the invariants."""
+
+    def __init__(self, report: Callable[[int, int], None] | None) -> None:
+        self.report, self.done, self.total = report, 0, 0
+        self.row_bytes: dict[str, int] = {}  # streamed group -> bytes of one row over its datasets
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.report is not None:
+            self.report(min(self.done, self.total), self.total)
+
+
+def _nbytes(dset: h5py.Dataset) -> int:
+    return int(dset.size) * dset.dtype.itemsize
+
+
+def _read_all(dset: h5py.Dataset, progress: _Progress) -> None:
     """Decode every chunk of ``dset`` (HDF5 checks each Fletcher-32 as it goes)."""
     if not dset.shape or dset.shape[0] == 0:
         dset[()]
+        progress.advance(_nbytes(dset))
         return
     row = max(1, int(np.prod(dset.shape[1:])) * dset.dtype.itemsize)
     step = max(1, _BLOCK_BYTES // row)
     for start in range(0, dset.shape[0], step):
         dset[start : start + step]
+        progress.advance(row * min(step, dset.shape[0] - start))
 
 
-def verify_trace(path: Path | str) -> TraceReport:
-    """Check everything in ``path`` (see the module docstring); never raises for damage."""
+def verify_trace(path: Path | str, progress: Callable[[int, int], None] | None = None) -> TraceReport:
+    """Check everything in ``path`` (see the module docstring); never raises for damage.
+
+    ``progress(done, total)``: bytes read so far (every dataset once, then the streamed rows
+    again for the invariants), for a progress bar.
+    """
     path = Path(path)
     report = TraceReport(path)
+    meter = _Progress(progress)
     if not path.is_file():
         report.problems.append(f"{path}: no such file")
         return report
     try:
-        file = h5py.File(path, "r")
+        file = open_hdf5(path)
     except Exception as exc:
         if not (integrity.from_hdf5(exc) or isinstance(exc, OSError)):
             raise
         report.problems.append(f"the file cannot be opened as HDF5 (truncated, or its superblock is damaged): {' '.join(str(exc).split())}")
         return report
     with file:
-        _check_datasets(file, report)
+        _check_datasets(file, report, meter)
     if report.problems and any(p.startswith("the file") for p in report.problems):
         return report
-    _check_invariants(report)
+    _check_invariants(report, meter)
     return report
 
 
-def _check_datasets(file: h5py.File, report: TraceReport) -> None:
+def _check_datasets(file: h5py.File, report: TraceReport, meter: _Progress) -> None:
     path = report.path
     try:
         with integrity.reading(path):
             report.sealed = integrity.is_sealed(file)
             names = [name for name, _ in integrity.datasets(file)]
+            meter.total = sum(_nbytes(file[name]) for name in names)
+            for name in names:  # the invariants read the streamed rows again
+                group = name.split("/")[0]
+                if group in STREAM_GROUP.values() and file[name].ndim:
+                    meter.total += _nbytes(file[name])
+                    meter.row_bytes[group] = meter.row_bytes.get(group, 0) + _nbytes(file[name]) // max(1, file[name].shape[0])
     except TraceError as exc:
         report.problems.append(f"the file structure is damaged: {exc}")
         return
@@ -122,7 +154,7 @@ def _check_datasets(file: h5py.File, report: TraceReport) -> None:
         key = f"/{name}"
         try:
             with integrity.reading(path, key):
-                _read_all(file[name])
+                _read_all(file[name], meter)
         except TraceError as exc:
             report.datasets.append(DatasetStatus(key, "damaged", str(exc).split(" is damaged: ", 1)[-1].split(". Nothing of it")[0]))
             continue
@@ -134,7 +166,7 @@ def _check_datasets(file: h5py.File, report: TraceReport) -> None:
             report.datasets.append(DatasetStatus(key, "unverified", "readable; written before checksums, so nothing proves it unchanged"))
 
 
-def _check_invariants(report: TraceReport) -> None:
+def _check_invariants(report: TraceReport, meter: _Progress) -> None:
     from .reader import open_trace
     from .requests import is_routing_trace, read_requests
 
@@ -144,7 +176,8 @@ def _check_invariants(report: TraceReport) -> None:
                 read_requests(report.path)
                 return
             invariants.check_stat(trace)
-            invariants.check_rows_against_stat(trace)
+            row = meter.row_bytes.get(STREAM_GROUP.get(trace.mode, ""), 0)
+            invariants.check_rows_against_stat(trace, progress=lambda rows: meter.advance(rows * row))
             if trace.has_timing:
                 trace.timing_rows()
     except TraceError as exc:

@@ -211,7 +211,8 @@ class TraceWriter:
 
         def do() -> None:
             if name not in self._file:
-                chunk_rows = max(1, min(4096, (1 << 20) // max(1, data[0:1].nbytes)))
+                row_bytes = int(np.prod(data.shape[1:], dtype=np.int64)) * data.dtype.itemsize  # from the shape: data may hold 0 rows
+                chunk_rows = max(1, min(4096, (1 << 20) // max(1, row_bytes)))
                 self._create(
                     name,
                     shape=(0, *data.shape[1:]),

@@ -51,6 +51,12 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _datasets(file: h5py.File) -> list[str]:
+    names: list[str] = []
+    file.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    return names
+
+
 @pytest.mark.slow
 def test_merge_two_gloo_ranks(tmp_path):
     mp.start_processes(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
@@ -78,6 +84,12 @@ def test_merge_two_gloo_ranks(tmp_path):
         report = analyze_trace(merged, window=1)
         np.testing.assert_array_equal(report.physical_count, expected[0] + expected[1])
         assert report.to_dict()["drift"]["num_windows"] == 7  # distinct passes 0..6
+        # Streamed with one row per input in flight: the same file as reading every input whole.
+        whole = merge_traces(ranks, tmp_path / f"{mode}-whole.h5", memory_bytes=1 << 40)
+        streamed = merge_traces(ranks, tmp_path / f"{mode}-streamed.h5", memory_bytes=1)
+        with h5py.File(whole, "r") as a, h5py.File(streamed, "r") as b:
+            names = _datasets(a)
+            assert names and names == _datasets(b) and all(np.array_equal(a[n][()], b[n][()]) for n in names)
         assert not [n for n in report.notes if "add up" in n]
 
 

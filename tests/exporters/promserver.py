@@ -10,10 +10,11 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from moetrace.exporters.catalog import MetricSpec
+from moetrace.exporters.spec import MetricSpec
 
 SCRAPE_INTERVAL_S = 0.5
 
@@ -38,16 +39,19 @@ def free_port() -> int:
 class Prometheus:
     """A Prometheus server on a free loopback port scraping ``targets`` every 0.5 s.
 
-    ``targets`` maps a job name to ``host:port`` addresses of ``/metrics`` endpoints.
+    ``targets`` maps a job name to ``host:port`` addresses of ``/metrics`` endpoints;
+    ``rule_files`` are recording-rule files, evaluated at the same interval (``interval_s``).
     """
 
-    def __init__(self, tmp: Path, targets: dict[str, list[str]]) -> None:
+    def __init__(self, tmp: Path, targets: dict[str, list[str]], rule_files: Sequence[Path] = (),
+                 interval_s: float = SCRAPE_INTERVAL_S) -> None:
         self.binary = require_prometheus()
         self.dir = Path(tmp)
         self.port = free_port()
-        interval = f"{int(SCRAPE_INTERVAL_S * 1000)}ms"
+        interval = f"{int(interval_s * 1000)}ms"
         config = {
-            "global": {"scrape_interval": interval, "scrape_timeout": interval},
+            "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
+            "rule_files": [str(Path(f).resolve()) for f in rule_files],
             "scrape_configs": [{"job_name": job, "static_configs": [{"targets": addrs}]} for job, addrs in targets.items()],
         }
         (self.dir / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML

@@ -28,7 +28,7 @@ def test_every_expression_names_an_emitted_metric(tmp_path):
         assert names, f"expression names no moetrace metric: {expr}"
         assert names <= emitted, f"{expr} uses {sorted(names - emitted)}, which the exporter does not emit"
         used |= names
-    assert {"moetrace_balancedness", "moetrace_layer_imbalance", "moetrace_rank_routed_tokens_total"} <= used
+    assert {"moetrace_balancedness", "moetrace_layer_imbalance", "moetrace_layer_received_tokens_total"} <= used
 
 
 def test_required_panels():
@@ -41,7 +41,7 @@ def test_required_panels():
     heat = find("heatmap", "moetrace_layer_imbalance")
     assert heat and "{{layer}}" in heat[0]["targets"][0]["legendFormat"], "per-layer heatmap of imbalance"
     assert find("timeseries", "moetrace_expert_imbalance") and find("heatmap", "moetrace_layer_expert_imbalance"), "expert balance (needs no EP)"
-    assert any("by (ep_rank)" in t["expr"] for p in find("timeseries", "moetrace_rank_routed_tokens_total") for t in p["targets"]), "per-rank load"
+    assert any("by (rank)" in t["expr"] for p in find("timeseries", "moetrace_layer_received_tokens_total") for t in p["targets"]), "per-rank load"
     assert find("timeseries", "moetrace_phase_seconds_sum"), "phase time per rank"
     assert any("topk(1" in t["expr"] for p in find("timeseries", 'phase="expert"') for t in p["targets"]), "slowest rank over time"
     ids = [p["id"] for p in panels]

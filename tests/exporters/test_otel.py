@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from moetrace.exporters import otel
-from moetrace.exporters.catalog import INFO, METRICS, PER_EXPERT, info_labels, samples
+from moetrace.exporters.catalog import ALL, INFO, METRICS, info_labels, samples
 from opentelemetry import metrics, trace
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
@@ -73,10 +73,10 @@ def _unknown(spec, snap) -> bool:
 
 def test_in_memory_reader_equals_snapshot(recorded):
     reader = InMemoryMetricReader()
-    handle = otel.instrument(MeterProvider(metric_readers=[reader]), recorded, per_expert=True)
+    handle = otel.instrument(MeterProvider(metric_readers=[reader]), recorded, per_expert=True, per_ep_rank=True)
     for round_ in range(2):
         got, snap = read(reader), recorded.snapshot()
-        for spec in (*METRICS, PER_EXPERT):
+        for spec in ALL:
             if _unknown(spec, snap):  # NaN (e.g. peak memory on CPU): the SDK reports no point
                 assert spec.otel_name not in got
                 continue
@@ -174,7 +174,7 @@ def test_otlp_http_export_reaches_a_receiver(recorded):
     provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(
         OTLPMetricExporter(endpoint=f"http://127.0.0.1:{server.server_port}/v1/metrics"), export_interval_millis=3_600_000)])
     try:
-        otel.instrument(provider, recorded, per_expert=True)
+        otel.instrument(provider, recorded, per_expert=True, per_ep_rank=True)
         assert provider.force_flush(timeout_millis=30_000)
     finally:
         provider.shutdown()
@@ -198,7 +198,7 @@ def test_otlp_http_export_reaches_a_receiver(recorded):
                 if m.HasField("sum"):
                     assert m.sum.is_monotonic
     snap = recorded.snapshot()
-    for spec in (*METRICS, PER_EXPERT):
+    for spec in ALL:
         if _unknown(spec, snap):
             continue
         assert got[spec.otel_name] == pytest.approx(expected(spec, snap), rel=1e-15), spec.otel_name

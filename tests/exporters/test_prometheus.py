@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 import torch
 from moetrace.exporters import prometheus
-from moetrace.exporters.catalog import INFO, METRICS, PER_EXPERT, samples
+from moetrace.exporters.catalog import (
+    ALL,
+    INFO,
+    METRICS,
+    PER_EP_RANK,
+    PER_EXPERT,
+    samples,
+    series_per_process,
+)
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -46,8 +54,8 @@ def recorded(tmp_path):
 
 def test_scrape_equals_snapshot(recorded):
     snap = recorded.snapshot()
-    scraped = parse(generate_latest(prometheus.register(recorded, per_expert=True)).decode())
-    for spec in (*METRICS, PER_EXPERT):
+    scraped = parse(generate_latest(prometheus.register(recorded, per_expert=True, per_ep_rank=True)).decode())
+    for spec in ALL:
         assert scraped[spec.prom_name] == pytest.approx(expected(spec, snap), rel=1e-15, nan_ok=True), spec.prom_name
     (info,) = scraped[INFO.prom_name]
     assert dict(info) == {"rank": "2", "model": MODEL, "engine": "moetrace.reference", "mode": "stat",
@@ -67,6 +75,41 @@ def test_per_expert_series_only_when_asked(recorded):
     names = parse(generate_latest(prometheus.register(recorded)).decode())
     assert PER_EXPERT.prom_name not in names
     assert set(names) == {spec.prom_name for spec in METRICS} | {INFO.prom_name}
+
+
+def test_default_series_are_bounded_by_layers(recorded):
+    """By default a rank exports O(layers) series plus the hot-expert top-N; the [layer, ep_rank] matrices are opt-in."""
+    snap = recorded.snapshot()
+    default = parse(generate_latest(prometheus.register(recorded)).decode())
+    full = parse(generate_latest(prometheus.register(recorded, per_ep_rank=True)).decode())
+    L, R, E = len(snap.layer_ids), snap.ep_size, snap.logical_count.shape[1]
+    assert sum(map(len, default.values())) == series_per_process(L, R, E)
+    assert sum(map(len, full.values())) == series_per_process(L, R, E, per_ep_rank=True) == series_per_process(L, R, E) + 3 * L * R
+    assert not {spec.prom_name for spec in PER_EP_RANK} & set(default)
+    assert len(default["moetrace_hot_expert_routed_tokens"]) == 10  # 3 layers x 16 experts: a top-10
+    # The per-layer sums of the matrices are what the default series carry.
+    for matrix, total in (("moetrace_dispatch_sent_tokens_total", "moetrace_layer_sent_tokens_total"),
+                          ("moetrace_dispatch_received_tokens_total", "moetrace_layer_received_tokens_total")):
+        sums: dict[frozenset, float] = {}
+        for labels, value in full[matrix].items():
+            key = frozenset((k, v) for k, v in labels if k != "ep_rank")
+            sums[key] = sums.get(key, 0.0) + value
+        assert sums == default[total]
+    assert sum(default["moetrace_layer_sent_tokens_total"].values()) == snap.send_count.sum() > 0
+    # the hottest cells are the largest logical counts, with their model layer ids
+    hot = sorted(default["moetrace_hot_expert_routed_tokens"].values(), reverse=True)
+    assert hot == sorted(snap.logical_count.reshape(-1).tolist(), reverse=True)[:10]
+    for labels, value in default["moetrace_hot_expert_routed_tokens"].items():
+        d = dict(labels)
+        assert snap.logical_count[list(snap.layer_ids).index(int(d["layer"])), int(d["expert"])] == value
+
+
+def test_unknown_metric_option_is_refused():
+    from moetrace.exporters.catalog import ALL as specs
+    from moetrace.exporters.spec import enabled
+
+    with pytest.raises(ValueError, match="unknown metric option"):
+        enabled(specs, per_rank=True)
 
 
 def test_global_recorder_looked_up_per_scrape(tmp_path):

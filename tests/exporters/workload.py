@@ -132,7 +132,7 @@ def ep_worker(rank: int, world_size: int, ports: list[int], tmp: str) -> int:
     """
     out = Path(tmp)
     loop, recorder = serving_loop(out, ep=EPSpec(world_size, rank))
-    server = prometheus.start_http_server(ports[rank], recorder=recorder)
+    server = prometheus.start_http_server(ports[rank], recorder=recorder, per_ep_rank=True)  # the test reads the matrices
     try:
         recorder.start_record()
         deadline = time.monotonic() + 120

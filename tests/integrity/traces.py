@@ -2,12 +2,15 @@
 
 Every builder writes through moetrace's own writers (recorder, segments, checkpoint,
 merge, recover, convert, routing replay), so the fuzz test damages exactly what users
-get. ``corrupt`` applies one seeded mutation: a bit flip, a zeroed block, a truncation
-or two chunks of one dataset swapped on disk.
+get. ``corrupt`` applies one seeded mutation: a bit flip, a zeroed block anywhere, a zeroed
+block over an HDF5 metadata structure (superblock, object headers, B-trees, fractal and global
+heaps, free-space managers: found by their signatures, :func:`layout_of`), a zeroed block
+inside a dataset's chunk, a truncation, or two chunks of one dataset swapped on disk.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -27,7 +30,13 @@ from moetrace.trace.recover import recover
 from tests.faults.recording import feed
 
 LAYERS, EXPERTS, TOP_K = 3, 16, 2
-MUTATIONS = ("bit_flip", "zero_block", "truncate", "swap_chunks")
+MUTATIONS = ("bit_flip", "zero_block", "zero_metadata", "zero_data", "truncate", "swap_chunks")
+#: Signatures of HDF5's metadata structures (file format spec): object headers and their
+#: continuations, global heap collections, fractal heaps (header, direct and indirect blocks),
+#: free-space managers, v2 B-trees, fixed and extensible array chunk indices, and the
+#: version-1 structures (B-tree, local heap, symbol table node) moetrace never writes.
+SIGNATURES = (b"OHDR", b"OCHK", b"GCOL", b"FRHP", b"FHDB", b"FHIB", b"FSHD", b"FSSE", b"BTHD", b"BTIN", b"BTLF",
+              b"FAHD", b"FADB", b"EAHD", b"EAIB", b"EADB", b"EASB", b"TREE", b"HEAP", b"SNOD")
 
 
 def _config(mode: str, directory: Path, **extra: object) -> RecorderConfig:
@@ -85,21 +94,24 @@ def routing(directory: Path) -> Path:
     return out
 
 
+def sglang_dump(directory: Path, rank: int) -> Path:
+    """An SGLang per_token expert-distribution dump (``.pt``) of ``rank``, as SGLang saves it."""
+    rng = np.random.default_rng(rank)
+    records = []
+    for pass_id in range(6):
+        ids = np.full((LAYERS, 5, 8), -1)
+        ids[:, :, :TOP_K] = rng.integers(0, EXPERTS, (LAYERS, 5, TOP_K))
+        records.append({"forward_pass_id": pass_id, "rank": rank, "topk_ids_of_layer": torch.as_tensor(ids, dtype=torch.int32),
+                        "global_physical_count": torch.zeros(LAYERS, EXPERTS, dtype=torch.int64)})
+    src = directory / f"rank{rank}.pt"
+    torch.save({"records": records, "last_physical_to_logical_map": torch.arange(EXPERTS).repeat(LAYERS, 1)}, src)
+    return src
+
+
 def per_rank_pair(directory: Path) -> list[Path]:
     """Ranks 0 and 1 of one run, per_token, through ``convert`` of SGLang-shaped dumps."""
-    paths = []
-    for rank in (0, 1):
-        rng = np.random.default_rng(rank)
-        records = []
-        for pass_id in range(6):
-            ids = np.full((LAYERS, 5, 8), -1)
-            ids[:, :, :TOP_K] = rng.integers(0, EXPERTS, (LAYERS, 5, TOP_K))
-            records.append({"forward_pass_id": pass_id, "rank": rank, "topk_ids_of_layer": torch.as_tensor(ids, dtype=torch.int32),
-                            "global_physical_count": torch.zeros(LAYERS, EXPERTS, dtype=torch.int64)})
-        src = directory / f"rank{rank}.pt"
-        torch.save({"records": records, "last_physical_to_logical_map": torch.arange(EXPERTS).repeat(LAYERS, 1)}, src)
-        paths.append(convert_sglang(src, directory / f"rank{rank}.h5", top_k=TOP_K, run_id="fuzzrun", world_size=2))
-    return paths
+    return [convert_sglang(sglang_dump(directory, rank), directory / f"rank{rank}.h5", top_k=TOP_K, run_id="fuzzrun", world_size=2)
+            for rank in (0, 1)]
 
 
 def converted(directory: Path) -> Path:
@@ -127,6 +139,7 @@ def build(kind: str, directory: Path) -> tuple[Path, Path | None]:
         "converted": lambda: (converted(directory), None),
         "segment": lambda: _in_run(run_directory(directory, "per_token"), "-seg000001.h5"),
         "checkpoint": lambda: _in_run(run_directory(directory, "stat"), "-checkpoint.h5"),
+        "sglang_pt": lambda: (sglang_dump(directory, 0), None),
     }
     return builders[kind]()
 
@@ -144,21 +157,38 @@ def _in_run(run: Path, suffix: str) -> tuple[Path, Path]:
 
 
 # ----------------------------------------------------------------------------- damage
-def _chunks(path: Path) -> list[list[tuple[int, int]]]:
-    """Per chunked dataset, its stored chunks ``(byte offset, size)``."""
-    found: list[list[tuple[int, int]]] = []
-    with h5py.File(path, "r") as f:
-        def visit(name: str, obj: object) -> None:
-            if isinstance(obj, h5py.Dataset) and obj.chunks is not None:
-                chunks: list[tuple[int, int]] = []
-                obj.id.chunk_iter(lambda info: chunks.append((int(info.byte_offset), int(info.size))))
-                found.append(chunks)
-        f.visititems(visit)
-    return found
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a file's structures lie: ``metadata`` byte offsets (0, the superblock, and every
+    signature of :data:`SIGNATURES`) and, per chunked dataset, its stored chunks ``(offset, size)``."""
+
+    metadata: tuple[int, ...]
+    chunks: tuple[tuple[tuple[int, int], ...], ...]
 
 
-def corrupt(data: bytes, mutation: str, rng: np.random.Generator, path: Path) -> bytes:
-    """``data`` (the bytes of ``path``) with one seeded mutation applied."""
+def layout_of(path: Path) -> Layout:
+    """The :class:`Layout` of ``path`` (an HDF5 file; other files: the signature scan only)."""
+    data = path.read_bytes()
+    found = {0}
+    for signature in SIGNATURES:
+        at = data.find(signature)
+        while at != -1:
+            found.add(at)
+            at = data.find(signature, at + 1)
+    chunks: list[tuple[tuple[int, int], ...]] = []
+    if data.startswith(b"\x89HDF"):
+        with h5py.File(path, "r") as f:
+            def visit(name: str, obj: object) -> None:
+                if isinstance(obj, h5py.Dataset) and obj.chunks is not None:
+                    stored: list[tuple[int, int]] = []
+                    obj.id.chunk_iter(lambda info: stored.append((int(info.byte_offset), int(info.size))))
+                    chunks.append(tuple(stored))
+            f.visititems(visit)
+    return Layout(tuple(sorted(found)), tuple(c for c in chunks if c))
+
+
+def corrupt(data: bytes, mutation: str, rng: np.random.Generator, layout: Layout) -> bytes:
+    """``data`` (a file's bytes, its :class:`Layout`) with one seeded mutation applied."""
     out = bytearray(data)
     if mutation == "bit_flip":
         at = int(rng.integers(0, len(out)))
@@ -167,10 +197,24 @@ def corrupt(data: bytes, mutation: str, rng: np.random.Generator, path: Path) ->
         size = 2048
         at = int(rng.integers(0, max(1, len(out) - size)))
         out[at : at + size] = bytes(min(size, len(out) - at))
+    elif mutation == "zero_metadata":  # a structure's signature kept or not, a field or the whole of it
+        start = layout.metadata[int(rng.integers(0, len(layout.metadata)))]
+        at = start + int(rng.choice([0, 4, 8, 16, int(rng.integers(0, 64))]))
+        size = int(rng.choice([8, 64, 512, 2048]))
+        out[at : at + size] = bytes(max(0, min(size, len(out) - at)))
+    elif mutation == "zero_data":
+        stored = [c for chunks in layout.chunks for c in chunks]
+        if stored:
+            offset, size = stored[int(rng.integers(0, len(stored)))]
+            at = offset + int(rng.integers(0, size))
+        else:  # not an HDF5 file: anywhere past its first 64 bytes
+            at = int(rng.integers(min(64, len(out) - 1), len(out)))
+        width = int(rng.choice([4, 64, 2048]))
+        out[at : at + width] = bytes(max(0, min(width, len(out) - at)))
     elif mutation == "truncate":
         out = out[: int(len(out) * rng.uniform(0.2, 0.99))]
     elif mutation == "swap_chunks":
-        pairs = [(a, b) for chunks in _chunks(path) for a in chunks for b in chunks if a[0] < b[0] and a[1] == b[1]]
+        pairs = [(a, b) for chunks in layout.chunks for a in chunks for b in chunks if a[0] < b[0] and a[1] == b[1]]
         if pairs:  # two chunks of one dataset, same stored size: Fletcher-32 alone would not notice
             (a, size), (b, _) = pairs[int(rng.integers(0, len(pairs)))]
         else:  # no such pair: two 4 KiB blocks

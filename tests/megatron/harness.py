@@ -15,7 +15,7 @@ import torch
 
 from . import shims
 
-__all__ = ["MoEStack", "StackSpec", "build", "setup_parallel", "teardown_parallel"]
+__all__ = ["HiddenStack", "MoEStack", "StackSpec", "build", "setup_parallel", "teardown_parallel"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,22 @@ class MoEStack(torch.nn.Module):
             out, _ = layer(norm(hidden))
             hidden = hidden + out
         return self.head(hidden).transpose(0, 1)
+
+
+class HiddenStack(torch.nn.Module):
+    """Hidden states ``[S, B, H]`` -> ``[S, B, H]`` through ``MoELayer`` s alone, residual: how
+    Megatron-Core's own unit tests drive MoE layers (and what an RL trainer's module may look
+    like). Its first argument is no ``input_ids``: ``S * B * H`` elements, ``S * B`` tokens."""
+
+    def __init__(self, layers: torch.nn.ModuleList) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            out, _ = layer(hidden)
+            hidden = hidden + out
+        return hidden
 
 
 def setup_parallel(ep_size: int) -> None:

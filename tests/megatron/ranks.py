@@ -413,6 +413,46 @@ def replay_checks(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def hidden_state_checks(rank: int, world: int) -> dict[str, Any]:
+    """Replay into a ``MoELayer`` stack called with hidden states ``[S, B, H]`` positionally, both
+    mechanisms: forced routes used exactly (Megatron's experts' input); one token fewer than the
+    routes hold is refused at the router, naming it."""
+    from moetrace.adapters import megatron as mt
+
+    from moetrace.replay import ReplayError
+
+    harness.setup_parallel(world)
+    batch, seq = 2, 6
+    out: dict[str, Any] = {}
+    for routing_replay in (False, True):
+        model = harness.build(harness.StackSpec(routing_replay=routing_replay))
+        spec, stack = model.spec, harness.HiddenStack(model.layers)
+        local = slice(model.layers[0].local_expert_indices[0], model.layers[0].local_expert_indices[-1] + 1)
+        routes = _forced_routes(rank, batch, seq, spec.num_layers, spec.num_experts, spec.top_k, seed=21)
+        hidden = torch.randn(seq, batch, spec.hidden, generator=torch.Generator().manual_seed(rank))
+        seen = ExpertInputs(model)
+        with mt.replay(stack, routes) as handle:
+            stack(hidden).sum().backward()
+            report = handle.audit_report()
+        seen.remove()
+        with mt.replay(stack, routes):
+            try:
+                stack(hidden[:-1])  # [S-1, B, H]: the routers route 10 tokens, the routes hold 12
+                refused = ""
+            except ReplayError as exc:
+                refused = str(exc)
+        out[f"hidden_{routing_replay}"] = {
+            "mechanism": handle.mechanism,
+            "hidden_numel": int(hidden.numel()),
+            "received": seen.counts.tolist(),
+            "expected": _expected_local(routes, local, spec.num_experts).tolist(),
+            "audit": report.to_dict(),
+            "refused": refused,
+        }
+    harness.teardown_parallel()
+    return out
+
+
 def _route_without_hook(router: torch.nn.Module) -> None:
     """A router whose routing picks its top-k itself, never through ``router_replay`` (a custom router)."""
 

@@ -1,6 +1,6 @@
 """moetrace.adapters.megatron.replay on real Megatron-Core MoE layers at EP=2 over gloo, with the replay audit.
 
-One launch (tests/megatron/ranks.py ``replay_checks``). "Used exactly" is read where
+One launch (tests/megatron/ranks.py ``replay_checks``, ``hidden_state_checks``). "Used exactly" is read where
 Megatron's experts receive their tokens (a test-side hook), independently of the audit,
 which itself reads the routing map each dispatcher dispatches by.
 """
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.megatron
 
 @pytest.fixture(scope="module")
 def results():
-    return [r["replay_checks"] for r in launch(ranks.run, 2, [("replay_checks", ())])]
+    return [r["replay_checks"] | r["hidden_state_checks"] for r in launch(ranks.run, 2, [("replay_checks", ()), ("hidden_state_checks", ())])]
 
 
 @pytest.mark.parametrize("mechanism", [False, True], ids=["moetrace-hook", "megatron-router-replay"])
@@ -61,3 +61,14 @@ def test_routes_files_and_partial_routes(results):
         partial = r["partial"]
         assert partial["mechanism"] == "moetrace"  # -1 rows: Megatron's RouterReplay cannot leave rows to the router
         assert partial["audit"]["ok"] and all(layer["requested"] == 10 for layer in partial["audit"]["layers"])
+
+
+@pytest.mark.parametrize("mechanism", [False, True], ids=["moetrace-hook", "megatron-router-replay"])
+def test_a_stack_called_with_hidden_states_replays_and_a_token_mismatch_is_refused_at_the_router(results, mechanism):
+    for r in results:
+        hidden = r[f"hidden_{mechanism}"]
+        assert hidden["mechanism"] == ("router_replay" if mechanism else "moetrace")
+        assert hidden["hidden_numel"] != 12  # [S, B, H] = [6, 2, 16]: its numel is no token count
+        assert hidden["received"] == hidden["expected"]  # forced routes used exactly
+        assert hidden["audit"]["ok"] and hidden["audit"]["share"] == 1.0 and hidden["audit"]["forwards"] == 1
+        assert "layers.0 routes 10 tokens but the routes hold 12" in hidden["refused"]

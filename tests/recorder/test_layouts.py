@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from moetrace.cli.app import app
-from moetrace.exporters.catalog import METRICS, samples
+from moetrace.exporters.catalog import ALL, samples
 from typer.testing import CliRunner
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
@@ -106,7 +106,7 @@ def _worker(rank: int, world: int, out: str) -> dict:
             if mode == "stat":
                 snap = rec.snapshot()
                 exported = {spec.prom_name: {json.dumps(labels): value for labels, value in samples(spec, snap)}
-                            for spec in METRICS if spec.prom_name in COUNTERS}
+                            for spec in ALL if spec.prom_name in COUNTERS}
                 results[name] = {"status": rec.status()["layout"], "exported": exported}
     return results
 
