@@ -89,9 +89,9 @@ def run_tool(name: str, args: list[str], limit: float, stdout: Path) -> dict[str
 
 
 def _answer(path: Path) -> dict[str, object]:
-    """The analyze JSON without what names the input (the path and the notes about how it was read)."""
+    """The analyze JSON without what names the input (its path or file names, and the notes on how it was read)."""
     data = json.loads(path.read_text())
-    for key in ("path", "notes"):
+    for key in ("path", "trace", "notes"):
         data.pop(key, None)
     return data
 

@@ -90,6 +90,12 @@ class RecorderConfig:
             (:class:`~moetrace.trace.retention.RetentionPolicy`: keep the last N
             dumps / D seconds / B bytes of ``output_dir``, older streaming dumps
             compacted to their totals), applied after every dump; ``None``: keep all.
+        gather_stat: ``stat`` dumps under an initialised process group of this
+            rank's world size gather every rank's rows to rank 0, which writes
+            one file (a collective: every rank dumps together). ``False``: each
+            rank writes its own ``-rank<r>`` file, for engines that dump their
+            ranks one at a time (vLLM: a control endpoint and an exit dump per
+            worker); ``moetrace merge`` / ``analyze`` join them.
         run_id: the run id every rank's traces carry (a launcher gives all ranks the
             same one, so ``moetrace merge`` / ``analyze`` join their files); ``None``:
             a new one at each ``start_record``, broadcast to the ranks of the
@@ -122,6 +128,7 @@ class RecorderConfig:
     on_overflow: str = "block"
     retention: RetentionPolicy | None = None
     layout: RankLayout | None = None
+    gather_stat: bool = True
     run_id: str | None = None
 
     def __post_init__(self) -> None:
@@ -154,6 +161,8 @@ class RecorderConfig:
         compression_options(self.resolved_compression)  # raises ValueError naming the accepted specs
         if self.retention is not None and not isinstance(self.retention, RetentionPolicy):
             raise ValueError(f"retention must be a moetrace.trace.retention.RetentionPolicy or None, got {type(self.retention).__name__}")
+        if not isinstance(self.gather_stat, bool):
+            raise ValueError(f"gather_stat must be True or False, got {self.gather_stat!r}")
         if self.on_overflow not in ("block", "drop"):
             raise ValueError(f"on_overflow must be 'block' or 'drop', got {self.on_overflow!r}")
         if self.stream_chunk_tokens < self.max_tokens_per_pass:

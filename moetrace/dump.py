@@ -31,7 +31,7 @@ from .trace.schema import Attr, Data, TraceHeader, dataset
 from .trace.stat import CounterLayout, write_stat
 from .trace.writer import TraceWriter
 
-__all__ = ["TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "streamed_schema"]
+__all__ = ["TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "rank_world", "stat_gathers", "streamed_schema"]
 
 #: Per rank, in rank order: timing aggregates ``{field: array}`` and (``stat`` dumps) the window's ``/timing`` rows.
 TimingParts = list[tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]]
@@ -42,6 +42,28 @@ def dist_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def rank_world(config: RecorderConfig) -> tuple[int, int]:
+    """(rank, world size) this recorder's traces carry: its configured layout's when it has one, else the
+    default process group's, else (0, 1).
+
+    The layout's identity holds without a process group: vLLM tears its group down before the
+    workers' exit dumps, and a driver or converter may give a layout (rank 5 of 8) and never
+    start one.
+    """
+    if config.layout is not None:
+        return config.layout.rank, config.layout.world_size
+    return dist_world()
+
+
+def stat_gathers(config: RecorderConfig) -> bool:
+    """Whether a ``stat`` dump gathers every rank's rows over the default process group (a collective
+    that rank 0 writes): only with ``config.gather_stat`` and while a group of this recorder's world
+    size (> 1) is initialised. Otherwise each rank writes its own file (``moetrace merge`` / ``analyze``
+    join them)."""
+    world = rank_world(config)[1]
+    return config.gather_stat and world > 1 and dist_world()[1] == world
 
 
 def gather(tensor: torch.Tensor, world: int) -> torch.Tensor:
@@ -102,7 +124,7 @@ class TraceDump:
 
     def header(self, run_id: str, rank: int, world_size: int, layouts: tuple[RankLayout, ...] | None = None) -> TraceHeader:
         """The trace header; ``layouts``: each rank row's layout (default: this rank's alone)."""
-        own = (self.config.rank_layout(*dist_world()),) if layouts is None else layouts
+        own = (self.config.rank_layout(*rank_world(self.config)),) if layouts is None else layouts
         return TraceHeader.of_config(self.config, run_id, rank, world_size, own)
 
     # ------------------------------------------------------------------ pieces
@@ -141,24 +163,27 @@ class TraceDump:
 
     # ------------------------------------------------------------------ dumps
     def stat(self, target: Path, run_id: str, rank: int, world: int, counter: PassCounter, window: StatWindow,
-             num_passes: int, timing: TimingParts | None) -> Path:
-        """``stat`` mode (collective under ``torch.distributed``): gather to rank 0, which writes ``target``.
+             num_passes: int, timing: TimingParts | None, gathered: bool = True) -> Path:
+        """``stat`` mode: with ``gathered`` (collective under ``torch.distributed``) gather to rank 0,
+        which writes ``target``; without, this rank writes its own row to ``target`` as rank ``rank`` of ``world``.
 
         Args:
             counter: the pass counter (``totals [L, C]`` and ``token_total [1]`` on the device).
             window: the window of the last passes.
+            timing: every gathered rank's timing parts (this rank's alone when not ``gathered``).
         """
         totals = counter.totals
         device = totals.device
-        layouts = tuple(gather_objects(self.config.rank_layout(rank, world), world))  # every rank row's layout
-        rows = gather(totals, world).cpu().numpy()
+        peers = world if gathered else 1  # ranks whose rows go into this file
+        layouts = tuple(gather_objects(self.config.rank_layout(rank, world), peers))  # every rank row's layout
+        rows = gather(totals, peers).cpu().numpy()
         w = window
         order = w.order()
         slots = len(w.pass_id)
         meta = np.full((slots, 3), -1.0)
         meta[: len(order)] = np.stack([w.pass_id, w.timestamp, w.tokens.cpu().numpy()], axis=1)[order]
         passes = torch.cat([torch.tensor([num_passes], dtype=torch.int64, device=device), counter.token_total])
-        if world == 1:
+        if peers == 1:
             # The ring as it is (no reordered copy): the oldest slots first, then the wrapped ones.
             ring = w.counts.cpu().numpy()[None]
             wrap = min(len(order), slots - int(order[0])) if len(order) else 0
@@ -167,12 +192,12 @@ class TraceDump:
         else:
             counts = torch.zeros_like(w.counts)
             counts[: len(order)] = w.counts[torch.as_tensor(order, dtype=torch.long, device=device)]
-            all_counts = [gather(counts, world).cpu().numpy()]
-            all_meta = gather(torch.as_tensor(meta, dtype=torch.float64, device=device), world).cpu().numpy()
-            all_passes = gather(passes, world).cpu().numpy()
-        if rank != 0:
+            all_counts = [gather(counts, peers).cpu().numpy()]
+            all_meta = gather(torch.as_tensor(meta, dtype=torch.float64, device=device), peers).cpu().numpy()
+            all_passes = gather(passes, peers).cpu().numpy()
+        if peers > 1 and rank != 0:
             return target
-        header = self.header(run_id, rank=-1 if world > 1 else rank, world_size=world, layouts=layouts)  # type: ignore[arg-type]
+        header = self.header(run_id, rank=-1 if peers > 1 else rank, world_size=world, layouts=layouts)  # type: ignore[arg-type]
         with TraceWriter(target, header, compression=self.compression) as writer:
             self.write_stat_file(writer, rows, all_passes, all_meta, all_counts)
             self.write_timing(writer, timing)

@@ -51,7 +51,15 @@ from . import session as sessions
 from .accumulators import PassCounter, PassStream, StatWindow, TokenStream
 from .config import RecorderConfig
 from .devices import resolve_device
-from .dump import TimingParts, TraceDump, dist_world, gather_objects, streamed_schema
+from .dump import (
+    TimingParts,
+    TraceDump,
+    dist_world,
+    gather_objects,
+    rank_world,
+    stat_gathers,
+    streamed_schema,
+)
 from .graphs import is_capturing
 from .session import RecordingSession, Staged
 from .snapshot import RecorderSnapshot, SnapshotChannel
@@ -487,7 +495,7 @@ class ExpertDistributionRecorder:
         """Start the recording's files: rotating segments (streaming modes) or checkpoints (stat)."""
         if not sessions.wanted(self.config):
             return
-        rank, world = dist_world()
+        rank, world = rank_world(self.config)
         header = self._dump.header(self._run_id, rank, world)
         self._session = RecordingSession(self.config, header, self._layout, self._dump.streamed, self._staged,
                                          self._dump.write_stat_file, self._dump.compression)
@@ -522,7 +530,11 @@ class ExpertDistributionRecorder:
 
         ``stat`` mode under ``torch.distributed`` is collective: every rank must
         call it; rank 0 writes one file with a rank axis and every rank returns
-        its path. Streaming modes write one file per rank (``-rank{r}`` suffix
+        its path. Without a process group of the world's size (a configured
+        layout of several ranks, whose engine tore its group down or never had
+        one) each rank writes its own ``-rank{r}`` file instead. Every file says
+        which rank it holds: the layout's rank and world size when one is
+        configured. Streaming modes write one file per rank (``-rank{r}`` suffix
         when the world has several ranks) holding the passes since the previous
         dump (its ``/stat`` covers the same passes), so a long run can be dumped
         in segments. After a failure the recorded data is intact and the dump
@@ -535,11 +547,16 @@ class ExpertDistributionRecorder:
             target = Path(path) if path is not None else self._dump.default_path()
             if target.suffix != ".h5":
                 target = target.with_name(target.name + ".h5")
-            rank, world = dist_world()
+            rank, world = rank_world(self.config)
             if self.config.mode == "stat":
                 assert self._window is not None
-                timing = self._gather_timing(world, rows=True)
-                written = self._dump.stat(target, self._run_id, rank, world, self._counter, self._window, self._num_passes, timing)
+                gathered = stat_gathers(self.config)
+                if gathered:
+                    rank = dist_world()[0]  # the collective's rank 0 writes the file
+                elif world > 1:
+                    target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
+                timing = self._gather_timing(world if gathered else 1, rows=True)
+                written = self._dump.stat(target, self._run_id, rank, world, self._counter, self._window, self._num_passes, timing, gathered)
                 self._dumped_passes = self._num_passes  # stat dumps are cumulative: every pass is in this one
             else:
                 if world > 1:
@@ -595,7 +612,7 @@ class ExpertDistributionRecorder:
         return RecorderSnapshot.of_rows(
             self.config, self._layout, rows, progress, recording=recording, id_space=self.id_space,
             last_dump_path=str(last) if last else None, errors=errors, dropped_passes=self.dropped_passes, timing=timing,
-            rank_layout=self.config.rank_layout(*dist_world()),
+            rank_layout=self.config.rank_layout(*rank_world(self.config)),
             retention=self._retention.stats.to_dict() if self._retention is not None else None,
         )
 
@@ -616,7 +633,7 @@ class ExpertDistributionRecorder:
                 "output_dir": str(self.config.output_dir),
                 "errors": errors,
                 "retention": self._retention.stats.to_dict() if self._retention is not None else None,
-                "layout": self.config.rank_layout(*dist_world()).as_dict(),
+                "layout": self.config.rank_layout(*rank_world(self.config)).as_dict(),
             }
 
 

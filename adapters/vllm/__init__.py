@@ -184,6 +184,7 @@ def instrument_model(
         "ep_size": ep_size,
         "ep_rank": ep_rank,
         "layout": vllm_rank_layout(vllm_config, ep_size, ep_rank),
+        "gather_stat": False,  # each worker dumps alone (its control endpoint, its exit): per-rank stat files
     }
     num_experts = max(layer.num_experts for layer in layers)
     layer_ids = [layer.layer_id for layer in layers]

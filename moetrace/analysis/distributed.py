@@ -21,6 +21,8 @@ Inputs must be ``per_pass`` or ``per_token`` traces of one run (the same
 ``run_id`` and shapes): one file per rank (as the streaming modes write
 them), several segments per rank (consecutive dumps; their passes must not
 overlap), or both. Dask is imported only when a ``client`` is given.
+Per-rank ``stat`` traces of one run (each rank dumped alone, as a TP
+engine's workers do at exit) are analysed as their merge.
 
 Over 500 lines: the task plan, the worker-side readers and the driver-side merge of one
 distributed analysis must agree on one task format; split, none of the pieces is usable alone.
@@ -34,6 +36,7 @@ import itertools
 import math
 import os
 import re
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,8 +49,10 @@ from ..layout import RankLayout, counted_rows
 from ..placement.series import PassSeries
 from ..trace.guarded import open_hdf5
 from ..trace.integrity import reading
+from ..trace.merge import merge_traces
 from ..trace.reader import PassChunk, TokenChunk, Trace, open_trace
 from ..trace.schema import (
+    MERGED_DAMAGED_ATTR,
     PASS_FIELDS,
     SAME_RUN_ATTRS,
     STREAM_GROUP,
@@ -558,7 +563,8 @@ def analyze_traces(
     """Analyse the traces of one run as one: what :func:`analyze_trace` gives for their merged trace.
 
     Args:
-        paths: ``per_pass`` or ``per_token`` traces of one run (per-rank files, segments).
+        paths: ``per_pass`` or ``per_token`` traces of one run (per-rank files, segments), or the
+            per-rank ``stat`` traces of one run (analysed as their merge).
         layers, window, top: as for :func:`~.report.analyze_trace`.
         progress: a progress bar over the tasks on stderr (in-process runs only).
         chunk_tokens, chunk_passes: rows a task reads at once (bound its memory).
@@ -566,18 +572,21 @@ def analyze_traces(
         client: a ``distributed.Client``: run the tasks on its cluster; ``None``: in this process.
 
     Raises:
-        TraceError: an input is unreadable, not a streaming trace, or not of the same run.
+        TraceError: an input is unreadable, not a streaming trace (or all per-rank ``stat`` traces), or not of the same run.
         ValueError: ``window`` or ``top`` is not positive.
     """
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive number of passes, got {window}")
     if top < 1:
         raise ValueError(f"top must be positive, got {top}")
-    if len(paths) == 1:
-        with open_trace(paths[0]) as trace:
-            single_stat = trace.mode not in STREAM_GROUP
-        if single_stat:  # a stat trace is one small window: nothing to distribute
+    modes = set()
+    for path in paths:
+        with open_trace(path) as trace:
+            modes.add(trace.mode)
+    if modes == {"stat"}:  # stat traces are one small window each: nothing to distribute
+        if len(paths) == 1:
             return analyze_trace(paths[0], layers=layers, window=window, top=top, progress=progress)
+        return _analyze_stat_ranks(paths, layers=layers, window=window, top=top, progress=progress)
     inputs = _read_inputs(paths, layers)
     fold = _fold(inputs, make_tasks(inputs.paths, task_rows), lambda _: window or inputs.default_window,
                  chunk_tokens if inputs.mode == "per_token" else chunk_passes, client, progress)
@@ -615,6 +624,24 @@ def analyze_traces(
         notes=notes,
         timing=inputs.timing,
     )
+
+
+def _analyze_stat_ranks(paths: Sequence[Path | str], **options: Any) -> AnalysisReport:
+    """Per-rank ``stat`` traces of one run (each rank's own dump, as a TP engine's workers write at exit):
+    :func:`analyze_trace` of their merge, which :func:`~moetrace.trace.merge.merge_traces` writes
+    into a temporary directory (its ``/stat`` rows and windows are what a gathered dump holds).
+
+    Raises:
+        TraceError: the inputs are not the ranks of one run, or one is damaged (named).
+    """
+    with tempfile.TemporaryDirectory(prefix="moetrace-analyze-") as tmp:
+        merged = merge_traces(paths, Path(tmp) / "merged.h5")
+        with open_trace(merged) as trace:
+            damaged = trace.attrs.get(MERGED_DAMAGED_ATTR)
+        if damaged:
+            raise TraceError(f"damaged per-rank stat traces: {damaged}; analyse the intact ones with `moetrace merge` and `analyze`")
+        report = analyze_trace(merged, **options)
+    return dataclasses.replace(report, path=Path(paths[0]), notes=[f"read as the merge of {len(paths)} per-rank stat traces", *report.notes])
 
 
 def pass_series(

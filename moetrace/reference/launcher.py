@@ -109,7 +109,8 @@ def _worker(rank: int, world_size: int, backend: str, port: int, threads: int, f
         try:
             value = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # ``fn`` may have torn it down itself (as vLLM's workers do before exit)
+                dist.destroy_process_group()
         results.put((rank, True, value))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))

@@ -147,7 +147,7 @@ def test_killed_worker_still_gives_the_right_answer(rank_traces, client, single_
 
     thread = threading.Thread(target=run)
     thread.start()
-    victim, deadline = None, time.monotonic() + 60
+    victim, deadline = None, time.monotonic() + 600
     while victim is None and time.monotonic() < deadline and thread.is_alive():
         busy = [w for w, keys in client.processing().items() if any("task_partial" in str(k) for k in keys)]
         if busy:
@@ -158,11 +158,11 @@ def test_killed_worker_still_gives_the_right_answer(rank_traces, client, single_
     pid = client.run(os.getpid, workers=[victim])[victim]
     os.kill(pid, signal.SIGKILL)
     killed_mid_run = thread.is_alive()
-    thread.join(120)
+    thread.join(600)  # bounds a hang; a loaded machine (load 30 on 2 cores seen) makes the retry slow
     assert killed_mid_run and not thread.is_alive()
     assert "error" not in result, result.get("error")
     assert result["report"] == single_process
-    client.wait_for_workers(2, timeout=60)  # the nanny restarted it
+    client.wait_for_workers(2, timeout=600)  # the nanny restarted it (60 s was exceeded under load)
 
 
 def test_inputs_of_different_runs_or_overlapping_segments_are_refused(rank_traces, tmp_path):

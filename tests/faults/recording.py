@@ -27,11 +27,13 @@ def pass_ids(pass_id: int, rank: int = 0) -> np.ndarray:
     return np.argsort(rng.random((TOKENS, LAYERS, EXPERTS)), axis=2)[:, :, :TOP_K].astype(np.int64)
 
 
-def make_recorder(mode: str, output_dir: Path) -> ExpertDistributionRecorder:
+def make_recorder(mode: str, output_dir: Path, **rotation: float) -> ExpertDistributionRecorder:
+    """A small recorder whose segments rotate every :data:`SEGMENT_SECONDS` (``rotation``: other
+    ``segment_seconds`` / ``segment_bytes``)."""
     config = RecorderConfig(
         num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K, mode=mode, output_dir=output_dir,
         max_tokens_per_pass=TOKENS, stream_chunk_tokens=CHUNK_TOKENS, stream_chunk_passes=8,
-        segment_seconds=SEGMENT_SECONDS, window=16,
+        **{"segment_seconds": SEGMENT_SECONDS, "window": 16, **rotation},  # type: ignore[arg-type]
     )
     return ExpertDistributionRecorder(config)
 
@@ -45,20 +47,21 @@ def feed(rec: ExpertDistributionRecorder, pass_id: int, rank: int = 0) -> None:
 
 
 def two_rank_worker(rank: int, world_size: int, output_dir: str, passes: int, kill_at: int) -> str:
-    """Each rank records its own seeded passes (5 ms apart, so segments rotate); rank 1
-    SIGKILLs itself before pass ``kill_at``. Rank 0 (no collective after ``start_record``)
-    records every pass and dumps normally."""
+    """Each rank records its own seeded passes; rank 1 SIGKILLs itself before pass ``kill_at``.
+    Rank 0 (no collective after ``start_record``) records every pass and dumps normally.
+
+    Segments rotate at every hand-off (``segment_bytes=1``: each ``CHUNK_TOKENS // TOKENS`` passes),
+    never by time: a time bound on a loaded machine rotates at every pass (each pass end finds it
+    expired), and a segment per pass made the run outlast the launcher's bound."""
     import os
     import signal
-    import time
 
-    rec = make_recorder("per_token", Path(output_dir))
+    rec = make_recorder("per_token", Path(output_dir), segment_seconds=0, segment_bytes=1)
     rec.start_record()  # collective: broadcasts the run id
     for pass_id in range(passes):
         if rank == 1 and pass_id == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         feed(rec, pass_id, rank)
-        time.sleep(0.005)
     rec.stop_record()
     return str(rec.dump_record(Path(output_dir) / "run.h5"))
 

@@ -21,7 +21,7 @@ PASSES, KILL_AT = 160, 90
 def test_rank_killed_mid_run(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    rank0, rank1 = launch(two_rank_worker, 2, str(out), PASSES, KILL_AT, backend="gloo", threads_per_rank=1, timeout=120, tolerate_deaths=True)
+    rank0, rank1 = launch(two_rank_worker, 2, str(out), PASSES, KILL_AT, backend="gloo", threads_per_rank=1, timeout=300, tolerate_deaths=True)
     # The launcher says which rank died and how.
     assert isinstance(rank1, RankDeath) and rank1.rank == 1 and rank1.exitcode == -signal.SIGKILL
     assert str(rank1) == "rank 1 died: killed by signal SIGKILL (9)"

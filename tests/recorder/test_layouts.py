@@ -1,7 +1,10 @@
 """Rank layouts on real gloo ranks with the reference runtime: each token counted once.
 
 One spawn of two ranks records five layouts, in ``stat`` (gathered into one
-file) and ``per_token`` (one file per rank) modes:
+file) and ``per_token`` (one file per rank) modes, and the ``tp`` layout once
+more in every mode with the process group torn down before the dump (what vLLM's
+workers do before their exit dumps: each rank writes its own file, which must
+still say which rank of the layout it holds):
 
 - ``tp``: TP attention, both ranks route the same tokens (replicated router);
 - ``tp_ep``: the same with the experts split over the two ranks (vLLM's EP);
@@ -42,6 +45,7 @@ pytestmark = pytest.mark.slow
 
 H, FFN, E, K, PASSES, WORLD = 16, 24, 8, 2, 3, 2
 LAYOUTS = ("tp", "tp_ep", "dp", "ep", "legacy")
+MODES = ("stat", "per_pass", "per_token")
 SHARED_TOKENS = ("tp", "tp_ep", "legacy")  # every rank holds the same tokens
 COUNTERS = ("moetrace_tokens_total", "moetrace_layer_routed_tokens_total", "moetrace_rank_routed_tokens_total")
 
@@ -108,7 +112,27 @@ def _worker(rank: int, world: int, out: str) -> dict:
                 exported = {spec.prom_name: {json.dumps(labels): value for labels, value in samples(spec, snap)}
                             for spec in ALL if spec.prom_name in COUNTERS}
                 results[name] = {"status": rec.status()["layout"], "exported": exported}
+    results["exit"] = _dump_without_the_group(rank, world, out)
     return results
+
+
+def _dump_without_the_group(rank: int, world: int, out: str) -> dict:
+    """Record ``tp`` in every mode while the group lives (one run id per mode, broadcast), then tear the
+    group down and dump, as vLLM's TP workers do at exit; returns each dump's path and ``/status`` layout."""
+    recorders = {}
+    for mode in MODES:
+        rec = ExpertDistributionRecorder(RecorderConfig(
+            num_layers=1, num_physical_experts=E, top_k=K, mode=mode, output_dir=out, layout=_layout("tp", rank, world),
+            max_tokens_per_pass=64, stream_chunk_tokens=64, segment_seconds=0))
+        rec.start_record()
+        with torch.inference_mode():
+            for step in range(PASSES):
+                with rec.with_forward_pass():
+                    MoELayer(_router(), SwiGLUExperts(H, FFN, E, seed=2))(_inputs("tp", rank, step), recorder=rec)
+        rec.stop_record()
+        recorders[mode] = rec
+    dist.destroy_process_group()
+    return {mode: {"path": str(rec.dump_record(f"{out}/tp-exit-{mode}.h5")), "layout": rec.status()["layout"]} for mode, rec in recorders.items()}
 
 
 def _expected(name: str) -> dict[str, np.ndarray | int]:
@@ -206,3 +230,48 @@ def test_inspect_shows_each_rank_row(recorded):
     assert doc["tokens_served"] == _expected("tp")["tokens"]
     text = CliRunner().invoke(app, ["inspect", str(out / "tp-stat.h5")]).output
     assert "TP2 (TP attention)" in text and "tokens served" in text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dumps_after_the_group_is_gone_keep_each_rank(recorded, mode):
+    """vLLM's exit dump at TP=2: no process group any more, each rank writes its own file as rank r
+    of 2 (not rank 0 of 1), and merge / analyze read the two files as one run, each token once."""
+    out, results = recorded
+    want = _expected("tp")
+    paths = [out / f"tp-exit-{mode}-rank{r}.h5" for r in range(WORLD)]
+    assert [results[r]["exit"][mode]["path"] for r in range(WORLD)] == [str(p) for p in paths]
+    for r, path in enumerate(paths):
+        with open_trace(path) as trace:
+            assert (trace.attrs["rank"], trace.attrs["world_size"], trace.mode) == (r, WORLD, mode)
+            assert [(x.rank, x.tp_rank, x.replicates_tokens) for x in trace.layouts] == [(r, r, r > 0)]
+            np.testing.assert_array_equal(trace.physical_count()[0], want["counts"])  # this rank's view: the whole batch
+        assert (results[r]["exit"][mode]["layout"]["rank"], results[r]["exit"][mode]["layout"]["world_size"]) == (r, WORLD)
+    merged = merge_traces(paths, out / f"tp-exit-{mode}-merged.h5")
+    with open_trace(merged) as trace:
+        assert trace.tokens_served() == want["tokens"]
+        np.testing.assert_array_equal(trace.physical_count()[0], want["counts"])
+    report = analyze_traces(paths)
+    assert report.num_tokens == want["tokens"]
+    np.testing.assert_array_equal(report.physical_count[0], want["counts"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layout_without_a_process_group_names_the_rank(tmp_path, mode):
+    """A driver that launches ranks its own way (or an offline converter) gives rank 5 of 8 and never
+    starts torch.distributed: every dump still says rank 5 of 8, and the file is named for it."""
+    assert not dist.is_initialized()
+    layout = RankLayout.independent(5, 8, source="reference")
+    rec = ExpertDistributionRecorder(RecorderConfig(
+        num_layers=1, num_physical_experts=E, top_k=K, mode=mode, output_dir=tmp_path, layout=layout,
+        max_tokens_per_pass=64, stream_chunk_tokens=64, segment_seconds=0))
+    rec.start_record()
+    x = _inputs("dp", 0, 0)
+    with torch.inference_mode(), rec.with_forward_pass():
+        MoELayer(_router(), SwiGLUExperts(H, FFN, E, seed=2))(x, recorder=rec)
+    path = rec.dump_record(tmp_path / "converted.h5")
+    assert path.name == "converted-rank5.h5"
+    with open_trace(path) as trace:
+        assert (trace.attrs["rank"], trace.attrs["world_size"]) == (5, 8)
+        assert trace.layouts == (layout,)
+        assert trace.tokens_served() == len(x)
+    assert (rec.status()["layout"]["rank"], rec.snapshot().rank_layout.rank) == (5, 5)

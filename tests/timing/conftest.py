@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -25,12 +26,27 @@ MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_lay
 LAYERS = len(MODEL.moe_layer_ids)
 
 
+def _time_delays(model: ReferenceMoEModel) -> list[float]:
+    """Wrap every EP layer's injected sleep with its own ``perf_counter`` readings; returns the list the
+    slept seconds go into (one per layer and pass), independent of moetrace's phase clock."""
+    slept: list[float] = []
+    for layer in model.moe_layers:
+        def timed(sleep=layer._delay) -> None:  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            sleep()
+            slept.append(time.perf_counter() - start)
+
+        layer._delay = timed  # type: ignore[union-attr]
+    return slept
+
+
 def _worker(rank: int, world: int, out_dir: str) -> dict:
     torch.manual_seed(0)
     inputs = [torch.randint(0, MODEL.vocab_size, (2, 6 + rank), generator=torch.Generator().manual_seed(10 * p + rank)) for p in range(PASSES)]
-    counts = {}
+    counts, slept = {}, {}
     for mode in ("exact", "padded"):
         model = ReferenceMoEModel(MODEL, ep=EPSpec(world, rank, mode, max_tokens=16))
+        readings = _time_delays(model)
         for timing in (False, True):
             model.set_expert_delay(DELAY_S if (timing and rank == 1) else 0.0)
             recorder = ExpertDistributionRecorder(model.recorder_config(timing=timing, output_dir=out_dir))
@@ -38,8 +54,11 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
             with torch.inference_mode():
                 model(inputs[0], recorder=recorder)  # warm-up pass
                 recorder.reset()
+                readings.clear()
                 for ids in inputs:
                     model(ids, recorder=recorder)
+            if timing:
+                slept[mode] = list(readings)
             recorder.stop_record()
             recorder.dump_record(Path(out_dir) / f"{mode}-{'timed' if timing else 'plain'}.h5")
             snap = recorder.snapshot()
@@ -53,7 +72,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict:
     loop.run([Request(rid=f"r{rank}-{i}", prompt=[1 + i, 2, 3], max_new_tokens=3) for i in range(3)])
     recorder.stop_record()
     serving = recorder.snapshot().timing
-    return {"counts": counts, "serving": serving}
+    return {"counts": counts, "serving": serving, "slept": slept}
 
 
 @pytest.fixture(scope="session")

@@ -19,28 +19,35 @@ from .conftest import DELAY_S, LAYERS, PASSES
 
 @pytest.mark.parametrize("mode", ["exact", "padded"])
 def test_injected_slow_rank_is_named_and_its_wait_measured(ep_run, mode):
-    out, _ = ep_run
+    """The wait figures against the delay rank 1 really slept: ``time.sleep(DELAY_S)`` sleeps at least
+    that long and, on a loaded machine, longer (0.0158 s per layer-pass of wait was seen for a 0.010 s
+    half-delay, past the 1.5x bound of the nominal figure); each sleep is timed by the harness's own
+    ``perf_counter`` readings, outside moetrace, and the bounds hold around their mean."""
+    out, results = ep_run
+    layer_passes = PASSES * LAYERS
+    slept = results[1]["slept"][mode]
+    assert len(slept) == layer_passes and min(slept) > 0.99 * DELAY_S  # sleep() sleeps at least DELAY_S
+    delay = float(np.mean(slept))
     with open_trace(out / f"{mode}-timed.h5") as trace:
         report = analyze_timing(trace)
     assert report is not None and report["ranks"] == 2 and report["passes"] == PASSES
     # Rank 1 is slowest in expert compute in at least 90% of passes.
     assert report["slowest_rank_share"][1] >= 0.9
-    layer_passes = PASSES * LAYERS
     # Wait cost: sum over passes and layers of (max_r - mean_r) expert time = delay / 2 per layer-pass on 2 ranks.
     per_layer_pass = report["wait_seconds"] / layer_passes
-    assert 0.7 * DELAY_S / 2 < per_layer_pass < 1.5 * DELAY_S / 2, per_layer_pass
+    assert 0.7 * delay / 2 < per_layer_pass < 1.5 * delay / 2, (per_layer_pass, delay)
     assert report["wait_share"] > 0
     # Rank 0 idles for about the injected delay in every layer ...
     idle0 = report["expert_wait_seconds_by_rank"][0] / layer_passes
-    assert 0.7 * DELAY_S < idle0 < 1.5 * DELAY_S, idle0
+    assert 0.7 * delay < idle0 < 1.5 * delay, (idle0, delay)
     assert report["expert_wait_seconds_by_rank"][1] < 0.1 * report["expert_wait_seconds_by_rank"][0]
     # ... and that wait is absorbed by rank 0's exchange phases (its all-to-all waits for rank 1), not by rank 1's.
     excess0 = report["exchange_excess_seconds_by_rank"][0] / layer_passes
-    assert 0.7 * DELAY_S < excess0 < 1.5 * DELAY_S, excess0
+    assert 0.7 * delay < excess0 < 1.5 * delay, (excess0, delay)
     assert report["exchange_excess_seconds_by_rank"][1] == 0.0
     # The reference runtime's combine all-to-all is the first collective after the expert phase: it absorbs the wait.
     combine_gap = (report["combine_seconds_by_rank"][0] - report["combine_seconds_by_rank"][1]) / layer_passes
-    assert combine_gap > 0.7 * DELAY_S
+    assert combine_gap > 0.7 * delay
 
 
 @pytest.mark.parametrize("mode", ["exact", "padded"])

@@ -3,7 +3,8 @@
 It uses none of moetrace's hook points: it wraps each router's public
 ``select_experts`` on the instance and keeps the ids it returns (with the
 router logits they came from), and it counts model forwards with a forward
-pre-hook. moetrace taps ``capture_fn`` inside ``_select_experts`` and wraps
+pre-hook, which also keeps each pass's token ids and positions (so that a
+row can be matched with the same token of a reference forward). moetrace taps ``capture_fn`` inside ``_select_experts`` and wraps
 ``model.forward``, so the two see the same routing through different doors.
 
 In a worker process (plugin tests) it is driven through ``llm.apply_model``
@@ -28,14 +29,18 @@ class RoutingCapture:
 
         self.passes = 0
         self.rows: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # per pass: token ids [T], positions [T]
         self._undo: list[Any] = []
         for module in model.modules():
             if isinstance(module, MoERunner):
                 self._wrap(module.router, int(module.layer_id))
-        self._undo.append(model.register_forward_pre_hook(self._on_forward).remove)
+        self._undo.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True).remove)
 
-    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+    def _on_forward(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         self.passes += 1
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        positions = kwargs["positions"] if "positions" in kwargs else args[1]
+        self.inputs.append((ids.detach().to(torch.int64).clone(), positions.detach().to(torch.int64).clone()))
 
     def _wrap(self, router: Any, layer_id: int) -> None:
         select = router.select_experts
@@ -80,6 +85,16 @@ class RoutingCapture:
             bad += int((chosen.min(dim=1).values < others.max(dim=1).values).sum())
         return bad
 
+    def routes(self, num_experts: int) -> list[dict[str, np.ndarray]]:
+        """Every routed row: ``layer``, ``token`` and ``position`` ``[T]`` (the pass's inputs), ``ids [T, k]``
+        and the router ``logits [T, E]`` (float32), in the order the routers ran."""
+        out = []
+        for pass_idx, layer, ids, logits in self.rows:
+            token, position = self.inputs[pass_idx]
+            out.append({"layer": layer, "token": token[: len(ids)].numpy(), "position": position[: len(ids)].numpy(),
+                        "ids": ids.numpy(), "logits": logits[:, :num_experts].numpy()})
+        return out
+
     def summary(self, layer_ids: tuple[int, ...], num_experts: int) -> dict[str, Any]:
         """Plain arrays (picklable) for a test in another process."""
         return {
@@ -87,6 +102,7 @@ class RoutingCapture:
             "counts": self.counts(layer_ids, num_experts),
             "tokens": self.tokens(),
             "topk_violations": self.topk_violations(num_experts),
+            "routes": self.routes(num_experts),
         }
 
 

@@ -6,6 +6,8 @@ through vLLM's ``worker_extension_cls``, and docs/integrations/vllm.md). With
 it, EP runs as vLLM's GPU path does under TP attention: each rank routes the
 whole batch, computes its half of the experts, and the outputs are all-reduced.
 
+The plugin records ``per_token`` here (the tensor-parallel module records
+``per_pass``), so that both streaming modes' dumps at exit are read back at TP=2.
 moetrace records EP rank ``r`` of 2 on worker ``r``, counts each token once
 (the views are replicas), and its per-rank load equals the load the engine's
 own placement gives: the counted view's counts summed over the experts each
@@ -21,7 +23,7 @@ from moetrace.analysis.distributed import analyze_traces
 from moetrace.trace.merge import merge_traces
 from moetrace.trace.reader import open_trace
 
-from .multirank import SPEC, TP, Served, computed, hf_count, serve
+from .multirank import SPEC, TP, Served, check_dumps_at_exit, computed, hf_count, pass_counts, serve
 from .shims.cpu_expert_parallel import EXTENSION
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -29,7 +31,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
-    return serve(tmp_path_factory, "tp2ep2", enable_expert_parallel=True, worker_extension_cls=EXTENSION)
+    return serve(tmp_path_factory, "tp2ep2", mode="per_token", enable_expert_parallel=True, worker_extension_cls=EXTENSION)
 
 
 def test_each_rank_holds_its_experts_and_its_ep_coordinates(served: Served) -> None:
@@ -59,11 +61,14 @@ def test_tokens_once_and_rank_load_from_the_engines_placement(served: Served) ->
     np.testing.assert_array_equal(report.rank_load, engine_load)
     assert report.num_tokens == tokens and served.exported_tokens == tokens
     for rank, independent in enumerate(served.captures):
-        with open_trace(served.dumps[rank]) as trace:
-            np.testing.assert_array_equal(np.concatenate([c.physical_count for c in trace.iter_passes()]), independent["counts"])
+        np.testing.assert_array_equal(pass_counts(served.dumps[rank]), independent["counts"])
     print(f"vLLM TP=2 EP=2: tokens {tokens}, assignments {assignments}, rank load per layer {engine_load.tolist()}")
 
 
 def test_outputs_are_the_same_without_moetrace(served: Served) -> None:
     assert served.plain_outputs == served.outputs
-    assert [s["passes"] for s in served.after] == [s["passes"] for s in served.statuses]
+    assert [s["passes"] for s in served.after] == [c["passes"] for c in served.exit_captures]  # up to the second generate
+
+
+def test_dumps_at_exit_name_each_rank_and_count_once(served: Served) -> None:
+    check_dumps_at_exit(served, "per_token")
