@@ -8,7 +8,7 @@
    counts) in vectorised passes. Both are timed interleaved in one process;
    the results are checked equal first. Peak traced memory (tracemalloc) of
    each is reported too.
-2. Placement. ``rebalance_experts`` vs the greedy replicate-then-pack baseline
+2. Placement. ``plan_experts`` vs the greedy replicate-then-pack baseline
    on DeepSeek-V3 sizes (61 layers, 256 experts, 288 slots, 8 groups,
    4 nodes, 32 GPUs) and the predicted balancedness of both on the real OLMoE
    layers for several replica counts (the table in docs/analysis.md).
@@ -34,9 +34,9 @@ from harness import interleaved, write_results
 
 from moetrace import balance
 from moetrace.analysis import analyze_trace
-from moetrace.analysis.placement import predicted_gpu_load, rebalance_experts
-from moetrace.analysis.placement_baseline import greedy_rebalance
 from moetrace.data import olmoe_counts
+from moetrace.placement.eplb import greedy_rebalance
+from moetrace.placement.plan import plan_experts, predicted_gpu_load
 from moetrace.trace import TraceHeader, TraceWriter
 
 LAYERS, EXPERTS, TOP_K, EP = 16, 64, 8, 8
@@ -194,8 +194,8 @@ def placement(rounds: int) -> dict[str, object]:
     rng = np.random.default_rng(0)
     weight = rng.lognormal(0, 1.0, size=(61, 256)) * 1000
     args = (288, 8, 4, 32)
-    times = interleaved({"moetrace": lambda: rebalance_experts(weight, *args), "greedy": lambda: greedy_rebalance(weight, *args)}, rounds=rounds, warmup=1)
-    plan = rebalance_experts(weight, *args)
+    times = interleaved({"moetrace": lambda: plan_experts(weight, *args), "greedy": lambda: greedy_rebalance(weight, *args)}, rounds=rounds, warmup=1)
+    plan = plan_experts(weight, *args)
     greedy = balance.balancedness(predicted_gpu_load(weight, greedy_rebalance(weight, *args), 32))
     dsv3 = {"shape": "61 layers x 256 experts, 288 slots, 8 groups, 4 nodes, 32 GPUs", "loads": "lognormal(0, 1)", "moetrace_s": times["moetrace"], "greedy_s": times["greedy"], "balancedness_moetrace": plan.balancedness, "balancedness_greedy": greedy}
     data = olmoe_counts()
@@ -205,7 +205,7 @@ def placement(rounds: int) -> dict[str, object]:
         for replicas in (64, 72, 80, 96, 128):
             if replicas % gpus:
                 continue
-            ours = rebalance_experts(olmoe, replicas, groups, nodes, gpus)
+            ours = plan_experts(olmoe, replicas, groups, nodes, gpus)
             base = predicted_gpu_load(olmoe, greedy_rebalance(olmoe, replicas, groups, nodes, gpus), gpus)
             before = balance.balancedness(balance.rank_load(olmoe, gpus))
             table.append({"replicas": replicas, "groups": groups, "nodes": nodes, "gpus": gpus, "hierarchical": ours.hierarchical, "before": before, "greedy": balance.balancedness(base), "moetrace": ours.balancedness, "layers_better": int((ours.gpu_load.max(axis=1) < base.max(axis=1) * (1 - 1e-12)).sum()), "layers_equal": int(np.isclose(ours.gpu_load.max(axis=1), base.max(axis=1), rtol=1e-12).sum())})

@@ -45,25 +45,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import write_results
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
-from moetrace.analysis import backtest as bt
-from moetrace.analysis.placement_select import PlanCache, ValidatedPlanner
-from moetrace.analysis.planners import CANDIDATES, HEDGES
-from moetrace.analysis.rebalance_cost import rebalance_value
-from moetrace.analysis.source import select_layers
+from moetrace.analysis.source import load_series, select_layers
+from moetrace.placement import backtesting as bt
+from moetrace.placement.checks import PlacementConfig
+from moetrace.placement.cost import rebalance_value
+from moetrace.placement.planners import CANDIDATES, HEDGES, Planner
+from moetrace.placement.select import PlanCache, ValidatedPlanner
 from moetrace.reference.domain_drift import DriftSpec
 from moetrace.reference.regimes import REGIMES, regime_routes
 from moetrace.trace import open_trace
 
 HIDDEN, INTERMEDIATE, DTYPE_BYTES = 2048, 1024, 2
 EXPERT_BYTES = 3 * HIDDEN * INTERMEDIATE * DTYPE_BYTES
-CONFIGS = [bt.PlacementConfig(64, 1, 1, 8), bt.PlacementConfig(80, 8, 2, 8)]
+CONFIGS = [PlacementConfig(64, 1, 1, 8), PlacementConfig(80, 8, 2, 8)]
 INTERVALS = (25, 50, 100, 200)
 LINK_BYTES_PER_S = 25e9
 DEFAULT = "moetrace"
 THREE = ("greedy", "moetrace-fit", "moetrace-robust")  # the candidates before the hedges were added
 
 
-def planners(every: int, cache: PlanCache, hedges: bool) -> dict[str, bt.Planner]:
+def planners(every: int, cache: PlanCache, hedges: bool) -> dict[str, Planner]:
     return {
         DEFAULT: ValidatedPlanner(every, cache=cache),
         **({"moetrace-3": ValidatedPlanner(every, candidates={k: CANDIDATES[k] for k in THREE}, cache=cache),
@@ -141,8 +142,8 @@ def main() -> None:
                 path = record_trace(Path(tmp) / f"{regime}-{seed}.h5", regime, spec)
                 with open_trace(path) as tr:
                     index = select_layers(tr, None)
-                    series = {s: bt.load_series(tr, index, bt.bucket_for(args.window, s)) for s in sorted({args.every, *intervals})}
-                    free = bt.load_series(tr, index)
+                    series = {s: load_series(tr, index, bt.bucket_for(args.window, s)) for s in sorted({args.every, *intervals})}
+                    free = load_series(tr, index)
                 for config in CONFIGS:
                     main_series = series[args.every]
                     chosen = planners(args.every // main_series.bucket, PlanCache(), args.hedges)
@@ -238,7 +239,7 @@ def _cost_summary(rows: list[dict[str, object]]) -> dict[str, dict[str, float | 
     return out
 
 
-def _timed(planner: bt.Planner, name: str, seconds: dict[str, float]) -> bt.Planner:
+def _timed(planner: Planner, name: str, seconds: dict[str, float]) -> Planner:
     """``planner``, adding its wall time to ``seconds[name]``."""
 
     def run(*args: object) -> np.ndarray:

@@ -35,23 +35,22 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from moetrace import balance as metrics
-from moetrace.analysis.backtest import (
+from moetrace import balance
+from moetrace.analysis.source import load_series, select_layers
+from moetrace.placement.backtesting import (
     BacktestResult,
-    PassSeries,
-    PlacementConfig,
     backtest,
+    baseline_plan,
     bucket_for,
     gap_closed,
     held_out_estimate,
     holdout,
-    load_series,
     plan_with_selection,
-    replicas_moved,
 )
-from moetrace.analysis.placement import PlacementError, PlacementPlan, predicted_gpu_load
-from moetrace.analysis.placement_baseline import greedy_rebalance
-from moetrace.analysis.source import select_layers
+from moetrace.placement.checks import PlacementConfig, PlacementError
+from moetrace.placement.eplb import greedy_rebalance
+from moetrace.placement.plan import PlacementPlan, predicted_gpu_load, replicas_moved
+from moetrace.placement.series import PassSeries
 from moetrace.trace.reader import open_trace
 from moetrace.trace.schema import Attr, TraceDamageError, TraceError
 
@@ -144,8 +143,8 @@ def _in_sample_table(console: Console, layer_ids: list[int], figures: dict[str, 
     for col in ("layer", "current", "greedy", "moetrace", "max replicas"):
         table.add_column(col, justify="right")
     for i, layer in enumerate(layer_ids):
-        table.add_row(str(layer), *(_fmt(None if figures[k] is None else float(metrics.layer_balancedness(figures[k])[i])) for k in ("current", "greedy", "moetrace")), str(int(plan.logcnt[i].max())))
-    table.add_row("all", *(_fmt(None if figures[k] is None else metrics.balancedness(figures[k])) for k in ("current", "greedy", "moetrace")), str(plan.log2phy.shape[2]), style="bold")
+        table.add_row(str(layer), *(_fmt(None if figures[k] is None else float(balance.layer_balancedness(figures[k])[i])) for k in ("current", "greedy", "moetrace")), str(int(plan.logcnt[i].max())))
+    table.add_row("all", *(_fmt(None if figures[k] is None else balance.balancedness(figures[k])) for k in ("current", "greedy", "moetrace")), str(plan.log2phy.shape[2]), style="bold")
     console.print(table)
 
 
@@ -255,10 +254,11 @@ def placement(
     else:
         outcome.estimate = held_out_estimate(loads.series, loads.config)
         document["held_out_estimate"] = _estimate_dict(outcome.estimate)
+        _prefer_the_estimates_winner(outcome, loads, expert_bytes)
     plan = outcome.plan
     document.update(phy2log=plan.phy2log.tolist(), log2phy=plan.log2phy.tolist(), logcnt=plan.logcnt.tolist(), gpu_load=outcome.loads["moetrace"].tolist())
     if outcome.replay is not None and plot is not None:
-        from moetrace.analysis.backtest_plot import plot_backtest
+        from moetrace.placement.plot import plot_backtest
 
         plot_backtest(outcome.replay, plot, title=str(loads.attrs.get(Attr.MODEL) or Path(traces[0]).name))
     if out is not None:
@@ -297,6 +297,7 @@ class _Loads:
     """What the trace(s) give the planner: loads over the selected layers and, when time-ordered, their series."""
 
     layer_ids: list[int]
+    num_model_layers: int  # the trace's highest layer id + 1 (SGLang's map has a row for each)
     weight: np.ndarray  # [L, E] logical loads
     physical: np.ndarray  # [L, P] the run's own physical counts
     attrs: dict[str, Any]
@@ -312,6 +313,7 @@ def _read_loads(traces: list[Path], layers: list[int] | None, scheduler: str | N
     with open_trace(existing_file(trace)) as tr:
         index = select_layers(tr, layers)
         layer_ids = [int(x) for x in tr.layers[index]]
+        num_model_layers = int(np.max(tr.layers)) + 1
         weight = tr.logical_count()[index].astype(np.float64)
         physical = tr.physical_count()[index]
         attrs = tr.attrs
@@ -322,7 +324,7 @@ def _read_loads(traces: list[Path], layers: list[int] | None, scheduler: str | N
         series = _many_series(traces, layers, bucket, scheduler)
     if series is not None:  # plan and score on the time-ordered passes (a stat trace's window may be shorter than its totals)
         weight, physical = series.logical.sum(axis=0), series.physical.sum(axis=0)
-    return _Loads(layer_ids, weight, physical, attrs, config, defaults, series)
+    return _Loads(layer_ids, num_model_layers, weight, physical, attrs, config, defaults, series)
 
 
 @dataclasses.dataclass
@@ -348,11 +350,11 @@ def _plan(traces: list[Path], loads: _Loads, deployed: np.ndarray | None, expert
     plan, selection = plan_with_selection(weight, series, config, deployed)
     greedy = greedy_rebalance(weight, config.replicas, config.groups, config.nodes, config.gpus)
     gpu_loads = {
-        "current": metrics.rank_load(loads.physical, gpus) if loads.physical.shape[1] % gpus == 0 else None,
+        "current": balance.rank_load(loads.physical, gpus) if loads.physical.shape[1] % gpus == 0 else None,
         "greedy": predicted_gpu_load(weight, greedy, gpus),
         "moetrace": predicted_gpu_load(weight, plan.phy2log, gpus),
     }
-    in_sample = {k: None if v is None else metrics.balancedness(v) for k, v in gpu_loads.items()}
+    in_sample = {k: None if v is None else balance.balancedness(v) for k, v in gpu_loads.items()}
     trace = traces[0]
     document: dict[str, Any] = {
         "schema": "moetrace.placement",
@@ -360,6 +362,7 @@ def _plan(traces: list[Path], loads: _Loads, deployed: np.ndarray | None, expert
         "trace": str(trace) if len(traces) == 1 else [str(t) for t in traces],
         "run_id": loads.attrs.get(Attr.RUN_ID),
         "layers": loads.layer_ids,
+        "num_model_layers": loads.num_model_layers,
         "num_replicas": config.replicas,
         "num_groups": config.groups,
         "num_nodes": config.nodes,
@@ -369,13 +372,46 @@ def _plan(traces: list[Path], loads: _Loads, deployed: np.ndarray | None, expert
         "planner": selection.chosen,
         "selection": selection.to_dict(),
         "in_sample": {"passes": int(series.passes.sum()) if series is not None else None, "balancedness": in_sample,
-                      "layer_balancedness": {k: None if v is None else metrics.layer_balancedness(v).tolist() for k, v in gpu_loads.items()}},
+                      "layer_balancedness": {k: None if v is None else balance.layer_balancedness(v).tolist() for k, v in gpu_loads.items()}},
     }
-    if deployed is not None:
-        document["replicas_moved_from_current"] = replicas_moved(deployed, plan.phy2log, gpus) if deployed.shape == plan.phy2log.shape else None
-        if expert_bytes and document["replicas_moved_from_current"] is not None:
-            document["bytes_moved_from_current"] = document["replicas_moved_from_current"] * expert_bytes
+    _moved_from_current(document, deployed, plan, gpus, expert_bytes)
     return _Outcome(plan, selection, gpu_loads, in_sample, document, deployed)
+
+
+def _prefer_the_estimates_winner(outcome: _Outcome, loads: _Loads, expert_bytes: int | None) -> None:
+    """Deploy EPLB's plan instead when the held-out estimate on this trace has it ahead of moetrace's default.
+
+    The validation chose on folds of the past; the estimate replays the same
+    choice on the trace's later parts. When EPLB's plan realised more there on
+    average, this user's data says it wins, so it is what gets deployed (and
+    the document says why).
+    """
+    estimate = outcome.estimate
+    if estimate is None:
+        return
+    ours, eplb = float(estimate.realized["moetrace"].mean()), float(estimate.realized["greedy"].mean())
+    outcome.document["preferred_by_estimate"] = "moetrace" if ours >= eplb else "greedy"
+    if ours >= eplb:
+        return
+    outcome.plan = baseline_plan(loads.weight, loads.config, outcome.deployed)
+    outcome.loads["moetrace"] = predicted_gpu_load(loads.weight, outcome.plan.phy2log, loads.config.gpus)
+    outcome.in_sample["moetrace"] = balance.balancedness(outcome.loads["moetrace"])
+    document = outcome.document
+    document["planner"] = "greedy"
+    document["preferred_reason"] = (f"the held-out estimate on this trace has EPLB's plan ahead of the validated choice "
+                                    f"({eplb:.4f} vs {ours:.4f} mean next-window balancedness), so EPLB's plan is deployed")
+    document["in_sample"]["balancedness"]["moetrace"] = outcome.in_sample["moetrace"]
+    document["in_sample"]["layer_balancedness"]["moetrace"] = balance.layer_balancedness(outcome.loads["moetrace"]).tolist()
+    _moved_from_current(document, outcome.deployed, outcome.plan, loads.config.gpus, expert_bytes)
+
+
+def _moved_from_current(document: dict[str, Any], deployed: np.ndarray | None, plan: PlacementPlan, gpus: int, expert_bytes: int | None) -> None:
+    """Weight copies (and bytes) from ``--current`` to ``plan``, into ``document``."""
+    if deployed is None:
+        return
+    document["replicas_moved_from_current"] = replicas_moved(deployed, plan.phy2log, gpus) if deployed.shape == plan.phy2log.shape else None
+    if expert_bytes and document["replicas_moved_from_current"] is not None:
+        document["bytes_moved_from_current"] = document["replicas_moved_from_current"] * expert_bytes
 
 
 def _estimate_dict(estimate: Any) -> dict[str, Any] | None:
@@ -399,6 +435,8 @@ def _print_text(console: Console, loads: _Loads, outcome: _Outcome, plot: Path |
     figures = "  ".join(f"{k} {_fmt(outcome.in_sample[k])}" for k in ("current", "greedy", "moetrace"))
     console.print(f"in-sample (planned and scored on the same passes; a fit, not a forecast): {figures}")
     print_selection(console, outcome.selection)
+    if "preferred_reason" in document:
+        console.print(f"deployed instead: [bold]greedy[/bold] ({document['preferred_reason']})")
     if outcome.held is not None:
         _holdout_table(console, outcome.held)
     elif outcome.replay is not None:

@@ -2,9 +2,10 @@
 
 - ``moetrace`` (default): the whole document (``phy2log``, ``log2phy``, ``logcnt``, figures).
 - ``sglang``: what SGLang's ``--init-expert-location`` loads
-  (:mod:`moetrace.analysis.sglang_plan`): ``{"physical_to_logical_map": [L, N]}``
-  with one row per model layer (``L`` = the trace's highest layer id + 1; layers not
-  planned keep SGLang's trivial row) and ``N = --replicas`` slots, which must equal
+  (:mod:`moetrace.placement.sglang_plan`): ``{"physical_to_logical_map": [L, N]}``
+  with one row per model layer (``L`` = the trace's highest layer id + 1, whichever
+  ``--layers`` were planned: SGLang indexes the map by model layer; layers not
+  planned, dense ones included, keep SGLang's trivial row) and ``N = --replicas`` slots, which must equal
   SGLang's experts + ``--ep-num-redundant-experts``.
 """
 
@@ -13,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moetrace.analysis.placement import PlacementError
-from moetrace.analysis.sglang_plan import write_sglang_plan
+from moetrace.placement.checks import PlacementError
+from moetrace.placement.sglang_plan import write_sglang_plan
 from moetrace.trace.writer import write_json_atomic
 
 from .errors import CommandError
@@ -33,6 +34,6 @@ def write_plan(path: Path, fmt: str, document: dict[str, Any], num_experts: int)
         raise CommandError(f"--format {fmt!r} is not one of {list(FORMATS)}")
     layers = document["layers"]
     try:
-        write_sglang_plan(path, document["phy2log"], layers, max(layers) + 1, num_experts)
+        write_sglang_plan(path, document["phy2log"], layers, document["num_model_layers"], num_experts)
     except PlacementError as exc:
         raise CommandError(f"--format sglang: {exc}") from None

@@ -7,9 +7,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from moetrace.analysis.backtest import BacktestResult
-from moetrace.analysis.placement_select import Selection
-from moetrace.analysis.rebalance_cost import rebalance_value, recommendation
+from moetrace.placement.backtesting import BacktestResult
+from moetrace.placement.cost import rebalance_value, recommendation
+from moetrace.placement.select import Selection
 
 __all__ = ["print_rebalance_value", "print_selection", "rebalance_values"]
 

@@ -17,8 +17,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from moetrace import balance
-from moetrace.analysis.placement import rebalance_experts
 from moetrace.data import olmoe_counts
+from moetrace.placement.plan import plan_experts
 
 DOMAIN, LAYER, RANKS = "github", 1, 8  # OLMoE layer 7 on GitHub text
 OUT = Path(__file__).resolve().parent / "expert-vs-rank-balance.png"
@@ -30,7 +30,7 @@ def main() -> Path:
     num_experts = counts.shape[1]
     share = counts[0] / counts[0].mean()
     contiguous = balance.rank_load(counts, RANKS)[0]
-    planned = rebalance_experts(counts, num_experts, 1, 1, RANKS).gpu_load[0]
+    planned = plan_experts(counts, num_experts, 1, 1, RANKS).gpu_load[0]
     scale = counts[0].sum() / RANKS  # rank loads as a multiple of the mean rank load
 
     fig = Figure(figsize=(12, 4.8), layout="constrained")

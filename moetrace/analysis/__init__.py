@@ -10,14 +10,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["AnalysisReport", "PlacementPlan", "analyze_trace", "ep_projection", "plot_report", "rebalance_experts"]
+__all__ = ["AnalysisReport", "analyze_trace", "ep_projection", "plot_report"]
 
 _LAZY = {
     "AnalysisReport": "summary",
     "analyze_trace": "summary",
     "ep_projection": "projection",
-    "PlacementPlan": "placement",
-    "rebalance_experts": "placement",
     "plot_report": "plots",
 }
 

@@ -46,6 +46,7 @@ import numpy as np
 
 from ..ids import to_logical
 from ..layout import RankLayout, counted_rows
+from ..placement.series import PassSeries
 from ..trace.guarded import open_hdf5
 from ..trace.integrity import reading
 from ..trace.merge import merge_traces
@@ -61,10 +62,9 @@ from ..trace.schema import (
     TraceError,
     dataset,
 )
-from .backtest import MAX_BUCKETS, PassSeries
 from .coactivation import CoactivationAccumulator
 from .drift import WindowAccumulator
-from .source import pass_block, select_layers, token_pass_block
+from .source import MAX_BUCKETS, pass_block, select_layers, token_pass_block
 from .summary import (
     DEFAULT_WINDOWS,
     AnalysisReport,
@@ -654,7 +654,7 @@ def pass_series(
     chunk_passes: int = 1024,
     client: Any = None,
 ) -> PassSeries:
-    """:func:`~.backtest.load_series` of the run's merged trace, from the same partials (``moetrace placement``).
+    """:func:`~moetrace.analysis.source.load_series` of the run's merged trace, from the same partials (``moetrace placement``).
 
     ``bucket=None`` picks the bucket size ``load_series`` ends with: the
     smallest power of two that keeps fewer than ``2 * MAX_BUCKETS`` completed

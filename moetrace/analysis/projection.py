@@ -6,7 +6,7 @@ divisor ``R > 1`` of ``E`` gets the rank-level balancedness
 
 - **contiguous**: rank ``r`` holds experts ``[r·E/R, (r+1)·E/R)``, the default of
   SGLang, vLLM and the reference runtime (:func:`moetrace.balance.rank_load`);
-- **planned**: moetrace's planner (:func:`~moetrace.analysis.placement.rebalance_experts`,
+- **planned**: moetrace's planner (:func:`~moetrace.placement.plan.plan_experts`,
   global, one node) with ``E`` slots, i.e. no replica;
 - **planned + redundant**: the same with ``redundant_per_rank`` extra slots per rank
   (``E + R·redundant_per_rank`` slots) holding replicas of hot experts.
@@ -30,7 +30,7 @@ import dataclasses
 import numpy as np
 
 from .. import balance
-from .placement import rebalance_experts
+from ..placement.plan import plan_experts
 
 __all__ = ["DEFAULT_REDUNDANT_PER_RANK", "ProjectionRow", "ep_projection", "projection_ranks"]
 
@@ -113,10 +113,10 @@ def ep_projection(
     rows = []
     for ranks in projection_ranks(num_experts):
         contiguous = balance.rank_load(load, ranks)
-        planner = rebalance_experts(load, num_experts, 1, 1, ranks).gpu_load
+        planner = plan_experts(load, num_experts, 1, 1, ranks).gpu_load
         planned, kept = _lower_peak(planner, contiguous)
         extra = ranks * redundant_per_rank
-        replicated = rebalance_experts(load, num_experts + extra, 1, 1, ranks).gpu_load
+        replicated = plan_experts(load, num_experts + extra, 1, 1, ranks).gpu_load
         redundant, _ = _lower_peak(replicated, planned)
         rows.append(
             ProjectionRow(

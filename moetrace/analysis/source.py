@@ -21,15 +21,19 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from ..ids import to_logical
+from ..placement.series import PassSeries
 from ..trace.guarded import open_hdf5
 from ..trace.integrity import reading
 from ..trace.reader import PassChunk, TokenChunk, Trace
 from ..trace.schema import Data, TraceError
 
 __all__ = [
+    "MAX_BUCKETS",
     "PassBlock",
     "count_records",
     "iter_pass_blocks",
+    "load_series",
     "pass_block",
     "select_layers",
     "token_pass_block",
@@ -140,3 +144,81 @@ def iter_pass_blocks(trace: Trace, layer_index: np.ndarray, chunk_passes: int = 
         yield from _window_blocks(trace, layer_index, chunk_passes)
     else:
         raise TraceError(f"{trace.path}: iter_pass_blocks reads stat or per_pass traces; use token_pass_block for per_token")
+
+
+#: Buckets a series keeps at most when no bucket size is imposed (neighbours are merged beyond it).
+MAX_BUCKETS = 4096
+
+
+def _time_ordered_blocks(trace: Trace, layer_index: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(pass_id [m], physical [m, L, P])`` blocks in time order, for any time-ordered trace."""
+    if trace.mode == "per_token":
+        for chunk in trace.iter_tokens(counted_only=True):
+            block = token_pass_block(chunk, layer_index, trace.num_physical_experts)
+            yield block.pass_id, block.physical_count
+    else:
+        for block in iter_pass_blocks(trace, layer_index):
+            yield block.pass_id, block.physical_count
+
+
+def load_series(trace: Trace, layer_index: np.ndarray, bucket: int | None = None) -> PassSeries:
+    """Read a trace's passes in time order as buckets of ``bucket`` passes.
+
+    Rows with the same pass id (a pass split over chunks, or one row per rank
+    in a merged trace) are one pass. With ``bucket=None`` the bucket size
+    starts at 1 and doubles whenever more than :data:`MAX_BUCKETS` buckets
+    would be kept, so memory stays bounded for any trace length.
+
+    Raises:
+        TraceError: the trace holds no time-ordered passes (a ``stat`` trace
+        without a window) or fewer than two.
+    """
+    size = 1 if bucket is None else int(bucket)
+    if size <= 0:
+        raise ValueError(f"bucket must be positive, got {bucket!r}")
+    num_layers, num_physical = len(layer_index), trace.num_physical_experts
+    done_counts: list[np.ndarray] = []
+    done_passes: list[int] = []
+    done_first: list[int] = []
+    current = np.zeros((num_layers, num_physical), dtype=np.int64)
+    in_bucket = 0
+    first = last = None
+    for pass_id, counts in _time_ordered_blocks(trace, layer_index):
+        for pid, row in zip(pass_id.tolist(), counts, strict=True):
+            if pid != last:
+                if in_bucket == size:
+                    done_counts.append(current)
+                    done_passes.append(in_bucket)
+                    done_first.append(first)
+                    current, in_bucket = np.zeros_like(current), 0
+                    if bucket is None and len(done_counts) >= 2 * MAX_BUCKETS:
+                        done_counts = [a + b for a, b in zip(done_counts[::2], done_counts[1::2], strict=True)]
+                        done_passes = [a + b for a, b in zip(done_passes[::2], done_passes[1::2], strict=True)]
+                        done_first = done_first[::2]
+                        size *= 2
+                if in_bucket == 0:
+                    first = pid
+                in_bucket += 1
+                last = pid
+            current += row
+    if in_bucket:
+        done_counts.append(current)
+        done_passes.append(in_bucket)
+        done_first.append(first)
+    total = sum(done_passes)
+    if total < 2:
+        what = "a stat trace without a /window" if trace.mode == "stat" and total == 0 else f"{total} pass(es)"
+        raise TraceError(
+            f"{trace.path}: hold-out and backtest need time-ordered passes, and this trace holds {what}; "
+            "record with mode='per_pass' or 'per_token' (or a stat window) over more passes"
+        )
+    physical = np.stack(done_counts)
+    mapping = trace.physical_to_logical[layer_index]
+    return PassSeries(
+        bucket=size,
+        passes=np.asarray(done_passes, dtype=np.int64),
+        first_pass=np.asarray(done_first, dtype=np.int64),
+        logical=to_logical(physical, mapping).astype(np.float64),
+        physical=physical,
+        physical_to_logical=mapping,
+    )

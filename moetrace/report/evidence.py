@@ -5,7 +5,7 @@ Inputs are sorted by what they hold:
 - expert traces (any mode; one file, a merged file, or the per-rank files /
   segments of one run): :func:`~moetrace.analysis.summary.analyze_trace` or
   :func:`~moetrace.analysis.distributed.analyze_traces`, the time-ordered
-  loads (:func:`~moetrace.analysis.backtest.load_series` /
+  loads (:func:`~moetrace.placement.backtesting.load_series` /
   :func:`~moetrace.analysis.distributed.pass_series`) and, with EP ranks, a
   placement plan with its in-sample fit and held-out estimate;
 - routing traces (a ``/requests`` group): :func:`~moetrace.trace.requests.read_requests`
@@ -27,16 +27,12 @@ from typing import Any
 import numpy as np
 
 from .. import balance
-from ..analysis.backtest import (
-    BacktestResult,
-    PassSeries,
-    PlacementConfig,
-    held_out_estimate,
-    load_series,
-    plan_placement,
-)
-from ..analysis.placement import PlacementPlan, predicted_gpu_load
+from ..analysis.source import load_series
 from ..analysis.summary import AnalysisReport, analyze_trace
+from ..placement.backtesting import BacktestResult, held_out_estimate, plan_placement
+from ..placement.checks import PlacementConfig
+from ..placement.plan import PlacementPlan, predicted_gpu_load
+from ..placement.series import PassSeries
 from ..replicas.analysis import summarize
 from ..routes import RouteSet, load_routes
 from ..trace.reader import open_trace

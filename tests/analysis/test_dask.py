@@ -31,8 +31,8 @@ from typer.testing import CliRunner
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.analysis import analyze_trace
-from moetrace.analysis.backtest import load_series
 from moetrace.analysis.distributed import analyze_traces, dask_client, make_tasks, pass_series
+from moetrace.analysis.source import load_series
 from moetrace.trace import TraceError, open_trace
 from moetrace.trace.merge import merge_traces
 

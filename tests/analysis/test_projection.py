@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from moetrace.analysis import analyze_trace
-from moetrace.analysis.placement import rebalance_experts
 from moetrace.analysis.projection import ep_projection, projection_ranks
 from moetrace.data import olmoe_counts
+from moetrace.placement.plan import plan_experts
 
 from .real_routes import olmoe_router_trace
 
@@ -67,7 +67,7 @@ def test_planner_beats_contiguous_on_real_olmoe_counts(domain):
     counts = np.asarray(olmoe_counts()["expert_counts"][domain])
     for row in ep_projection(counts):
         assert row.layers_kept_contiguous == 0
-        plan = rebalance_experts(counts, 64, 1, 1, row.ranks)
+        plan = plan_experts(counts, 64, 1, 1, row.ranks)
         assert row.planned_balancedness == pytest.approx(plan.balancedness, rel=1e-12)
         if row.ranks < 64:
             assert row.planned_balancedness > row.contiguous_balancedness

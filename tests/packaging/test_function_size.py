@@ -21,9 +21,10 @@ LONG: dict[str, str] = {
     "adapters/hf/__init__.py:instrument": "checks of the model and options, then install under one rollback (pending: one instrument contract)",
     "adapters/megatron/__init__.py:instrument": "checks of the model and options, then install under one rollback (pending: one instrument contract)",
     # Rewritten by the placement package (issue 36).
-    "moetrace/analysis/placement.py:rebalance_experts": "EPLB's contract in one function: replicate, pack, place per layer (placement package, issue 36)",
-    "moetrace/analysis/backtest.py:backtest": "the backtest loop over windows (placement package, issue 36)",
-    "moetrace/analysis/backtest.py:load_series": "one streaming read of a trace into bucketed loads (placement package, issue 36)",
+    "moetrace/placement/plan.py:plan_experts": "argument checks, node candidates, EPLB's plan per layer, current/keep: one planner's steps over shared arrays; half of it is the docstring",
+    "moetrace/placement/backtesting.py:backtest": "the replay loop over rebalances, collecting six per-planner series at once",
+    "moetrace/analysis/source.py:load_series": "one streaming read of a trace into bucketed loads (bucket doubling inline)",
+    "moetrace/placement/select.py:select_planner": "folds under the work budget, then the rule and its one-sentence reason",
     # Long for a reason.
     "moetrace/trace/convert.py:convert_jsonl": "the second, streaming read of the log assembles tokens from per-layer lines with one flush closure over its state",
     "moetrace/analysis/attribution.py:attribute": "one streaming read of a routes file that fills every attribution table at once (bounded memory)",

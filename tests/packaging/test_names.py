@@ -48,9 +48,7 @@ SHARED: dict[str, str] = {
 
 
 #: Modules whose re-exports another change removes, and which.
-RE_EXPORTS_PENDING: dict[str, str] = {
-    "moetrace.analysis.backtest": "the placement package (issue 36) gives placement a small public surface",
-}
+RE_EXPORTS_PENDING: dict[str, str] = {}
 
 
 def _defined(tree: ast.Module) -> set[str]:

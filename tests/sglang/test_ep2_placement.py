@@ -15,7 +15,7 @@ ids moetrace sees are untouched).
 Independent count: the Hugging Face router's top-k on the same positions, put into
 physical slots by SGLang's own rules: no dispatch map under the trivial placement
 (logical id = slot id), and with a plan its rank-invariant dynamic dispatch (token row
-``t`` of a pass goes to replica ``t mod n``; ``moetrace.analysis.sglang_plan``).
+``t`` of a pass goes to replica ``t mod n``; ``moetrace.placement.sglang_plan``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 
 from moetrace import balance
-from moetrace.analysis.backtest import replicas_moved
-from moetrace.analysis.sglang_plan import (
+from moetrace.placement.plan import replicas_moved
+from moetrace.placement.sglang_plan import (
     SGLANG_MAP_KEY,
     read_sglang_plan,
     rows_in_pass,

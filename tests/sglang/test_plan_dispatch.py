@@ -18,7 +18,7 @@ from sglang.srt.eplb.expert_location_dispatch import (
     topk_ids_logical_to_physical,
 )
 
-from moetrace.analysis.sglang_plan import sglang_physical_count
+from moetrace.placement.sglang_plan import sglang_physical_count
 
 PLAN = np.array([[3, 0, 1, 2, 0, 3, 4, 5, 6, 7, 0, 1], [7, 6, 5, 4, 3, 2, 1, 0, 7, 7, 6, 0]])  # [L=2, N=12], 8 experts
 

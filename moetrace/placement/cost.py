@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from .backtest import BacktestResult
+    from .backtesting import BacktestResult
 
 __all__ = ["RebalanceValue", "rebalance_value", "recommendation"]
 

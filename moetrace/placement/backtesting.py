@@ -4,22 +4,23 @@ A placement is planned on past load and deployed for the *next* interval, so
 the figure that matters is the balancedness it realises there, not the one it
 predicts on the load it was fitted to. This module replays that:
 
-- :func:`load_series` reads a time-ordered trace (``per_pass``, ``per_token``,
-  or a ``stat`` trace's window) as logical loads per bucket of passes
-  ``[n, L, E]`` (and physical ``[n, L, P]`` for the deployed placement);
+- :func:`~moetrace.analysis.source.load_series` reads a time-ordered trace
+  (``per_pass``, ``per_token``, or a ``stat`` trace's window) as a
+  :class:`~moetrace.placement.series.PassSeries` of logical loads per bucket
+  of passes ``[n, L, E]`` (and physical ``[n, L, P]`` for the deployed placement);
 - :func:`holdout` plans on the first part, scores on the rest;
 - :func:`backtest` plans on each window of ``W`` passes, deploys, scores on
   the following ``S`` passes, and counts the replicas each rebalance moves and
   the balance it gains over keeping the previous plan.
 
 Planners (:func:`default_planners`), all scored the same way
-(:func:`~moetrace.analysis.placement.predicted_gpu_load`: an expert's load
+(:func:`~moetrace.placement.plan.predicted_gpu_load`: an expert's load
 splits evenly over its replicas; balancedness = mean / max GPU load):
 
 - ``moetrace``: the default: the candidate chosen by validation on the
-  planning data's own past (:class:`~moetrace.analysis.placement_select.ValidatedPlanner`);
+  planning data's own past (:class:`~moetrace.placement.select.ValidatedPlanner`);
 - ``moetrace-robust``, ``moetrace-fit``, ``greedy``: the candidates
-  (:mod:`moetrace.analysis.planners`); ``greedy`` is EPLB's method, the baseline;
+  (:mod:`moetrace.placement.planners`); ``greedy`` is EPLB's method, the baseline;
 - ``current``: no rebalancing; the trace's own physical placement (contiguous
   slots per GPU), scored on the physical counts;
 - ``oracle``: the plan fitted to the scored window itself (:func:`oracle_plan`),
@@ -35,172 +36,56 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
 
 import numpy as np
 
-from .. import balance as metrics
-from ..ids import to_logical
-from ..trace.reader import Trace
-from ..trace.schema import TraceError
-from .placement import (
-    PlacementConfig,
-    PlacementError,
+from .. import balance
+from .checks import PlacementConfig, PlacementError, check_placement_args
+from .eplb import eplb_policy
+from .plan import (
     PlacementPlan,
     align_to,
     check_current,
-    check_placement_args,
     log2phy_from_phy2log,
     moved_per_gpu,
+    plan_experts,
     predicted_gpu_load,
-    rebalance_experts,
-    replicas_moved,
 )
-from .placement_select import BASELINE, Selection, ValidatedPlanner
-from .planners import CANDIDATES, Planner, RobustSettings, robust_inputs, robust_rebalance
-from .source import iter_pass_blocks, token_pass_block
+from .planners import CANDIDATES, Planner, RobustSettings
+from .select import BASELINE, Selection, ValidatedPlanner
+from .series import PassSeries
 
 __all__ = [
     "ESTIMATE_PARTS",
     "BacktestResult",
     "HoldoutResult",
-    "PassSeries",
-    "PlacementConfig",
-    "Planner",
-    "RobustSettings",
     "backtest",
+    "baseline_plan",
     "bucket_for",
     "default_planners",
     "gap_closed",
     "held_out_estimate",
     "holdout",
-    "load_series",
-    "moved_per_gpu",
     "oracle_plan",
     "plan_placement",
     "plan_with_selection",
-    "replicas_moved",
-    "robust_inputs",
-    "robust_rebalance",
 ]
-
-#: Buckets a series keeps at most when no bucket size is imposed (neighbours are merged beyond it).
-MAX_BUCKETS = 4096
-
-
-@dataclasses.dataclass(frozen=True)
-class PassSeries:
-    """Time-ordered loads, ``n`` buckets of ``bucket`` consecutive passes (the last may hold fewer).
-
-    Attributes:
-        bucket: passes per bucket.
-        passes: ``[n]`` distinct passes in each bucket.
-        first_pass: ``[n]`` pass id opening each bucket.
-        logical: ``[n, L, E]`` token copies per logical expert.
-        physical: ``[n, L, P]`` token copies per physical slot (the deployed placement).
-        physical_to_logical: ``[L, P]`` the trace's map.
-    """
-
-    bucket: int
-    passes: np.ndarray
-    first_pass: np.ndarray
-    logical: np.ndarray
-    physical: np.ndarray
-    physical_to_logical: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.passes)
-
-
-def _blocks(trace: Trace, layer_index: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """``(pass_id [m], physical [m, L, P])`` blocks in time order, for any time-ordered trace."""
-    if trace.mode == "per_token":
-        for chunk in trace.iter_tokens(counted_only=True):
-            block = token_pass_block(chunk, layer_index, trace.num_physical_experts)
-            yield block.pass_id, block.physical_count
-    else:
-        for block in iter_pass_blocks(trace, layer_index):
-            yield block.pass_id, block.physical_count
-
-
-def load_series(trace: Trace, layer_index: np.ndarray, bucket: int | None = None) -> PassSeries:
-    """Read a trace's passes in time order as buckets of ``bucket`` passes.
-
-    Rows with the same pass id (a pass split over chunks, or one row per rank
-    in a merged trace) are one pass. With ``bucket=None`` the bucket size
-    starts at 1 and doubles whenever more than :data:`MAX_BUCKETS` buckets
-    would be kept, so memory stays bounded for any trace length.
-
-    Raises:
-        TraceError: the trace holds no time-ordered passes (a ``stat`` trace
-        without a window) or fewer than two.
-    """
-    size = 1 if bucket is None else int(bucket)
-    if size <= 0:
-        raise ValueError(f"bucket must be positive, got {bucket!r}")
-    num_layers, num_physical = len(layer_index), trace.num_physical_experts
-    done_counts: list[np.ndarray] = []
-    done_passes: list[int] = []
-    done_first: list[int] = []
-    current = np.zeros((num_layers, num_physical), dtype=np.int64)
-    in_bucket = 0
-    first = last = None
-    for pass_id, counts in _blocks(trace, layer_index):
-        for pid, row in zip(pass_id.tolist(), counts, strict=True):
-            if pid != last:
-                if in_bucket == size:
-                    done_counts.append(current)
-                    done_passes.append(in_bucket)
-                    done_first.append(first)
-                    current, in_bucket = np.zeros_like(current), 0
-                    if bucket is None and len(done_counts) >= 2 * MAX_BUCKETS:
-                        done_counts = [a + b for a, b in zip(done_counts[::2], done_counts[1::2], strict=True)]
-                        done_passes = [a + b for a, b in zip(done_passes[::2], done_passes[1::2], strict=True)]
-                        done_first = done_first[::2]
-                        size *= 2
-                if in_bucket == 0:
-                    first = pid
-                in_bucket += 1
-                last = pid
-            current += row
-    if in_bucket:
-        done_counts.append(current)
-        done_passes.append(in_bucket)
-        done_first.append(first)
-    total = sum(done_passes)
-    if total < 2:
-        what = "a stat trace without a /window" if trace.mode == "stat" and total == 0 else f"{total} pass(es)"
-        raise TraceError(
-            f"{trace.path}: hold-out and backtest need time-ordered passes, and this trace holds {what}; "
-            "record with mode='per_pass' or 'per_token' (or a stat window) over more passes"
-        )
-    physical = np.stack(done_counts)
-    mapping = trace.physical_to_logical[layer_index]
-    return PassSeries(
-        bucket=size,
-        passes=np.asarray(done_passes, dtype=np.int64),
-        first_pass=np.asarray(done_first, dtype=np.int64),
-        logical=to_logical(physical, mapping).astype(np.float64),
-        physical=physical,
-        physical_to_logical=mapping,
-    )
-
 
 # ---------------------------------------------------------------------- planners
 def default_planners(every: int | None = None, passes_per_bucket: int = 1) -> dict[str, Planner]:
     """The planners a backtest compares, ``moetrace`` (the deployed default) first.
 
-    ``moetrace`` is a fresh :class:`~moetrace.analysis.placement_select.ValidatedPlanner`
+    ``moetrace`` is a fresh :class:`~moetrace.placement.select.ValidatedPlanner`
     whose folds are scored on ``every`` buckets (``None``: fifths of the history; its
     explanation counts ``passes_per_bucket`` passes a bucket);
-    the others are the :data:`~moetrace.analysis.planners.CANDIDATES` it chooses from.
+    the others are the :data:`~moetrace.placement.planners.CANDIDATES` it chooses from.
     """
     return {"moetrace": ValidatedPlanner(every, passes_per_bucket=passes_per_bucket), **{name: CANDIDATES[name] for name in ("moetrace-robust", "moetrace-fit", "greedy")}}
 
 
 def oracle_plan(load: np.ndarray, config: PlacementConfig) -> np.ndarray:
     """The plan fitted to the very load it is scored on, ``phy2log [L, N]``: the headroom no forecast can beat."""
-    return rebalance_experts(load, config.replicas, config.groups, config.nodes, config.gpus).phy2log
+    return plan_experts(load, config.replicas, config.groups, config.nodes, config.gpus).phy2log
 
 
 def _check(series: PassSeries, config: PlacementConfig) -> None:
@@ -211,11 +96,11 @@ def _current_balance(physical: np.ndarray, gpus: int) -> float | None:
     """Balancedness of the trace's own placement (``P / K`` contiguous slots per GPU), or None if ``K`` does not divide ``P``."""
     if physical.shape[-1] % gpus:
         return None
-    return metrics.balancedness(metrics.rank_load(physical, gpus))
+    return balance.balancedness(balance.rank_load(physical, gpus))
 
 
 def _balance(load: np.ndarray, phy2log: np.ndarray, gpus: int) -> float:
-    return metrics.balancedness(predicted_gpu_load(load, phy2log, gpus))
+    return balance.balancedness(predicted_gpu_load(load, phy2log, gpus))
 
 
 # ---------------------------------------------------------------------- hold-out
@@ -504,7 +389,7 @@ def plan_with_selection(
     """moetrace's plan to deploy now, and why: the candidate that held best on the trace's own past.
 
     With a time-ordered ``series`` the candidates are validated on its fifths
-    (plan on one, score on the next; :class:`~moetrace.analysis.placement_select.ValidatedPlanner`)
+    (plan on one, score on the next; :class:`~moetrace.placement.select.ValidatedPlanner`)
     and the chosen one plans on the whole series. Without one nothing can be
     validated, so the baseline (greedy on ``weight [L, E]``) is deployed. The
     plan's ``gpu_load`` is under the planned-on total; renumbered to keep
@@ -521,14 +406,24 @@ def plan_with_selection(
             BASELINE, f"no time-ordered passes to validate on (a stat trace without a window, or fewer than 2 passes); {BASELINE}, the baseline, is deployed",
             0, 0, [], {}, 0.0,
         )
-        weight = check_placement_args(weight, config.replicas, config.groups, config.nodes, config.gpus)
-        phy2log = CANDIDATES[BASELINE](weight[None], 1, config, None)
-        if current is not None:
-            deployed = check_current(current, weight.shape[0], weight.shape[1], config.replicas)
-            phy2log = align_to(deployed, phy2log, config.nodes if config.groups % config.nodes == 0 else 1, config.gpus)
+        return baseline_plan(weight, config, current), selection
+    return _as_plan(weight, phy2log, config), selection
+
+
+def _as_plan(weight: np.ndarray, phy2log: np.ndarray, config: PlacementConfig) -> PlacementPlan:
     log2phy, logcnt = log2phy_from_phy2log(phy2log, weight.shape[1])
-    plan = PlacementPlan(phy2log, log2phy, logcnt, predicted_gpu_load(weight, phy2log, config.gpus), config.groups % config.nodes == 0)
-    return plan, selection
+    hierarchical = eplb_policy(weight.shape[1], config.groups, config.nodes)[1] == config.nodes
+    return PlacementPlan(phy2log, log2phy, logcnt, predicted_gpu_load(weight, phy2log, config.gpus), hierarchical)
+
+
+def baseline_plan(weight: np.ndarray, config: PlacementConfig, current: np.ndarray | None = None) -> PlacementPlan:
+    """EPLB's plan (:data:`~moetrace.placement.select.BASELINE`) for loads ``weight [L, E]``, its slots kept where ``current`` has them."""
+    weight = check_placement_args(weight, config.replicas, config.groups, config.nodes, config.gpus)
+    phy2log = CANDIDATES[BASELINE](weight[None], 1, config, None)
+    if current is not None:
+        deployed = check_current(current, weight.shape[0], weight.shape[1], config.replicas)
+        phy2log = align_to(deployed, phy2log, eplb_policy(weight.shape[1], config.groups, config.nodes)[1], config.gpus)
+    return _as_plan(weight, phy2log, config)
 
 
 def plan_placement(weight: np.ndarray, series: PassSeries | None, config: PlacementConfig, current: np.ndarray | None = None) -> PlacementPlan:

@@ -7,15 +7,16 @@ import pytest
 from moetrace.cli.app import app
 from typer.testing import CliRunner
 
-from moetrace.analysis.backtest import holdout
-from moetrace.analysis.placement import PlacementConfig, PlacementError, rebalance_experts
+from moetrace.placement.backtesting import holdout
+from moetrace.placement.checks import PlacementConfig, PlacementError
+from moetrace.placement.plan import plan_experts
 
-from .helpers import record
+from ..analysis.helpers import record
 
 
 def test_the_library_names_parameters_not_flags() -> None:
     with pytest.raises(PlacementError, match="`replicas` >= 8") as caught:
-        rebalance_experts(np.ones((1, 8)), 6, 1, 1, 2)
+        plan_experts(np.ones((1, 8)), 6, 1, 1, 2)
     assert "--" not in str(caught.value)
     with pytest.raises(PlacementError, match="`fraction` must be a fraction in"):
         holdout(None, 1.5, PlacementConfig(8, 1, 1, 2))  # type: ignore[arg-type]

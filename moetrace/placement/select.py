@@ -26,8 +26,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .. import balance as metrics
-from .placement import PlacementConfig, align_to, predicted_gpu_load, replicas_moved
+from .. import balance
+from .checks import PlacementConfig
+from .eplb import eplb_policy
+from .plan import align_to, predicted_gpu_load, replicas_moved
 from .planners import CANDIDATES, Planner
 
 __all__ = ["BASELINE", "PlanCache", "Selection", "SelectionRule", "ValidatedPlanner", "select_planner", "validation_folds"]
@@ -46,12 +48,20 @@ class SelectionRule:
         z: the mean per-fold gain over the baseline must exceed ``z`` standard
             errors of the per-fold gains (and be positive).
         max_loss_share: the candidate may be below the baseline in at most this share of folds.
+        max_cells: the validation's work budget, in plan cells (candidates x
+            folds x layers x slots): folds are replayed newest first and only as
+            many as fit, so the validation costs a bounded number of plan cells
+            whatever the model's size (fewer folds than ``min_folds`` means the
+            baseline is deployed, and the reason says why). Counted in work,
+            not seconds, so the choice does not depend on the machine's speed:
+            8 folds at OLMoE's size (3 x 64), 3 at DeepSeek-V3's (58 x 288).
     """
 
     min_folds: int = 3
     max_folds: int = 8
     z: float = 1.0
     max_loss_share: float = 0.25
+    max_cells: int = 300_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +133,7 @@ class PlanCache:
 
 
 def _balance(load: np.ndarray, phy2log: np.ndarray, gpus: int) -> float:
-    return metrics.balancedness(predicted_gpu_load(load, phy2log, gpus))
+    return balance.balancedness(predicted_gpu_load(load, phy2log, gpus))
 
 
 def select_planner(
@@ -151,19 +161,21 @@ def select_planner(
     if window <= 0 or every <= 0:
         raise ValueError(f"window and every must be positive bucket counts, got {window} and {every}")
     cache = PlanCache() if cache is None else cache
-    ends = validation_folds(len(history), window, every, rule.max_folds)
-    realized: dict[str, list[float]] = {name: [] for name in candidates}
-    for t in ends:
+    planned = validation_folds(len(history), window, every, rule.max_folds)
+    affordable = rule.max_cells // max(len(candidates) * history.shape[1] * config.replicas, 1)
+    scored: dict[int, dict[str, float]] = {}
+    for t in planned[::-1][:affordable]:  # newest first: what the budget leaves out is the oldest load
         nxt = history[t : t + every].sum(axis=0)
-        for name, planner in candidates.items():
-            phy2log = cache.plan(name, planner, history[:t], window, config)
-            realized[name].append(_balance(nxt, phy2log, config.gpus))
+        scored[t] = {name: _balance(nxt, cache.plan(name, planner, history[:t], window, config), config.gpus) for name, planner in candidates.items()}
+    ends = sorted(scored)
+    realized: dict[str, list[float]] = {name: [scored[t][name] for t in ends] for name in candidates}
+    spent = f" (the validation budget of {rule.max_cells:,} plan cells covers {len(ends)} of {len(planned)})" if len(ends) < len(planned) else ""
 
     def done(chosen: str, reason: str, margin: float = 0.0) -> Selection:
         return Selection(chosen, reason, window, every, ends, realized, margin, passes_per_bucket)
 
     if len(ends) < rule.min_folds:
-        return done(BASELINE, f"{len(ends)} validation fold(s) fit in the planning data (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket}); "
+        return done(BASELINE, f"{len(ends)} validation fold(s) fit in the planning data{spent} (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket}); "
                     f"{rule.min_folds} are needed to trust anything but the baseline, so {BASELINE} is deployed")
     base = np.asarray(realized[BASELINE])
     verdicts = []
@@ -179,7 +191,7 @@ def select_planner(
         verdicts.append(f"{name} {mean:+.4f} ± {error:.4f}, below in {losses:.0%}{'' if ok else ' (not kept)'}")
         if ok and base.mean() + mean > best_mean:
             best, best_mean = name, float(base.mean()) + mean
-    folds = f"{len(ends)} folds of the planning data (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket})"
+    folds = f"{len(ends)} folds of the planning data{spent} (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket})"
     vs = f"mean gain over {BASELINE} (± std error): " + "; ".join(verdicts)
     if best == BASELINE:
         return done(BASELINE, f"no candidate beat {BASELINE} by more than {rule.z:g} std error(s) with at most {rule.max_loss_share:.0%} of folds below it on {folds}; {vs}")
@@ -193,7 +205,7 @@ class ValidatedPlanner:
     ``every`` is the scored length of each fold in buckets (the deployment
     interval); ``None`` validates on fifths of the history (plan on one, score
     on the next). The chosen plan is renumbered to keep replicas where the
-    deployed placement has them (:func:`~moetrace.analysis.placement.align_to`;
+    deployed placement has them (:func:`~moetrace.placement.plan.align_to`;
     loads unchanged). :attr:`selection` holds the last decision.
     """
 
@@ -220,7 +232,7 @@ class ValidatedPlanner:
             self.selection = select_planner(history, window, self.every, config, self.candidates, self.rule, self._cache, self.passes_per_bucket)
         phy2log = self.candidates[self.selection.chosen](history, window, config, current)
         if current is not None and current.shape == phy2log.shape:
-            aligned = align_to(current, phy2log, config.nodes if config.groups % config.nodes == 0 else 1, config.gpus)
+            aligned = align_to(current, phy2log, eplb_policy(history.shape[2], config.groups, config.nodes)[1], config.gpus)
             if replicas_moved(current, aligned, config.gpus) < replicas_moved(current, phy2log, config.gpus):
                 phy2log = aligned
         return phy2log

@@ -1,6 +1,6 @@
 """Expert placement with replication: which GPU hosts which (replicated) expert.
 
-One public entry point, :func:`rebalance_experts`, in the vocabulary engines
+One public entry point, :func:`plan_experts`, in the vocabulary engines
 use (DeepSeek EPLB, SGLang, vLLM): ``phy2log [L, N]``, ``log2phy [L, E, X]``
 padded with ``-1``, ``logcnt [L, E]``.
 
@@ -8,7 +8,8 @@ Algorithm (per MoE layer; every step starts from the greedy answer and only
 accepts strict improvements, so the result is never worse than greedy
 replicate-then-pack on the same loads):
 
-1. *Hierarchical* when ``num_groups % num_nodes == 0``: expert groups
+1. *Hierarchical* when the groups split evenly over the nodes and the experts
+   over the groups (EPLB's policy, :func:`~moetrace.placement.eplb.eplb_policy`): expert groups
    (contiguous blocks of ``E / G`` experts) are packed onto nodes, ``G / M``
    groups per node, so a group's traffic stays inside one node. Two node
    assignments are tried: longest-first greedy packing, and the same refined by
@@ -35,42 +36,27 @@ keeping) is one algorithm whose steps share their arrays and argument checks.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
-from .. import balance as metrics
+from .. import balance
+from .checks import PlacementError, check_placement_args
+from .eplb import eplb_policy, greedy_rebalance
 
 __all__ = [
-    "PlacementConfig",
-    "PlacementError",
     "PlacementPlan",
     "align_to",
     "check_current",
-    "check_placement_args",
+    "colocated",
     "expected_peak",
+    "keep_slots",
     "log2phy_from_phy2log",
     "moved_per_gpu",
+    "plan_experts",
     "predicted_gpu_load",
-    "rebalance_experts",
     "replicas_moved",
 ]
-
-
-class PlacementError(ValueError):
-    """Placement inputs that cannot work; the message says which and what to pass.
-
-    Parameters are named in backticks (`` `window` ``); the CLI spells them as its flags.
-    """
-
-
-@dataclasses.dataclass(frozen=True)
-class PlacementConfig:
-    """Sizes of a placement: ``N`` slots, ``G`` groups, ``M`` nodes, ``K`` GPUs."""
-
-    replicas: int
-    groups: int
-    nodes: int
-    gpus: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +71,8 @@ class PlacementPlan:
         logcnt: ``[L, E]`` replicas per logical expert (>= 1).
         gpu_load: ``[L, K]`` predicted tokens per GPU.
         hierarchical: whether groups were packed onto nodes first.
+        within_budget: False when the planner's time budget ran out before
+            every layer's packing was refined (those keep the greedy packing).
     """
 
     phy2log: np.ndarray
@@ -92,54 +80,34 @@ class PlacementPlan:
     logcnt: np.ndarray
     gpu_load: np.ndarray
     hierarchical: bool
+    within_budget: bool = True
 
     @property
     def balancedness(self) -> float:
-        """Predicted overall balancedness over GPUs (``metrics.balancedness``)."""
-        return metrics.balancedness(self.gpu_load)
+        """Predicted overall balancedness over GPUs (``balance.balancedness``)."""
+        return balance.balancedness(self.gpu_load)
 
     @property
     def layer_balancedness(self) -> np.ndarray:
         """Predicted balancedness per layer ``[L]``."""
-        return metrics.layer_balancedness(self.gpu_load)
+        return balance.layer_balancedness(self.gpu_load)
+
+    @property
+    def colocated(self) -> np.ndarray:
+        """Per layer ``[L]``, replicas that share a GPU with another replica of their expert (:func:`colocated`)."""
+        return colocated(self.phy2log, self.gpu_load.shape[1])
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) <= 0:
-        raise PlacementError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+def colocated(phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Per layer ``[L]``, replicas beyond the first of an expert on the same GPU of ``phy2log [L, N]``.
 
-
-def check_placement_args(
-    weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
-) -> np.ndarray:
-    """Validate placement inputs; returns ``weight`` as float64 ``[L, E]``.
-
-    Raises:
-        PlacementError: naming the inconsistent argument and what would work.
+    Such a replica buys nothing (its GPU computes the expert's tokens either
+    way) and costs a slot; planners place one only when an expert has more
+    replicas than its node has GPUs.
     """
-    w = np.asarray(weight)
-    if w.ndim != 2 or w.shape[0] == 0 or w.shape[1] == 0:
-        raise PlacementError(f"weight must be a non-empty [layers, experts] matrix, got shape {list(w.shape)}")
-    if not (np.issubdtype(w.dtype, np.integer) or np.issubdtype(w.dtype, np.floating)):
-        raise PlacementError(f"weight must be numeric, got dtype {w.dtype}")
-    w = w.astype(np.float64)
-    if not np.isfinite(w).all() or (w < 0).any():
-        raise PlacementError("weight must hold finite, non-negative loads")
-    num_experts = w.shape[1]
-    replicas = _positive("replicas", num_replicas)
-    groups = _positive("groups", num_groups)
-    nodes = _positive("nodes", num_nodes)
-    gpus = _positive("gpus", num_gpus)
-    if replicas < num_experts:
-        raise PlacementError(f"replicas={replicas} is smaller than the {num_experts} experts; every expert needs a slot (pass `replicas` >= {num_experts})")
-    if replicas % gpus:
-        raise PlacementError(f"replicas={replicas} is not divisible by gpus={gpus}; every GPU must hold the same number of expert slots")
-    if gpus % nodes:
-        raise PlacementError(f"gpus={gpus} is not divisible by nodes={nodes}; every node must have the same number of GPUs")
-    if num_experts % groups:
-        raise PlacementError(f"the {num_experts} experts cannot be split into groups={groups} equal groups; pass a divisor of {num_experts}")
-    return w
+    num_layers, num_slots = phy2log.shape
+    per_gpu = np.sort(phy2log.reshape(num_layers, num_gpus, num_slots // num_gpus), axis=2)
+    return (per_gpu[:, :, 1:] == per_gpu[:, :, :-1]).sum(axis=(1, 2))
 
 
 def predicted_gpu_load(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -158,19 +126,30 @@ def predicted_gpu_load(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -
 
 
 def log2phy_from_phy2log(phy2log: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(log2phy [L, E, X] padded with -1, logcnt [L, E])`` from ``phy2log [L, N]``."""
+    """``(log2phy [L, E, X] padded with -1, logcnt [L, E])`` from ``phy2log [L, N]``.
+
+    A slot holding ``-1`` is unused (SGLang and vLLM pad with it): it is no
+    expert's replica and is counted nowhere. Each expert's slots are listed in
+    slot order.
+
+    Raises:
+        PlacementError: an id outside ``[-1, num_experts)``.
+    """
     phy2log = np.asarray(phy2log, dtype=np.int64)
-    num_layers, num_phy = phy2log.shape
+    if phy2log.size and (phy2log.min() < -1 or phy2log.max() >= num_experts):
+        raise PlacementError(f"phy2log holds ids outside [0, {num_experts}) other than -1 (an unused slot)")
+    num_layers = phy2log.shape[0]
+    used = phy2log >= 0
+    layer_of = np.broadcast_to(np.arange(num_layers)[:, None], phy2log.shape)
     logcnt = np.zeros((num_layers, num_experts), dtype=np.int64)
-    np.add.at(logcnt, (np.arange(num_layers)[:, None], phy2log), 1)
-    width = int(logcnt.max())
-    log2phy = np.full((num_layers, num_experts, width), -1, dtype=np.int64)
+    np.add.at(logcnt, (layer_of[used], phy2log[used]), 1)
+    log2phy = np.full((num_layers, num_experts, max(int(logcnt.max(initial=0)), 1)), -1, dtype=np.int64)
     for layer in range(num_layers):
-        order = np.argsort(phy2log[layer], kind="stable")
+        slots = np.flatnonzero(used[layer])
+        order = slots[np.argsort(phy2log[layer, slots], kind="stable")]
         experts = phy2log[layer, order]
         starts = np.concatenate([[0], np.cumsum(logcnt[layer])[:-1]])
-        rank = np.arange(num_phy) - starts[experts]
-        log2phy[layer, experts, rank] = order
+        log2phy[layer, experts, np.arange(len(order)) - starts[experts]] = order
     return log2phy, logcnt
 
 
@@ -185,8 +164,22 @@ def _replicate(weight: np.ndarray, num_slots: int) -> np.ndarray:
     return counts
 
 
-def _greedy_pack(weight: np.ndarray, num_packs: int) -> np.ndarray:
-    """Pack index ``[X, n]``: longest first onto the lightest pack with room (``n / packs`` each)."""
+def _label_cap(labels: np.ndarray, num_packs: int) -> np.ndarray:
+    """Most copies of each label a pack may hold, ``[..., labels]``: ``ceil(copies / packs)`` (1 unless a label has more copies than packs)."""
+    flat = labels.reshape(-1, labels.shape[-1])
+    width = int(labels.max()) + 1
+    copies = np.stack([np.bincount(row, minlength=width) for row in flat])
+    return (-(-copies // num_packs)).reshape(*labels.shape[:-1], width)
+
+
+def _greedy_pack(weight: np.ndarray, num_packs: int, labels: np.ndarray | None = None) -> np.ndarray:
+    """Pack index ``[X, n]``: longest first onto the lightest pack with room (``n / packs`` each).
+
+    With ``labels [X, n]`` (the expert each replica copies) a pack that already
+    holds its share of the label (:func:`_label_cap`: one copy unless the label
+    has more copies than there are packs) is skipped while another with room is
+    not: two replicas of one expert share a GPU only when there is no other way.
+    """
     rows, n = weight.shape
     capacity = n // num_packs
     order = np.argsort(-weight, axis=1, kind="stable")
@@ -194,21 +187,55 @@ def _greedy_pack(weight: np.ndarray, num_packs: int) -> np.ndarray:
     sizes = np.zeros((rows, num_packs), dtype=np.int64)
     pack = np.empty((rows, n), dtype=np.int64)
     index = np.arange(rows)
+    holds = cap = None
+    if labels is not None:
+        holds = np.zeros((rows, num_packs, int(labels.max()) + 1), dtype=np.int64)
+        cap = _label_cap(labels, num_packs)
     for step in range(n):
         item = order[:, step]
-        target = np.argmin(np.where(sizes < capacity, loads, np.inf), axis=1)
+        cost = np.where(sizes < capacity, loads, np.inf)
+        if holds is not None:
+            label = labels[index, item]
+            full = holds[index, :, label] >= cap[index, label][:, None]
+            # a pack with its share of the label ranks after every pack without (still before a full one)
+            cost = np.where(full & np.isfinite(cost), cost + 1e300, cost)
+        target = np.argmin(cost, axis=1)
         pack[index, item] = target
         loads[index, target] += weight[index, item]
         sizes[index, target] += 1
+        if holds is not None:
+            holds[index, target, labels[index, item]] += 1
     return pack
 
 
-def _refine_pack(weight: np.ndarray, pack: np.ndarray, num_packs: int) -> np.ndarray:
-    """Swap-based local search on one row: lower the heaviest pack while that helps. Returns a new ``pack [n]``."""
+def _no_shared_label(pack: np.ndarray, labels: np.ndarray | None, num_packs: int, first: np.ndarray, second: np.ndarray) -> np.ndarray | None:
+    """Whether swapping items ``first`` and ``second`` (index arrays, broadcast together) keeps every pack within its share of each label.
+
+    The share is :func:`_label_cap`; ``None`` without labels.
+    """
+    if labels is None:
+        return None
+    held = np.zeros((num_packs, int(labels.max()) + 1), dtype=np.int64)
+    np.add.at(held, (pack, labels), 1)
+    cap = _label_cap(labels, num_packs)
+    a, b = labels[first], labels[second]
+    same = a == b
+    into_second = held[pack[second], a] - same  # copies of first's label on second's pack once second has left
+    into_first = held[pack[first], b] - same
+    return ((into_second < cap[a]) & (into_first < cap[b])) | same
+
+
+def _refine_pack(weight: np.ndarray, pack: np.ndarray, num_packs: int, labels: np.ndarray | None = None, deadline: float | None = None) -> np.ndarray:
+    """Swap-based local search on one row: lower the heaviest pack while that helps. Returns a new ``pack [n]``.
+
+    With ``labels [n]`` no swap puts more than its share of a label on a pack (:func:`_no_shared_label`).
+    """
     pack = pack.copy()
     loads = np.bincount(pack, weights=weight, minlength=num_packs)
     tolerance = 1e-12 * max(float(loads.max()), 1.0)
     for _ in range(4 * len(weight) + 16):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         heavy = int(np.argmax(loads))
         inside = pack == heavy
         mine, others = np.flatnonzero(inside), np.flatnonzero(~inside)
@@ -217,6 +244,9 @@ def _refine_pack(weight: np.ndarray, pack: np.ndarray, num_packs: int) -> np.nda
         delta = weight[mine][:, None] - weight[others][None, :]
         peak = np.maximum(loads[heavy] - delta, loads[pack[others]][None, :] + delta)
         peak[delta <= 0] = np.inf
+        allowed = _no_shared_label(pack, labels, num_packs, mine[:, None], others[None, :])
+        if allowed is not None:
+            peak[~allowed] = np.inf
         best = int(np.argmin(peak))
         i, j = divmod(best, len(others))
         if not peak[i, j] < loads[heavy] - tolerance:
@@ -243,7 +273,9 @@ def _peak_without_pairs(loads: np.ndarray) -> np.ndarray:
     return np.where(allowed, value, -np.inf).max(axis=3)
 
 
-def _refine_pack_scenarios(weight: np.ndarray, pack: np.ndarray, num_packs: int) -> np.ndarray:
+def _refine_pack_scenarios(
+    weight: np.ndarray, pack: np.ndarray, num_packs: int, labels: np.ndarray | None = None, deadline: float | None = None
+) -> np.ndarray:
     """Swap search on one row minimising the *mean over scenarios* of the heaviest pack.
 
     ``weight [S, n]`` is each replica's load under ``S`` scenarios of the next
@@ -255,6 +287,8 @@ def _refine_pack_scenarios(weight: np.ndarray, pack: np.ndarray, num_packs: int)
     loads = np.stack([np.bincount(pack, weights=weight[s], minlength=num_packs) for s in range(num_scenarios)])  # [S, K]
     tolerance = 1e-9 * max(float(loads.max()), 1.0)
     for _ in range(4 * n + 16):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         peak = loads.max(axis=1)  # [S]
         hot = np.unique(loads.argmax(axis=1))
         mine = np.flatnonzero(np.isin(pack, hot))
@@ -271,6 +305,8 @@ def _refine_pack_scenarios(weight: np.ndarray, pack: np.ndarray, num_packs: int)
             _peak_without_pairs(loads)[:, first, second],
         )
         gain = (peak[:, None] - new_peak).mean(axis=0)
+        if labels is not None:
+            gain[~_no_shared_label(pack, labels, num_packs, a, b)] = -np.inf
         best = int(np.argmax(gain))
         if not gain[best] > tolerance:
             break
@@ -281,18 +317,29 @@ def _refine_pack_scenarios(weight: np.ndarray, pack: np.ndarray, num_packs: int)
     return pack
 
 
-def _pack(weight: np.ndarray, num_packs: int, scenarios: np.ndarray | None = None) -> np.ndarray:
+def _pack(
+    weight: np.ndarray, num_packs: int, scenarios: np.ndarray | None = None, labels: np.ndarray | None = None, deadline: float | None = None
+) -> np.ndarray:
     """Greedy packing refined by local search, for every row of ``weight [X, n]``.
 
     With ``scenarios [S, X, n]`` the refinement minimises the mean over scenarios
-    of the heaviest pack instead of the heaviest pack under ``weight``.
+    of the heaviest pack instead of the heaviest pack under ``weight``; with
+    ``labels [X, n]`` no pack gets a label twice unless it cannot be helped.
+    Past ``deadline`` (a ``time.perf_counter()`` value) the refinement stops:
+    the rows not yet refined keep their greedy packing (valid, only less refined).
     """
-    pack = _greedy_pack(weight, num_packs)
+    pack = _greedy_pack(weight, num_packs, labels)
     if num_packs == 1 or weight.shape[1] == num_packs:
         return pack
-    if scenarios is not None:
-        return np.stack([_refine_pack_scenarios(scenarios[:, r], pack[r], num_packs) for r in range(weight.shape[0])])
-    return np.stack([_refine_pack(weight[r], pack[r], num_packs) for r in range(weight.shape[0])])
+    for r in range(weight.shape[0]):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        row_labels = None if labels is None else labels[r]
+        if scenarios is not None:
+            pack[r] = _refine_pack_scenarios(scenarios[:, r], pack[r], num_packs, row_labels, deadline)
+        else:
+            pack[r] = _refine_pack(weight[r], pack[r], num_packs, row_labels, deadline)
+    return pack
 
 
 def _place_in_nodes(
@@ -303,6 +350,7 @@ def _place_in_nodes(
     num_nodes: int,
     num_gpus: int,
     scenarios: np.ndarray | None = None,
+    deadline: float | None = None,
 ) -> np.ndarray:
     """``phy2log [L, N]`` for a given group-to-node assignment ``node_of_group [L, G]``.
 
@@ -327,7 +375,7 @@ def _place_in_nodes(
         flat_index = node_experts.reshape(num_layers, -1)
         scenario_weight = np.stack([np.take_along_axis(s, flat_index, axis=1).reshape(-1, experts_per_node) for s in scenarios])
         replica_scenarios = np.take_along_axis(scenario_weight / counts, np.broadcast_to(replica_item, scenario_weight.shape[:1] + replica_item.shape), axis=2)
-    gpu = _pack(replica_weight, gpus_per_node, replica_scenarios)  # local GPU of each replica
+    gpu = _pack(replica_weight, gpus_per_node, replica_scenarios, replica_item, deadline)  # local GPU of each replica, no expert twice on one
     phy2log = np.empty((num_layers * num_nodes, slots_per_node), dtype=np.int64)
     flat_experts = node_experts.reshape(-1, experts_per_node)
     for row in range(num_layers * num_nodes):
@@ -356,11 +404,13 @@ def _match(overlap: np.ndarray) -> np.ndarray:
 
 
 def align_to(current: np.ndarray, phy2log: np.ndarray, num_nodes: int, num_gpus: int) -> np.ndarray:
-    """Renumber the GPUs (and nodes) of ``phy2log [L, N]`` to keep as many replicas as possible where ``current`` has them.
+    """Renumber the GPUs (and nodes) of ``phy2log [L, N]`` and order each GPU's slots to keep replicas where ``current`` has them.
 
-    Which physical GPU gets which set of replicas does not change any load, so
-    the plan's balance is untouched; only fewer replicas move. Nodes are matched
-    first (by shared replicas), then the GPUs inside each node.
+    Which physical GPU gets which set of replicas, and in which of its slots,
+    does not change any load, so the plan's balance is untouched; only fewer
+    weights are copied. Nodes are matched first (by shared replicas), then the
+    GPUs inside each node; then an expert a GPU keeps stays in its slot
+    (:func:`keep_slots`: in vLLM and SGLang a slot is a weight buffer).
     """
     num_layers, num_slots = phy2log.shape
     num_experts = int(max(current.max(), phy2log.max())) + 1
@@ -385,6 +435,33 @@ def align_to(current: np.ndarray, phy2log: np.ndarray, num_nodes: int, num_gpus:
             for local, gpu in enumerate(mine):
                 dest = theirs[gpu_target[local]]
                 out[layer, dest * per_gpu : (dest + 1) * per_gpu] = phy2log[layer, gpu * per_gpu : (gpu + 1) * per_gpu]
+    return keep_slots(current, out, num_gpus)
+
+
+def keep_slots(current: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Reorder the slots inside each GPU of ``phy2log [L, N]`` so that every expert a GPU holds in both keeps its ``current`` slot.
+
+    Per layer and GPU, an expert held before and after keeps the slot it had
+    (one slot per replica kept); the GPU's new experts fill its freed slots in
+    their order in ``phy2log``. Each GPU holds the same experts as in
+    ``phy2log``, so no load changes; the slots that change are exactly the
+    weight copies the move needs (:func:`moved_per_gpu`), the fewest possible
+    for this GPU assignment.
+    """
+    current = np.asarray(current, dtype=np.int64)
+    out = np.asarray(phy2log, dtype=np.int64).copy()
+    per_gpu = out.shape[1] // num_gpus
+    for layer in range(out.shape[0]):
+        for start in range(0, out.shape[1], per_gpu):
+            old, new = current[layer, start : start + per_gpu], out[layer, start : start + per_gpu]
+            left = list(new)
+            kept = np.full(per_gpu, -1, dtype=np.int64)
+            for slot, expert in enumerate(old.tolist()):
+                if expert in left:
+                    left.remove(expert)
+                    kept[slot] = expert
+            kept[kept < 0] = left
+            out[layer, start : start + per_gpu] = kept
     return out
 
 
@@ -408,7 +485,7 @@ def check_current(current: np.ndarray, num_layers: int, num_experts: int, num_re
     return phy2log.astype(np.int64)
 
 
-def rebalance_experts(
+def plan_experts(
     weight: np.ndarray,
     num_replicas: int,
     num_groups: int,
@@ -418,6 +495,7 @@ def rebalance_experts(
     scenarios: np.ndarray | None = None,
     current: np.ndarray | None = None,
     keep_tolerance: float = 0.0,
+    budget_s: float | None = None,
 ) -> PlacementPlan:
     """Plan where each (replicated) expert lives so that GPU loads are balanced.
 
@@ -427,7 +505,8 @@ def rebalance_experts(
         num_replicas: ``N`` physical expert slots in total, a multiple of
             ``num_gpus`` and at least ``E``.
         num_groups: ``G`` expert groups (contiguous blocks of ``E / G``
-            experts); ``E % G == 0``.
+            experts); when they do not split evenly over the nodes, or
+            the experts over them, the global policy is used (as EPLB does).
         num_nodes: ``M`` server nodes (fast links inside a node).
         num_gpus: ``K`` GPUs, a multiple of ``num_nodes``.
         scenarios: optional ``[S, L, E]`` loads the next window may bring
@@ -440,6 +519,10 @@ def rebalance_experts(
             unless the new plan lowers the expected heaviest GPU by more than
             ``keep_tolerance`` (a fraction), so moves are made only when worth it.
         keep_tolerance: see ``current``; ``>= 0``.
+        budget_s: seconds the packing refinement may take (``None``: no limit).
+            Layers not refined in time keep the greedy packing (never worse
+            than EPLB's plan, which is compared per layer in any case);
+            :attr:`PlacementPlan.within_budget` says whether it ran out.
 
     Returns:
         A :class:`PlacementPlan` with ``phy2log [L, N]``, ``log2phy [L, E, X]``
@@ -462,19 +545,22 @@ def rebalance_experts(
             raise PlacementError("scenarios must hold finite, non-negative loads")
     if not keep_tolerance >= 0:
         raise PlacementError(f"keep_tolerance must be >= 0, got {keep_tolerance!r}")
+    if budget_s is not None and not budget_s > 0:
+        raise PlacementError(f"budget_s must be a positive number of seconds or None, got {budget_s!r}")
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     judged = w[None] if scenarios is None else scenarios
-    hierarchical = num_groups % num_nodes == 0
-    groups, nodes = (num_groups, num_nodes) if hierarchical else (1, 1)
+    groups, nodes = eplb_policy(num_experts, num_groups, num_nodes)
+    hierarchical = nodes == num_nodes and groups == num_groups
     group_weight = w.reshape(num_layers, groups, -1).sum(axis=2)
     greedy_nodes = _greedy_pack(group_weight, nodes)
     candidates = [greedy_nodes]
     if 1 < nodes < groups:
-        refined = _pack(group_weight, nodes)
+        refined = _pack(group_weight, nodes, deadline=deadline)
         if (refined != greedy_nodes).any():
             candidates.append(refined)
     best_plan = best_peak = None
     for node_of_group in candidates:
-        phy2log = _place_in_nodes(w, node_of_group, num_replicas, groups, nodes, num_gpus, scenarios)
+        phy2log = _place_in_nodes(w, node_of_group, num_replicas, groups, nodes, num_gpus, scenarios, deadline)
         peak = expected_peak(judged, phy2log, num_gpus)
         if best_plan is None:
             best_plan, best_peak = phy2log, peak
@@ -483,6 +569,12 @@ def rebalance_experts(
             best_plan[better] = phy2log[better]
             best_peak = np.where(better, peak, best_peak)
     assert best_plan is not None and best_peak is not None
+    # EPLB's own plan replaces a layer it packs better without more replicas sharing a GPU: never behind the baseline but by its wasted slots
+    eplb = greedy_rebalance(w, num_replicas, num_groups, num_nodes, num_gpus)
+    eplb_peak = expected_peak(judged, eplb, num_gpus)
+    better = (eplb_peak < best_peak - 1e-9 * np.maximum(best_peak, 1.0)) & (colocated(eplb, num_gpus) <= colocated(best_plan, num_gpus))
+    best_plan[better] = eplb[better]
+    best_peak = np.where(better, eplb_peak, best_peak)
     if current is not None:
         deployed = check_current(current, num_layers, num_experts, num_replicas)
         best_plan = align_to(deployed, best_plan, nodes, num_gpus)
@@ -495,26 +587,23 @@ def rebalance_experts(
         logcnt=logcnt,
         gpu_load=predicted_gpu_load(w, best_plan, num_gpus),
         hierarchical=hierarchical,
+        within_budget=deadline is None or time.perf_counter() <= deadline,
     )
 
 
 def moved_per_gpu(before: np.ndarray, after: np.ndarray, num_gpus: int) -> np.ndarray:
-    """Expert replicas each GPU must receive, ``[K]`` summed over layers, to go from ``before`` to ``after`` (both ``phy2log [L, N]``).
+    """Weight copies each GPU receives, ``[K]`` summed over layers, to go from ``before`` to ``after`` (both ``phy2log [L, N]``).
 
-    Per layer and GPU, the multiset of experts it holds after minus the one it
-    held before; slots reordered within a GPU move nothing.
+    A slot is a weight buffer (vLLM, SGLang): every slot whose expert changes
+    is one expert's weights copied into it, whether from another GPU or from
+    another slot of the same GPU. :func:`align_to` keeps this to the experts a
+    GPU gains.
     """
     num_layers, num_slots = after.shape
-    num_experts = int(max(before.max(), after.max())) + 1
-    gpu = np.arange(num_slots) // (num_slots // num_gpus)
-    key = (np.arange(num_layers)[:, None] * num_gpus + gpu[None, :]) * num_experts
-    size = num_layers * num_gpus * num_experts
-    held_before = np.bincount((key + before).ravel(), minlength=size)
-    held_after = np.bincount((key + after).ravel(), minlength=size)
-    received = np.maximum(held_after - held_before, 0).reshape(num_layers, num_gpus, num_experts)
-    return received.sum(axis=(0, 2))
+    changed = np.asarray(before) != np.asarray(after)
+    return changed.reshape(num_layers, num_gpus, num_slots // num_gpus).sum(axis=(0, 2))
 
 
 def replicas_moved(before: np.ndarray, after: np.ndarray, num_gpus: int) -> int:
-    """Expert replicas copied to GPUs in all, to go from ``before`` to ``after`` (:func:`moved_per_gpu` summed)."""
+    """Weight copies in all to go from ``before`` to ``after`` (:func:`moved_per_gpu` summed): slots whose expert changes."""
     return int(moved_per_gpu(before, after, num_gpus).sum())

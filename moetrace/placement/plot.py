@@ -7,7 +7,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .backtest import BacktestResult
+from .backtesting import BacktestResult
 
 __all__ = ["plot_backtest"]
 

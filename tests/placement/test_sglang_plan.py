@@ -14,8 +14,8 @@ import pytest
 from moetrace.cli.app import app
 from typer.testing import CliRunner
 
-from moetrace.analysis.placement import PlacementError
-from moetrace.analysis.sglang_plan import (
+from moetrace.placement.checks import PlacementError
+from moetrace.placement.sglang_plan import (
     SGLANG_MAP_KEY,
     read_sglang_plan,
     rows_in_pass,
@@ -24,7 +24,7 @@ from moetrace.analysis.sglang_plan import (
     write_sglang_plan,
 )
 
-from .helpers import record
+from ..analysis.helpers import record
 
 PLAN = np.array([[3, 0, 1, 2, 0, 3], [1, 2, 3, 0, 1, 1]])  # 2 planned layers, 4 experts, 6 slots
 
@@ -86,3 +86,19 @@ def test_cli_writes_the_sglang_format(tmp_path):
     assert mapping.shape == (2, 10)
     bad = CliRunner().invoke(app, ["placement", str(trace), "--gpus", "2", "--format", "vllm", "-o", str(out)])
     assert bad.exit_code != 0 and "--format 'vllm' is not one of ['moetrace', 'sglang']" in bad.output
+
+
+def test_cli_writes_one_sglang_row_per_model_layer_for_a_layer_subset(tmp_path):
+    """A 4-layer trace (model layers 0-3, layer 0 dense: not recorded) planned on --layers 1,2: SGLang gets 4 rows."""
+    rng = np.random.default_rng(5)
+    passes = [rng.integers(0, 8, size=(16, 3, 2)) for _ in range(4)]
+    trace = record(tmp_path, "per_pass", passes, num_experts=8, ep_size=2, layer_ids=(1, 2, 3))
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["placement", str(trace), "--gpus", "2", "--replicas", "10", "--layers", "1,2", "--format", "sglang", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    mapping = read_sglang_plan(out, 8)
+    assert mapping.shape == (4, 10)
+    np.testing.assert_array_equal(mapping[1:3], json.loads(result.output)["phy2log"])
+    trivial = np.arange(10) % 8
+    np.testing.assert_array_equal(mapping[0], trivial)  # the dense layer and the unplanned MoE layer: SGLang's trivial row
+    np.testing.assert_array_equal(mapping[3], trivial)

@@ -6,8 +6,8 @@ A planner is ``planner(history [t, L, E], window, config, deployed) -> phy2log [
 placement in service (or ``None``). Candidates (:data:`CANDIDATES`):
 
 - ``greedy``: EPLB's replicate-then-pack on the window's total
-  (:func:`~moetrace.analysis.placement_baseline.greedy_rebalance`); the baseline;
-- ``moetrace-fit``: :func:`~moetrace.analysis.placement.rebalance_experts` on
+  (:func:`~moetrace.placement.eplb.greedy_rebalance`); the baseline;
+- ``moetrace-fit``: :func:`~moetrace.placement.plan.plan_experts` on
   the window's total (swap search; it fits the window's noise);
 - ``moetrace-robust``: :func:`robust_rebalance`: loads shrunk toward the longer
   history, packing chosen for the mean peak over the window's sub-windows, and a
@@ -30,18 +30,23 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .placement import PlacementConfig, PlacementPlan, rebalance_experts
-from .placement_baseline import greedy_rebalance
+from .checks import PlacementConfig
+from .eplb import greedy_rebalance
+from .plan import PlacementPlan, plan_experts
 
 __all__ = [
     "CANDIDATES",
     "HEDGES",
+    "PLAN_BUDGET_S",
     "Planner",
     "RobustSettings",
     "ewma_estimate",
     "robust_inputs",
     "robust_rebalance",
 ]
+
+#: Seconds each candidate's packing refinement may take per plan (issue 34: every planner the default runs has a time budget).
+PLAN_BUDGET_S = 30.0
 
 #: ``planner(history [t, L, E], window buckets, config, deployed phy2log or None) -> phy2log [L, N]``.
 Planner = Callable[[np.ndarray, int, PlacementConfig, "np.ndarray | None"], np.ndarray]
@@ -58,11 +63,15 @@ class RobustSettings:
             window alone); the history is everything before the window.
         keep_tolerance: a layer keeps its deployed placement unless the new
             plan lowers the expected peak by more than this fraction.
+        budget_s: seconds one plan's packing refinement may take
+            (:func:`~moetrace.placement.plan.plan_experts`); the layers not
+            refined in time keep the greedy packing.
     """
 
     subwindows: int = 10
     shrink: float = 0.25
     keep_tolerance: float = 0.02
+    budget_s: float = PLAN_BUDGET_S
 
 
 def robust_inputs(history: np.ndarray, window: int, settings: RobustSettings) -> tuple[np.ndarray, np.ndarray]:
@@ -88,9 +97,9 @@ def robust_rebalance(
 ) -> PlacementPlan:
     """The robust planner for the next window, from ``history [t, L, E]`` (its ``gpu_load`` is under the shrunk estimate)."""
     estimate, scenarios = robust_inputs(history, window, settings)
-    return rebalance_experts(
+    return plan_experts(
         estimate, config.replicas, config.groups, config.nodes, config.gpus,
-        scenarios=scenarios, current=current, keep_tolerance=settings.keep_tolerance,
+        scenarios=scenarios, current=current, keep_tolerance=settings.keep_tolerance, budget_s=settings.budget_s,
     )
 
 
@@ -109,14 +118,14 @@ def _spread_rebalance(history: np.ndarray, window: int, config: PlacementConfig,
     """Variance-aware replication: replica counts and packing start from mean + 1 std over the sub-windows."""
     estimate, scenarios = robust_inputs(history, window, RobustSettings())
     upper = estimate + scenarios.std(axis=0)
-    return rebalance_experts(
+    return plan_experts(
         upper, config.replicas, config.groups, config.nodes, config.gpus,
-        scenarios=scenarios, current=current, keep_tolerance=RobustSettings().keep_tolerance,
+        scenarios=scenarios, current=current, keep_tolerance=RobustSettings().keep_tolerance, budget_s=PLAN_BUDGET_S,
     ).phy2log
 
 
 def _fit(weight: np.ndarray, config: PlacementConfig) -> np.ndarray:
-    return rebalance_experts(weight, config.replicas, config.groups, config.nodes, config.gpus).phy2log
+    return plan_experts(weight, config.replicas, config.groups, config.nodes, config.gpus, budget_s=PLAN_BUDGET_S).phy2log
 
 
 CANDIDATES: dict[str, Planner] = {

@@ -12,27 +12,27 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moetrace import balance as metrics
-from moetrace.analysis.backtest import (
-    PassSeries,
-    PlacementConfig,
+from moetrace.balance import balancedness
+from moetrace.placement.backtesting import (
     backtest,
     default_planners,
     gap_closed,
     oracle_plan,
     plan_with_selection,
 )
-from moetrace.analysis.placement import moved_per_gpu, predicted_gpu_load
-from moetrace.analysis.placement_baseline import greedy_rebalance
-from moetrace.analysis.placement_select import (
+from moetrace.placement.checks import PlacementConfig
+from moetrace.placement.cost import rebalance_value, recommendation
+from moetrace.placement.eplb import greedy_rebalance
+from moetrace.placement.plan import moved_per_gpu, predicted_gpu_load
+from moetrace.placement.planners import CANDIDATES
+from moetrace.placement.select import (
     BASELINE,
     SelectionRule,
     ValidatedPlanner,
     select_planner,
     validation_folds,
 )
-from moetrace.analysis.planners import CANDIDATES
-from moetrace.analysis.rebalance_cost import rebalance_value, recommendation
+from moetrace.placement.series import PassSeries
 from moetrace.reference.domain_drift import DriftSpec, olmoe_domains
 from moetrace.reference.regimes import REGIMES, regime_mix, regime_routes
 
@@ -46,7 +46,7 @@ def series_of(logical: np.ndarray) -> PassSeries:
 
 
 def balance(load: np.ndarray, phy2log: np.ndarray, gpus: int) -> float:
-    return metrics.balancedness(predicted_gpu_load(load, phy2log, gpus))
+    return balancedness(predicted_gpu_load(load, phy2log, gpus))
 
 
 def alternating(n: int = 60) -> np.ndarray:
@@ -126,6 +126,11 @@ def test_the_rule_weighs_mean_gain_losses_and_fold_count():
     assert short.chosen == BASELINE and "2 validation fold(s)" in short.reason and "3 are needed" in short.reason
     with pytest.raises(ValueError, match="baseline"):
         select_planner(loads, 10, 1, config, {"peek": cheater(loads, 1)})
+    # The validation's work budget (2 candidates x 1 layer x 16 slots = 32 cells a fold): the newest folds that fit, the reason says so.
+    two = select_planner(loads, 10, 1, config, {"greedy": CANDIDATES["greedy"], "peek": cheater(loads, 1)}, SelectionRule(max_cells=64))
+    assert two.fold_ends == ends[-2:] and two.chosen == BASELINE and "covers 2 of 8" in two.reason
+    none = select_planner(loads, 10, 1, config, {"greedy": CANDIDATES["greedy"], "peek": cheater(loads, 1)}, SelectionRule(max_cells=31))
+    assert none.fold_ends == [] and none.chosen == BASELINE and "covers 0 of 8" in none.reason
 
 
 def test_the_validated_planner_in_a_backtest_is_greedy_until_validated_then_the_hedge():
@@ -177,7 +182,7 @@ def test_rebalance_value_from_the_definition():
     assert value.break_even_pass_s == pytest.approx(value.stall_s / (2 * value.saved_share))
     assert "does not pay" in recommendation(value, value.break_even_pass_s / 2) and " pays at" in recommendation(value, value.break_even_pass_s * 2)
     before = np.array([[0, 1, 2, 3, 4, 5, 6, 7]])
-    np.testing.assert_array_equal(moved_per_gpu(before, before[:, [2, 3, 0, 1, 4, 5, 7, 6]], 4), [2, 2, 0, 0])
+    np.testing.assert_array_equal(moved_per_gpu(before, before[:, [2, 3, 0, 1, 4, 5, 7, 6]], 4), [2, 2, 0, 2])  # GPU 3 reordered: 2 copies
     with pytest.raises(ValueError, match="not in the backtest"):
         rebalance_value(result, "oracle", None, 1e9)
 

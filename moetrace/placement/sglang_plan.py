@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from ..trace.writer import write_json_atomic
-from .placement import PlacementError, log2phy_from_phy2log
+from .checks import PlacementError
+from .plan import log2phy_from_phy2log
 
 __all__ = ["SGLANG_MAP_KEY", "read_sglang_plan", "rows_in_pass", "sglang_expert_location", "sglang_physical_count", "write_sglang_plan"]
 
