@@ -119,7 +119,7 @@ def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, ev
     loop = ServingLoop(model, max_running=8, max_tokens_per_pass=64, chunk_size=32, num_kv_slots=2048, max_len=128)
     servers: list[Any] = []
     if settings.serve:
-        servers = [start_http_server(0, recorder=recorder, per_expert=True), serve_control(recorder)]
+        servers = [start_http_server(0, recorder=recorder, per_expert=True, per_ep_rank=True), serve_control(recorder, per_ep_rank=True)]
         events.put(("urls", rank, servers[0].url, servers[1].url))
     loop.submit(_requests(settings, rank, config.vocab_size))
     signal.signal(signal.SIGINT, lambda *_: loop.stop())

@@ -7,7 +7,9 @@ parallel layout (global rank, TP/EP coordinates, whether its routing replicates
 a TP peer's; an endpoint that stops answering is shown as gone, with the
 reason), the tokens served over all endpoints (each token once: replica ranks
 export 0), balancedness over the EP
-ranks and per-rank load bars (loads summed over the endpoints), the hottest
+ranks and per-rank load bars (loads summed over the endpoints; only from endpoints that export
+the ``[layer, ep_rank]`` matrices, ``per_ep_rank=True``, which fleet-sized deployments leave off:
+their fleet balance comes from the shipped Prometheus recording rules), the hottest
 experts per layer (when an endpoint exports ``per_expert`` series), mean phase
 times per rank (over the last interval, from ``moetrace_phase_seconds``; over
 the whole recording on the first frame) and the slowest rank by expert time.

@@ -274,13 +274,13 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(GuardedServerMixin, HTTPServer):
     def __init__(self, address: tuple[str, int], recorder: Recorder | None, token: str | None, max_body_bytes: int,
-                 limits: ServerLimits | None) -> None:
+                 limits: ServerLimits | None, per_ep_rank: bool) -> None:
         super().__init__(address, _Handler, limits)
         self.recorder = recorder
         self.token = token
         self.max_body_bytes = max_body_bytes
         self.prefetch_body_bytes = max_body_bytes
-        self.metrics_registry = prometheus.register(recorder)
+        self.metrics_registry = prometheus.register(recorder, per_ep_rank=per_ep_rank)
         # Serialises start/stop/dump: a name check and the write it guards happen together.
         self.lifecycle = threading.Lock()
 
@@ -302,7 +302,7 @@ class ControlServer(ServerHandle):
 
 def serve_control(recorder: Recorder | None = None, port: int = 0, host: str = "127.0.0.1",
                   token: str | None = None, max_body_bytes: int = 65536,
-                  limits: ServerLimits | None = None) -> ControlServer:
+                  limits: ServerLimits | None = None, per_ep_rank: bool = False) -> ControlServer:
     """Serve the control endpoint in a daemon thread.
 
     Args:
@@ -317,6 +317,9 @@ def serve_control(recorder: Recorder | None = None, port: int = 0, host: str = "
         limits: connection limits (read timeout, open connections, worker
             threads, head size, request and CPU budgets); ``None``:
             :class:`ServerLimits` defaults (5 s, 512, 8, 16 KiB, 50/s, 0.1 core).
+        per_ep_rank: ``/metrics`` also exports the ``[layer, ep_rank]`` matrices (3 x L x R
+            series; off by default, see docs/observability.md), which ``moetrace top`` needs for
+            balancedness over EP ranks and the per-rank load bars.
 
     Returns:
         a :class:`ControlServer` with ``.url``, ``.port`` and ``.close()``.
@@ -326,7 +329,7 @@ def serve_control(recorder: Recorder | None = None, port: int = 0, host: str = "
     if max_body_bytes < 0:
         raise ValueError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
     try:
-        server = _Server((host, port), recorder, token, max_body_bytes, limits)
+        server = _Server((host, port), recorder, token, max_body_bytes, limits, per_ep_rank)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot serve the control endpoint on {host}:{port}: {exc.strerror}; pick another port or 0 for a free one") from exc
     if token is None and host not in ("127.0.0.1", "::1", "localhost"):

@@ -90,7 +90,10 @@ def main() -> None:
     mode, output_dir, log = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     dump_at = int(sys.argv[4]) if len(sys.argv) > 4 else -1
     torch.set_num_threads(1)
-    rec = make_recorder(mode, output_dir)
+    # A held dump needs a join to hold: segments rotate at every hand-off (never by time), so the
+    # cut always takes several closed segments. By time, a fast machine closed one segment by the
+    # cut, which the dump renames into place without a join (nothing to hold: the test waited forever).
+    rec = make_recorder(mode, output_dir, **({"segment_seconds": 0, "segment_bytes": 1} if dump_at >= 0 else {}))
     if dump_at >= 0:
         hold_background_dumps(log.with_name(log.name + ".joined"))
     rec.start_record()

@@ -24,7 +24,7 @@ def test_one_frame_from_a_protected_control_endpoint(tmp_path, monkeypatch):
                     rec.on_select_experts(torch.tensor([[0, 1], [2, 3], [3, 2]]))
                     time.sleep(0.002)
     runner = CliRunner()
-    with serve_control(rec, token="s3cret") as server:
+    with serve_control(rec, token="s3cret", per_ep_rank=True) as server:
         refused = runner.invoke(app, ["top", "--url", server.url, "--once"])
         frame = runner.invoke(app, ["top", "--url", server.url, "--url", f"http://127.0.0.1:{free_port()}", "--once", "--token", "s3cret"])
     assert refused.exit_code == 0 and "ERROR (HTTP 401 Unauthorized; pass --token)" in refused.output
