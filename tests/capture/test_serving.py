@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 
 import numpy as np
 import pytest
 import torch
+from moetrace.cli.app import app
+from typer.testing import CliRunner
 
 from moetrace import ExpertDistributionRecorder
 from moetrace.reference import (
@@ -17,6 +20,7 @@ from moetrace.reference import (
     routed_positions,
     zipf_bias,
 )
+from moetrace.routes import load_routes
 from moetrace.trace.reader import open_trace
 from moetrace.trace.token_routes import request_routes
 
@@ -193,7 +197,8 @@ def test_per_token_rows_are_each_requests_routes(model, tmp_path):
     requests = _mix(18, seed=7)
     results = {r.rid: r for r in ServingLoop(model, recorder=recorder, **LOOP).run(requests)}
     recorder.stop_record()
-    routes = request_routes(recorder.dump_record())
+    trace = recorder.dump_record()
+    routes = request_routes(trace)
     moe = list(model.moe_layer_ids)
     assert sorted(routes) == sorted(results) and len(routes) >= 16
     assert sum(len(r.forward_pass_ids) > 2 for r in results.values()) >= 10  # interleaved over many passes
@@ -206,3 +211,20 @@ def test_per_token_rows_are_each_requests_routes(model, tmp_path):
         model.forward(torch.tensor([sequence]), recorder=taps)
         independent = np.stack([taps.ids[i] for i in range(len(moe))], axis=1)
         np.testing.assert_array_equal(got, independent, err_msg=req.rid)
+
+    # `moetrace routes` writes the same as a routes file; --request one; analyze --by reads the trace directly
+    runner = CliRunner()
+    out = runner.invoke(app, ["routes", str(trace), "-o", str(tmp_path / "routes.json")])
+    assert out.exit_code == 0, out.output
+    saved = load_routes(tmp_path / "routes.json")
+    assert sorted(saved.requests) == sorted(routes) and saved.layer_ids == moe
+    for rid, (start, arr) in saved.requests.items():
+        assert start == 0
+        np.testing.assert_array_equal(arr, routes[rid])
+    one = runner.invoke(app, ["routes", str(trace), "-o", str(tmp_path / "one.json"), "--request", requests[3].rid])
+    assert one.exit_code == 0 and list(load_routes(tmp_path / "one.json").requests) == [requests[3].rid]
+    missing = runner.invoke(app, ["routes", str(trace), "-o", str(tmp_path / "none.json"), "--request", "nope"])
+    assert missing.exit_code == 2 and "no token rows" in missing.output and not (tmp_path / "none.json").exists()
+    by_trace = runner.invoke(app, ["analyze", str(trace), "--by", "request", "--json"])
+    by_file = runner.invoke(app, ["analyze", str(tmp_path / "routes.json"), "--by", "request", "--json"])
+    assert by_trace.exit_code == 0 and json.loads(by_trace.output) == json.loads(by_file.output)
