@@ -267,7 +267,8 @@ class AuditReport:
 
 
 def _sets(arr: np.ndarray) -> np.ndarray:
-    return np.sort(arr, axis=-1)
+    """Rows as sorted int64 ids (compared and hashed as sets, whatever dtype each side came in)."""
+    return np.sort(arr.astype(np.int64, copy=False), axis=-1)
 
 
 def _moe_rows(arr: np.ndarray, layer_ids: Sequence[int], what: str) -> np.ndarray:
@@ -396,20 +397,19 @@ class _Audit:
             return
         found: dict[str, dict[str, np.ndarray]] = {rid: {} for rid in self.unexplained}  # request -> other -> [u] explained
         if self.on("foreign"):
+            # (position, returned row) -> the unexplained rows holding it: one lookup per recorded row, O(rows) in all
+            index: dict[tuple[int, bytes], list[tuple[str, int]]] = {}
+            for rid, (positions, sa, _differ) in self.unexplained.items():
+                for i, (position, row) in enumerate(zip(positions.tolist(), sa, strict=True)):
+                    index.setdefault((position, row.tobytes()), []).append((rid, i))
+            wanted = np.unique(np.fromiter((p for p, _ in index), dtype=np.int64, count=len(index)))
             for other, rows in self.recorded.requests():
                 s_other = _sets(rows)
-                for rid, (positions, sa, differ) in self.unexplained.items():
-                    if rid == other:
-                        continue
-                    inside = positions < s_other.shape[0]
-                    if not inside.any():
-                        continue
-                    hit = np.zeros(positions.size, dtype=bool)
-                    idx = np.flatnonzero(inside)
-                    theirs = s_other[positions[idx]]
-                    hit[idx] = ((sa[idx] == theirs).all(-1) | ~differ[idx]).all(-1) & (theirs >= 0).all(-1).any(-1)
-                    if hit.any():
-                        found[rid][other] = hit
+                for position in wanted[wanted < s_other.shape[0]].tolist():
+                    for rid, i in index.get((position, s_other[position].tobytes()), ()):
+                        if rid != other:
+                            hits = found[rid].setdefault(other, np.zeros(self.unexplained[rid][0].size, dtype=bool))
+                            hits[i] = True
         for rid, (positions, _sa, differ) in self.unexplained.items():
             result = results[rid]
             left = np.ones(positions.size, dtype=bool)

@@ -54,7 +54,7 @@ def honest() -> tuple[RouteSet, RouteSet]:
     assert loop.capturer is not None and loop.capturer.row_checks.snapshot()["requests_failed"] == 0
     returned = RouteSet({r.rid: (r.routed_experts_start, r.routed_experts) for r in results}, num_experts=CONFIG.num_experts,
                         provenance={r.rid: r.provenance.replace(run_id=RUN) for r in results})
-    recorded = RouteSet({r.rid: (0, r.routed_experts[:, MOE]) for r in results}, num_experts=CONFIG.num_experts, layer_ids=MOE)
+    recorded = RouteSet({r.rid: (0, r.routed_experts[:, MOE].astype(np.int64)) for r in results}, num_experts=CONFIG.num_experts, layer_ids=MOE)
     return returned, recorded
 
 
