@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from moetrace.route_checks import ROW_CHECKS
 
-from .spec import MetricSpec, prom_family
+from .spec import MetricSpec, prom_families, prom_family
 
 __all__ = ["ROUTE_CHECK_METRICS", "RouteChecksCollector", "register"]
 
@@ -54,12 +54,7 @@ class RouteChecksCollector(Collector):
         yield from (prom_family(spec, spec.dims) for spec in ROUTE_CHECK_METRICS)
 
     def collect(self) -> Iterator[Metric]:
-        snapshot = self._counts.snapshot()
-        for spec in ROUTE_CHECK_METRICS:
-            family = prom_family(spec, spec.dims)
-            for labels, value in spec.value(snapshot):
-                family.add_metric(list(labels.values()), value)  # type: ignore[attr-defined]
-            yield family
+        yield from prom_families(ROUTE_CHECK_METRICS, self._counts.snapshot())
 
 
 def register(source: Any, registry: CollectorRegistry | None = None) -> CollectorRegistry:
