@@ -383,7 +383,7 @@ def test_routes_of_another_weight_version_are_refused_unless_allowed(models: dic
     """A rollout's routes say which weights routed them (provenance); replay on other weights refuses them unless told."""
     model = models["mixtral"]
     ids = _inputs(1, 6)
-    logits, routes = capture(model, ids)
+    _, routes = capture(model, ids)
     payload = encode_routed_experts(routes, RouteProvenance(run_id="rollout-1", rank=0, weight_version="step-7"))
     with pytest.raises(ReplayError, match="weight version 'step-7' but 'step-8'"):
         hf.replay(model, payload, weight_version="step-8")
@@ -391,7 +391,7 @@ def test_routes_of_another_weight_version_are_refused_unless_allowed(models: dic
         capture(model, ids)
     assert handle.audit_report().ok
     with hf.replay(model, payload, weight_version="step-7"):
-        replayed_logits, replayed = capture(model, ids)
+        _, replayed = capture(model, ids)
     np.testing.assert_array_equal(replayed, routes)
 
 
