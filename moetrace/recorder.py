@@ -184,6 +184,11 @@ class ExpertDistributionRecorder:
         return self.config.mode
 
     @property
+    def run_id(self) -> str:
+        """The current (or last) recording's run id: a trace's ``run_id`` attribute."""
+        return self._run_id
+
+    @property
     def num_passes(self) -> int:
         """Forward passes recorded since ``start_record``."""
         return self._num_passes
