@@ -65,7 +65,12 @@ def temporary_path(path: Path) -> Path:
 
 
 def process_alive(pid: int, host: str) -> bool | None:
-    """Whether ``pid`` runs on this host (``None`` when ``host`` is another machine: unknown)."""
+    """Whether ``pid`` runs on this host (``None`` when ``host`` is another machine: unknown).
+
+    A zombie (killed or exited, not yet reaped by its parent) is dead: it can write nothing more. SGLang's
+    engine SIGKILLs its scheduler processes at shutdown and leaves them zombies until it starts another
+    process, so a recovery run in the engine's own process must not take them for live writers.
+    """
     if host != socket.gethostname():
         return None
     try:
@@ -73,8 +78,20 @@ def process_alive(pid: int, host: str) -> bool | None:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # exists, owned by someone else
-    return True
+        pass  # exists, owned by someone else
+    return not _exited(pid)
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid``, which ``kill(pid, 0)`` found, has exited: a zombie, or reaped since (Linux ``/proc``;
+    ``False`` where there is no ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return Path("/proc/self/stat").exists()  # reaped between the two looks
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:][:1] in ("Z", "X")
 
 
 def parse_temporary(path: Path) -> tuple[str, str, int] | None:

@@ -228,3 +228,27 @@ def test_sigkill_during_a_background_dump_loses_nothing_recover_cannot_bring_bac
             np.testing.assert_array_equal(np.concatenate([c.physical_count for c in chunks]), expected)
     assert recovered <= len(logged)
     assert not [p for p in out.iterdir() if ".tmp-" in p.name]  # the dead dump's temporary was swept
+
+
+def test_a_killed_child_not_yet_reaped_is_dead(tmp_path):
+    """A zombie (SIGKILLed, its parent has not waited yet) is no live writer: SGLang's engine leaves its
+    scheduler processes so after shutdown, and ``moetrace recover`` run in the engine's process refused them
+    as "still being recorded". ``kill(pid, 0)`` alone finds the zombie (the negative control)."""
+    import os
+
+    from moetrace.trace.files import process_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        assert process_alive(child.pid, socket.gethostname()) is True
+        os.kill(child.pid, signal.SIGKILL)
+        stat = Path(f"/proc/{child.pid}/stat")
+        deadline = time.monotonic() + 60
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":  # not reaped: no wait() until below
+            assert time.monotonic() < deadline, "the killed child did not become a zombie in 60 s"
+            time.sleep(0.01)
+        os.kill(child.pid, 0)  # the zombie's pid still answers
+        assert process_alive(child.pid, socket.gethostname()) is False
+    finally:
+        child.kill()
+        child.wait()

@@ -17,7 +17,8 @@ from .checkpoint import NUM_EXPERTS, NUM_LAYERS
 from .engine import GENERATION, PROMPTS
 from .reference import hf_routes
 
-__all__ = ["TWO_RANKS", "WORKLOAD_TOKENS", "computed_sequences", "expert_count", "generate_sequentially", "hf_computed_routes"]
+__all__ = ["TWO_RANKS", "WORKLOAD_TOKENS", "computed_sequences", "expert_count", "generate_sequentially", "hf_computed_routes",
+           "sglang_recorder_count"]
 
 TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 """Environment of a two-rank CPU engine: one core per scheduler process."""
@@ -49,3 +50,17 @@ def expert_count(routes: list[np.ndarray]) -> np.ndarray:
         for layer in range(NUM_LAYERS):
             count[layer] += np.bincount(route[:, layer].ravel(), minlength=NUM_EXPERTS)
     return count
+
+
+def sglang_recorder_count(files: list[Path], tp_size: int) -> np.ndarray:
+    """``[L, E]`` what the engine routed, from SGLang's own ``stat`` recorder dumps (an independent record
+    inside the engine): SGLang all-reduces the ranks' counts over the TP group, so each of the ``tp_size``
+    files holds ``tp_size`` x the count under TP attention; the files must agree."""
+    import torch
+
+    assert len(files) == tp_size, f"expected one SGLang dump per rank, found {files}"
+    totals = [torch.load(path, weights_only=True)["logical_count"].numpy().sum(axis=0) for path in files]
+    for other in totals[1:]:
+        np.testing.assert_array_equal(other, totals[0])
+    assert (totals[0] % tp_size == 0).all()
+    return totals[0] // tp_size
