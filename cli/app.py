@@ -44,6 +44,7 @@ app.command("merge")(traces.merge)
 app.command("inspect")(traces.inspect)
 app.command("recover")(traces.recover_run)
 app.command("verify")(verify.verify)
+app.command("routes")(traces.routes)
 # The whole job end to end on the reference runtime.
 app.command("demo")(demo.demo)
 # Request→replica routing: replay, compare, why.

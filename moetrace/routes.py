@@ -15,7 +15,9 @@ replay (:mod:`moetrace.replay`):
   in the capturer's wire format (:func:`moetrace.capturer.encode_routed_experts`)
   with the model, id space, expert count and layer ids they belong to, and
   each request's provenance (run, engine rank, weight version, attempt:
-  :mod:`moetrace.provenance`; files written before it load with none).
+  :mod:`moetrace.provenance`; files written before it load with none);
+- :func:`trace_route_set` reads the same per-request routes from ``per_token``
+  traces whose rows carry their requests (``moetrace routes``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ import numpy as np
 from .capturer import CaptureError, decode_routed_experts, encode_routed_experts
 from .labels import LabelError, check_labels
 from .provenance import PROVENANCE_KEY, ProvenanceError, RouteProvenance, read_provenance
+from .trace.reader import open_trace
+from .trace.schema import Attr
+from .trace.token_routes import request_routes
 from .trace.writer import write_json_atomic
 
 __all__ = [
@@ -44,6 +49,7 @@ __all__ = [
     "routed_rows",
     "save_routes",
     "select_route_layers",
+    "trace_route_set",
 ]
 
 ROUTES_FORMAT = "moetrace-routes"
@@ -333,3 +339,26 @@ def _provenance(entry: Any, what: str, default: RouteProvenance | None) -> Route
         return read_provenance(entry, what, default)
     except ProvenanceError as exc:
         raise RoutesError(str(exc)) from None
+
+
+def trace_route_set(traces: Sequence[Path | str], request_id: str | None = None) -> RouteSet:
+    """Every request's routes (or ``request_id``'s) from ``per_token`` traces that tie rows to requests.
+
+    Keys are the engine's own request ids; each request's routes start at position 0 and
+    positions no pass computed (prefix-cache hits) are rows of ``-1``
+    (:func:`moetrace.trace.token_routes.request_routes`). Ids stay in the traces' id space,
+    with their ``physical_to_logical`` map when physical; ``layer_ids`` are the traces'
+    MoE layers.
+
+    Raises:
+        TraceError: a trace is unreadable, not ``per_token``, without request rows, or the
+            request is in none of them.
+    """
+    if not traces:
+        raise RoutesError("no trace given: name one or more per_token traces")
+    with open_trace(traces[0]) as first:
+        model, id_space, layers, mapping = str(first.attrs.get(Attr.MODEL, "")), first.id_space, first.layers, first.physical_to_logical
+        experts = first.num_physical_experts if id_space == "physical" else first.num_logical_experts
+    requests = request_routes(list(traces), request_id)
+    return RouteSet({rid: (0, routes) for rid, routes in requests.items()}, model, id_space, experts,
+                    [int(x) for x in layers], mapping if id_space == "physical" else None, {"source": "trace"})

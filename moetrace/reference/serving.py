@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..batch import PassBatch
 from ..capturer import RoutedExpertsCapturer
 from ..labels import LabelLoad, check_labels
 from ..provenance import RouteProvenance
@@ -150,6 +151,14 @@ class _Live:
     def needed(self) -> int:
         """KV slots of its own (cached positions use the cache's slots)."""
         return routed_positions(len(self.request.prompt), self.request.max_new_tokens) - self.cached
+
+
+def _pass_batch(plan: Sequence[tuple[_Live, int]]) -> PassBatch:
+    """The recorder's view of a pass: each request's rows, in plan (= ``input_ids``) order."""
+    if not plan:
+        return PassBatch.idle()
+    return PassBatch.of([live.request.rid for live, _ in plan], [live.computed for live, _ in plan], [n for _, n in plan],
+                        prefill=[live.computed < len(live.request.prompt) for live, _ in plan])
 
 
 class ServingLoop:
@@ -396,7 +405,8 @@ class ServingLoop:
     def _forward(self, batch: ForwardBatch, plan: list[tuple[_Live, int]], locs: list[int], pass_id: int) -> list[RequestResult]:
         # Capture only passes that carry a request asking for its routed experts.
         capturer = self.capturer if any(live.request.return_routed_experts for live, _ in plan) else None
-        logits = self.model.forward_batch(batch, self.cache, recorder=self.recorder, capturer=capturer, forward_pass_id=pass_id)
+        logits = self.model.forward_batch(batch, self.cache, recorder=self.recorder, capturer=capturer, forward_pass_id=pass_id,
+                                          pass_batch=_pass_batch(plan))
         if capturer is not None:
             capturer.on_forward_end(locs)
         sampled = logits.argmax(-1).tolist() if plan else []
