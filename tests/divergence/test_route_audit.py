@@ -88,6 +88,9 @@ def test_honest_routes_pass(honest, trace_side) -> None:
     assert all(r["weight_version"] == "match" for r in figures["per_request"])
     # the returned routes' provenance names this trace's run (the recorder's hooks wrote it, the capturer the answers)
     assert trace_side.run_id == next(iter(returned.provenance.values())).run_id
+    # read three requests at a time (bounded memory): the same figures
+    grouped = audit_routes(returned, trace_source([honest[2]], group=3), weight_version=VERSION).to_dict()
+    assert grouped == figures
 
 
 @pytest.mark.parametrize("kind", INJECTABLE)
