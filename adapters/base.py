@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from moetrace.batch import PassBatch
 from moetrace.config import RecorderConfig
 from moetrace.recorder import (
     ExpertDistributionRecorder,
@@ -183,13 +184,15 @@ def _name(owner: Any) -> str:
 def forward_pass_wrapper(
     recorder: Recorder,
     on_end: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None,
+    batch_of: Callable[[tuple[Any, ...], dict[str, Any]], PassBatch | None] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A :meth:`HookRegistry.wrap_forward` wrapper that runs each call inside ``recorder.with_forward_pass()``.
 
     Re-entrant calls (a forward calling itself, or the same wrapper reached
     twice) open one pass only. ``on_end(output, args, kwargs)`` runs after a
     successful forward, still inside the pass (e.g. to hand a capturer the
-    pass's KV slots).
+    pass's KV slots). ``batch_of(args, kwargs)`` gives the pass's batch
+    (:class:`~moetrace.batch.PassBatch`, from host values) when it is known.
     """
 
     def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -201,7 +204,7 @@ def forward_pass_wrapper(
                 return forward(*args, **kwargs)
             depth += 1
             try:
-                with recorder.with_forward_pass():
+                with recorder.with_forward_pass(batch=batch_of(args, kwargs) if batch_of is not None else None):
                     output = forward(*args, **kwargs)
                     if on_end is not None:
                         on_end(output, args, kwargs)

@@ -150,7 +150,7 @@ def analyze(
     top: Annotated[int, typer.Option("--top", min=1, help="Hottest experts, pairs and transitions listed per layer (the expert table shows at most 3).")] = 5,
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Run on Dask (moetrace[dask]): 'local[:N]' starts N worker processes (default one per core), 'tcp://HOST:PORT' uses a running scheduler.")] = None,
-    by: Annotated[str | None, typer.Option("--by", help="Attribution on a routes file: 'request', 'label' or 'label:NAME' (who drives the hot experts and ranks).")] = None,
+    by: Annotated[str | None, typer.Option("--by", help="Attribution on a routes file or a per_token trace whose rows carry their requests: 'request', 'label' or 'label:NAME' (who drives the hot experts and ranks).")] = None,
     ep_size: Annotated[int, typer.Option("--ep-size", min=1, help="With --by: EP ranks for the hottest-rank figures (contiguous placement).")] = 1,
 ) -> None:
     """Expert and rank balance, entropy, dead/hot experts, EP projection, co-activation, transitions and drift of a trace."""

@@ -8,6 +8,7 @@ import moetrace
 
 from . import (
     analysis,
+    audit,
     control,
     demo,
     diff,
@@ -34,6 +35,7 @@ app.command("analyze")(analysis.analyze)
 app.command("plot")(analysis.plot)
 app.command("placement")(placement.placement)
 app.command("diff")(diff.diff)
+app.command("audit")(audit.audit)
 app.command("timeline")(timeline.timeline)
 app.command("report")(report.report)
 # Producing and examining trace files.
@@ -42,6 +44,7 @@ app.command("merge")(traces.merge)
 app.command("inspect")(traces.inspect)
 app.command("recover")(traces.recover_run)
 app.command("verify")(verify.verify)
+app.command("routes")(traces.routes)
 # The whole job end to end on the reference runtime.
 app.command("demo")(demo.demo)
 # Request→replica routing: replay, compare, why.

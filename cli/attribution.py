@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from moetrace.analysis.attribution import Attribution, attribute
-from moetrace.routes import RoutesError, load_routes
+from moetrace.routes import RoutesError, load_routes, trace_route_set
+from moetrace.trace.schema import TraceError
 
 from .errors import CommandError
 
@@ -27,11 +28,15 @@ def parse_by(text: str) -> tuple[str, str | None]:
 def run_attribution(path: Path, by_text: str, ep_size: int, top: int) -> Attribution:
     """Load the routes file and attribute (errors as :class:`CommandError`)."""
     by, key = parse_by(by_text)
-    if path.suffix in (".h5", ".hdf5"):
-        raise CommandError(f"{path}: --by needs per-request routes: a routes file (moetrace.routes.save_routes, the capturer, "
-                           "SGLang's or vLLM's routed_experts), not an HDF5 trace")
     try:
-        return attribute(load_routes(path), by=by, key=key, ep_size=ep_size, top=top)
+        if path.suffix in (".h5", ".hdf5"):  # a per_token trace whose rows carry their requests
+            routes = trace_route_set([path])
+        else:
+            routes = load_routes(path)
+        return attribute(routes, by=by, key=key, ep_size=ep_size, top=top)
+    except TraceError as exc:
+        raise CommandError(f"{exc}; --by needs per-request routes: a per_token trace whose rows carry their requests, or a routes file "
+                           "(moetrace routes, moetrace.routes.save_routes, the capturer, SGLang's or vLLM's routed_experts)") from None
     except RoutesError as exc:
         raise CommandError(str(exc)) from None
 

@@ -1,4 +1,4 @@
-"""``moetrace convert``, ``merge`` and ``inspect``: produce and examine trace files."""
+"""``moetrace convert``, ``merge``, ``inspect`` and ``routes``: produce and examine trace files."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 import typer
 from rich.table import Table
 
+from moetrace.routes import RoutesError, save_routes, trace_route_set
 from moetrace.trace.convert import convert_jsonl, convert_sglang
 from moetrace.trace.guarded import open_hdf5
 from moetrace.trace.integrity import CHECKSUMS, reading
@@ -21,7 +22,7 @@ from moetrace.trace.schema import MERGED_DAMAGED_ATTR, Attr, Data
 from .errors import CommandError, guarded
 from .options import existing_file, output_path, progress_meter, stdout_console
 
-__all__ = ["convert_to_trace", "inspect", "merge", "recover_run"]
+__all__ = ["convert_to_trace", "inspect", "merge", "recover_run", "routes"]
 
 
 @guarded
@@ -166,3 +167,28 @@ def inspect(
     for row in datasets:
         ds.add_row(str(row["name"]), str(tuple(row["shape"])), str(row["dtype"]), str(row["bytes"]), str(row["stored_bytes"]), ",".join(row["filters"]) or "-")  # type: ignore[arg-type]
     console.print(ds)
+
+
+@guarded
+def routes(
+    traces: Annotated[list[Path], typer.Argument(help="per_token traces whose rows carry their requests (per-rank files or consecutive dumps of one run).")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Routes file to write (JSON, moetrace.routes.load_routes reads it).")],
+    request: Annotated[str | None, typer.Option("--request", help="Only this engine request id (SGLang's meta_info['id'], vLLM's request id).")] = None,
+) -> None:
+    """Write every request's routed experts from the trace alone as a routes file, keyed by the engine's request ids.
+
+    Rows of positions no pass computed (prefix-cache hits) are all -1. Holds the rows of the
+    requests written in memory (one request's with --request).
+    """
+    for path in traces:
+        existing_file(path)
+    output_path(out)
+    try:
+        found = trace_route_set(traces, request)
+        written = save_routes(out, {rid: arr for rid, (_, arr) in found.requests.items()}, model=found.model, id_space=found.id_space,
+                              num_experts=found.num_experts, layer_ids=found.layer_ids, physical_to_logical=found.physical_to_logical,
+                              **found.meta)
+    except RoutesError as exc:
+        raise CommandError(str(exc)) from None
+    computed = sum(int((arr >= 0).any(axis=(1, 2)).sum()) for _, arr in found.requests.values())
+    typer.echo(f"wrote {written}: {len(found.requests)} requests, {computed} positions computed")

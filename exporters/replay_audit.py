@@ -27,7 +27,7 @@ from typing import Any
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from .spec import MetricSpec, prom_family
+from .spec import MetricSpec, prom_families, prom_family
 
 __all__ = ["REPLAY_METRICS", "ReplayAuditCollector", "register"]
 
@@ -63,12 +63,7 @@ class ReplayAuditCollector(Collector):
         yield from (prom_family(spec, spec.dims) for spec in REPLAY_METRICS)
 
     def collect(self) -> Iterator[Metric]:
-        report = self._report()
-        for spec in REPLAY_METRICS:
-            family = prom_family(spec, spec.dims)
-            for labels, value in spec.value(report):
-                family.add_metric(list(labels.values()), value)  # type: ignore[attr-defined]
-            yield family
+        yield from prom_families(REPLAY_METRICS, self._report())
 
 
 def register(source: Any, registry: CollectorRegistry | None = None) -> CollectorRegistry:

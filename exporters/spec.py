@@ -14,7 +14,7 @@ build the families and instruments from the spec alone, the same way for all.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client.core import (
@@ -25,7 +25,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-__all__ = ["KINDS", "MetricSpec", "enabled", "otel_instrument", "prom_family", "str_labels"]
+__all__ = ["KINDS", "MetricSpec", "enabled", "otel_instrument", "prom_families", "prom_family", "str_labels"]
 
 #: Kinds of metric: ``counter`` (monotonic within one recording), ``gauge``, ``histogram``
 #: (Prometheus buckets; OpenTelemetry counters, its API has no asynchronous histogram)
@@ -91,6 +91,15 @@ def prom_family(spec: MetricSpec, labels: Iterable[str]) -> Metric:
     if spec.kind == "histogram":
         return HistogramMetricFamily(spec.prom_name, spec.help, labels=names)
     return InfoMetricFamily(spec.prom_name.removesuffix("_info"), spec.help, labels=names)
+
+
+def prom_families(specs: Iterable[MetricSpec], snapshot: Any) -> Iterator[Metric]:
+    """The Prometheus family of each spec, with the ``(labels, value)`` samples its ``value`` reads from ``snapshot``."""
+    for spec in specs:
+        family = prom_family(spec, spec.dims)
+        for labels, value in spec.value(snapshot):
+            family.add_metric(list(labels.values()), value)  # type: ignore[attr-defined]
+        yield family
 
 
 def otel_instrument(meter: Any, spec: MetricSpec, callback: Callable[..., Iterable[Any]],

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from .batch import PassBatch
 from .config import RecorderConfig
 from .trace.schema import Data
 from .trace.segments import StreamRows
@@ -340,6 +341,14 @@ class TokenStream:
     writer keeps only the rows that are not all -1 (padding rows of a static
     batch), with their position in the pass. Ids are stored in the smallest
     signed dtype for ``P`` (:func:`~moetrace.trace.writer.token_id_dtype`).
+
+    Requests: with the engine's :class:`~moetrace.batch.PassBatch` of the pass,
+    each row also gets its request (an index into the hand-off's request table,
+    ``request_ids``: the ids of this hand-off in first-seen order, so bounded by
+    the chunk) and its position in that request; ``-1`` without a batch and for
+    rows no request owns. The segment writer turns hand-off indices into the
+    segment's own table (:class:`~moetrace.trace.segments.SegmentWriter`). Cost per
+    pass: one dict lookup per request and a few ``[rows]`` numpy operations.
     """
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout, submit: Submit, settle: Callable[[], None]) -> None:
@@ -362,6 +371,9 @@ class TokenStream:
         self.overflow = _Overflow(config, settle)
         self.pass_id = np.zeros(config.stream_chunk_tokens, dtype=np.int64)
         self.position = np.zeros(config.stream_chunk_tokens, dtype=np.int32)
+        self.request = np.full(config.stream_chunk_tokens, -1, dtype=np.int32)
+        self.request_position = np.full(config.stream_chunk_tokens, -1, dtype=np.int32)
+        self.request_table: dict[str, int] = {}  # request id -> index, this hand-off's requests
         self.filled = 0
         self.passes = 0  # passes (with or without tokens) since the last hand-off
         self.first_pass = self.last_pass = -1
@@ -375,8 +387,9 @@ class TokenStream:
         tokens = index.shape[0] // self.pass_stage.shape[2]
         torch.index_select(self.lut, 0, index, out=self.pass_stage[layer, :tokens].view(-1))
 
-    def end_pass(self, pass_id: int, current: torch.Tensor, rows: int) -> None:
-        """Move the pass's first ``rows`` staged rows into the chunk; ``current [L, C]`` are its counter rows."""
+    def end_pass(self, pass_id: int, current: torch.Tensor, rows: int, batch: PassBatch | None = None) -> None:
+        """Move the pass's first ``rows`` staged rows into the chunk; ``current [L, C]`` are its counter
+        rows, ``batch`` the engine's batch of the pass (``None``: rows of no known request)."""
         if self.filled + rows > len(self.pass_id):
             self.flush()
         self.totals.add(current)
@@ -389,8 +402,16 @@ class TokenStream:
         target = self.chunk[self.filled : self.filled + rows].view(self.word)
         target.copy_(self.pass_stage[:, :rows].view(self.word).transpose(0, 1))
         self.pass_stage[:, :rows].fill_(-1)
-        self.pass_id[self.filled : self.filled + rows] = pass_id
-        self.position[self.filled : self.filled + rows] = np.arange(rows, dtype=np.int32)
+        span = slice(self.filled, self.filled + rows)
+        self.pass_id[span] = pass_id
+        self.position[span] = np.arange(rows, dtype=np.int32)
+        if batch is None:
+            self.request[span] = -1
+            self.request_position[span] = -1
+        else:
+            table = self.request_table
+            index = np.fromiter((table.setdefault(r, len(table)) for r in batch.request_ids), dtype=np.int64, count=len(batch.request_ids))
+            self.request[span], self.request_position[span] = batch.row_requests(index, rows)
         self.filled += rows
 
     def flush(self, rotate: bool = False, wait: bool = False) -> None:
@@ -405,6 +426,7 @@ class TokenStream:
             self.overflow.dropped(passes, self.first_pass, self.last_pass)
             self.totals.reset()
             self.filled = self.passes = 0
+            self.request_table = {}
             _submit_empty(self.submit, None, rotate)
             return
         dropped = self.overflow.take_pending()
@@ -412,13 +434,17 @@ class TokenStream:
         totals, release_totals = self.totals.take()
         event = _event_after_copy(self.device)
         pass_id, position = self.pass_id[:n].copy(), self.position[:n].copy()
+        request, request_position = self.request[:n].copy(), self.request_position[:n].copy()
+        request_ids = tuple(self.request_table)
+        self.request_table = {}
         first, last = self.first_pass, self.last_pass
 
         def build() -> StreamRows:
             ids = host[:n].numpy()
-            real = (ids != -1).reshape(n, -1).any(axis=1)
+            real = (ids != -1).reshape(n, ids[0].size if n else 1).any(axis=1)
             # Views of the host buffer when every row is a token: the writer is done with them before ``done`` releases it.
-            rows = {Data.TOKENS_TOPK_IDS: ids, Data.TOKENS_PASS_ID: pass_id, Data.TOKENS_POSITION: position}
+            rows = {Data.TOKENS_TOPK_IDS: ids, Data.TOKENS_PASS_ID: pass_id, Data.TOKENS_POSITION: position,
+                    Data.TOKENS_REQUEST: request, Data.TOKENS_REQUEST_POSITION: request_position}
             if not real.all():
                 rows = {name: array[real] for name, array in rows.items()}
             return StreamRows(
@@ -429,6 +455,7 @@ class TokenStream:
                 first_pass=first,
                 last_pass=last,
                 dropped_passes=dropped,
+                request_ids=request_ids,
             )
 
         def done() -> None:
@@ -451,5 +478,6 @@ class TokenStream:
         self.pass_stage.fill_(-1)  # also what graph replays wrote while nothing was recorded
         self.filled = 0
         self.passes = 0
+        self.request_table = {}
         self.totals.reset()
         self.overflow.reset()

@@ -34,6 +34,8 @@ import torch
 
 from .config import CaptureConfig
 from .devices import resolve_device
+from .provenance import PROVENANCE_KEY, RouteProvenance
+from .route_checks import RowCheckCounts, row_faults
 
 __all__ = [
     "CaptureError",
@@ -68,6 +70,17 @@ class RoutedExpertsCapturer:
         device: device of the ``topk_ids`` given to :meth:`capture`.
         staging: passes whose copies may be in flight at once (ring of staging buffers).
         dtype: integer dtype of the buffers (``int16`` holds up to 32767 experts).
+        num_experts: experts per layer, for the ``out_of_range`` row check (``None``: not checked).
+        routed_layers: the model layers that route (MoE layers), for the ``missing_layer``
+            row check (``None``: not checked; dense layers read ``-1``).
+        provenance: what the routes handed out come from (run, rank, weight version;
+            :mod:`moetrace.provenance`); change it with :meth:`set_provenance` (e.g. after
+            a weight update).
+
+    Every request's rows are checked on the host when :meth:`get_routed_experts` hands
+    them out (:func:`moetrace.route_checks.row_faults`); :attr:`row_checks` counts the
+    rows failing each check (``row_checks.snapshot()``; Prometheus:
+    :mod:`moetrace.exporters.route_checks`).
     """
 
     def __init__(
@@ -80,6 +93,9 @@ class RoutedExpertsCapturer:
         *,
         staging: int = 2,
         dtype: torch.dtype = torch.int16,
+        num_experts: int | None = None,
+        routed_layers: Sequence[int] | None = None,
+        provenance: RouteProvenance | None = None,
     ) -> None:
         self.config = CaptureConfig(num_layers, top_k, max_tokens_per_pass, num_kv_slots, device)
         cfg = self.config
@@ -100,6 +116,12 @@ class RoutedExpertsCapturer:
         self._slot_pass = np.full(cfg.num_kv_slots, -1, dtype=np.int64)  # capture seq that last wrote a slot
         self._seq = 0  # passes ended so far
         self._pass_rows = 0  # largest T captured in the current pass
+        if routed_layers is not None and any(not 0 <= layer < cfg.num_layers for layer in routed_layers):
+            raise ValueError(f"routed_layers {list(routed_layers)} name layers outside [0, num_layers={cfg.num_layers})")
+        self.num_experts = num_experts
+        self.routed_layers = None if routed_layers is None else tuple(int(x) for x in routed_layers)
+        self.provenance = provenance if provenance is not None else RouteProvenance()
+        self.row_checks = RowCheckCounts()
 
     # ------------------------------------------------------------------ hot path
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
@@ -206,7 +228,14 @@ class RoutedExpertsCapturer:
         if (writers < 0).any():
             raise CaptureError(f"some positions of request slot {req_pool_idx} were never written by a captured pass")
         self._land_upto(int(writers.max()))
-        return self._host[slots].numpy()
+        rows = self._host[slots].numpy()
+        self.row_checks.add(row_faults(rows, num_experts=self.num_experts, routed_layers=self.routed_layers), rows.shape[0] * rows.shape[1])
+        return rows
+
+    def set_provenance(self, **fields: Any) -> RouteProvenance:
+        """Change what the routes handed out from now on come from (e.g. ``weight_version="step-12"``)."""
+        self.provenance = self.provenance.replace(**fields)
+        return self.provenance
 
     # ------------------------------------------------------------------ introspection
     def nbytes(self) -> int:
@@ -235,14 +264,21 @@ def wire_dtype(array: np.ndarray) -> np.dtype:
     raise CaptureError(f"values [{lo}, {hi}] do not fit a 64-bit integer")
 
 
-def encode_routed_experts(array: np.ndarray | torch.Tensor) -> dict[str, Any]:
-    """``{"data": base64 of little-endian bytes, "dtype": name, "shape": [...]}`` for an integer array."""
+def encode_routed_experts(array: np.ndarray | torch.Tensor, provenance: RouteProvenance | None = None) -> dict[str, Any]:
+    """``{"data": base64 of little-endian bytes, "dtype": name, "shape": [...]}`` for an integer array.
+
+    With ``provenance`` the payload also carries ``"provenance"`` (run, rank, weight
+    version, attempt: :mod:`moetrace.provenance`); the ids' encoding is unchanged.
+    """
     arr = array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
     if arr.dtype.kind not in "iu":
         raise CaptureError(f"routed experts must be integers, got dtype {arr.dtype}")
     dtype = wire_dtype(arr)
     data = np.ascontiguousarray(arr, dtype=dtype.newbyteorder("<")).tobytes()
-    return {"data": base64.b64encode(data).decode("ascii"), "dtype": dtype.name, "shape": list(arr.shape)}
+    payload: dict[str, Any] = {"data": base64.b64encode(data).decode("ascii"), "dtype": dtype.name, "shape": list(arr.shape)}
+    if provenance is not None:
+        payload[PROVENANCE_KEY] = provenance.to_dict()
+    return payload
 
 
 def decode_routed_experts(payload: dict[str, Any]) -> np.ndarray:

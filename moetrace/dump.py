@@ -37,7 +37,7 @@ from .layout import RankLayout
 from .session import Cut, RecordingSession
 from .timing import HISTOGRAM_EDGES, PHASES
 from .trace.join import concat_segments
-from .trace.schema import Attr, Data, TraceHeader, dataset
+from .trace.schema import STRING_DTYPE, Attr, Data, TraceHeader, dataset
 from .trace.stat import CounterLayout, write_stat
 from .trace.writer import TraceWriter
 
@@ -365,6 +365,8 @@ def streamed_schema(config: RecorderConfig, layout: CounterLayout, token_dtype: 
         shapes = {
             Data.TOKENS_TOPK_IDS: ((config.num_layers, config.top_k), token_dtype),
             Data.TOKENS_PASS_ID: ((), np.int64), Data.TOKENS_POSITION: ((), np.int32),
+            Data.TOKENS_REQUEST: ((), np.int32), Data.TOKENS_REQUEST_POSITION: ((), np.int32),
+            Data.REQUEST_TABLE_ID: ((), STRING_DTYPE),
         }
     else:
         return {}

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from . import session as sessions
 from .accumulators import PassCounter, PassStream, StatWindow, TokenStream
+from .batch import PassBatch
 from .config import RecorderConfig
 from .devices import resolve_device
 from .dump import (
@@ -151,6 +152,7 @@ class ExpertDistributionRecorder:
         self._in_pass = False
         self._pass_active = False
         self._pass_rows = 0  # per_token: most rows a hook wrote in this pass (host bound, not a token count)
+        self._batch: PassBatch | None = None  # the engine's batch of the pass being run (host arrays), if it gave one
         self._captured_rows = 0  # per_token: most rows a hook wrote while being captured into a CUDA graph
         self._next_pass_id = 0
         self._layer: int | None = None
@@ -182,6 +184,11 @@ class ExpertDistributionRecorder:
         return self.config.mode
 
     @property
+    def run_id(self) -> str:
+        """The current (or last) recording's run id: a trace's ``run_id`` attribute."""
+        return self._run_id
+
+    @property
     def num_passes(self) -> int:
         """Forward passes recorded since ``start_record``."""
         return self._num_passes
@@ -204,15 +211,19 @@ class ExpertDistributionRecorder:
 
     # ------------------------------------------------------------------ context managers
     @contextlib.contextmanager
-    def with_forward_pass(self, forward_pass_id: int | None = None) -> Iterator[int]:
+    def with_forward_pass(self, forward_pass_id: int | None = None, batch: PassBatch | None = None) -> Iterator[int]:
         """Mark one model forward. Yields the pass id (auto-incremented when ``None``).
 
-        Passes do not nest. If the body raises, the partial pass is discarded.
+        ``batch``: the engine's batch of this pass (:class:`~moetrace.batch.PassBatch`, host
+        arrays), which ties ``per_token`` rows to their requests and gives the pass its phase;
+        :meth:`set_batch` gives it from inside the pass instead. Passes do not nest. If the
+        body raises, the partial pass is discarded.
         """
         if self._in_pass:
             raise RecorderStateError("with_forward_pass is already active: forward passes do not nest")
         pass_id = self._next_pass_id if forward_pass_id is None else int(forward_pass_id)
         self._next_pass_id = pass_id + 1
+        self._batch = _checked_batch(batch)
         self._in_pass = True
         self._pass_active = self._recording
         self._pass_rows = 0
@@ -231,6 +242,22 @@ class ExpertDistributionRecorder:
             self._in_pass = False
             self._pass_active = False
             self._live_clock = None
+            self._batch = None
+
+    def set_batch(self, batch: PassBatch | None) -> None:
+        """Give the batch of the pass being run (inside ``with_forward_pass``), replacing any given before.
+
+        For adapters that learn the batch only inside the pass (SGLang's model runner enters the
+        pass itself). Host-side bookkeeping only: no device work, nothing per token.
+        """
+        if not self._in_pass:
+            raise RecorderStateError("set_batch() called outside with_forward_pass(); give the batch of a pass while it runs")
+        self._batch = _checked_batch(batch)
+
+    @property
+    def current_batch(self) -> PassBatch | None:
+        """The batch of the pass being run, as the engine gave it (``None``: none given, or no pass)."""
+        return self._batch
 
     def _begin_timing(self) -> None:
         if is_capturing(self._device):
@@ -381,7 +408,7 @@ class ExpertDistributionRecorder:
             if self._pass_stream is not None:
                 self._pass_stream.push(counter.current, pass_id, timestamp)
             if self._token_stream is not None:
-                self._token_stream.end_pass(pass_id, counter.current, max(self._pass_rows, self._captured_rows))
+                self._token_stream.end_pass(pass_id, counter.current, max(self._pass_rows, self._captured_rows), self._batch)
             counter.clear()
             self._num_passes += 1
             self._snapshots.publish(counter.totals, counter.token_total, self._num_passes, timestamp)
@@ -729,8 +756,13 @@ class NoOpRecorder:
     num_passes = 0
     last_dump_path: Path | None = None
 
-    def with_forward_pass(self, forward_pass_id: int | None = None) -> contextlib.nullcontext[int]:
+    current_batch: PassBatch | None = None
+
+    def with_forward_pass(self, forward_pass_id: int | None = None, batch: PassBatch | None = None) -> contextlib.nullcontext[int]:
         return contextlib.nullcontext(-1 if forward_pass_id is None else forward_pass_id)
+
+    def set_batch(self, batch: PassBatch | None) -> None:
+        return None
 
     def with_current_layer(self, layer_idx: int) -> contextlib.nullcontext[int]:
         return contextlib.nullcontext(layer_idx)
@@ -767,6 +799,12 @@ class NoOpRecorder:
 
     def status(self) -> dict[str, object]:
         return {"configured": False, "recording": False, "mode": "none", "passes": 0, "tokens": 0, "last_dump_path": None, "output_dir": None, "errors": []}
+
+
+def _checked_batch(batch: object) -> PassBatch | None:
+    if batch is not None and not isinstance(batch, PassBatch):
+        raise TypeError(f"batch must be a moetrace.batch.PassBatch (PassBatch.of(...)) or None, got {type(batch).__name__}")
+    return batch
 
 
 Recorder = ExpertDistributionRecorder | NoOpRecorder

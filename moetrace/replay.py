@@ -31,6 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .capturer import decode_routed_experts
+from .provenance import ProvenanceError, RouteProvenance, check_weight_version, read_provenance
 from .replay_audit import ReplayAudit, ReplayAuditReport
 from .routes import RoutesError, check_routes, load_routes, select_route_layers
 
@@ -214,6 +215,8 @@ def prepare_routes(
     layer_ids: Sequence[int],
     num_experts: int,
     top_k: int,
+    weight_version: str | None = None,
+    allow_other_weight_version: bool = False,
 ) -> np.ndarray:
     """Validate routes for replay and return ``[B, S, num_moe_layers, k]`` int64 logical ids.
 
@@ -223,14 +226,25 @@ def prepare_routes(
     the MoE layers or the model layers (``-1`` rows for dense layers, as a
     capture gives them: the MoE layers ``layer_ids`` are picked).
 
+    ``weight_version``: the weights being trained; routes whose provenance
+    (:mod:`moetrace.provenance`) names another weight version are refused unless
+    ``allow_other_weight_version``. Routes without provenance (arrays, tensors, files
+    written before it) are assumed to be of ``weight_version`` (a logged warning).
+
     Raises:
-        ReplayError: wrong shape, top-k or layer count, or invalid rows (physical
-            ids, duplicates, rows mixing ``-1`` and ids).
+        ReplayError: wrong shape, top-k or layer count, invalid rows (physical
+            ids, duplicates, rows mixing ``-1`` and ids), or routes of another weight version.
     """
-    if isinstance(routes, (str, Path)):
-        routes = _one_request(routes)
-    if isinstance(routes, dict):
-        routes = decode_routed_experts(routes)
+    provenance: RouteProvenance | None = None
+    try:
+        if isinstance(routes, (str, Path)):
+            routes, provenance = _one_request(routes)
+        if isinstance(routes, dict):
+            provenance = read_provenance(routes, "the replayed routes")
+            routes = decode_routed_experts(routes)
+        check_weight_version(provenance, weight_version, allow_other=allow_other_weight_version, what="the replayed routes")
+    except ProvenanceError as exc:
+        raise ReplayError(f"cannot replay: {exc}") from None
     try:
         arr = check_routes(routes, num_experts)
     except RoutesError as exc:
@@ -273,8 +287,8 @@ def audit_forwards(model: torch.nn.Module, audit: ReplayAudit, state: ReplayStat
     return [model.register_forward_pre_hook(begin), model.register_forward_hook(end)]
 
 
-def _one_request(path: str | Path) -> np.ndarray:
-    """The ``[S, L, k]`` routes of the one request in a routes file (logical ids, from position 0)."""
+def _one_request(path: str | Path) -> tuple[np.ndarray, RouteProvenance | None]:
+    """The ``[S, L, k]`` routes of the one request in a routes file (logical ids, from position 0) and their provenance."""
     try:
         routeset = load_routes(path).logical()
     except RoutesError as exc:
@@ -284,10 +298,10 @@ def _one_request(path: str | Path) -> np.ndarray:
             f"{path} holds {len(routeset.requests)} requests; replay one forward's routes at a time: pass "
             "load_routes(path).requests[rid][1], or moetrace.routes.pad_routes over a batch's requests"
         )
-    start, arr = next(iter(routeset.requests.values()))
+    rid, (start, arr) = next(iter(routeset.requests.items()))
     if start:
         raise ReplayError(f"{path}: the request's routes start at position {start}; replay needs them from position 0 (a teacher-forced forward)")
-    return arr
+    return arr, routeset.provenance.get(rid)
 
 
 def attach_block_replay(

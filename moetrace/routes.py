@@ -13,7 +13,11 @@ replay (:mod:`moetrace.replay`):
   ``[L, P]`` map;
 - a *routes file* (``save_routes`` / ``load_routes``) holds per-request routes
   in the capturer's wire format (:func:`moetrace.capturer.encode_routed_experts`)
-  with the model, id space, expert count and layer ids they belong to.
+  with the model, id space, expert count and layer ids they belong to, and
+  each request's provenance (run, engine rank, weight version, attempt:
+  :mod:`moetrace.provenance`; files written before it load with none);
+- :func:`trace_route_set` reads the same per-request routes from ``per_token``
+  traces whose rows carry their requests (``moetrace routes``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ import numpy as np
 
 from .capturer import CaptureError, decode_routed_experts, encode_routed_experts
 from .labels import LabelError, check_labels
+from .provenance import PROVENANCE_KEY, ProvenanceError, RouteProvenance, read_provenance
+from .trace.reader import open_trace
+from .trace.schema import Attr
+from .trace.token_routes import request_routes
 from .trace.writer import write_json_atomic
 
 __all__ = [
@@ -41,6 +49,7 @@ __all__ = [
     "routed_rows",
     "save_routes",
     "select_route_layers",
+    "trace_route_set",
 ]
 
 ROUTES_FORMAT = "moetrace-routes"
@@ -158,6 +167,8 @@ class RouteSet:
         layer_ids: the model layer id of each of the ``L`` layers (``None``: unknown).
         physical_to_logical: ``[L, P]`` map for physical ids.
         labels: request id -> its labels (tenant, workload, session...; :mod:`moetrace.labels`).
+        provenance: request id -> where its routes come from (:mod:`moetrace.provenance`);
+            a request absent here recorded none (a file written before provenance).
     """
 
     requests: dict[str, tuple[int, np.ndarray]]
@@ -168,6 +179,7 @@ class RouteSet:
     physical_to_logical: np.ndarray | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    provenance: dict[str, RouteProvenance] = field(default_factory=dict)
 
     def logical(self) -> RouteSet:
         """The same routes in logical ids (a copy; ``self`` when already logical)."""
@@ -177,7 +189,8 @@ class RouteSet:
             raise RoutesError("these routes hold physical ids and no physical_to_logical map; save them with one")
         mapping = self.physical_to_logical
         requests = {rid: (start, logical_ids(arr, mapping)) for rid, (start, arr) in self.requests.items()}
-        return RouteSet(requests, self.model, "logical", int(mapping.max()) + 1, self.layer_ids, None, dict(self.meta), dict(self.labels))
+        return RouteSet(requests, self.model, "logical", int(mapping.max()) + 1, self.layer_ids, None, dict(self.meta), dict(self.labels),
+                        dict(self.provenance))
 
 
 def save_routes(
@@ -191,26 +204,39 @@ def save_routes(
     starts: Mapping[str, int] | None = None,
     physical_to_logical: Any = None,
     labels: Mapping[str, Mapping[str, str]] | None = None,
+    provenance: RouteProvenance | Mapping[str, RouteProvenance] | None = None,
     **meta: Any,
 ) -> Path:
     """Write per-request routes ``{request id: [n, L, k]}`` as a routes file (JSON, written atomically).
 
     ``labels`` maps request ids to their labels (``moetrace analyze --by label`` groups by them).
+    ``provenance`` is one :class:`~moetrace.provenance.RouteProvenance` for every request
+    (written once, at the top) or a mapping request id -> its own (in each request's entry).
     """
     if id_space not in ("logical", "physical"):
         raise RoutesError(f"id_space must be 'logical' or 'physical', got {id_space!r}")
     if id_space == "physical" and physical_to_logical is None:
         raise RoutesError("physical routes need their physical_to_logical map (EPLB phy2log) to be compared or replayed")
+    per_request = dict(provenance) if isinstance(provenance, Mapping) else {}
+    unknown = sorted(set(map(str, per_request)) - set(map(str, requests)))
+    if unknown:
+        raise RoutesError(f"provenance names requests that have no routes: {unknown[:5]}")
     body: dict[str, Any] = {
         "format": ROUTES_FORMAT, "version": 1, "model": model, "id_space": id_space,
         "num_experts": num_experts, "layer_ids": None if layer_ids is None else [int(x) for x in layer_ids],
         "physical_to_logical": None if physical_to_logical is None else np.asarray(physical_to_logical).tolist(),
         "meta": meta,
         "requests": {
-            str(rid): {"start": int((starts or {}).get(rid, 0)), "routed_experts": encode_routed_experts(check_routes(arr, what=f"request {rid!r}"))}
+            str(rid): {
+                "start": int((starts or {}).get(rid, 0)),
+                "routed_experts": encode_routed_experts(check_routes(arr, what=f"request {rid!r}")),
+                **({PROVENANCE_KEY: per_request[rid].to_dict()} if rid in per_request else {}),
+            }
             for rid, arr in requests.items()
         },
     }
+    if isinstance(provenance, RouteProvenance):
+        body[PROVENANCE_KEY] = provenance.to_dict()
     if labels:
         unknown = sorted(set(map(str, labels)) - set(map(str, requests)))
         if unknown:
@@ -226,20 +252,24 @@ def _labels(value: Any, what: str) -> dict[str, str]:
         raise RoutesError(str(exc)) from None
 
 
-def _decode(payload: Any, what: str) -> np.ndarray:
+def _decode(payload: Any, what: str, validate: bool = True) -> np.ndarray:
     try:
-        return check_routes(decode_routed_experts(payload), what=what)
+        arr = decode_routed_experts(payload)
+        return check_routes(arr, what=what) if validate else arr.astype(np.int64)
     except CaptureError as exc:
         raise RoutesError(f"{what}: {exc}") from exc
 
 
-def load_routes(path: Path | str) -> RouteSet:
+def load_routes(path: Path | str, *, validate: bool = True) -> RouteSet:
     """Read per-request routes from a routes file, a wire payload or a ``.npy`` array.
 
     Accepted JSON shapes: a routes file (:func:`save_routes`); one wire payload
     ``{"data", "dtype", "shape"}`` (request ``"0"``); a mapping of request id ->
     payload, or -> ``{"routed_experts": payload, "start": s}`` (an API
     response body per request). A ``.npy`` file is one request ``"0"``.
+
+    ``validate=False`` reads rows that :func:`check_routes` refuses (duplicates, rows mixing
+    ``-1`` and ids, ids below ``-1``) as they are: what an audit of returned routes needs.
 
     Raises:
         RoutesError: the file is none of these (the message says which part is wrong).
@@ -248,7 +278,8 @@ def load_routes(path: Path | str) -> RouteSet:
     if not source.is_file():
         raise RoutesError(f"{source}: no such routes file")
     if source.suffix == ".npy":
-        return RouteSet({"0": (0, check_routes(np.load(source, allow_pickle=False), what=str(source)))})
+        arr = np.load(source, allow_pickle=False)
+        return RouteSet({"0": (0, check_routes(arr, what=str(source)) if validate else np.asarray(arr, dtype=np.int64))})
     try:
         body = json.loads(source.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -258,7 +289,8 @@ def load_routes(path: Path | str) -> RouteSet:
     if not isinstance(body, dict):
         raise RoutesError(f"{source}: expected a JSON object (routes file, wire payload or request id -> payload)")
     if "data" in body and "shape" in body:
-        return RouteSet({"0": (0, _decode(body, str(source)))})
+        one = _provenance(body, str(source), None)
+        return RouteSet({"0": (0, _decode(body, str(source), validate))}, provenance={"0": one} if one is not None else {})
     meta: dict[str, Any] = {}
     if body.get("format") == ROUTES_FORMAT:
         entries = body.get("requests")
@@ -267,14 +299,7 @@ def load_routes(path: Path | str) -> RouteSet:
         entries = body
     if not isinstance(entries, dict) or not entries:
         raise RoutesError(f"{source}: no requests found")
-    requests: dict[str, tuple[int, np.ndarray]] = {}
-    for rid, entry in entries.items():
-        payload, start = entry, 0
-        if isinstance(entry, dict) and "routed_experts" in entry:
-            payload, start = entry["routed_experts"], int(entry.get("start", entry.get("routed_experts_start", 0)))
-        if not isinstance(payload, dict):
-            raise RoutesError(f"{source}: request {rid!r} holds no wire payload ({{'data', 'dtype', 'shape'}})")
-        requests[str(rid)] = (start, _decode(payload, f"{source}: request {rid!r}"))
+    requests, provenance = _entries(entries, source, _provenance(meta, str(source), None), validate)
     mapping = meta.get("physical_to_logical")
     layer_ids = meta.get("layer_ids")
     labels = meta.get("labels") or {}
@@ -285,4 +310,55 @@ def load_routes(path: Path | str) -> RouteSet:
         meta.get("num_experts"), None if layer_ids is None else [int(x) for x in layer_ids],
         None if mapping is None else np.asarray(mapping, dtype=np.int64), dict(meta.get("meta") or {}),
         {rid: _labels(value, f"{source}: labels of request {rid!r}") for rid, value in labels.items()},
+        provenance,
     )
+
+
+def _entries(
+    entries: dict[str, Any], source: Path, default: RouteProvenance | None, validate: bool,
+) -> tuple[dict[str, tuple[int, np.ndarray]], dict[str, RouteProvenance]]:
+    """Each request's ``(start, routes)`` and provenance (its entry's, its payload's, else the file's)."""
+    requests: dict[str, tuple[int, np.ndarray]] = {}
+    provenance: dict[str, RouteProvenance] = {}
+    for rid, entry in entries.items():
+        payload, start = entry, 0
+        if isinstance(entry, dict) and "routed_experts" in entry:
+            payload, start = entry["routed_experts"], int(entry.get("start", entry.get("routed_experts_start", 0)))
+        if not isinstance(payload, dict):
+            raise RoutesError(f"{source}: request {rid!r} holds no wire payload ({{'data', 'dtype', 'shape'}})")
+        what = f"{source}: request {rid!r}"
+        requests[str(rid)] = (start, _decode(payload, what, validate))
+        found = _provenance(entry, what, _provenance(payload, what, default))
+        if found is not None:
+            provenance[str(rid)] = found
+    return requests, provenance
+
+
+def _provenance(entry: Any, what: str, default: RouteProvenance | None) -> RouteProvenance | None:
+    try:
+        return read_provenance(entry, what, default)
+    except ProvenanceError as exc:
+        raise RoutesError(str(exc)) from None
+
+
+def trace_route_set(traces: Sequence[Path | str], request_id: str | None = None) -> RouteSet:
+    """Every request's routes (or ``request_id``'s) from ``per_token`` traces that tie rows to requests.
+
+    Keys are the engine's own request ids; each request's routes start at position 0 and
+    positions no pass computed (prefix-cache hits) are rows of ``-1``
+    (:func:`moetrace.trace.token_routes.request_routes`). Ids stay in the traces' id space,
+    with their ``physical_to_logical`` map when physical; ``layer_ids`` are the traces'
+    MoE layers.
+
+    Raises:
+        TraceError: a trace is unreadable, not ``per_token``, without request rows, or the
+            request is in none of them.
+    """
+    if not traces:
+        raise RoutesError("no trace given: name one or more per_token traces")
+    with open_trace(traces[0]) as first:
+        model, id_space, layers, mapping = str(first.attrs.get(Attr.MODEL, "")), first.id_space, first.layers, first.physical_to_logical
+        experts = first.num_physical_experts if id_space == "physical" else first.num_logical_experts
+    requests = request_routes(list(traces), request_id)
+    return RouteSet({rid: (0, routes) for rid, routes in requests.items()}, model, id_space, experts,
+                    [int(x) for x in layers], mapping if id_space == "physical" else None, {"source": "trace"})

@@ -113,11 +113,12 @@ class _NoHostSyncMode(TorchDispatchMode):
 _HOST_READS = {
     torch.Tensor.tolist: "reads tensor values on the host (tolist)",
     torch.Tensor.numpy: "exposes tensor values to the host (numpy)",
+    torch.Tensor.__array__: "exposes tensor values to the host (np.asarray(tensor), numpy functions given a tensor)",
 }
 
 
 class _NoHostReadMode(TorchFunctionMode):
-    """Catches host reads that never reach the dispatcher on CPU tensors (tolist, numpy)."""
+    """Catches host reads that never reach the dispatcher on CPU tensors (tolist, numpy, np.asarray)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         reason = _HOST_READS.get(func)

@@ -31,7 +31,7 @@ batch row ``b`` lives in KV slot ``b * capture_seq_len + t``;
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ from ..base import (
 from .families import moe_family_coverage
 from .layers import MoESite, find_moe_sites, model_top_k
 from .replay import HFReplay, replay
+from .requests import RequestNames, cache_length
 from .version import MIN_TRANSFORMERS, check_transformers, installed_version
 
 __all__ = [
@@ -75,6 +76,17 @@ class HFInstrumentation(Instrumentation):
 
     sites: tuple[MoESite, ...]
     capture_seq_len: int
+    request_names: RequestNames
+
+    def name_requests(self, request_ids: Sequence[object], padding: Sequence[int] | None = None) -> None:
+        """Name the batch rows of the next generation (``generate`` call) as requests.
+
+        ``per_token`` rows of that generation carry these ids (without a call:
+        ``hf-<generation>-<row>``), their positions counted from each row's first token
+        that the attention mask keeps. ``padding``: each row's left-pad tokens, needed
+        when the mask is not a CPU tensor (reading it from the device would synchronise).
+        """
+        self.request_names.name(request_ids, padding)
 
     def request_slots(self, batch_size: int) -> torch.Tensor:
         """The ``req_to_token [batch_size, capture_seq_len]`` table of the capturer's KV slots."""
@@ -143,12 +155,7 @@ def _router_topk_hook(record: Record, top_k: int, logits_index: int, wanted: Cal
     return hook
 
 
-def _cache_length(kwargs: dict[str, Any]) -> int:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    return int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
-
-
-def _capture_wrapper(recorder: Any, capturer: Any, seq_len: int, mark_passes: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _capture_wrapper(recorder: Any, capturer: Any, seq_len: int, mark_passes: bool, names: RequestNames) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Forward wrapper: one recorder pass per call (``mark_passes``), then ``capturer.on_forward_end(out_cache_loc)``.
 
     Token ``t`` (cache position) of batch row ``b`` lives in KV slot
@@ -171,10 +178,10 @@ def _capture_wrapper(recorder: Any, capturer: Any, seq_len: int, mark_passes: bo
         return (rows + torch.arange(start, start + length).unsqueeze(0)).reshape(-1)
 
     def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
-        in_pass = forward_pass_wrapper(recorder)(forward) if mark_passes else forward
+        in_pass = forward_pass_wrapper(recorder, batch_of=names.batch_of)(forward) if mark_passes else forward
 
         def forward_and_capture(*args: Any, **kwargs: Any) -> Any:
-            locs = out_cache_loc(args, kwargs, _cache_length(kwargs))
+            locs = out_cache_loc(args, kwargs, cache_length(kwargs))
             output = in_pass(*args, **kwargs)
             capturer.on_forward_end(locs)
             return output
@@ -254,6 +261,7 @@ def instrument(
         slots = int(capturer.config.num_kv_slots)
         seq_len = capture_seq_len or min(int(getattr(text_config, "max_position_embeddings", 0) or slots), slots)
     hooks = HookRegistry()
+    names = RequestNames()
     with unwinding(hooks, binding):
         capture = capturer.capture if capturer is not None else None
         for site in sites:
@@ -267,13 +275,14 @@ def instrument(
                 if getattr(getattr(rec, "config", None), "timing", False):
                     hooks.wrap_forward(site.module, _timed_experts(rec, site.index))
         if capturer is not None:
-            hooks.wrap_forward(model, _capture_wrapper(rec, capturer, seq_len, mark_passes))
+            hooks.wrap_forward(model, _capture_wrapper(rec, capturer, seq_len, mark_passes, names))
         elif mark_passes:
-            hooks.wrap_forward(model, forward_pass_wrapper(rec))
+            hooks.wrap_forward(model, forward_pass_wrapper(rec, batch_of=names.batch_of))
         handle = HFInstrumentation(
             model, rec, layer_ids, hooks, engine="hf", capturer=capturer,
             details={"sites": {site.name: site.kind for site in sites}, "top_k": k, "num_experts": num_experts},
         )
     handle.sites = tuple(sites)
     handle.capture_seq_len = seq_len
+    handle.request_names = names
     return handle

@@ -89,7 +89,10 @@ def _refuse_family(model: torch.nn.Module) -> None:
             raise ReplayError(f"{type(model).__name__}: replay is not supported for the '{family}' family: {REPLAY_REFUSED[family]}")
 
 
-def replay(model: torch.nn.Module, routes: Any, *, top_k: int | None = None) -> HFReplay:
+def replay(
+    model: torch.nn.Module, routes: Any, *, top_k: int | None = None, weight_version: str | None = None,
+    allow_other_weight_version: bool = False,
+) -> HFReplay:
     """Make every MoE layer of ``model`` route to ``routes`` in its forward passes, until removed.
 
     Args:
@@ -101,6 +104,10 @@ def replay(model: torch.nn.Module, routes: Any, *, top_k: int | None = None) -> 
             ones, as a capture gives it). A numpy array, a tensor, or a wire
             payload (:func:`moetrace.capturer.encode_routed_experts`).
         top_k: experts per token when the model does not say.
+        weight_version: the weights being trained: routes whose provenance names another
+            weight version are refused unless ``allow_other_weight_version``
+            (:func:`moetrace.replay.prepare_routes`).
+        allow_other_weight_version: replay routes of another weight version anyway.
 
     Returns:
         The live :class:`HFReplay` (also a context manager).
@@ -117,7 +124,8 @@ def replay(model: torch.nn.Module, routes: Any, *, top_k: int | None = None) -> 
     sites = find_moe_sites(model)
     k = top_k if top_k is not None else model_top_k(model, sites)
     num_experts = max(site.num_experts for site in sites)
-    arr = prepare_routes(routes, num_moe_layers=len(sites), layer_ids=[s.layer_id for s in sites], num_experts=num_experts, top_k=k)
+    arr = prepare_routes(routes, num_moe_layers=len(sites), layer_ids=[s.layer_id for s in sites], num_experts=num_experts, top_k=k,
+                         weight_version=weight_version, allow_other_weight_version=allow_other_weight_version)
     param = next(model.parameters(), None)
     state = ReplayState(arr, param.device if param is not None else torch.device("cpu"))
     modules = dict(model.named_modules())

@@ -80,7 +80,7 @@ def _uses_router_replay(layers: list[MegatronMoELayer], arr: np.ndarray) -> bool
     return all(isinstance(layer.router.router_replay, RouterReplay) for layer in layers) and bool((arr >= 0).all())
 
 
-def replay(model: torch.nn.Module, routes: Any) -> MegatronReplay:
+def replay(model: torch.nn.Module, routes: Any, *, weight_version: str | None = None, allow_other_weight_version: bool = False) -> MegatronReplay:
     """Make every MoE layer of ``model`` route to ``routes`` in its forwards, until removed.
 
     Args:
@@ -93,6 +93,10 @@ def replay(model: torch.nn.Module, routes: Any) -> MegatronReplay:
             ones). A numpy array, a tensor, a wire payload, or a one-request routes
             file (``moetrace-routes`` JSON, e.g. from ``moetrace routes`` or SGLang's
             ``routed_experts`` saved with :func:`moetrace.routes.save_routes`).
+        weight_version: the weights being trained: routes whose provenance names another
+            weight version are refused unless ``allow_other_weight_version``
+            (:func:`moetrace.replay.prepare_routes`).
+        allow_other_weight_version: replay routes of another weight version anyway.
 
     Raises:
         ReplayError: routes that do not fit (shape, top-k, ids); (in the forward) a router
@@ -105,6 +109,7 @@ def replay(model: torch.nn.Module, routes: Any) -> MegatronReplay:
     arr = prepare_routes(
         routes, num_moe_layers=len(layers), layer_ids=[layer.layer_id for layer in layers],
         num_experts=first.num_experts, top_k=first.top_k,
+        weight_version=weight_version, allow_other_weight_version=allow_other_weight_version,
     )
     batch, seq = arr.shape[:2]
     flat = np.ascontiguousarray(arr.transpose(1, 0, 2, 3)).reshape(seq * batch, len(layers), first.top_k)

@@ -50,13 +50,14 @@ from ..settings import PluginSettings, env_flag
 from .bridge import RecorderBridge
 from .layout import sglang_layout
 from .phases import watch_phases
-from .routed import read_routed_experts, routed_experts_payload
+from .routed import answers_routes, read_routed_experts, routed_experts_payload
 
 __all__ = [
     "LOCATION_MODULE",
     "RECORDER_MODULE",
     "RecorderBridge",
     "SGLangInstrumentation",
+    "answers_routes",
     "instrument",
     "plugin",
     "read_routed_experts",

@@ -20,13 +20,16 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..base import AdapterError
 
-__all__ = ["read_routed_experts", "routed_experts_payload"]
+if TYPE_CHECKING:
+    from moetrace.routes import RouteSet
+
+__all__ = ["answers_routes", "read_routed_experts", "routed_experts_payload"]
 
 
 def read_routed_experts(answer: Mapping[str, Any] | str, num_layers: int, top_k: int) -> np.ndarray:
@@ -73,3 +76,29 @@ def routed_experts_payload(answer: Mapping[str, Any] | str, num_layers: int, top
     from moetrace.capturer import encode_routed_experts
 
     return encode_routed_experts(read_routed_experts(answer, num_layers, top_k))
+
+
+def answers_routes(answers: Any, num_layers: int, top_k: int) -> RouteSet:
+    """Every request's routed experts from SGLang answers, keyed by SGLang's request id (``meta_info["id"]``).
+
+    ``answers``: a list of answers (``Engine.generate`` dicts or HTTP JSON bodies), or a
+    mapping request id -> answer. Rows are the model's layers (``-1`` for dense ones,
+    as SGLang returns them), from position 0. SGLang records no provenance: the routes
+    carry none (a weight-version check assumes them, :mod:`moetrace.provenance`).
+
+    Raises:
+        AdapterError: an answer without routed experts or without a request id, or one id twice.
+    """
+    from moetrace.routes import RouteSet
+
+    items = list(answers.items()) if isinstance(answers, Mapping) else [(None, a) for a in answers]
+    requests: dict[str, tuple[int, np.ndarray]] = {}
+    for key, answer in items:
+        meta = answer.get("meta_info", {}) if isinstance(answer, Mapping) else {}
+        rid = key if key is not None else meta.get("id") if isinstance(meta, Mapping) else None
+        if rid is None:
+            raise AdapterError("an SGLang answer has no meta_info['id']; give the answers as a mapping request id -> answer")
+        if str(rid) in requests:
+            raise AdapterError(f"request id {rid!r} appears twice among the answers")
+        requests[str(rid)] = (0, read_routed_experts(answer, num_layers, top_k))
+    return RouteSet(requests, id_space="logical")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..batch import PassBatch
 from ..config import RecorderConfig
 from ..recorder import get_recorder
 from .ep import EXCHANGE_MODES, EPMoELayer
@@ -309,13 +310,14 @@ class ReferenceMoEModel(torch.nn.Module):
             return self.final_norm(x) @ self.head.t()
 
     def forward_batch(self, batch: ForwardBatch, cache: KVCache, *, recorder: Any = None, capturer: Any = None,
-                      forward_pass_id: int | None = None) -> torch.Tensor:
+                      forward_pass_id: int | None = None, pass_batch: PassBatch | None = None) -> torch.Tensor:
         """One continuous-batching pass -> logits ``[num_segments, V]`` at each segment's last token.
 
         ``batch`` may be empty (0 tokens): under EP the rank still joins every collective.
+        ``pass_batch``: the same batch as the recorder reads it (request ids, positions, phase).
         """
         recorder = get_recorder() if recorder is None else recorder
-        with recorder.with_forward_pass(forward_pass_id):
+        with recorder.with_forward_pass(forward_pass_id, batch=pass_batch):
             x = self.embed[batch.input_ids]
             for block in self.blocks:
                 x = x + block.attn.cached(block.norm1(x), block.layer_id, batch, cache)

@@ -56,14 +56,16 @@ class _ServingRefusal:
         self.model.__dict__.pop("forward_batch", None)
 
 
-def replay(model: ReferenceMoEModel, routes: Any) -> ReplayHandle:
+def replay(model: ReferenceMoEModel, routes: Any, *, weight_version: str | None = None, allow_other_weight_version: bool = False) -> ReplayHandle:
     """Make ``model.forward`` route every MoE layer to ``routes`` until the handle is removed.
 
     Args:
         model: a :class:`ReferenceMoEModel` (dense or one EP rank's).
         routes: ``[B, S, L, k]`` or ``[S, L, k]`` logical ids (``L`` = MoE
             layers, or model layers with ``-1`` for dense ones), ``-1`` for
-            positions without routes; array, tensor or wire payload.
+            positions without routes; array, tensor, wire payload or one-request routes file.
+        weight_version, allow_other_weight_version: refuse routes of another weight version
+            unless allowed (:func:`moetrace.replay.prepare_routes`).
 
     Raises:
         ReplayError: routes that do not fit the model.
@@ -73,7 +75,8 @@ def replay(model: ReferenceMoEModel, routes: Any) -> ReplayHandle:
     check_not_replaying(model)
     config = model.config
     layer_ids = list(model.moe_layer_ids)
-    arr = prepare_routes(routes, num_moe_layers=len(layer_ids), layer_ids=layer_ids, num_experts=config.num_experts, top_k=config.top_k)
+    arr = prepare_routes(routes, num_moe_layers=len(layer_ids), layer_ids=layer_ids, num_experts=config.num_experts, top_k=config.top_k,
+                         weight_version=weight_version, allow_other_weight_version=allow_other_weight_version)
     state = ReplayState(arr, model.device_)
 
     def begin(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

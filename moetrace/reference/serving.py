@@ -43,8 +43,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..batch import PassBatch
 from ..capturer import RoutedExpertsCapturer
 from ..labels import LabelLoad, check_labels
+from ..provenance import RouteProvenance
+from ..recorder import get_recorder
 from ..replicas.prefix_cache import PrefixCache, chain_hashes
 from .kv import KVSlotAllocator, ReqToTokenPool
 from .model import ForwardBatch, ReferenceMoEModel, Segment
@@ -98,6 +101,9 @@ class RequestResult:
         rank: the EP rank that served it.
         cached_tokens: prompt tokens taken from the prefix cache (their prefill was skipped).
         labels: the request's labels.
+        provenance: where ``routed_experts`` come from (run: the recorder's ``run_id`` when
+            one was recording, rank, the loop's weight version, attempt 0), or ``None``
+            when not asked for.
     """
 
     rid: str
@@ -110,6 +116,7 @@ class RequestResult:
     rank: int
     cached_tokens: int = 0
     labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    provenance: RouteProvenance | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +153,14 @@ class _Live:
         return routed_positions(len(self.request.prompt), self.request.max_new_tokens) - self.cached
 
 
+def _pass_batch(plan: Sequence[tuple[_Live, int]]) -> PassBatch:
+    """The recorder's view of a pass: each request's rows, in plan (= ``input_ids``) order."""
+    if not plan:
+        return PassBatch.idle()
+    return PassBatch.of([live.request.rid for live, _ in plan], [live.computed for live, _ in plan], [n for _, n in plan],
+                        prefill=[live.computed < len(live.request.prompt) for live, _ in plan])
+
+
 class ServingLoop:
     """Continuous batching with a KV-slot pool, ``req_to_token`` and routed-experts capture.
 
@@ -163,6 +178,8 @@ class ServingLoop:
         block_size: tokens per prefix-cache block.
         label_load: live per-label expert load (:class:`moetrace.labels.LabelLoad`): each
             finished request that returns routed experts is added under its labels.
+        weight_version: the model weights' version, written into the provenance of the
+            routes the loop returns (:mod:`moetrace.provenance`).
     """
 
     def __init__(
@@ -180,6 +197,7 @@ class ServingLoop:
         prefix_cache_blocks: int | None = None,
         block_size: int = 16,
         label_load: LabelLoad | None = None,
+        weight_version: str = "",
     ) -> None:
         ep = model.ep
         if ep is not None and ep.mode == "padded" and max_tokens_per_pass > (ep.max_tokens or 0):
@@ -201,7 +219,10 @@ class ServingLoop:
         self.allocator = KVSlotAllocator(num_kv_slots)
         self.cache = model.new_kv_cache(num_kv_slots)
         c = model.config
-        self.capturer = RoutedExpertsCapturer(c.num_layers, c.top_k, max_tokens_per_pass, num_kv_slots, device) if capture else None
+        self.capturer = RoutedExpertsCapturer(
+            c.num_layers, c.top_k, max_tokens_per_pass, num_kv_slots, device, num_experts=c.num_experts,
+            routed_layers=model.moe_layer_ids, provenance=RouteProvenance(rank=self.rank, weight_version=weight_version),
+        ) if capture else None
         self._waiting: list[Request] = []
         self._running: list[_Live] = []
         self._reserved = 0
@@ -384,7 +405,8 @@ class ServingLoop:
     def _forward(self, batch: ForwardBatch, plan: list[tuple[_Live, int]], locs: list[int], pass_id: int) -> list[RequestResult]:
         # Capture only passes that carry a request asking for its routed experts.
         capturer = self.capturer if any(live.request.return_routed_experts for live, _ in plan) else None
-        logits = self.model.forward_batch(batch, self.cache, recorder=self.recorder, capturer=capturer, forward_pass_id=pass_id)
+        logits = self.model.forward_batch(batch, self.cache, recorder=self.recorder, capturer=capturer, forward_pass_id=pass_id,
+                                          pass_batch=_pass_batch(plan))
         if capturer is not None:
             capturer.on_forward_end(locs)
         sampled = logits.argmax(-1).tolist() if plan else []
@@ -404,10 +426,13 @@ class ServingLoop:
 
     def _finish(self, live: _Live, reason: str) -> RequestResult:
         req = live.request
-        experts, start = None, min(req.routed_experts_start_len, live.computed)
+        experts, start, provenance = None, min(req.routed_experts_start_len, live.computed), None
         if req.return_routed_experts:
             assert self.capturer is not None
             experts = self.capturer.get_routed_experts(self.pool, live.pool_idx, live.computed, start)
+            recorder = get_recorder() if self.recorder is None else self.recorder
+            run_id = recorder.run_id if getattr(recorder, "recording", False) else ""
+            provenance = self.capturer.provenance.replace(run_id=run_id)
         self._reserved -= live.needed - len(live.kv_slots)
         self.allocator.free(self._keep_prefix(live) if self.prefix_cache is not None else live.kv_slots)
         self.pool.free(live.pool_idx)
@@ -416,7 +441,7 @@ class ServingLoop:
         if self.label_load is not None and experts is not None:
             self.label_load.add(req.labels, experts)
         return RequestResult(req.rid, len(req.prompt), list(live.output), experts, start, list(live.pass_ids), reason, self.rank,
-                             live.cached, dict(req.labels))
+                             live.cached, dict(req.labels), provenance)
 
     def _keep_prefix(self, live: _Live) -> list[int]:
         """Move ``live``'s full computed blocks into the prefix cache; returns the slots to free."""

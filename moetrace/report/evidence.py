@@ -34,10 +34,11 @@ from ..placement.checks import PlacementConfig
 from ..placement.plan import PlacementPlan, predicted_gpu_load
 from ..placement.series import PassSeries
 from ..replicas.analysis import summarize
-from ..routes import RouteSet, load_routes
+from ..routes import RouteSet, load_routes, trace_route_set
 from ..trace.reader import open_trace
 from ..trace.requests import RequestTable, is_routing_trace, read_requests
 from ..trace.schema import TraceDamageError, TraceError
+from ..trace.token_routes import has_request_rows
 
 __all__ = ["Evidence", "ExpertEvidence", "PlacementView", "RoutingEvidence", "gather_evidence", "placement_reading", "placement_view"]
 
@@ -190,9 +191,19 @@ def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int 
     return Evidence(
         expert=_expert(expert_files, top) if expert_files else None,
         routing=routing,
-        routes=None if routes is None else load_routes(routes).logical(),
+        routes=load_routes(routes).logical() if routes is not None else _trace_routes(expert_files),
         routes_path=routes,
     )
+
+
+def _trace_routes(paths: Sequence[Path]) -> RouteSet | None:
+    """Per-request routes from the expert traces themselves, when their token rows carry requests (``None`` otherwise)."""
+    if not paths:
+        return None
+    with open_trace(paths[0]) as first:
+        if not has_request_rows(first):
+            return None
+    return trace_route_set(paths).logical()
 
 
 def placement_reading(view: PlacementView) -> str:

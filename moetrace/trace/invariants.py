@@ -108,8 +108,10 @@ def check_layout(trace: OpenTrace) -> None:
             _expect(trace, dataset(Data.PASSES, name), shape)
     elif group == Data.TOKENS:
         m = trace.num_rows(Data.TOKENS_TOPK_IDS)
-        for name, shape in {"topk_ids": (m, L, k), "pass_id": (m,), "position": (m,), "rank": (m,)}.items():
+        for name, shape in {"topk_ids": (m, L, k), "pass_id": (m,), "position": (m,), "rank": (m,), "request": (m,), "request_position": (m,)}.items():
             _expect(trace, dataset(Data.TOKENS, name), shape)
+        if trace.has(Data.TOKENS_REQUEST) != trace.has(Data.REQUEST_TABLE_ID) or trace.has(Data.TOKENS_REQUEST) != trace.has(Data.TOKENS_REQUEST_POSITION):
+            raise violation(trace.path, f"/{Data.TOKENS_REQUEST}", f"/{Data.TOKENS_REQUEST}, /{Data.TOKENS_REQUEST_POSITION} and /{Data.REQUEST_TABLE_ID} come together, but only some are present")
     if trace.has(dataset(Data.TIMING, "pass_id")):
         n = trace.num_rows(dataset(Data.TIMING, "pass_id"))
         with_rows = [name for name in ("step_seconds", "rank") if trace.has(dataset(Data.TIMING, name))]
@@ -237,6 +239,20 @@ class RowOrder:
                         raise violation(self.path, f"/{self.group}/timestamp", f"rank {int(r)}: timestamps go back in time near row {self.row} ({ts.tolist()[:4]} after {previous})")
                     self.last_stamp[int(r)] = float(ts[-1])
         self.row += len(pass_id)
+
+
+def check_request_rows(path: Path | str, row: int, request: np.ndarray, position: np.ndarray, table_size: int) -> None:
+    """Token rows ``row ..`` tied to requests: ``request [n]`` within ``[-1, table_size)`` and
+    ``position [n]`` >= 0 exactly where a request is named (-1 where none is).
+
+    Raises:
+        TraceDamageError: naming the first row that breaks it.
+    """
+    bad = (request < -1) | (request >= table_size) | ((request >= 0) != (position >= 0)) | (position < -1)
+    if bad.any():
+        at = int(np.argmax(bad))
+        raise violation(path, f"/{Data.TOKENS_REQUEST}", f"row {row + at}: request {int(request[at])} at position {int(position[at])}, "
+                        f"but /{Data.REQUEST_TABLE_ID} holds {table_size} ids (-1 and position -1: no request)")
 
 
 def check_timing_rows(path: Path | str, rows: dict[str, np.ndarray]) -> None:

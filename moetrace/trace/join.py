@@ -18,6 +18,7 @@ from .guarded import open_hdf5
 from .integrity import reading
 from .ranks import read_layouts
 from .reader import open_trace
+from .request_table import append_request_tables, shift_requests
 from .schema import RANKS_GROUP, SAME_SEGMENT_ATTRS, Data, TraceError, TraceHeader
 from .writer import TraceWriter
 
@@ -94,8 +95,15 @@ def _join(files: Sequence[h5py.File], writer: TraceWriter, block_bytes: int) -> 
 
     for f in files:
         f.visititems(collect)
+    offsets = append_request_tables(files, writer)
     for name, ds in names.items():
-        if name in (Data.LAYERS, Data.PHYSICAL_TO_LOGICAL) or name.split("/", 1)[0] == RANKS_GROUP:  # header: written with it
+        if name in (Data.LAYERS, Data.PHYSICAL_TO_LOGICAL, Data.REQUEST_TABLE_ID) or name.split("/", 1)[0] == RANKS_GROUP:  # header / table: written already
+            continue
+        if name == Data.TOKENS_REQUEST and offsets:  # indices into each segment's own table: shifted, not copied
+            writer.ensure_empty(name, (), np.dtype(np.int32))
+            for f, offset in zip(files, offsets, strict=True):
+                if name in f:
+                    _append_shifted(f, writer, offset, block_bytes)
             continue
         if name.split("/", 1)[0] == _ADDITIVE:
             total = sum(_whole(f, name) for f in files if name in f)
@@ -108,6 +116,15 @@ def _join(files: Sequence[h5py.File], writer: TraceWriter, block_bytes: int) -> 
                         writer.append_from(name, f[name], block_bytes)
         else:
             writer.write(name, _whole([f for f in files if name in f][-1], name))
+
+
+def _append_shifted(file: h5py.File, writer: TraceWriter, offset: int, block_bytes: int) -> None:
+    source = file[Data.TOKENS_REQUEST]
+    block = max(1, block_bytes // 4)
+    for at in range(0, source.shape[0], block):
+        with reading(file.filename, f"/{Data.TOKENS_REQUEST}"):
+            column = np.asarray(source[at : at + block])
+        writer.append(Data.TOKENS_REQUEST, shift_requests(column, offset))
 
 
 def _whole(file: h5py.File, name: str) -> np.ndarray:

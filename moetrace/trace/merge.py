@@ -27,7 +27,7 @@ DeepSeek-V3 ``per_pass`` row is 67 KB). ``chunk_rows`` caps the rows per read fu
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import h5py
@@ -38,6 +38,7 @@ from .guarded import open_hdf5
 from .integrity import reading
 from .ranks import read_layouts
 from .reader import open_trace
+from .request_table import append_request_tables, shift_requests
 from .schema import (
     MERGED_DAMAGED_ATTR,
     MERGED_RANKS_ATTR,
@@ -57,6 +58,7 @@ __all__ = ["DEFAULT_MEMORY_BYTES", "merge_traces", "rank_stops"]
 #: Rows in flight over all inputs of one merge, in bytes.
 DEFAULT_MEMORY_BYTES = 256 << 20
 
+_REQUEST = "request"  # the /tokens column that indexes /request_table/id
 _WINDOW_FILL = {"pass_id": -1, "timestamp": 0.0, "num_tokens": 0, "physical_count": 0}
 
 
@@ -148,8 +150,9 @@ def _row_bytes(file: h5py.File, group: str, names: list[str]) -> int:
 
 
 def _merge_stream(files: list[h5py.File], ranks: list[int], group: str, writer: TraceWriter, budget: tuple[int, int],
-                  advance: Callable[[int], None]) -> None:
-    """k-way merge of ``group``; ``budget`` = (bytes in flight over all inputs, rows per read cap)."""
+                  advance: Callable[[int], None], shift: Mapping[int, int] | None = None) -> None:
+    """k-way merge of ``group``; ``budget`` = (bytes in flight over all inputs, rows per read cap);
+    ``shift``: per rank, what its ``request`` column's indices move by (its table's offset in the merged table)."""
     names = sorted(files[0][group].keys())
     for f in files[1:]:
         if sorted(f[group].keys()) != names or any(f[dataset(group, n)].shape[1:] != files[0][dataset(group, n)].shape[1:] for n in names):
@@ -175,6 +178,9 @@ def _merge_stream(files: list[h5py.File], ranks: list[int], group: str, writer: 
                 c.refill(grow=True)
             continue
         parts = [(c.rank, c.take_until(bound, inclusive=not unfinished)) for c in live]
+        if shift:
+            for rank, part in parts:
+                part[_REQUEST] = shift_requests(part[_REQUEST], shift[rank])
         pid = np.concatenate([p["pass_id"] for _, p in parts])
         order = np.argsort(pid, kind="stable")  # ties keep rank order
         for name in names:
@@ -275,8 +281,9 @@ def _write_merged(ordered: list[Path], ranks: list[int], attrs: dict[str, object
                 if progress is not None:
                     progress(done[0], total)
 
+            shift = append_request_tables(files, writer)
             for g in groups:
-                _merge_stream(files, ranks, g, writer, budget, advance)
+                _merge_stream(files, ranks, g, writer, budget, advance, shift=dict(zip(ranks, shift, strict=True)) if g == Data.TOKENS and shift else None)
             for key, value in files[0].attrs.items():
                 if key.startswith(Attr.TIMING_PREFIX):
                     writer.set_attr(key, value)

@@ -21,12 +21,14 @@ from .files import parse_temporary, process_alive
 from .guarded import open_hdf5
 from .integrity import reading
 from .ranks import counted_of, read_layouts
+from .request_table import read_request_table
 from .schema import (
     COMPLETE_ATTR,
     PADDING_IDS,
     REQUIRED_ATTRS,
     SCHEMA_NAME,
     SCHEMA_VERSION,
+    TOKEN_REQUEST_FIELDS,
     Attr,
     Data,
     TraceDamageError,
@@ -74,6 +76,8 @@ class TokenChunk:
     topk_ids: np.ndarray  # [M, L, k] physical ids, -1 = no routing
     pass_id: np.ndarray  # [M]
     position: np.ndarray  # [M] index of the token in its pass
+    request: np.ndarray | None = None  # [M] int32 index into Trace.request_table() (-1: none); None: the trace has no request rows
+    request_position: np.ndarray | None = None  # [M] int32 position of the token in its request (-1: none)
 
 
 def _check_filters(file: h5py.File, path: Path) -> None:
@@ -439,10 +443,14 @@ class Trace:
     def iter_tokens(self, chunk: int = 65536, counted_only: bool = False) -> Iterator[TokenChunk]:
         """``/tokens`` in chunks of at most ``chunk`` tokens (bounded memory); ``counted_only`` as for :meth:`iter_passes`."""
         order = invariants.RowOrder(self.path, "tokens")
+        requests = self.shape(Data.REQUEST_TABLE_ID)
+        names = ("topk_ids", "pass_id", "position", *(TOKEN_REQUEST_FIELDS if requests is not None else ()))
         for start in range(0, self.num_rows(Data.TOKENS_TOPK_IDS), chunk):
             keep = self._counted_mask("tokens", start, chunk) if counted_only else None
-            rows = {n: self._slice(dataset(Data.TOKENS, n), start, chunk) for n in ("topk_ids", "pass_id", "position")}
+            rows = {n: self._slice(dataset(Data.TOKENS, n), start, chunk) for n in names}
             order.check(rows["pass_id"])
+            if requests is not None:
+                invariants.check_request_rows(self.path, start, rows["request"], rows["request_position"], requests[0])
             if keep is not None:
                 rows = {n: a[keep] for n, a in rows.items()}
             if len(rows["pass_id"]):
@@ -455,9 +463,14 @@ class Trace:
             return None
         return np.isin(self._slice(dataset(group, "rank"), start, count), sorted(keep))
 
+    def request_table(self) -> np.ndarray:
+        """``[Q]`` the engine request ids that ``/tokens/request`` indexes (``str``); one id may sit at
+        several indices (once per joined segment or merged rank): group by the id. Empty without request rows."""
+        return read_request_table(self._file) if self.has(Data.REQUEST_TABLE_ID) else np.zeros(0, dtype=object)
+
     def read_tokens(self, column: str, start: int = 0, count: int | None = None) -> np.ndarray:
         """Rows ``start .. start + count - 1`` (default: to the end) of ``/tokens/<column>``
-        (``topk_ids``, ``pass_id``, ``position``, or ``rank`` in merged traces)."""
+        (``topk_ids``, ``pass_id``, ``position``, ``request``, ``request_position``, or ``rank`` in merged traces)."""
         name = dataset(Data.TOKENS, column)
         return self._slice(name, start, self.num_rows(name) - start if count is None else count)
 

@@ -49,6 +49,7 @@ __all__ = [
     "STRING_DTYPE",
     "TIMING_STAT_FIELDS",
     "TOKEN_FIELDS",
+    "TOKEN_REQUEST_FIELDS",
     "Attr",
     "Data",
     "TraceDamageError",
@@ -211,6 +212,10 @@ class Data:
     TOKENS_PASS_ID = "tokens/pass_id"
     TOKENS_POSITION = "tokens/position"
     TOKENS_RANK = "tokens/rank"
+    TOKENS_REQUEST = "tokens/request"
+    TOKENS_REQUEST_POSITION = "tokens/request_position"
+    REQUEST_TABLE = "request_table"
+    REQUEST_TABLE_ID = "request_table/id"
     TIMING = "timing"
     RANKS = RANKS_GROUP
     REQUESTS = "requests"
@@ -226,6 +231,10 @@ SAME_SEGMENT_ATTRS = (Attr.RUN_ID, Attr.RANK, Attr.MODE, Attr.NUM_LAYERS, Attr.N
 #: Fields of ``/passes`` (``per_pass``) and ``/tokens`` (``per_token``), in reading order.
 PASS_FIELDS = ("pass_id", "timestamp", "num_tokens", "physical_count", "invalid_ids", "send_count", "recv_count")
 TOKEN_FIELDS = ("topk_ids", "pass_id", "position")
+#: Fields of ``/tokens`` that tie a row to its request (``per_token`` traces since issue 35; absent before):
+#: ``request`` indexes ``/request_table/id`` (-1: no known request), ``request_position`` is the row's
+#: position in that request (-1 with it).
+TOKEN_REQUEST_FIELDS = ("request", "request_position")
 #: The streamed group of each streaming mode.
 STREAM_GROUP = {"per_pass": Data.PASSES, "per_token": Data.TOKENS}
 #: Phase-timing aggregates under ``/stat`` (schema version 2).

@@ -31,7 +31,7 @@ import numpy as np
 
 from .files import segment_path
 from .journal import Journal
-from .schema import Attr, Data, TraceHeader
+from .schema import STRING_DTYPE, Attr, Data, TraceHeader
 from .stat import CounterLayout, write_stat
 from .writer import TraceWriter
 
@@ -51,6 +51,9 @@ class StreamRows:
         first_pass: pass id of the first pass (``-1`` when ``passes == 0``).
         last_pass: pass id of the last pass.
         dropped_passes: passes dropped (``on_overflow="drop"``) since the previous hand-off.
+        request_ids: ``per_token``: the request ids that ``rows["tokens/request"]`` indexes
+            (this hand-off's own table); the segment writer re-indexes them into the
+            segment's ``/request_table``. ``None``: no request column.
     """
 
     rows: dict[str, np.ndarray]
@@ -60,6 +63,7 @@ class StreamRows:
     first_pass: int
     last_pass: int
     dropped_passes: int = 0
+    request_ids: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +120,7 @@ class SegmentWriter:
         self._lock = threading.Lock()
 
     def _reset_open(self) -> None:
+        self._requests: dict[str, int] = {}  # the open segment's /request_table: id -> index
         self._totals: np.ndarray | None = None
         self._passes = self._tokens = self._bytes = self._dropped = 0
         self._first = self._last = -1
@@ -142,6 +147,8 @@ class SegmentWriter:
         if self._writer is None:
             target = segment_path(self.directory, self.header.run_id, self.header.rank, self._index)
             self._writer = TraceWriter(target, self.header, compression=self.compression)
+        if not isinstance(part, dict) and part.request_ids is not None:
+            rows = self._segment_requests(rows, part.request_ids)
         for name, array in rows.items():
             self._writer.append(name, array)
             self._bytes += array.nbytes
@@ -160,6 +167,20 @@ class SegmentWriter:
         self.journal.note("rows", segment=self._index, first_pass=self._first, last_pass=self._last, passes=self._passes, tokens=self._tokens, dropped_passes=self._dropped)
         if self._bytes >= self.segment_bytes:
             self.rotate()
+
+    def _segment_requests(self, rows: dict[str, np.ndarray], request_ids: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """Re-index a hand-off's ``/tokens/request`` column (into ``request_ids``) into the open
+        segment's table, appending the ids it has not seen to ``/request_table/id``."""
+        table = self._requests
+        known = len(table)
+        index = np.fromiter((table.setdefault(r, len(table)) for r in request_ids), dtype=np.int32, count=len(request_ids))
+        local = rows[Data.TOKENS_REQUEST]
+        rows = dict(rows)
+        rows[Data.TOKENS_REQUEST] = np.where(local >= 0, index[np.maximum(local, 0)] if len(index) else -1, -1).astype(np.int32)
+        new = list(table)[known:]
+        if new:
+            rows[Data.REQUEST_TABLE_ID] = np.array(new, dtype=STRING_DTYPE)
+        return rows
 
     def rotate(self) -> None:
         """Close the open segment (``/stat``, complete, fsync, rename); no-op when it holds nothing."""

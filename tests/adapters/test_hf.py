@@ -24,6 +24,7 @@ import moetrace
 from moetrace.capturer import RoutedExpertsCapturer
 from moetrace.testing import assert_no_host_sync
 from moetrace.trace.reader import open_trace
+from moetrace.trace.token_routes import request_routes
 
 from .hf_models import FAMILIES, VOCAB, capture_routers, hook_counts
 
@@ -35,9 +36,10 @@ def _inputs(batch: int = 2, length: int = 6, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _generate(model: torch.nn.Module, ids: torch.Tensor, new: int = 3) -> torch.Tensor:
+def _generate(model: torch.nn.Module, ids: torch.Tensor, new: int = 3, mask: torch.Tensor | None = None) -> torch.Tensor:
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        mask = torch.ones_like(ids) if mask is None else mask
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -69,17 +71,27 @@ def test_per_token_trace_holds_each_tokens_experts(name: str, tmp_path) -> None:
     model = family.build()
     handle = hf.instrument(model, mode="per_token", output_dir=tmp_path)
     handle.recorder.start_record()
+    handle.name_requests(["alpha", "beta"])  # batch row = request; row 0 is left padded by one token
+    mask = torch.ones(2, 4, dtype=torch.int64)
+    mask[0, 0] = 0
     with capture_routers(model, family) as routed:
-        _generate(model, _inputs(batch=2, length=4), new=2)
+        _generate(model, _inputs(batch=2, length=4), new=2, mask=mask)
     path = handle.recorder.dump_record(tmp_path / "tokens.h5")
     handle.uninstrument()
     with open_trace(path) as trace:
         np.testing.assert_array_equal(trace.layers, family.layer_ids)
         chunks = list(trace.iter_tokens())
+        table = trace.request_table()
     topk = np.concatenate([c.topk_ids for c in chunks])
     pass_id = np.concatenate([c.pass_id for c in chunks])
     position = np.concatenate([c.position for c in chunks])
+    request = np.concatenate([c.request for c in chunks])
+    named = [table[r] if r >= 0 else None for r in request.tolist()]
+    request_position = np.concatenate([c.request_position for c in chunks]).tolist()
     assert len(np.unique(pass_id)) == len(routed.passes) == 2
+    # prefill rows b*4+s: the pad row of alpha is no request's; decode rows: one per request, next position
+    assert named == [None, "alpha", "alpha", "alpha", "beta", "beta", "beta", "beta", "alpha", "beta"]
+    assert request_position == [-1, 0, 1, 2, 0, 1, 2, 3, 3, 4]
     for p, layers in zip(np.unique(pass_id), routed.passes, strict=True):
         rows = pass_id == p
         assert (position[rows] == np.arange(rows.sum())).all()
@@ -87,6 +99,14 @@ def test_per_token_trace_holds_each_tokens_experts(name: str, tmp_path) -> None:
             recorded = np.zeros_like(mask.numpy())
             np.put_along_axis(recorded, topk[rows][:, layer].astype(np.int64), True, axis=1)
             np.testing.assert_array_equal(recorded, mask.numpy(), err_msg=f"pass {p} layer {layer}")
+    # every request's routes from the trace alone: the independent router re-run's choice at each of its positions
+    routes = request_routes(path)
+    rows_of = {"alpha": [(0, 1), (0, 2), (0, 3), (1, 0)], "beta": [(0, 4), (0, 5), (0, 6), (0, 7), (1, 1)]}
+    for rid, where in rows_of.items():
+        assert routes[rid].shape == (len(where), len(family.layer_ids), family.top_k)
+        for pos, (p, token) in enumerate(where):
+            for layer, chosen in enumerate(routed.passes[p]):
+                assert set(routes[rid][pos, layer].tolist()) == set(np.flatnonzero(chosen[token].numpy()).tolist()), (rid, pos, layer)
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "llama4", "dbrx"])

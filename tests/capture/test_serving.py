@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+
 import numpy as np
 import pytest
+import torch
+from moetrace.cli.app import app
+from typer.testing import CliRunner
 
 from moetrace import ExpertDistributionRecorder
 from moetrace.reference import (
@@ -14,7 +20,9 @@ from moetrace.reference import (
     routed_positions,
     zipf_bias,
 )
+from moetrace.routes import load_routes
 from moetrace.trace.reader import open_trace
+from moetrace.trace.token_routes import request_routes
 
 CONFIG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=4, num_experts=8, top_k=2,
                      dense_layers=(1,), router_bias=tuple(zipf_bias(8, 0.8, seed=1).tolist()), seed=5)
@@ -155,3 +163,68 @@ def test_submit_errors(model):
     loop.submit([Request("f", [1], 1)])
     with pytest.raises(ValueError, match="already submitted"):
         loop.submit([Request("f", [1], 1)])
+
+
+class _Taps:
+    """A recorder stand-in for the independent forward: keeps each MoE layer's top-k ids of one pass."""
+
+    def __init__(self) -> None:
+        self.ids: dict[int, np.ndarray] = {}
+        self._layer = 0
+
+    def with_forward_pass(self, forward_pass_id=None, batch=None):
+        return contextlib.nullcontext()
+
+    def with_current_layer(self, layer):
+        self._layer = layer
+        return contextlib.nullcontext()
+
+    def with_phase(self, name):
+        return contextlib.nullcontext()
+
+    def on_select_experts(self, ids):
+        self.ids[self._layer] = ids.numpy().copy()
+
+    def on_dispatch(self, *args):
+        return None
+
+
+def test_per_token_rows_are_each_requests_routes(model, tmp_path):
+    """Issue 35: the per_token trace alone gives every request's routes, equal to what the loop returned
+    (the capturer) and to an independent forward of the request's whole sequence, at every position."""
+    recorder = ExpertDistributionRecorder(model.recorder_config(mode="per_token", output_dir=tmp_path, segment_bytes=4096))
+    recorder.start_record()
+    requests = _mix(18, seed=7)
+    results = {r.rid: r for r in ServingLoop(model, recorder=recorder, **LOOP).run(requests)}
+    recorder.stop_record()
+    trace = recorder.dump_record()
+    routes = request_routes(trace)
+    moe = list(model.moe_layer_ids)
+    assert sorted(routes) == sorted(results) and len(routes) >= 16
+    assert sum(len(r.forward_pass_ids) > 2 for r in results.values()) >= 10  # interleaved over many passes
+    for req in requests:
+        got, res = routes[req.rid], results[req.rid]
+        assert got.shape == (routed_positions(len(req.prompt), req.max_new_tokens), len(moe), CONFIG.top_k), req.rid
+        np.testing.assert_array_equal(got[res.routed_experts_start :], res.routed_experts[:, moe], err_msg=req.rid)
+        taps = _Taps()
+        sequence = (list(req.prompt) + res.output_ids)[: got.shape[0]]
+        model.forward(torch.tensor([sequence]), recorder=taps)
+        independent = np.stack([taps.ids[i] for i in range(len(moe))], axis=1)
+        np.testing.assert_array_equal(got, independent, err_msg=req.rid)
+
+    # `moetrace routes` writes the same as a routes file; --request one; analyze --by reads the trace directly
+    runner = CliRunner()
+    out = runner.invoke(app, ["routes", str(trace), "-o", str(tmp_path / "routes.json")])
+    assert out.exit_code == 0, out.output
+    saved = load_routes(tmp_path / "routes.json")
+    assert sorted(saved.requests) == sorted(routes) and saved.layer_ids == moe
+    for rid, (start, arr) in saved.requests.items():
+        assert start == 0
+        np.testing.assert_array_equal(arr, routes[rid])
+    one = runner.invoke(app, ["routes", str(trace), "-o", str(tmp_path / "one.json"), "--request", requests[3].rid])
+    assert one.exit_code == 0 and list(load_routes(tmp_path / "one.json").requests) == [requests[3].rid]
+    missing = runner.invoke(app, ["routes", str(trace), "-o", str(tmp_path / "none.json"), "--request", "nope"])
+    assert missing.exit_code == 2 and "no token rows" in missing.output and not (tmp_path / "none.json").exists()
+    by_trace = runner.invoke(app, ["analyze", str(trace), "--by", "request", "--json"])
+    by_file = runner.invoke(app, ["analyze", str(tmp_path / "routes.json"), "--by", "request", "--json"])
+    assert by_trace.exit_code == 0 and json.loads(by_trace.output) == json.loads(by_file.output)

@@ -13,6 +13,7 @@ from moetrace.adapters.hf.families import REPLAY_REFUSED, REPLAY_TESTED, replay_
 
 from moetrace.analysis.divergence import route_divergence
 from moetrace.capturer import RoutedExpertsCapturer, encode_routed_experts
+from moetrace.provenance import RouteProvenance
 from moetrace.replay import ReplayError
 from moetrace.routes import logical_ids, pad_routes
 from tests.adapters.hf_models import COMMON, FAMILIES, VOCAB, _lm, hook_counts
@@ -376,6 +377,22 @@ def test_physical_ids_are_refused_and_logical_ones_replay(models: dict[str, torc
     with pytest.raises(ReplayError, match="physical ids"):
         hf.replay(model, physical)
     assert_replay_reproduces(model, ids, logical_ids(physical, phy2log), logits, routes)
+
+
+def test_routes_of_another_weight_version_are_refused_unless_allowed(models: dict[str, torch.nn.Module]) -> None:
+    """A rollout's routes say which weights routed them (provenance); replay on other weights refuses them unless told."""
+    model = models["mixtral"]
+    ids = _inputs(1, 6)
+    _, routes = capture(model, ids)
+    payload = encode_routed_experts(routes, RouteProvenance(run_id="rollout-1", rank=0, weight_version="step-7"))
+    with pytest.raises(ReplayError, match="weight version 'step-7' but 'step-8'"):
+        hf.replay(model, payload, weight_version="step-8")
+    with hf.replay(model, payload, weight_version="step-8", allow_other_weight_version=True) as handle:
+        capture(model, ids)
+    assert handle.audit_report().ok
+    with hf.replay(model, payload, weight_version="step-7"):
+        _, replayed = capture(model, ids)
+    np.testing.assert_array_equal(replayed, routes)
 
 
 def test_prefix_cached_positions_without_routes_route_themselves(models: dict[str, torch.nn.Module]) -> None:

@@ -386,14 +386,22 @@ def replay_checks(rank: int, world: int) -> dict[str, Any]:
     # a routes file (one request [S, L, k], batch 1), as SGLang's routed_experts are saved
     import tempfile
 
+    from moetrace.provenance import RouteProvenance
+    from moetrace.replay import ReplayError
     from moetrace.routes import save_routes
 
     with tempfile.TemporaryDirectory() as tmp:
         model = harness.build(harness.StackSpec())
         one = _forced_routes(rank, 1, seq, model.spec.num_layers, model.spec.num_experts, model.spec.top_k)[0]
-        path = save_routes(f"{tmp}/routes-{rank}.json", {"req-0": one}, num_experts=model.spec.num_experts)
+        path = save_routes(f"{tmp}/routes-{rank}.json", {"req-0": one}, num_experts=model.spec.num_experts,
+                           provenance=RouteProvenance(run_id="rollout", rank=rank, weight_version="step-5"))
+        try:  # routes of another weight version are refused before anything is installed
+            mt.replay(model, str(path), weight_version="step-6")
+            out["other_weight_version"] = ""
+        except ReplayError as exc:
+            out["other_weight_version"] = str(exc)
         seen = ExpertInputs(model)
-        with mt.replay(model, str(path)) as handle:
+        with mt.replay(model, str(path), weight_version="step-5") as handle:
             _step(model, ids[:1])
         seen.remove()
         local = slice(model.layers[0].local_expert_indices[0], model.layers[0].local_expert_indices[-1] + 1)

@@ -57,7 +57,8 @@ def test_the_audit_sees_copies_dropped_over_capacity(results):
 
 def test_routes_files_and_partial_routes(results):
     for r in results:
-        assert r["file"]["audit"]["ok"] and r["file"]["received"] == r["file"]["expected"]
+        assert r["file"]["audit"]["ok"] and r["file"]["received"] == r["file"]["expected"]  # its weight version, given
+        assert "weight version 'step-5' but 'step-6' was expected" in r["other_weight_version"]
         partial = r["partial"]
         assert partial["mechanism"] == "moetrace"  # -1 rows: Megatron's RouterReplay cannot leave rows to the router
         assert partial["audit"]["ok"] and all(layer["requested"] == 10 for layer in partial["audit"]["layers"])

@@ -54,7 +54,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("core", ("moetrace.config", "moetrace.accumulators", "moetrace.timing", "moetrace.snapshot",
               "moetrace.recorder", "moetrace.session", "moetrace.dump", "moetrace.capturer", "moetrace.routes",
               "moetrace.replay", "moetrace.replay_audit", "moetrace.testing", "moetrace.graphs",
-              "moetrace.devices", "moetrace.labels"),
+              "moetrace.devices", "moetrace.labels", "moetrace.provenance", "moetrace.route_checks", "moetrace.batch"),
      "what runs inside an engine's forward: config, hooks, recorder, session, dump, capturer, replay"),
     ("http", ("moetrace.http",), "HTTP serving infrastructure: guarded server, server handle"),
     ("replicas", ("moetrace.replicas",), "request→replica routing: recorder, router, prefix cache, simulation, analysis"),

@@ -26,6 +26,7 @@ CORE = {
     "moetrace.ids",
     "moetrace.layout",
     "moetrace.balance",
+    "moetrace.batch",
     "moetrace.recorder",
     "moetrace.session",
     "moetrace.snapshot",

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moetrace import ExpertDistributionRecorder
 from moetrace.reference import ModelConfig, ReferenceMoEModel, Request, ServingLoop
+from moetrace.trace.token_routes import request_routes
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +62,25 @@ def test_routed_experts_refused_with_prefix_cache(model):
     loop = ServingLoop(model, max_running=2, max_tokens_per_pass=32, num_kv_slots=64, max_len=64, prefix_cache_blocks=4, block_size=8)
     with pytest.raises(ValueError, match="prefix_cache_blocks=None"):
         loop.submit([Request("x", [1, 2, 3], 2, return_routed_experts=True)])
+
+
+def test_per_token_rows_skip_cached_positions(model, tmp_path):
+    """Issue 35: with prefix-cache hits the per_token trace holds rows only for the positions computed;
+    the routes it gives are -1 at the cached positions and equal the run without a cache elsewhere."""
+    runs = {}
+    for blocks in (None, 64):
+        recorder = ExpertDistributionRecorder(model.recorder_config(mode="per_token", output_dir=tmp_path / str(blocks)))
+        recorder.start_record()
+        loop = ServingLoop(model, capture=False, recorder=recorder, max_running=4, max_tokens_per_pass=64, num_kv_slots=512,
+                           max_len=128, prefix_cache_blocks=blocks, block_size=8)
+        for wave in _waves():
+            loop.run(wave)
+        recorder.stop_record()
+        runs[blocks] = request_routes(recorder.dump_record())
+    plain, cached = runs[None], runs[64]
+    assert sorted(plain) == sorted(cached) == sorted(f"{w}{i}" for w in "ab" for i in range(4))
+    for rid, routes in plain.items():
+        hit = 40 if rid.startswith("b") else 0  # the 40-token system prompt the b wave finds cached
+        assert (routes >= 0).all() and cached[rid].shape == routes.shape, rid
+        assert (cached[rid][:hit] == -1).all(), rid
+        np.testing.assert_array_equal(cached[rid][hit:], routes[hit:], err_msg=rid)
