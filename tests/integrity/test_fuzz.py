@@ -162,6 +162,7 @@ def test_damaged_files_are_refused_or_answered_identically_by_every_command(tmp_
     # every command ran on every kind it reads, the undamaged file answered (exit 0) by the first command
     assert {c for (_, _, c) in results} == set(COMMANDS)
     assert all(results[(kind, -1, "convert" if kind == "sglang_pt" else "analyze")].code == 0 for kind in KINDS)
+    assert results[("routing", -1, "why")].code == 0, "replicas why must explain the undamaged trace's request"
 
 
 def test_zz_tallies():
