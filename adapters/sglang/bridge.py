@@ -20,6 +20,10 @@ from typing import Any
 
 import torch
 
+from moetrace.batch import PassBatch
+
+from .batches import sglang_pass_batch
+
 __all__ = ["RecorderBridge"]
 
 logger = logging.getLogger(__name__)
@@ -49,19 +53,36 @@ class RecorderBridge:
         self._sglang_real = sglang_is_real
         self._layer: int | None = None
         self._broken: str | None = None
+        self._batch_warned = False
+        layout = getattr(getattr(recorder, "config", None), "layout", None)
+        # DP attention with the MoE input gathered over the TP group: rows of other ranks' requests come first
+        self._gathered = layout is not None and int(layout.router_tp_size or 1) > int(layout.attn_tp_size or 1)
 
     # -------------------------------------------------------------- context managers
     @contextlib.contextmanager
     def with_forward_pass(self, forward_pass_id: int, forward_batch: Any) -> Iterator[Any]:
-        with self.sglang.with_forward_pass(forward_pass_id, forward_batch) as outputs, self._moetrace_pass(forward_pass_id):
+        with self.sglang.with_forward_pass(forward_pass_id, forward_batch) as outputs, self._moetrace_pass(forward_pass_id, forward_batch):
             yield outputs
 
+    def _batch(self, forward_batch: Any) -> PassBatch | None:
+        """The pass's requests from the ``ForwardBatch``'s host fields; ``None`` when the MoE input holds
+        other DP-attention ranks' tokens too (gathered), or the batch is not describable (logged once)."""
+        if forward_batch is None or self._gathered:
+            return None
+        try:
+            return sglang_pass_batch(forward_batch)
+        except Exception as exc:  # never SGLang's problem: its rows are recorded without requests
+            if not self._batch_warned:
+                logger.warning("moetrace: the pass's requests could not be read from SGLang's ForwardBatch (%s); rows are recorded without requests", exc)
+                self._batch_warned = True
+            return None
+
     @contextlib.contextmanager
-    def _moetrace_pass(self, forward_pass_id: int) -> Iterator[None]:
+    def _moetrace_pass(self, forward_pass_id: int, forward_batch: Any = None) -> Iterator[None]:
         scope = contextlib.ExitStack()
         if self._broken is None:
             try:
-                scope.enter_context(self.moetrace.with_forward_pass(forward_pass_id))
+                scope.enter_context(self.moetrace.with_forward_pass(forward_pass_id, batch=self._batch(forward_batch)))
             except Exception as exc:
                 self._disable(exc)
         try:

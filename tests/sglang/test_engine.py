@@ -25,9 +25,10 @@ from moetrace.adapters.sglang import read_routed_experts, routed_experts_payload
 from moetrace.capturer import decode_routed_experts
 from moetrace.trace.convert import convert_sglang
 from moetrace.trace.reader import Trace, open_trace
+from moetrace.trace.token_routes import request_routes
 
 from .checkpoint import NUM_EXPERTS, NUM_LAYERS, TOP_K, build_checkpoint
-from .engine import GENERATION, PROMPTS, engine
+from .engine import ENGINE_ARGS, GENERATION, PROMPTS, engine
 from .reference import hf_routes
 
 pytestmark = pytest.mark.slow
@@ -40,6 +41,14 @@ class Run:
     batched: list[dict[str, Any]]  # one generate call with every prompt
     moetrace_files: list[Path]
     sglang_files: list[Path]
+    many: list[dict[str, Any]]  # MANY: one generate call of 16 requests sharing a prefix, chunked prefill
+
+
+# 16 requests whose prompts start with PROMPTS[2] (cached by then) or with each other's first tokens,
+# 6-13 tokens each with varied output lengths: 16 x ~14 prompt tokens > chunked_prefill_size=64
+_rng = np.random.default_rng(11)
+MANY = [(PROMPTS[2] if i % 2 else [40, 41, 42, 43]) + _rng.integers(50, 100, size=int(_rng.integers(2, 7))).tolist() for i in range(16)]
+MANY_GENERATION = [dict(GENERATION, max_new_tokens=int(n)) for n in _rng.integers(2, 7, size=16)]
 
 
 def _requests(llm: Any, routed: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -70,9 +79,10 @@ def run(checkpoint: Path, plain: Any, tmp_path_factory: pytest.TempPathFactory) 
     with engine(str(checkpoint), env, expert_distribution_recorder_mode="per_token", enable_return_routed_experts=True) as llm:
         llm.start_expert_distribution_record()
         sequential, batched = _requests(llm, routed=True)
+        many = llm.generate(input_ids=MANY, sampling_params=MANY_GENERATION, return_routed_experts=True)
         llm.stop_expert_distribution_record()
         llm.dump_expert_distribution_record()
-    return Run(checkpoint, sequential, batched, sorted((out / "moetrace").glob("moetrace-*.h5")), sorted((out / "sglang").glob("*.pt")))
+    return Run(checkpoint, sequential, batched, sorted((out / "moetrace").glob("moetrace-*.h5")), sorted((out / "sglang").glob("*.pt")), many)
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +148,8 @@ def test_per_pass_counts_equal_sglang_recorder(trace: Trace, sglang_dump: dict[s
 
 def test_counts_equal_an_independent_hugging_face_count(run: Run, trace: Trace) -> None:
     """Recorders count the tokens a forward pass computed: prefix-cache hits (``cached_tokens``) are not routed again."""
-    answers = run.sequential + run.batched
-    routes = hf_routes(run.checkpoint, _sequences(answers, PROMPTS + PROMPTS))
+    answers = run.sequential + run.batched + run.many
+    routes = hf_routes(run.checkpoint, _sequences(answers, PROMPTS + PROMPTS + MANY))
     computed = [route[a["meta_info"]["cached_tokens"] :] for a, route in zip(answers, routes, strict=True)]
     assert sum(a["meta_info"]["cached_tokens"] for a in run.batched) > 0  # the batch reuses the earlier prompts
     expected = np.zeros((NUM_LAYERS, NUM_EXPERTS), np.int64)
@@ -201,3 +211,24 @@ def test_report_of_the_sglang_trace_in_a_real_browser(run: Run, tmp_path: Path) 
         check_page(view, view.sections)
         before, after = choose_request(driver, 1)
         assert before["z"] != after["z"]
+
+
+def test_per_token_rows_are_each_requests_routes(run: Run, trace: Trace) -> None:
+    """Issue 35: the trace alone gives every request's routes, keyed by SGLang's own request id; at every
+    computed position they equal SGLang's return_routed_experts answer and the independent HF forward,
+    and positions served from the prefix cache are -1 (no pass computed them)."""
+    answers = run.sequential + run.batched + run.many
+    prompts = PROMPTS + PROMPTS + MANY
+    routes = request_routes(trace)
+    assert sorted(routes) == sorted(a["meta_info"]["id"] for a in answers)
+    independent = hf_routes(run.checkpoint, _sequences(answers, prompts))
+    cached = [a["meta_info"]["cached_tokens"] for a in answers]
+    assert len(run.many) == 16 and sum(c > 0 for c in cached[-16:]) >= 4  # prefix-cache hits among the 16
+    assert sum(len(p) for p in MANY) > ENGINE_ARGS["chunked_prefill_size"]  # their prefill is chunked
+    for answer, hit, reference in zip(answers, cached, independent, strict=True):
+        rid = answer["meta_info"]["id"]
+        got = routes[rid]
+        assert got.shape == reference.shape, rid
+        assert (got[:hit] == -1).all() and (got[hit:] >= 0).all(), rid
+        np.testing.assert_array_equal(np.sort(got[hit:], axis=-1), np.sort(read_routed_experts(answer, NUM_LAYERS, TOP_K)[hit:], axis=-1), err_msg=rid)
+        np.testing.assert_array_equal(np.sort(got[hit:], axis=-1), reference[hit:], err_msg=rid)
