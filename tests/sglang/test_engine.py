@@ -146,6 +146,27 @@ def test_per_pass_counts_equal_sglang_recorder(trace: Trace, sglang_dump: dict[s
     assert sum(len(r["input_ids"]) for r in records.values()) == len(ids)
 
 
+def test_every_pass_carries_the_phase_sglang_ran(trace: Trace, sglang_dump: dict[str, Any]) -> None:
+    """SGLang's own per_token dump records each pass's ForwardMode: moetrace's rows carry its pass phase."""
+    from moetrace.adapters.sglang.bridge import SGLANG_PASS_PHASES
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from moetrace.pass_phase import pass_phase_code
+    from moetrace.trace.pass_phases import pass_phase_counts
+
+    chunks = list(trace.iter_tokens())
+    pass_ids, phases = np.concatenate([c.pass_id for c in chunks]), np.concatenate([c.pass_phase for c in chunks])
+    seen = set()
+    for record in sglang_dump["records"]:
+        want = SGLANG_PASS_PHASES[ForwardMode(record["forward_mode"]).name]
+        mine = phases[pass_ids == int(record["forward_pass_id"])]
+        assert len(mine) and (mine == pass_phase_code(want)).all(), f"pass {record['forward_pass_id']}: SGLang ran {want}, moetrace says {set(mine.tolist())}"
+        seen.add(want)
+    assert seen == {"prefill", "decode"}  # the run has both (no chunked-prefill mixing in this engine's settings)
+    passes, _, _ = pass_phase_counts(trace)
+    assert passes[pass_phase_code("unknown")] == 0 and passes.sum() == len(sglang_dump["records"])
+
+
 def test_counts_equal_an_independent_hugging_face_count(run: Run, trace: Trace) -> None:
     """Recorders count the tokens a forward pass computed: prefix-cache hits (``cached_tokens``) are not routed again."""
     answers = run.sequential + run.batched + run.many
