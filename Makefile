@@ -26,7 +26,7 @@ SGLANG_RUNTIME := orjson psutil pybase64 requests pillow fastapi msgspec pyzmq t
 	transformers dill sentencepiece apache-tvm-ffi compressed-tensors gguf openai partial-json-parser \
 	uvloop uvicorn setproctitle xgrammar jsonschema soundfile python-multipart plotly selenium
 
-.PHONY: demo test test-vllm test-sglang test-megatron bench gpu-check lint clean
+.PHONY: demo test test-vllm test-sglang test-megatron bench fuzz gpu-check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +99,11 @@ GPU_PYTHON ?= python3
 gpu-check:
 	@py=$(GPU_PYTHON); $$py -c 'import torch, h5py, numpy' 2>/dev/null || { $(MAKE) --no-print-directory $(STAMP) && py=$(BIN)/python; }; \
 	PYTHONPATH=$(CURDIR) $$py benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Every trace-reading command on 1,001 seeded damaged traces (benchmarks/fuzz_commands.py; hours on a
+# loaded 2-core box, see docs/trace-format.md). CI runs a seeded sample (tests/integrity/test_fuzz.py).
+fuzz: $(STAMP)
+	$(BIN)/python benchmarks/fuzz_commands.py $(FUZZ_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

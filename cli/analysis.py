@@ -19,7 +19,14 @@ from moetrace.trace.reader import open_trace
 from moetrace.trace.schema import Data
 
 from .errors import CommandError, guarded
-from .options import existing_file, output_path, parse_layers, stdout_console
+from .options import (
+    PHASE_HELP,
+    existing_file,
+    output_path,
+    parse_layers,
+    pass_phase_option,
+    stdout_console,
+)
 from .timing import print_timing
 
 __all__ = ["analyze", "plot", "print_projection", "print_report"]
@@ -72,6 +79,7 @@ def _print_head(report: AnalysisReport, d: dict, console: Console) -> None:
     console.print(
         f"mode={t['mode']} model={t['model'] or '-'} engine={t['engine'] or '-'} "
         f"ep_size={t['ep_size']} experts={t['num_logical_experts']} top_k={t['top_k']}"
+        + (f" pass_phase={d['pass_phase']}" if d["pass_phase"] else "")
     )
     console.print(
         f"passes={totals['passes']} tokens={totals['tokens']} assignments={totals['assignments']} "
@@ -152,6 +160,7 @@ def analyze(
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Run on Dask (moetrace[dask]): 'local[:N]' starts N worker processes (default one per core), 'tcp://HOST:PORT' uses a running scheduler.")] = None,
     by: Annotated[str | None, typer.Option("--by", help="Attribution on a routes file or a per_token trace whose rows carry their requests: 'request', 'label' or 'label:NAME' (who drives the hot experts and ranks).")] = None,
     ep_size: Annotated[int, typer.Option("--ep-size", min=1, help="With --by: EP ranks for the hottest-rank figures (contiguous placement).")] = 1,
+    phase: Annotated[str | None, typer.Option("--phase", help=PHASE_HELP)] = None,
 ) -> None:
     """Expert and rank balance, entropy, dead/hot experts, EP projection, co-activation, transitions and drift of a trace."""
     if by is not None:  # which requests / labels drive the load: moetrace.analysis.attribution
@@ -166,10 +175,13 @@ def analyze(
             print_attribution(result, stdout_console())
         return
 
+    phase = pass_phase_option(phase)
+    if phase is not None and (len(traces) > 1 or scheduler is not None):
+        raise CommandError("--phase analyses one trace (merge per-rank files first: moetrace merge)")
     if len(traces) > 1 or scheduler is not None:  # several files, or Dask: moetrace.analysis.distributed
         report = _analyze_many([existing_file(t) for t in traces], parse_layers(layers), window, top, progress, scheduler, as_json)
     else:
-        report = _analyze_one(existing_file(traces[0]), parse_layers(layers), window, top, progress, as_json)
+        report = _analyze_one(existing_file(traces[0]), parse_layers(layers), window, top, progress, as_json, phase)
     if report is None:  # printed already (a deployment series, a routing trace)
         return
     if as_json:
@@ -179,11 +191,11 @@ def analyze(
 
 
 def _analyze_one(path: Path, layers: list[int] | None, window: int | None, top: int, progress: bool | None,
-                 as_json: bool) -> AnalysisReport | None:
+                 as_json: bool, phase: str | None = None) -> AnalysisReport | None:
     """One trace, opened once: its analysis, or (a routing trace) the routing report, printed here."""
     with open_trace(path) as trace:
         if not trace.has(Data.REQUESTS):
-            return analyze_trace(trace, layers=layers, window=window, top=top, progress=progress)
+            return analyze_trace(trace, layers=layers, window=window, top=top, progress=progress, phase=phase)
     from .replicas import print_routing_report
 
     print_routing_report(path, as_json)  # request->replica routing evidence (moetrace replicas)

@@ -13,7 +13,22 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from .errors import CommandError
 
-__all__ = ["existing_file", "output_path", "parse_layers", "progress_meter", "stdout_console"]
+__all__ = ["PHASE_HELP", "existing_file", "output_path", "parse_layers", "pass_phase_option", "progress_meter", "stdout_console"]
+
+#: ``--phase``: the pass phase (what the engine's batch was), not a timing phase (route, dispatch, ...).
+PHASE_HELP = ("Only the passes of one pass phase: prefill (prefill/extend), decode, mixed, idle or unknown "
+              "(what the engine's batch was; a prefill- or decode-only view is what a PD-disaggregated deployment runs).")
+
+
+def pass_phase_option(text: str | None) -> str | None:
+    """``--phase`` checked against :data:`moetrace.pass_phase.PASS_PHASES` (``None``: every pass)."""
+    if text is None:
+        return None
+    from moetrace.pass_phase import PASS_PHASES
+
+    if text not in PASS_PHASES:
+        raise CommandError(f"--phase {text!r}: expected one of {', '.join(PASS_PHASES)}")
+    return text
 
 
 def parse_layers(text: str | None) -> list[int] | None:

@@ -37,6 +37,7 @@ from rich.table import Table
 
 from moetrace import balance
 from moetrace.analysis.source import load_series, select_layers
+from moetrace.ids import to_logical
 from moetrace.placement.backtesting import (
     BacktestResult,
     backtest,
@@ -51,11 +52,19 @@ from moetrace.placement.checks import PlacementConfig, PlacementError
 from moetrace.placement.eplb import greedy_rebalance
 from moetrace.placement.plan import PlacementPlan, predicted_gpu_load, replicas_moved
 from moetrace.placement.series import PassSeries
+from moetrace.trace.pass_phases import pass_phase_physical_count, phase_of
 from moetrace.trace.reader import open_trace
 from moetrace.trace.schema import Attr, TraceDamageError, TraceError
 
 from .errors import CommandError, guarded
-from .options import existing_file, output_path, parse_layers, stdout_console
+from .options import (
+    PHASE_HELP,
+    existing_file,
+    output_path,
+    parse_layers,
+    pass_phase_option,
+    stdout_console,
+)
 from .placement_format import FORMATS, write_plan
 from .placement_report import print_rebalance_value, print_selection, rebalance_values
 
@@ -112,9 +121,9 @@ def _expert_bytes(attrs: dict[str, Any], intermediate_size: int | None) -> int |
     return 3 * hidden * intermediate_size * int(attrs.get(Attr.DTYPE_BYTES) or 2)
 
 
-def _series(tr: Any, index: np.ndarray, bucket: int | None, required: bool) -> PassSeries | None:
+def _series(tr: Any, index: np.ndarray, bucket: int | None, required: bool, phase: int | None = None) -> PassSeries | None:
     try:
-        return load_series(tr, index, bucket)
+        return load_series(tr, index, bucket, phase)
     except TraceDamageError:
         raise  # a damaged trace is never answered with the fallback plan
     except TraceError:
@@ -231,16 +240,18 @@ def placement(
     fmt: Annotated[str, typer.Option("--format", help="What --out holds: 'moetrace' (the whole document) or 'sglang' (SGLang's --init-expert-location JSON).")] = "moetrace",
     layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Read several traces' passes on Dask (moetrace[dask]): 'local[:N]' or 'tcp://HOST:PORT'.")] = None,
+    phase: Annotated[str | None, typer.Option("--phase", help=PHASE_HELP)] = None,
 ) -> None:
     """Plan expert placement with replication; in-sample and held-out balancedness for current / greedy / moetrace."""
-    _check_options(gpus, run_backtest, window, every, plot, pass_ms, holdout_fraction, fmt, out)
+    phase = _check_options(gpus, run_backtest, window, every, plot, pass_ms, holdout_fraction, fmt, out, phase, len(traces) > 1 or scheduler is not None)
     deployed = None if current is None else _read_current(current)
     bucket = (lambda: bucket_for(window, every)) if run_backtest else (lambda: None)
     loads = _read_loads(traces, parse_layers(layers), scheduler, bucket, _sizes_of(gpus, replicas, groups, nodes),
-                        required=run_backtest or holdout_fraction is not None)
+                        required=run_backtest or holdout_fraction is not None, phase=phase)
     expert_bytes = _expert_bytes(loads.attrs, intermediate_size)
     outcome = _plan(traces, loads, deployed, expert_bytes)
     document = outcome.document
+    document["pass_phase"] = phase
     if holdout_fraction is not None:
         assert loads.series is not None
         outcome.held = holdout(loads.series, holdout_fraction, loads.config)
@@ -270,8 +281,8 @@ def placement(
 
 
 def _check_options(gpus: int, run_backtest: bool, window: int | None, every: int | None, plot: Path | None, pass_ms: float | None,
-                   holdout_fraction: float | None, fmt: str, out: Path | None) -> None:
-    """Refuse inconsistent options before anything is read (each error names the flags)."""
+                   holdout_fraction: float | None, fmt: str, out: Path | None, phase: str | None = None, many: bool = False) -> str | None:
+    """Refuse inconsistent options before anything is read (each error names the flags); returns the checked ``--phase``."""
     if gpus <= 0:
         raise CommandError(f"--gpus must be a positive integer, got {gpus}")
     if run_backtest and (window is None or every is None):
@@ -285,6 +296,9 @@ def _check_options(gpus: int, run_backtest: bool, window: int | None, every: int
     for path in (out, plot):
         if path is not None:
             output_path(path)
+    if phase is not None and many:
+        raise CommandError("--phase plans on one trace (merge per-rank files first: moetrace merge)")
+    return pass_phase_option(phase)
 
 
 def _sizes_of(gpus: int, replicas: int | None, groups: int | None, nodes: int | None) -> Callable[[int], tuple[PlacementConfig, list[str]]]:
@@ -307,19 +321,24 @@ class _Loads:
 
 
 def _read_loads(traces: list[Path], layers: list[int] | None, scheduler: str | None, bucket_of: Callable[[], int | None],
-                sizes: Callable[[int], tuple[PlacementConfig, list[str]]], required: bool) -> _Loads:
-    """Read the loads (after the sizes are checked against the trace's expert count, then the backtest bucket)."""
+                sizes: Callable[[int], tuple[PlacementConfig, list[str]]], required: bool, phase: str | None = None) -> _Loads:
+    """Read the loads (after the sizes are checked against the trace's expert count, then the backtest bucket);
+    ``phase``: the passes of one pass phase only (a prefill-only or decode-only plan)."""
     trace, many = traces[0], len(traces) > 1 or scheduler is not None
     with open_trace(existing_file(trace)) as tr:
         index = select_layers(tr, layers)
         layer_ids = [int(x) for x in tr.layers[index]]
         num_model_layers = int(np.max(tr.layers)) + 1
-        weight = tr.logical_count()[index].astype(np.float64)
-        physical = tr.physical_count()[index]
+        code = None if phase is None else phase_of(tr, phase)
+        if code is None:
+            weight, physical = tr.logical_count()[index].astype(np.float64), tr.physical_count()[index]
+        else:
+            by_phase = pass_phase_physical_count(tr)[code]
+            weight, physical = to_logical(by_phase, tr.physical_to_logical)[index].astype(np.float64), by_phase[index]
         attrs = tr.attrs
         config, defaults = sizes(weight.shape[1])
         bucket = bucket_of()
-        series = None if many else _series(tr, index, bucket, required=required)
+        series = None if many else _series(tr, index, bucket, required=required, phase=code)
     if many:  # one run's per-rank files / segments: their passes in time order (moetrace.analysis.distributed)
         series = _many_series(traces, layers, bucket, scheduler)
     if series is not None:  # plan and score on the time-ordered passes (a stat trace's window may be shorter than its totals)

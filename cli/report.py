@@ -10,7 +10,7 @@ import typer
 from moetrace.routes import RoutesError
 
 from .errors import CommandError, guarded
-from .options import existing_file, output_path
+from .options import PHASE_HELP, existing_file, output_path, pass_phase_option
 
 __all__ = ["report"]
 
@@ -21,6 +21,7 @@ def report(
     out: Annotated[Path, typer.Option("-o", "--out", help="HTML file to write.")] = Path("report.html"),
     routes: Annotated[Path | None, typer.Option("--routes", help="Per-request routed experts (a routes file, an API response body or .npy) for the request selector.")] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="Co-activated pairs and transitions per layer.")] = 5,
+    phase: Annotated[str | None, typer.Option("--phase", help=PHASE_HELP)] = None,
 ) -> None:
     """Write one HTML file (opens offline, plotly embedded) with a figure and a one-line reading per section."""
     from moetrace.report import build_report, require_plotly
@@ -30,11 +31,13 @@ def report(
     except ImportError as exc:
         raise CommandError(str(exc)) from None
     output_path(out)
+    phase = pass_phase_option(phase)
     files = [existing_file(t) for t in traces]
     if routes is not None:
         existing_file(routes, "routes")
     try:
-        written = build_report(files, out, routes=routes, top=top)
+        written = build_report(files, out, routes=routes, top=top, phase=phase)
     except RoutesError as exc:
+        raise CommandError(str(exc)) from None
         raise CommandError(str(exc)) from None
     typer.echo(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB): open it in a browser")

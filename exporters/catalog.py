@@ -11,6 +11,9 @@ Label dimensions (``dims``) index the value array:
 
 - ``()``: one value per process;
 - ``("layer",)``: ``[L]``, labelled with the model layer id (``layer_ids[l]``);
+- ``("pass_phase",)``: ``[Q]``, labelled with the pass phase name (``unknown``, ``prefill``, ``decode``,
+  ``mixed``, ``idle``: :data:`moetrace.pass_phase.PASS_PHASES`, a bounded set). The label is
+  ``pass_phase``, not ``phase``: ``phase`` is the timing histograms' label (route, dispatch, expert, combine);
 - ``("layer", "ep_rank")``: ``[L, R]``, second axis is the EP rank;
 - ``("layer", "expert")``: ``[L, E]``, second axis is the logical expert id; or, for the
   hottest-experts top-N, ``(layer index [N], expert [N], count [N])`` (only those cells).
@@ -35,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from moetrace.balance import HOT_EXPERTS
+from moetrace.pass_phase import PASS_PHASES
 from moetrace.snapshot import RecorderSnapshot
 
 from .spec import MetricSpec, enabled
@@ -111,6 +115,23 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moetrace_alltoall_actual_bytes_total", "moetrace.alltoall.actual_bytes", "counter", "By", ("layer",),
                "Bytes this rank sent to other EP ranks, dispatch plus combine (0 when hidden_size is unknown).",
                "`alltoall_bytes_actual` = 2·(Σ_{r≠rank} send[l, r])·H·b", lambda s: s.alltoall_bytes_actual),
+    MetricSpec("moetrace_pass_phase_passes_total", "moetrace.pass_phase.passes", "counter", "{pass}", ("pass_phase",),
+               "Forward passes recorded per pass phase (what the engine's batch was: prefill, decode, mixed, idle; "
+               "unknown when its adapter did not say).", "`pass_phase_num_passes`", lambda s: s.pass_phase_num_passes),
+    MetricSpec("moetrace_pass_phase_tokens_total", "moetrace.pass_phase.tokens", "counter", "{token}", ("pass_phase",),
+               "Tokens recorded per pass phase (0 on a TP replica rank, as moetrace_tokens_total).",
+               "`counted(pass_phase_num_tokens)`", lambda s: s.counted(s.pass_phase_num_tokens)),
+    MetricSpec("moetrace_pass_phase_requests_total", "moetrace.pass_phase.requests", "counter", "{request}", ("pass_phase",),
+               "Requests per pass phase, summed over passes (a request in 10 decode passes counts 10; passes whose "
+               "adapter gave no count add nothing).", "`counted(pass_phase_num_requests)`", lambda s: s.counted(s.pass_phase_num_requests)),
+    MetricSpec("moetrace_pass_phase_balancedness", "moetrace.pass_phase.balancedness", "gauge", "1", ("pass_phase",),
+               "Balancedness over EP ranks of the load of one pass phase, all layers (1 = perfect; 1 with no load or ep_size=1).",
+               "`pass_phase_balancedness[q]` = balancedness of pass_phase_physical_count[q]", lambda s: s.pass_phase_balancedness),
+    MetricSpec("moetrace_pass_phase_expert_imbalance", "moetrace.pass_phase.expert_imbalance", "gauge", "1", ("pass_phase",),
+               "Expert imbalance of the load of one pass phase, all layers: hottest logical expert over the mean, "
+               "load-weighted (1 = even; needs no EP).",
+               "`pass_phase_expert_imbalance[q]` = overall_expert_imbalance of pass_phase_logical_count[q]",
+               lambda s: s.pass_phase_expert_imbalance),
     MetricSpec("moetrace_recording", "moetrace.recording", "gauge", "1", (),
                "1 while the recorder counts, 0 when stopped.", "`recording`",
                lambda s: int(s.recording)),
@@ -209,10 +230,11 @@ def series_per_process(num_layers: int, ep_size: int, num_experts: int, per_expe
                        per_ep_rank: bool = False) -> int:
     """Series one rank process exports without timing (info included): the formula of ``docs/observability.md``.
 
-    Default ``S + D·L + N`` (``S`` per-process series, ``D`` per-layer metrics, ``N`` hot experts);
-    ``per_ep_rank`` adds ``3·L·R``, ``per_expert`` adds ``L·E``.
+    Default ``S + F·Q + D·L + N`` (``S`` per-process series, ``F`` per-pass-phase metrics over the
+    ``Q`` pass phases, ``D`` per-layer metrics, ``N`` hot experts); ``per_ep_rank`` adds ``3·L·R``,
+    ``per_expert`` adds ``L·E``.
     """
-    sizes = {(): 1, ("layer",): num_layers, ("layer", "ep_rank"): num_layers * ep_size,
+    sizes = {(): 1, ("pass_phase",): len(PASS_PHASES), ("layer",): num_layers, ("layer", "ep_rank"): num_layers * ep_size,
              ("layer", "expert"): num_layers * num_experts}
     total = 1  # moetrace_info
     for spec in selected(per_expert, per_ep_rank):
@@ -226,12 +248,14 @@ def rules_path() -> Path:
     return Path(str(resources.files("moetrace.data") / "prometheus" / "moetrace-fleet.rules.yml"))
 
 
-def _label_values(dim: str, index: np.ndarray, layer_ids: np.ndarray) -> list[int]:
+def _label_values(dim: str, index: np.ndarray, layer_ids: np.ndarray) -> list[int] | list[str]:
+    if dim == "pass_phase":
+        return [PASS_PHASES[int(v)] for v in index]
     return [int(v) for v in (layer_ids[index] if dim == "layer" else index)]
 
 
-def samples(spec: MetricSpec, snap: RecorderSnapshot) -> Iterator[tuple[dict[str, int], float | int]]:
-    """``(labels, value)`` for each series of ``spec`` in ``snap``; labels are ints, ``rank`` first."""
+def samples(spec: MetricSpec, snap: RecorderSnapshot) -> Iterator[tuple[dict[str, int | str], float | int]]:
+    """``(labels, value)`` for each series of ``spec`` in ``snap``; labels are ints (pass phases: names), ``rank`` first."""
     value = spec.value(snap)
     if not spec.dims:
         yield {"rank": snap.rank}, value  # type: ignore[misc]
@@ -247,7 +271,7 @@ def samples(spec: MetricSpec, snap: RecorderSnapshot) -> Iterator[tuple[dict[str
     columns = [_label_values(dim, np.asarray(i), snap.layer_ids) for dim, i in zip(spec.dims, index, strict=True)]
     items = array.tolist()  # Python ints for integer arrays, floats otherwise
     for n, item in enumerate(items):
-        labels = {"rank": snap.rank}
+        labels: dict[str, int | str] = {"rank": snap.rank}
         for dim, column in zip(spec.dims, columns, strict=True):
             labels[dim] = column[n]
         yield labels, item

@@ -15,6 +15,14 @@ runs, so a count taken from a hook call would stop at its value at capture. A
 pass's tokens are the largest per-layer token column (``amax``), added into a
 device total at pass end; host views (snapshot, window, trace rows) are copies
 of these device values, never counts of hook calls.
+
+Pass phases (:mod:`moetrace.pass_phase`) are host state the adapter sets per pass; at pass
+end (host code that runs for every pass, a CUDA-graph replay included) the pass's rows are
+added into that phase's row of ``[Q, L, C]`` device totals. No hook reads the phase.
+
+Over 500 lines: the four mode buffers share the hand-off machinery (chunk totals by pass phase,
+the overflow policy, the host buffer pool) and each pass end touches several of them together;
+split apart they would import each other's private helpers.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 
 from .batch import PassBatch
 from .config import RecorderConfig
+from .pass_phase import PASS_PHASES, phase_counts
 from .trace.schema import Data
 from .trace.segments import StreamRows
 from .trace.stat import CounterLayout
@@ -59,20 +68,21 @@ def _submit_empty(submit: Submit, overflow: _Overflow | None, rotate: bool) -> N
 
 
 class _ChunkTotals:
-    """Counter rows ``[L, C]`` (int64) of the passes staged since the last hand-off.
+    """Counter rows ``[Q, L, C]`` (int64) of the passes staged since the last hand-off, by pass phase.
 
     Each hand-off carries them so that a segment's ``/stat`` covers exactly the
-    passes whose rows it holds; ``take`` copies them asynchronously into one of
-    two host buffers and zeroes the device copy.
+    passes whose rows it holds (their sum over ``Q``, and each phase's);
+    ``take`` copies them asynchronously into one of two host buffers and zeroes
+    the device copy.
     """
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout) -> None:
-        shape = (config.num_layers, layout.width)
+        shape = (len(PASS_PHASES), config.num_layers, layout.width)
         self.acc = torch.zeros(shape, dtype=torch.int64, device=config.device)
         self.pool = HostBufferPool(shape, torch.int64, count=2, pin=config.device.type == "cuda")
 
-    def add(self, current: torch.Tensor) -> None:
-        self.acc.add_(current)
+    def add(self, current: torch.Tensor, phase: int) -> None:
+        self.acc[phase].add_(current)
 
     def take(self) -> tuple[torch.Tensor, Callable[[], None]]:
         """``(host buffer, release)``; record the copy's event after calling this."""
@@ -132,7 +142,9 @@ class PassCounter:
     hook allocates nothing for passes up to ``max_tokens_per_pass`` tokens
     (larger passes fall back to a temporary). ``pass_tokens [1]`` (the tokens of
     the pass just folded) and ``token_total [1]`` (since the last reset) are
-    updated on the device at pass end.
+    updated on the device at pass end, and so are the same totals split by pass
+    phase, ``phase_totals [Q, L, C]`` and ``phase_tokens [Q]`` (their sums over
+    ``Q`` are ``totals`` and ``token_total``).
     """
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout) -> None:
@@ -147,6 +159,9 @@ class PassCounter:
         self.index = torch.empty(scratch, dtype=torch.int64, device=device)
         self.pass_tokens = torch.zeros(1, dtype=torch.int64, device=device)
         self.token_total = torch.zeros(1, dtype=torch.int64, device=device)
+        self.phase_totals = torch.zeros((len(PASS_PHASES), *shape), dtype=torch.int64, device=device)
+        self.phase_tokens = torch.zeros(len(PASS_PHASES), dtype=torch.int64, device=device)
+        self.phase_host = np.zeros((2, len(PASS_PHASES)), dtype=np.int64)  # host: passes, requests of each pass phase
 
     def set_gate(self, on: bool) -> None:
         """Switch counting on or off (also inside captured CUDA graphs)."""
@@ -190,12 +205,18 @@ class PassCounter:
         if dropped is not None:
             row[self.layout.dropped].addcmul_(dropped.reshape(()), self.gate.reshape(()))
 
-    def fold(self) -> None:
-        """Pass end: add the pass into the totals and its tokens into ``token_total`` (the pass stays readable until :meth:`clear`)."""
+    def fold(self, phase: int, requests: int) -> None:
+        """Pass end: add the pass into the totals and its tokens into ``token_total``, and both into
+        pass phase ``phase``'s rows (a host int: a view, no device read), with the pass's
+        ``requests`` (-1: unknown, adds nothing) on the host; the pass stays readable until :meth:`clear`."""
+        self.phase_host[0, phase] += 1
+        self.phase_host[1, phase] += max(requests, 0)
         self.totals.add_(self.current)
+        self.phase_totals[phase].add_(self.current)
         tokens = self.layout.tokens
         torch.amax(self.current[:, tokens : tokens + 1], dim=0, out=self.pass_tokens)
         self.token_total.add_(self.pass_tokens)
+        self.phase_tokens[phase : phase + 1].add_(self.pass_tokens)
 
     def clear(self) -> None:
         self.current.zero_()
@@ -205,11 +226,14 @@ class PassCounter:
         self.totals.zero_()
         self.pass_tokens.zero_()
         self.token_total.zero_()
+        self.phase_totals.zero_()
+        self.phase_tokens.zero_()
+        self.phase_host[:] = 0
 
 
 class StatWindow:
     """Ring of the last ``W`` passes' expert counts ``[W, L, P]`` (int32) and tokens ``[W]`` (int64,
-    on the device), plus host metadata (pass id, timestamp)."""
+    on the device), plus host metadata (pass id, timestamp, pass phase, requests)."""
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout) -> None:
         w = config.window
@@ -217,15 +241,18 @@ class StatWindow:
         self.counts = torch.zeros((w, config.num_layers, config.num_physical_experts), dtype=torch.int32, device=config.device)
         self.pass_id = np.full(w, -1, dtype=np.int64)
         self.timestamp = np.zeros(w, dtype=np.float64)
+        self.phase = np.zeros(w, dtype=np.int8)
+        self.requests = np.full(w, -1, dtype=np.int64)
         self.tokens = torch.zeros(w, dtype=torch.int64, device=config.device)
         self.pushed = 0
 
-    def push(self, current: torch.Tensor, pass_tokens: torch.Tensor, pass_id: int, timestamp: float) -> None:
+    def push(self, current: torch.Tensor, pass_tokens: torch.Tensor, pass_id: int, timestamp: float, phase: int, requests: int) -> None:
         """Store one pass's ``current[:, :P]`` and ``pass_tokens [1]`` in the oldest slot."""
         slot = self.pushed % len(self.pass_id)
         self.counts[slot].copy_(current[:, self.experts])
         self.tokens[slot : slot + 1].copy_(pass_tokens)
         self.pass_id[slot], self.timestamp[slot] = pass_id, timestamp
+        self.phase[slot], self.requests[slot] = phase, requests
         self.pushed += 1
 
     def order(self) -> np.ndarray:
@@ -253,7 +280,7 @@ class PassStream:
         self.pool = HostBufferPool(shape, torch.int32, count=2, pin=config.device.type == "cuda")
         self.totals = _ChunkTotals(config, layout)
         self.overflow = _Overflow(config, settle)
-        self.meta = np.zeros((s, 2), dtype=np.float64)  # pass_id, timestamp (tokens are in the rows)
+        self.meta = np.zeros((s, 4), dtype=np.float64)  # pass_id, timestamp, pass phase, requests (tokens are in the rows)
         self.filled = 0
         self.submit = submit
         # Hand-offs of a multiple of the counts' chunk rows keep segments on the chunk grid, so a dump
@@ -265,10 +292,10 @@ class PassStream:
         """Whether the staged passes end on a chunk boundary of the segment (a time rotation waits for it)."""
         return self.filled % self.align == 0
 
-    def push(self, current: torch.Tensor, pass_id: int, timestamp: float) -> None:
+    def push(self, current: torch.Tensor, pass_id: int, timestamp: float, phase: int, requests: int) -> None:
         self.staging[self.filled].copy_(current)
-        self.totals.add(current)
-        self.meta[self.filled] = (pass_id, timestamp)
+        self.totals.add(current, phase)
+        self.meta[self.filled] = (pass_id, timestamp, phase, requests)
         self.filled += 1
         if self.filled == len(self.meta):
             self.flush()
@@ -297,6 +324,8 @@ class PassStream:
         def build() -> StreamRows:
             rows = host[:n].numpy()
             tokens = rows[:, :, layout.tokens].max(axis=1).astype(np.int64)
+            phase, requests = meta[:, 2].astype(np.int8), meta[:, 3].astype(np.int64)
+            by_phase = totals.numpy()
             return StreamRows(
                 rows={
                     Data.PASSES_PASS_ID: meta[:, 0].astype(np.int64),
@@ -306,8 +335,12 @@ class PassStream:
                     Data.PASSES_INVALID_IDS: layout.invalid(rows),
                     Data.PASSES_SEND_COUNT: rows[:, :, layout.send].copy(),
                     Data.PASSES_RECV_COUNT: rows[:, :, layout.recv].copy(),
+                    Data.PASSES_PASS_PHASE: phase,
+                    Data.PASSES_NUM_REQUESTS: requests.astype(np.int32),
                 },
-                totals=totals.numpy(),
+                totals=by_phase.sum(axis=0),
+                phase_totals=by_phase.copy(),
+                phase_counts=phase_counts(phase, tokens, requests),
                 passes=n,
                 tokens=int(tokens.sum()),
                 first_pass=int(meta[0, 0]),
@@ -371,6 +404,9 @@ class TokenStream:
         self.overflow = _Overflow(config, settle)
         self.pass_id = np.zeros(config.stream_chunk_tokens, dtype=np.int64)
         self.position = np.zeros(config.stream_chunk_tokens, dtype=np.int32)
+        self.pass_phase = np.zeros(config.stream_chunk_tokens, dtype=np.int8)
+        self.phase_passes = np.zeros(len(PASS_PHASES), dtype=np.int64)  # since the last hand-off
+        self.phase_requests = np.zeros(len(PASS_PHASES), dtype=np.int64)
         self.request = np.full(config.stream_chunk_tokens, -1, dtype=np.int32)
         self.request_position = np.full(config.stream_chunk_tokens, -1, dtype=np.int32)
         self.request_table: dict[str, int] = {}  # request id -> index, this hand-off's requests
@@ -387,16 +423,19 @@ class TokenStream:
         tokens = index.shape[0] // self.pass_stage.shape[2]
         torch.index_select(self.lut, 0, index, out=self.pass_stage[layer, :tokens].view(-1))
 
-    def end_pass(self, pass_id: int, current: torch.Tensor, rows: int, batch: PassBatch | None = None) -> None:
+    def end_pass(self, pass_id: int, current: torch.Tensor, rows: int, phase: int, requests: int, batch: PassBatch | None = None) -> None:
         """Move the pass's first ``rows`` staged rows into the chunk; ``current [L, C]`` are its counter
-        rows, ``batch`` the engine's batch of the pass (``None``: rows of no known request)."""
+        rows, ``phase`` its pass phase, ``requests`` its request count (-1: unknown) and ``batch``
+        the engine's batch of the pass (``None``: rows of no known request)."""
         if self.filled + rows > len(self.pass_id):
             self.flush()
-        self.totals.add(current)
+        self.totals.add(current, phase)
         if self.passes == 0:
             self.first_pass = pass_id
         self.passes += 1
         self.last_pass = pass_id
+        self.phase_passes[phase] += 1
+        self.phase_requests[phase] += max(requests, 0)
         if rows == 0:
             return
         target = self.chunk[self.filled : self.filled + rows].view(self.word)
@@ -405,6 +444,7 @@ class TokenStream:
         span = slice(self.filled, self.filled + rows)
         self.pass_id[span] = pass_id
         self.position[span] = np.arange(rows, dtype=np.int32)
+        self.pass_phase[span] = phase
         if batch is None:
             self.request[span] = -1
             self.request_position[span] = -1
@@ -426,6 +466,7 @@ class TokenStream:
             self.overflow.dropped(passes, self.first_pass, self.last_pass)
             self.totals.reset()
             self.filled = self.passes = 0
+            self.phase_passes[:] = self.phase_requests[:] = 0
             self.request_table = {}
             _submit_empty(self.submit, None, rotate)
             return
@@ -433,6 +474,9 @@ class TokenStream:
         host[:n].copy_(self.chunk[:n], non_blocking=True)
         totals, release_totals = self.totals.take()
         event = _event_after_copy(self.device)
+        pass_phase = self.pass_phase[:n].copy()
+        phase_passes, phase_requests = self.phase_passes.copy(), self.phase_requests.copy()
+        self.phase_passes[:] = self.phase_requests[:] = 0
         pass_id, position = self.pass_id[:n].copy(), self.position[:n].copy()
         request, request_position = self.request[:n].copy(), self.request_position[:n].copy()
         request_ids = tuple(self.request_table)
@@ -444,12 +488,16 @@ class TokenStream:
             real = (ids != -1).reshape(n, ids[0].size if n else 1).any(axis=1)
             # Views of the host buffer when every row is a token: the writer is done with them before ``done`` releases it.
             rows = {Data.TOKENS_TOPK_IDS: ids, Data.TOKENS_PASS_ID: pass_id, Data.TOKENS_POSITION: position,
-                    Data.TOKENS_REQUEST: request, Data.TOKENS_REQUEST_POSITION: request_position}
+                    Data.TOKENS_PASS_PHASE: pass_phase, Data.TOKENS_REQUEST: request, Data.TOKENS_REQUEST_POSITION: request_position}
             if not real.all():
                 rows = {name: array[real] for name, array in rows.items()}
+            by_phase = totals.numpy()
+            counts = np.stack([phase_passes, np.bincount(rows[Data.TOKENS_PASS_PHASE], minlength=len(PASS_PHASES)), phase_requests])
             return StreamRows(
                 rows=rows,
-                totals=totals.numpy(),
+                totals=by_phase.sum(axis=0),
+                phase_totals=by_phase.copy(),
+                phase_counts=counts.astype(np.int64),
                 passes=passes,
                 tokens=int(real.sum()),
                 first_pass=first,
@@ -478,6 +526,7 @@ class TokenStream:
         self.pass_stage.fill_(-1)  # also what graph replays wrote while nothing was recorded
         self.filled = 0
         self.passes = 0
+        self.phase_passes[:] = self.phase_requests[:] = 0
         self.request_table = {}
         self.totals.reset()
         self.overflow.reset()

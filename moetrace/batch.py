@@ -32,10 +32,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .pass_phase import PASS_PHASES, UNKNOWN
+
 __all__ = ["BATCH_PHASES", "BatchError", "PassBatch"]
 
-#: The phases a pass can have, in code order (``/passes`` and metrics use these names).
-BATCH_PHASES = ("prefill", "decode", "mixed", "idle")
+#: The phases a batch can name: :data:`moetrace.pass_phase.PASS_PHASES` but ``unknown`` (the phase of a
+#: pass no one described); the recorder counts each pass into its phase (trace ``pass_phase``, metrics).
+BATCH_PHASES = tuple(p for i, p in enumerate(PASS_PHASES) if i != UNKNOWN)
 
 
 class BatchError(ValueError):

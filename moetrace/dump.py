@@ -34,10 +34,11 @@ import torch.distributed as dist
 from .accumulators import PassCounter, StatWindow
 from .config import RecorderConfig
 from .layout import RankLayout
+from .pass_phase import PASS_PHASES
 from .session import Cut, RecordingSession
 from .timing import HISTOGRAM_EDGES, PHASES
 from .trace.join import concat_segments
-from .trace.schema import STRING_DTYPE, Attr, Data, TraceHeader, dataset
+from .trace.schema import PHASE_COUNTS, STRING_DTYPE, Attr, Data, TraceHeader, dataset
 from .trace.stat import CounterLayout, write_stat
 from .trace.writer import TraceWriter
 
@@ -107,6 +108,11 @@ class StatCut:
     pass_id: np.ndarray
     timestamp: np.ndarray
     num_passes: int
+    phase_totals: torch.Tensor  # [Q, L, C]
+    phase_tokens: torch.Tensor  # [Q]
+    phase_host: np.ndarray  # [2, Q] passes, requests of each pass phase
+    window_phase: np.ndarray  # [W] pass phase of each window slot
+    window_requests: np.ndarray  # [W]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +124,8 @@ class StatRows:
     meta: np.ndarray
     counts: list[np.ndarray]
     layouts: tuple[RankLayout, ...]
+    phase_rows: np.ndarray | None = None  # [R, Q, L, C]
+    phase_counts: np.ndarray | None = None  # [R, 3, Q]
 
 
 class PendingDump:
@@ -246,20 +254,25 @@ class TraceDump:
         return TraceHeader.of_config(self.config, run_id, rank, world_size, own)
 
     # ------------------------------------------------------------------ pieces
-    def write_totals(self, writer: TraceWriter, rows: np.ndarray, num_passes: np.ndarray, num_tokens: np.ndarray) -> None:
-        """Write ``/stat`` from counter rows ``[R, L, C]``."""
-        write_stat(writer, self.layout, self.config.physical_to_logical, rows, num_passes, num_tokens)  # type: ignore[arg-type]
+    def write_totals(self, writer: TraceWriter, rows: np.ndarray, num_passes: np.ndarray, num_tokens: np.ndarray,
+                     phase_rows: np.ndarray | None = None, phase_counts: np.ndarray | None = None) -> None:
+        """Write ``/stat`` from counter rows ``[R, L, C]`` (and, split by pass phase, ``[R, Q, L, C]`` with ``[R, 3, Q]`` counts)."""
+        write_stat(writer, self.layout, self.config.physical_to_logical, rows, num_passes, num_tokens, phase_rows, phase_counts)  # type: ignore[arg-type]
 
-    def write_stat_file(self, writer: TraceWriter, rows: np.ndarray, passes: np.ndarray, meta: np.ndarray, counts: list[np.ndarray]) -> None:
+    def write_stat_file(self, writer: TraceWriter, rows: np.ndarray, passes: np.ndarray, meta: np.ndarray, counts: list[np.ndarray],
+                        phase_rows: np.ndarray | None = None, phase_counts: np.ndarray | None = None) -> None:
         """``/stat`` and ``/window`` of a stat dump or checkpoint from host arrays: counter rows
-        ``[R, L, C]``, ``(passes, tokens) [R, 2]``, window ``(pass_id, timestamp, tokens) [R, W, 3]``
-        (pass id -1 = empty slot) and window counts as consecutive pieces ``[R, w_i, L, P]``
-        along the window axis, oldest first (their lengths add up to at least the filled slots)."""
+        ``[R, L, C]``, ``(passes, tokens) [R, 2]``, window ``(pass_id, timestamp, tokens, pass phase,
+        requests) [R, W, 5]`` (pass id -1 = empty slot) and window counts as consecutive pieces
+        ``[R, w_i, L, P]`` along the window axis, oldest first (their lengths add up to at least the
+        filled slots); the totals split by pass phase ``[R, Q, L, C]`` and their ``[R, 3, Q]`` counts."""
         filled = int((meta[:, :, 0] >= 0).sum(axis=1).max()) if meta.size else 0
-        self.write_totals(writer, rows, passes[:, 0], passes[:, 1])
+        self.write_totals(writer, rows, passes[:, 0], passes[:, 1], phase_rows, phase_counts)
         writer.write(Data.WINDOW_PASS_ID, meta[:, :filled, 0].astype(np.int64))
         writer.write(Data.WINDOW_TIMESTAMP, meta[:, :filled, 1])
         writer.write(Data.WINDOW_NUM_TOKENS, meta[:, :filled, 2].astype(np.int64))
+        writer.write(Data.WINDOW_PASS_PHASE, np.maximum(meta[:, :filled, 3], 0).astype(np.int8))
+        writer.write(Data.WINDOW_NUM_REQUESTS, meta[:, :filled, 4].astype(np.int32))
         writer.write_pieces(Data.WINDOW_PHYSICAL_COUNT, counts, axis=1, length=filled, compress=True)
 
     def write_timing(self, writer: TraceWriter, parts: TimingParts | None) -> None:
@@ -282,11 +295,13 @@ class TraceDump:
     # ------------------------------------------------------------------ dumps
     def stat_cut(self, counter: PassCounter, window: StatWindow, num_passes: int) -> StatCut:
         """``stat`` mode's cut (recorder lock held): device copies of the totals and the window ring,
-        host copies of the window's metadata. Nothing is read back to the host here."""
+        host copies of the window's metadata and of the passes and requests of each pass phase.
+        Nothing is read back to the host here."""
         return StatCut(
             totals=counter.totals.clone(), token_total=counter.token_total.clone(), ring=window.counts.clone(),
             tokens=window.tokens.clone(), order=window.order(), pass_id=window.pass_id.copy(), timestamp=window.timestamp.copy(),
-            num_passes=num_passes,
+            num_passes=num_passes, phase_totals=counter.phase_totals.clone(), phase_tokens=counter.phase_tokens.clone(),
+            phase_host=counter.phase_host.copy(), window_phase=window.phase.copy(), window_requests=window.requests.copy(),
         )
 
     def stat_gather(self, cut: StatCut, rank: int, world: int, peers: int) -> StatRows:
@@ -295,27 +310,30 @@ class TraceDump:
         device = cut.totals.device
         layouts = tuple(gather_objects(self.config.rank_layout(rank, world), peers))  # every rank row's layout
         rows = gather(cut.totals, peers).cpu().numpy()
+        phase_rows = gather(cut.phase_totals, peers).cpu().numpy()
+        host = torch.as_tensor(cut.phase_host, dtype=torch.int64, device=device)
+        phase_counts = gather(torch.stack([host[0], cut.phase_tokens, host[1]]), peers).cpu().numpy()
         order, slots = cut.order, len(cut.pass_id)
-        meta = np.full((slots, 3), -1.0)
-        meta[: len(order)] = np.stack([cut.pass_id, cut.timestamp, cut.tokens.cpu().numpy()], axis=1)[order]
+        meta = np.full((slots, 5), -1.0)
+        meta[: len(order)] = np.stack([cut.pass_id, cut.timestamp, cut.tokens.cpu().numpy(), cut.window_phase, cut.window_requests], axis=1)[order]
         passes = torch.cat([torch.tensor([cut.num_passes], dtype=torch.int64, device=device), cut.token_total])
         if peers == 1:
             # The ring as it is (no reordered copy): the oldest slots first, then the wrapped ones.
             ring = cut.ring.cpu().numpy()[None]
             wrap = min(len(order), slots - int(order[0])) if len(order) else 0
             counts = [ring[:, int(order[0]) : int(order[0]) + wrap], ring[:, : len(order) - wrap]] if len(order) else [ring[:, :0]]
-            return StatRows(rows, passes.cpu().numpy()[None], meta[None], counts, layouts)  # type: ignore[arg-type]
+            return StatRows(rows, passes.cpu().numpy()[None], meta[None], counts, layouts, phase_rows, phase_counts)  # type: ignore[arg-type]
         ordered = torch.zeros_like(cut.ring)
         ordered[: len(order)] = cut.ring[torch.as_tensor(order, dtype=torch.long, device=device)]
         return StatRows(rows, gather(passes, peers).cpu().numpy(), gather(torch.as_tensor(meta, dtype=torch.float64, device=device), peers).cpu().numpy(),
-                        [gather(ordered, peers).cpu().numpy()], layouts)  # type: ignore[arg-type]
+                        [gather(ordered, peers).cpu().numpy()], layouts, phase_rows, phase_counts)  # type: ignore[arg-type]
 
     def stat(self, target: Path, run_id: str, rank: int, world: int, peers: int, rows: StatRows, timing: TimingParts | None) -> Path:
         """Write a ``stat`` dump of ``rows`` (``peers`` ranks' rows: one file with a rank axis when > 1,
         written by rank 0) to ``target`` (any thread)."""
         header = self.header(run_id, rank=-1 if peers > 1 else rank, world_size=world, layouts=rows.layouts)
         with TraceWriter(target, header, compression=self.compression) as writer:
-            self.write_stat_file(writer, rows.rows, rows.passes, rows.meta, rows.counts)
+            self.write_stat_file(writer, rows.rows, rows.passes, rows.meta, rows.counts, rows.phase_rows, rows.phase_counts)
             self.write_timing(writer, timing)
             return writer.commit()
 
@@ -337,7 +355,9 @@ class TraceDump:
         """A streaming dump with no passes since the previous one."""
         with TraceWriter(target, self.header(run_id, rank, world), compression=self.compression) as writer:
             zeros = np.zeros((1, self.config.num_layers, self.layout.width), dtype=np.int64)
-            self.write_totals(writer, zeros, np.array([0]), np.array([0]))
+            phases = len(PASS_PHASES)
+            self.write_totals(writer, zeros, np.array([0]), np.array([0]), np.zeros((1, phases, *zeros.shape[1:]), np.int64),
+                              np.zeros((1, len(PHASE_COUNTS), phases), np.int64))
             writer.write(Data.STAT_DROPPED_PASSES, np.zeros(1, dtype=np.int64))
             for name, (row_shape, dtype) in self.streamed.items():
                 writer.ensure_empty(name, row_shape, dtype)
@@ -360,11 +380,12 @@ def streamed_schema(config: RecorderConfig, layout: CounterLayout, token_dtype: 
             Data.PASSES_PHYSICAL_COUNT: ((config.num_layers, layout.num_experts), np.int32),
             Data.PASSES_INVALID_IDS: ((config.num_layers,), np.int32),
             Data.PASSES_SEND_COUNT: ((config.num_layers, r), np.int32), Data.PASSES_RECV_COUNT: ((config.num_layers, r), np.int32),
+            Data.PASSES_PASS_PHASE: ((), np.int8), Data.PASSES_NUM_REQUESTS: ((), np.int32),
         }
     elif config.mode == "per_token":
         shapes = {
             Data.TOKENS_TOPK_IDS: ((config.num_layers, config.top_k), token_dtype),
-            Data.TOKENS_PASS_ID: ((), np.int64), Data.TOKENS_POSITION: ((), np.int32),
+            Data.TOKENS_PASS_ID: ((), np.int64), Data.TOKENS_POSITION: ((), np.int32), Data.TOKENS_PASS_PHASE: ((), np.int8),
             Data.TOKENS_REQUEST: ((), np.int32), Data.TOKENS_REQUEST_POSITION: ((), np.int32),
             Data.REQUEST_TABLE_ID: ((), STRING_DTYPE),
         }

@@ -62,6 +62,7 @@ from .dump import (
     streamed_schema,
 )
 from .graphs import is_capturing
+from .pass_phase import UNKNOWN, pass_phase_code
 from .session import RecordingSession, Staged
 from .snapshot import RecorderSnapshot, SnapshotChannel
 from .timing import (
@@ -139,7 +140,7 @@ class ExpertDistributionRecorder:
             self._window = StatWindow(cfg, self._layout) if cfg.mode == "stat" else None
             self._pass_stream = PassStream(cfg, self._layout, self._submit, self._settle_writer) if cfg.mode == "per_pass" else None
             self._token_stream = TokenStream(cfg, self._layout, self._submit, self._settle_writer) if cfg.mode == "per_token" else None
-            self._snapshots = SnapshotChannel((cfg.num_layers, self._layout.width), self._device)
+            self._snapshots = SnapshotChannel(tuple(self._counter.phase_totals.shape), self._device)  # type: ignore[arg-type]
         # Phase timing (host-side): the clock, aggregates over all passes and per-pass rows.
         self._clock = make_clock(cfg.num_layers, self._device, cfg.timing_ring) if cfg.timing else None
         self._live_clock = None  # the clock while a timed pass runs, else None
@@ -155,6 +156,8 @@ class ExpertDistributionRecorder:
         self._batch: PassBatch | None = None  # the engine's batch of the pass being run (host arrays), if it gave one
         self._captured_rows = 0  # per_token: most rows a hook wrote while being captured into a CUDA graph
         self._next_pass_id = 0
+        self._pass_phase = UNKNOWN  # the pass phase set_pass_phase named for the pass in progress (or the next one)
+        self._pass_requests = -1
         self._layer: int | None = None
         self._disabled = 0
         self._num_passes = 0
@@ -268,6 +271,19 @@ class ExpertDistributionRecorder:
         assert self._clock is not None
         self._clock.begin_pass()
         self._live_clock = self._clock
+
+    def set_pass_phase(self, phase: str | int, num_requests: int = -1) -> None:
+        """Name the pass phase of the pass in progress (or, outside ``with_forward_pass``, of the next pass).
+
+        ``phase``: a name of :data:`moetrace.pass_phase.PASS_PHASES` (``prefill``, ``decode``,
+        ``mixed``, ``idle``; ``unknown`` when nobody calls this) or its code; ``num_requests``:
+        requests in the pass's batch (-1: unknown). Not the timing phases of :meth:`with_phase`.
+        Host state only (no device op): the adapter calls it once per pass from the batch it holds
+        on the host, outside any CUDA graph; the pass end, which runs for every pass (a graph
+        replay included), counts the pass into this phase and resets it to ``unknown``.
+        """
+        self._pass_phase = pass_phase_code(phase)
+        self._pass_requests = int(num_requests)
 
     def with_current_layer(self, layer_idx: int) -> _LayerScope:
         """Set the MoE layer (compact index ``0..L-1``) that hooks in the block count into."""
@@ -402,16 +418,20 @@ class ExpertDistributionRecorder:
             for timing in timings:
                 self._add_timing(timing)
             counter, timestamp = self._counter, time.time()
-            counter.fold()
+            phase, requests = self._pass_phase, self._pass_requests
+            self._pass_phase, self._pass_requests = UNKNOWN, -1
+            if self._batch is not None:  # the engine's batch names its phase and requests (it wins over set_pass_phase)
+                phase, requests = pass_phase_code(self._batch.phase), self._batch.num_requests
+            counter.fold(phase, requests)
             if self._window is not None:
-                self._window.push(counter.current, counter.pass_tokens, pass_id, timestamp)
+                self._window.push(counter.current, counter.pass_tokens, pass_id, timestamp, phase, requests)
             if self._pass_stream is not None:
-                self._pass_stream.push(counter.current, pass_id, timestamp)
+                self._pass_stream.push(counter.current, pass_id, timestamp, phase, requests)
             if self._token_stream is not None:
-                self._token_stream.end_pass(pass_id, counter.current, max(self._pass_rows, self._captured_rows), self._batch)
+                self._token_stream.end_pass(pass_id, counter.current, max(self._pass_rows, self._captured_rows), phase, requests, self._batch)
             counter.clear()
             self._num_passes += 1
-            self._snapshots.publish(counter.totals, counter.token_total, self._num_passes, timestamp)
+            self._snapshots.publish(counter.phase_totals, counter.phase_tokens, self._num_passes, timestamp, counter.phase_host)
             if self._session is not None:
                 self._session.poll()
                 if self._session.due():
@@ -446,6 +466,7 @@ class ExpertDistributionRecorder:
                 self._add_timing(timing)
 
     def _discard_pass(self) -> None:
+        self._pass_phase, self._pass_requests = UNKNOWN, -1
         if self._clock is not None:
             self._clock.discard_pass()
         with self._lock:
@@ -712,11 +733,12 @@ class ExpertDistributionRecorder:
     def snapshot(self) -> RecorderSnapshot:
         """The latest completed host copy of the totals; never waits for the device."""
         with self._lock:
-            rows, progress = self._snapshots.latest()
+            rows, (passes, tokens, stamp), host = self._snapshots.latest_phases()
             recording, last, errors = self._recording, self.last_dump_path, tuple(self._errors)
             timing = self._timing_stats.arrays() if self._clock is not None else None
         return RecorderSnapshot.of_rows(
-            self.config, self._layout, rows, progress, recording=recording, id_space=self.id_space,
+            self.config, self._layout, rows, (passes, int(tokens.sum()), stamp), recording=recording, id_space=self.id_space,
+            pass_phase_num_passes=host[0], pass_phase_num_tokens=tokens, pass_phase_num_requests=host[1],
             last_dump_path=str(last) if last else None, errors=errors, dropped_passes=self.dropped_passes, timing=timing,
             rank_layout=self.config.rank_layout(*rank_world(self.config)),
             retention=self._retention.stats.to_dict() if self._retention is not None else None,
@@ -772,6 +794,9 @@ class NoOpRecorder:
 
     def with_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         return _UNTIMED
+
+    def set_pass_phase(self, phase: str | int, num_requests: int = -1) -> None:
+        return None
 
     def on_select_experts(self, topk_ids: torch.Tensor, layer: int | None = None) -> None:
         return None

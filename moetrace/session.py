@@ -40,8 +40,9 @@ from .trace.writer import TraceWriter, check_writable_dir
 
 __all__ = ["Cut", "RecordingSession", "Staged", "close_at_exit", "closed", "opened", "wanted"]
 
-#: ``fill(writer, rows [1, L, C], passes [1, 2], meta [1, W, 3], counts [[1, W, L, P]])``: a checkpoint's ``/stat`` and ``/window``.
-FillStat = Callable[[TraceWriter, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]], None]
+#: ``fill(writer, rows [1, L, C], passes [1, 2], meta [1, W, 5], counts [[1, W, L, P]], phase_rows [1, Q, L, C],
+#: phase_counts [1, 3, Q])``: a checkpoint's ``/stat`` and ``/window``.
+FillStat = Callable[[TraceWriter, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray], np.ndarray, np.ndarray], None]
 
 
 def wanted(config: RecorderConfig) -> bool:
@@ -104,7 +105,7 @@ class RecordingSession:
             sink = SegmentWriter(directory, header, streamed, layout, config.physical_to_logical, config.segment_bytes, self.journal, compression)  # type: ignore[arg-type]
         self.writer = BackgroundTraceWriter(sink)
         self._rotate_at = time.monotonic() + (config.segment_seconds or float("inf"))
-        self._checkpoint_buffers: tuple[HostBufferPool, HostBufferPool, HostBufferPool] | None = None
+        self._checkpoint_buffers: tuple[HostBufferPool, HostBufferPool, HostBufferPool, HostBufferPool] | None = None
         self._undumped: list[SegmentInfo] = []  # closed segments taken by a dump that failed
 
     @property
@@ -152,34 +153,42 @@ class RecordingSession:
                 self._checkpoint_buffers = (
                     HostBufferPool(tuple(counter.totals.shape), torch.int64, 1, self._cuda),
                     HostBufferPool(tuple(w.counts.shape), torch.int32, 1, self._cuda),
-                    HostBufferPool((slots + 1,), torch.int64, 1, self._cuda),
+                    HostBufferPool((slots + 1 + len(counter.phase_tokens),), torch.int64, 1, self._cuda),
+                    HostBufferPool(tuple(counter.phase_totals.shape), torch.int64, 1, self._cuda),
                 )
-        totals_pool, window_pool, tokens_pool = self._checkpoint_buffers
+        totals_pool, window_pool, tokens_pool, phase_pool = self._checkpoint_buffers
         if wait:
             self.settle()  # the previous checkpoint's copy, so that its buffers come back
         totals = totals_pool.acquire(block=wait)
         if totals is None:
             return
-        window, tokens = window_pool.acquire(), tokens_pool.acquire()
-        assert window is not None and tokens is not None
+        window, tokens, phase_totals = window_pool.acquire(), tokens_pool.acquire(), phase_pool.acquire()
+        assert window is not None and tokens is not None and phase_totals is not None
         totals.copy_(counter.totals, non_blocking=True)
         window.copy_(w.counts, non_blocking=True)
-        tokens[:slots].copy_(w.tokens, non_blocking=True)  # each window slot's tokens, then the token total
-        tokens[slots:].copy_(counter.token_total, non_blocking=True)
+        phase_totals.copy_(counter.phase_totals, non_blocking=True)
+        tokens[:slots].copy_(w.tokens, non_blocking=True)  # each window slot's tokens, the token total, each pass phase's
+        tokens[slots : slots + 1].copy_(counter.token_total, non_blocking=True)
+        tokens[slots + 1 :].copy_(counter.phase_tokens, non_blocking=True)
         event = torch.cuda.Event() if self._cuda else None
         if event is not None:
             event.record()
         order = w.order()
         meta = np.stack([w.pass_id, w.timestamp], axis=1)[order]
+        window_phase = np.stack([w.phase, w.requests], axis=1)[order].astype(np.float64)
+        phase_host = counter.phase_host.copy()
         fill = self._fill_stat
 
         def build() -> tuple[object, int, int]:
             rows, counts = totals.numpy()[None].copy(), [window.numpy()[order][None]]
             host_tokens = tokens.numpy()
-            full = np.concatenate([meta, host_tokens[order][:, None].astype(np.float64)], axis=1)
-            return (lambda writer: fill(writer, rows, np.array([[passes, int(host_tokens[slots])]]), full[None], counts)), pass_id, passes
+            full = np.concatenate([meta, host_tokens[order][:, None].astype(np.float64), window_phase], axis=1)
+            phase_rows = phase_totals.numpy()[None].copy()
+            phase_counts = np.stack([phase_host[0], host_tokens[slots + 1 :], phase_host[1]])[None]
+            return (lambda writer: fill(writer, rows, np.array([[passes, int(host_tokens[slots])]]), full[None], counts, phase_rows, phase_counts)), pass_id, passes
 
         def done() -> None:
+            phase_pool.release(phase_totals)
             tokens_pool.release(tokens)
             window_pool.release(window)
             totals_pool.release(totals)

@@ -18,6 +18,7 @@ from .config import RecorderConfig
 from .dispatch import ep_ideal_bytes, exchanged_bytes, remote_copies
 from .ids import to_logical
 from .layout import RankLayout
+from .pass_phase import PASS_PHASES
 from .trace.stat import CounterLayout
 
 __all__ = ["RecorderSnapshot", "SnapshotChannel"]
@@ -52,6 +53,11 @@ class RecorderSnapshot(metrics.LoadMetrics):
             (:class:`moetrace.trace.retention.RetentionStats`), ``None`` without a policy.
         rank_layout: the rank's parallel layout (``None``: not known, the
             rank's view counts as its own tokens).
+        pass_phase_physical_count: ``[Q, L, P]`` ``physical_count`` split by pass phase
+            (:data:`moetrace.pass_phase.PASS_PHASES`: unknown, prefill, decode, mixed, idle).
+        pass_phase_logical_count: ``[Q, L, E]`` ``logical_count`` split by pass phase.
+        pass_phase_num_passes, pass_phase_num_tokens, pass_phase_num_requests: ``[Q]`` passes,
+            tokens and requests (the sum of each pass's request count) of each pass phase.
     """
 
     timestamp: float
@@ -80,6 +86,21 @@ class RecorderSnapshot(metrics.LoadMetrics):
     timing: dict[str, np.ndarray] | None = None
     retention: dict[str, object] | None = None
     rank_layout: RankLayout | None = None
+    pass_phase_physical_count: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((len(PASS_PHASES), 0, 0), np.int64))
+    pass_phase_logical_count: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((len(PASS_PHASES), 0, 0), np.int64))
+    pass_phase_num_passes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(len(PASS_PHASES), np.int64))
+    pass_phase_num_tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(len(PASS_PHASES), np.int64))
+    pass_phase_num_requests: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(len(PASS_PHASES), np.int64))
+
+    @property
+    def pass_phase_balancedness(self) -> np.ndarray:
+        """``[Q]`` balancedness over EP ranks of each pass phase's load, all layers (1 = perfect; 1 with no load)."""
+        return np.array([metrics.balancedness(metrics.rank_load(c, self.ep_size)) for c in self.pass_phase_physical_count])
+
+    @property
+    def pass_phase_expert_imbalance(self) -> np.ndarray:
+        """``[Q]`` expert imbalance of each pass phase's logical load, all layers (1 = even)."""
+        return np.array([metrics.overall_expert_imbalance(c) for c in self.pass_phase_logical_count])
 
     @property
     def replicates_tokens(self) -> bool:
@@ -144,9 +165,14 @@ class RecorderSnapshot(metrics.LoadMetrics):
         """The snapshot of counter rows ``[L, C]`` (columns of ``layout``) after ``(passes, tokens, unix time)``.
 
         ``state``: the remaining fields (``recording``, ``id_space``, ``last_dump_path``, ``errors``,
-        ``dropped_passes``, ``timing``, ``rank_layout``, ``retention``).
+        ``dropped_passes``, ``timing``, ``rank_layout``, ``retention``, the ``pass_phase_num_*`` counts).
+        ``rows`` may be ``[Q, L, C]``, split by pass phase: the totals are their sum.
         """
         num_passes, num_tokens, timestamp = progress
+        if rows.ndim == 3:
+            state["pass_phase_physical_count"] = rows[:, :, layout.experts]
+            state["pass_phase_logical_count"] = to_logical(rows[:, :, layout.experts], config.physical_to_logical)  # type: ignore[arg-type]
+            rows = rows.sum(axis=0)
         physical = rows[:, layout.experts]
         return cls(
             timestamp=timestamp,
@@ -172,7 +198,8 @@ class RecorderSnapshot(metrics.LoadMetrics):
 
 
 class SnapshotChannel:
-    """Two host buffers that receive the totals ``[L, C]`` and the token total asynchronously at pass end.
+    """Two host buffers that receive the totals by pass phase ``[Q, L, C]`` and the tokens of each
+    pass phase ``[Q]`` asynchronously at pass end (the totals are their sums over ``Q``).
 
     ``publish`` (forward thread, at pass end) first asks whether the copy in
     flight has finished (``event.query()``, never blocks), then copies into the
@@ -187,20 +214,22 @@ class SnapshotChannel:
     recorder's lock.
 
     Args:
-        shape: ``(L, C)`` of the counter rows.
+        shape: ``(Q, L, C)`` of the counter rows by pass phase.
     """
 
-    def __init__(self, shape: tuple[int, int], device: torch.device) -> None:
+    def __init__(self, shape: tuple[int, int, int], device: torch.device) -> None:
         self._cuda = device.type == "cuda"
         self._rows = [torch.zeros(shape, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
-        self._tokens = [torch.zeros(1, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
+        self._tokens = [torch.zeros(shape[0], dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
         self._views = [(rows.numpy(), tokens.numpy()) for rows, tokens in zip(self._rows, self._tokens, strict=True)]
         self._events: list[torch.cuda.Event | None] = [None, None]
         self._passes = [0, 0]
         self._timestamps = [0.0, 0.0]
+        self._host = [np.zeros((2, shape[0]), np.int64) for _ in range(2)]  # passes, requests of each pass phase
         self._done = -1  # slot of the newest finished copy (-1: none since clear)
         self._flight = -1  # slot of the copy not yet known finished (-1: none)
-        self._empty = (np.zeros(shape, dtype=np.int64), (0, 0, time.time()))
+        self._shape = shape
+        self._empty_time = time.time()
 
     def _settle(self) -> None:
         slot = self._flight
@@ -209,12 +238,14 @@ class SnapshotChannel:
             if event is None or event.query():
                 self._done, self._flight = slot, -1
 
-    def publish(self, totals: torch.Tensor, tokens: torch.Tensor, num_passes: int, timestamp: float) -> None:
-        """Start copying ``totals [L, C]`` and ``tokens [1]`` (device) after ``num_passes`` passes."""
+    def publish(self, totals: torch.Tensor, tokens: torch.Tensor, num_passes: int, timestamp: float, host: np.ndarray | None = None) -> None:
+        """Start copying ``totals [Q, L, C]`` and ``tokens [Q]`` (device) after ``num_passes`` passes;
+        ``host [2, Q]``: passes and requests of each pass phase (``None``: zeros)."""
         self._settle()
         slot = 1 if self._done == 0 else 0
         self._rows[slot].copy_(totals, non_blocking=True)
         self._tokens[slot].copy_(tokens, non_blocking=True)
+        self._host[slot][:] = 0 if host is None else host
         event = None
         if self._cuda:
             event = torch.cuda.Event()
@@ -226,12 +257,19 @@ class SnapshotChannel:
             self._settle()
 
     def latest(self) -> tuple[np.ndarray, tuple[int, int, float]]:
-        """``(rows [L, C], (passes, tokens, timestamp))`` of the newest finished copy."""
+        """``(rows [L, C], (passes, tokens, timestamp))`` of the newest finished copy (sums over pass phases)."""
+        rows, progress, _ = self.latest_phases()
+        return rows.sum(axis=0), (progress[0], int(progress[1].sum()), progress[2])
+
+    def latest_phases(self) -> tuple[np.ndarray, tuple[int, np.ndarray, float], np.ndarray]:
+        """``(rows [Q, L, C], (passes, tokens [Q], timestamp), host [2, Q])`` of the newest finished copy:
+        the counter rows, tokens, passes and requests of each pass phase."""
         slot = self._done
         if slot < 0:
-            return self._empty[0].copy(), self._empty[1]
+            q = self._shape[0]
+            return np.zeros(self._shape, dtype=np.int64), (0, np.zeros(q, np.int64), self._empty_time), np.zeros((2, q), np.int64)
         rows, tokens = self._views[slot]
-        return rows.copy(), (self._passes[slot], int(tokens[0]), self._timestamps[slot])
+        return rows.copy(), (self._passes[slot], tokens.copy(), self._timestamps[slot]), self._host[slot].copy()
 
     def settle(self) -> None:
         """Wait for the copy in flight (a lifecycle call: the forward thread may be idle from now on)."""
@@ -244,4 +282,4 @@ class SnapshotChannel:
 
     def clear(self) -> None:
         self._done = self._flight = -1
-        self._empty = (self._empty[0], (0, 0, time.time()))
+        self._empty_time = time.time()

@@ -8,6 +8,14 @@ its ``on_select_experts(topk_ids=...)`` with *physical* ids (padded rows
 ``with_forward_pass(forward_pass_id, forward_batch)`` of the model runner.
 :class:`RecorderBridge` takes that recorder's place and forwards every call to
 SGLang's recorder unchanged and to a moetrace recorder.
+
+Each pass also tells moetrace its pass phase (:mod:`moetrace.pass_phase`) from the
+``forward_batch.forward_mode`` SGLang runs (:data:`SGLANG_PASS_PHASES`), with the
+batch's request count, on the host before the pass: the model runner enters
+``with_forward_pass`` outside any CUDA graph it replays, so a replayed decode
+graph is counted as ``decode``. When the pass's batch can be described from host
+fields (:mod:`.batches`), its own phase (from the requests' prefill flags) wins;
+the mode still names the passes it cannot describe (speculative verify and draft).
 """
 
 from __future__ import annotations
@@ -24,7 +32,27 @@ from moetrace.batch import PassBatch
 
 from .batches import sglang_pass_batch
 
-__all__ = ["RecorderBridge"]
+__all__ = ["SGLANG_PASS_PHASES", "RecorderBridge", "sglang_pass_phase"]
+
+#: SGLang ``ForwardMode`` names -> moetrace pass phases. Speculative verify and draft passes run on
+#: the decode side of a PD-disaggregated deployment, so they count as ``decode``; a mode not listed
+#: (a newer SGLang) is ``unknown``.
+SGLANG_PASS_PHASES = {
+    "EXTEND": "prefill", "SPLIT_PREFILL": "prefill", "DLLM_EXTEND": "prefill",
+    "DECODE": "decode", "TARGET_VERIFY": "decode", "DRAFT_EXTEND": "decode", "DRAFT_EXTEND_V2": "decode", "PREBUILT": "decode",
+    "MIXED": "mixed",
+    "IDLE": "idle", "DUMMY_FIRST": "idle",
+}
+
+
+def sglang_pass_phase(forward_batch: Any) -> tuple[str, int]:
+    """``(pass phase, requests)`` of an SGLang ``ForwardBatch`` (``("unknown", -1)`` without one); host fields only."""
+    mode = getattr(forward_batch, "forward_mode", None)
+    if mode is None:
+        return "unknown", -1
+    requests = getattr(forward_batch, "batch_size", -1)
+    return SGLANG_PASS_PHASES.get(getattr(mode, "name", ""), "unknown"), requests if isinstance(requests, int) else -1
+
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +110,7 @@ class RecorderBridge:
         scope = contextlib.ExitStack()
         if self._broken is None:
             try:
+                self.moetrace.set_pass_phase(*sglang_pass_phase(forward_batch))  # a batch, when there is one, names it too (and wins)
                 scope.enter_context(self.moetrace.with_forward_pass(forward_pass_id, batch=self._batch(forward_batch)))
             except Exception as exc:
                 self._disable(exc)

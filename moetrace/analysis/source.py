@@ -11,7 +11,9 @@ counts (:class:`PassBlock`), read a chunk at a time:
   per pass with one ``bincount`` per chunk.
 
 A pass may span two blocks (or, in a merged trace, several rows with the same
-pass id, one per rank); consumers group consecutive equal pass ids.
+pass id, one per rank); consumers group consecutive equal pass ids. A pass
+phase code (``phase``, :data:`moetrace.pass_phase.PASS_PHASES`) keeps only the
+passes of that phase, in every mode.
 """
 
 from __future__ import annotations
@@ -115,18 +117,23 @@ def pass_block(chunk: PassChunk, layer_index: np.ndarray) -> PassBlock:
     )
 
 
-def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterator[PassBlock]:
+def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int, phase: int | None = None) -> Iterator[PassBlock]:
     if not trace.has(Data.WINDOW_PASS_ID):
         return
     trace.check_invariants()
     counted = trace.counted()  # rank rows that replicate another's view are not added (TP attention)
     with reading(trace.path, "/window"), open_hdf5(trace.path) as f:
         pass_ids, tokens, counts = f[Data.WINDOW_PASS_ID], f[Data.WINDOW_NUM_TOKENS], f[Data.WINDOW_PHYSICAL_COUNT]
+        phases = f[Data.WINDOW_PASS_PHASE] if Data.WINDOW_PASS_PHASE in f else None
         for start in range(0, pass_ids.shape[1], chunk):
             with reading(trace.path, f"/window slots {start}..{start + chunk - 1}"):
                 pid = np.asarray(pass_ids[:, start : start + chunk])
                 tok = np.asarray(tokens[:, start : start + chunk])
                 cnt = np.asarray(counts[:, start : start + chunk])
+                ph = np.asarray(phases[:, start : start + chunk]) if phases is not None else np.zeros(pid.shape, np.int8)
+            if phase is not None:  # a (rank, slot) of another pass phase is left out
+                pid = np.where(ph == phase, pid, -1)
+                cnt = cnt * (ph == phase)[:, :, None, None]
             filled = pid.max(axis=0) >= 0  # a row is a pass when any rank filled it
             yield PassBlock(
                 pass_id=pid.max(axis=0)[filled],
@@ -135,13 +142,14 @@ def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int) -> Iterato
             )
 
 
-def iter_pass_blocks(trace: Trace, layer_index: np.ndarray, chunk_passes: int = 1024) -> Iterator[PassBlock]:
-    """Per-pass counts of a ``stat`` (window) or ``per_pass`` trace, in blocks of ``chunk_passes`` rows."""
+def iter_pass_blocks(trace: Trace, layer_index: np.ndarray, chunk_passes: int = 1024, phase: int | None = None) -> Iterator[PassBlock]:
+    """Per-pass counts of a ``stat`` (window) or ``per_pass`` trace, in blocks of ``chunk_passes`` rows
+    (only the passes of pass phase code ``phase`` when given)."""
     if trace.mode == "per_pass":
-        for part in trace.iter_passes(chunk_passes, counted_only=True):
+        for part in trace.iter_passes(chunk_passes, counted_only=True, phase=phase):
             yield pass_block(part, layer_index)
     elif trace.mode == "stat":
-        yield from _window_blocks(trace, layer_index, chunk_passes)
+        yield from _window_blocks(trace, layer_index, chunk_passes, phase)
     else:
         raise TraceError(f"{trace.path}: iter_pass_blocks reads stat or per_pass traces; use token_pass_block for per_token")
 
@@ -150,19 +158,20 @@ def iter_pass_blocks(trace: Trace, layer_index: np.ndarray, chunk_passes: int = 
 MAX_BUCKETS = 4096
 
 
-def _time_ordered_blocks(trace: Trace, layer_index: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _time_ordered_blocks(trace: Trace, layer_index: np.ndarray, phase: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``(pass_id [m], physical [m, L, P])`` blocks in time order, for any time-ordered trace."""
     if trace.mode == "per_token":
-        for chunk in trace.iter_tokens(counted_only=True):
+        for chunk in trace.iter_tokens(counted_only=True, phase=phase):
             block = token_pass_block(chunk, layer_index, trace.num_physical_experts)
             yield block.pass_id, block.physical_count
     else:
-        for block in iter_pass_blocks(trace, layer_index):
+        for block in iter_pass_blocks(trace, layer_index, phase=phase):
             yield block.pass_id, block.physical_count
 
 
-def load_series(trace: Trace, layer_index: np.ndarray, bucket: int | None = None) -> PassSeries:
-    """Read a trace's passes in time order as buckets of ``bucket`` passes.
+def load_series(trace: Trace, layer_index: np.ndarray, bucket: int | None = None, phase: int | None = None) -> PassSeries:
+    """Read a trace's passes in time order as buckets of ``bucket`` passes (only the passes of pass
+    phase code ``phase`` when given: a prefill-only or decode-only series).
 
     Rows with the same pass id (a pass split over chunks, or one row per rank
     in a merged trace) are one pass. With ``bucket=None`` the bucket size
@@ -183,7 +192,7 @@ def load_series(trace: Trace, layer_index: np.ndarray, bucket: int | None = None
     current = np.zeros((num_layers, num_physical), dtype=np.int64)
     in_bucket = 0
     first = last = None
-    for pass_id, counts in _time_ordered_blocks(trace, layer_index):
+    for pass_id, counts in _time_ordered_blocks(trace, layer_index, phase):
         for pid, row in zip(pass_id.tolist(), counts, strict=True):
             if pid != last:
                 if in_bucket == size:

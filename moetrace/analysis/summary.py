@@ -25,6 +25,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .. import balance
+from ..ids import to_logical
+from ..pass_phase import PASS_PHASES
+from ..trace.pass_phases import pass_phase_counts, pass_phase_physical_count, phase_of
 from ..trace.reader import Trace, open_trace
 from ..trace.schema import Attr
 from .coactivation import (
@@ -83,6 +86,8 @@ class AnalysisReport(balance.LoadMetrics):
         notes: what could not be computed and why, or consistency warnings.
         timing: phase timing and stragglers (:func:`moetrace.analysis.timing.analyze_timing`),
             ``None`` when the trace was recorded without timing.
+        pass_phase: the pass phase analysed (``prefill``, ``decode``, ...: counts, passes, tokens
+            and drift of its passes only), ``None`` for every pass.
     """
 
     path: Path
@@ -100,6 +105,7 @@ class AnalysisReport(balance.LoadMetrics):
     drift: DriftSeries | None
     notes: list[str]
     timing: dict[str, object] | None = None
+    pass_phase: str | None = None
 
     def hottest(self, layer: int) -> list[dict[str, float]]:
         """The ``top`` busiest logical experts of compact layer ``layer``."""
@@ -172,6 +178,7 @@ class AnalysisReport(balance.LoadMetrics):
                 **{k: a.get(k) for k in ("mode", "id_space", "model", "engine", "run_id", "rank", "world_size", "ep_size", "top_k", "num_logical_experts", "num_physical_experts", "num_layers")},
             },
             "layers": [int(x) for x in self.layer_ids],
+            "pass_phase": self.pass_phase,
             "totals": {
                 "passes": self.num_passes,
                 "tokens": self.num_tokens,
@@ -255,6 +262,7 @@ def analyze_trace(
     progress: bool | None = False,
     chunk_passes: int = 1024,
     chunk_tokens: int = 32768,
+    phase: str | None = None,
 ) -> AnalysisReport:
     """Analyse a trace in one streaming read.
 
@@ -266,35 +274,51 @@ def analyze_trace(
         top: hottest experts / pairs / transitions listed per layer.
         progress: show a rich progress bar on stderr (``None``: when a terminal).
         chunk_passes, chunk_tokens: rows read at once (bound the memory).
+        phase: analyse the passes of this pass phase only (``prefill``, ``decode``, ``mixed``,
+            ``idle``, ``unknown``: :data:`moetrace.pass_phase.PASS_PHASES`); ``None``: every pass.
 
     Raises:
-        TraceError: the file is not a readable trace, or a layer is unknown.
-        ValueError: ``window`` or ``top`` is not positive.
+        TraceError: the file is not a readable trace, a layer is unknown, or the trace records
+            no pass phases and ``phase`` asks for one.
+        ValueError: ``window`` or ``top`` is not positive, or ``phase`` names no pass phase.
     """
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive number of passes, got {window}")
     if top < 1:
         raise ValueError(f"top must be positive, got {top}")
     if isinstance(source, Trace):
-        return _analyze(source, layers, window, top, progress, chunk_passes, chunk_tokens)
+        return _analyze(source, layers, window, top, progress, chunk_passes, chunk_tokens, phase)
     with open_trace(source) as trace:
-        return _analyze(trace, layers, window, top, progress, chunk_passes, chunk_tokens)
+        return _analyze(trace, layers, window, top, progress, chunk_passes, chunk_tokens, phase)
 
 
 def _analyze(trace: Trace, layers: Sequence[int] | None, window: int | None, top: int, progress: bool | None,
-             chunk_passes: int, chunk_tokens: int) -> AnalysisReport:
+             chunk_passes: int, chunk_tokens: int, phase: str | None) -> AnalysisReport:
     index = select_layers(trace, layers)
-    physical = trace.physical_count()[index].astype(np.int64)
-    drift, coactivation, notes = _stream(trace, index, window, progress, chunk_passes, chunk_tokens, physical)
+    code = None if phase is None else phase_of(trace, phase)
+    if code is None:
+        physical = trace.physical_count()[index].astype(np.int64)
+        logical = trace.logical_count()[index].astype(np.int64)
+        num_passes, num_tokens = int(trace.num_passes().max(initial=0)), trace.tokens_served()
+    else:
+        every_layer = pass_phase_physical_count(trace)[code]
+        physical = every_layer[index].astype(np.int64)
+        logical = to_logical(every_layer, trace.physical_to_logical)[index].astype(np.int64)
+        passes, tokens, _ = pass_phase_counts(trace)
+        num_passes, num_tokens = int(passes[code]), int(tokens[code])
+    drift, coactivation, notes = _stream(trace, index, window, progress, chunk_passes, chunk_tokens, physical, code)
+    if code is not None:
+        notes.append(f"pass phase {phase!r} only: {num_passes} passes; invalid ids, dropped copies and phase timing are over every pass")
     return AnalysisReport(
         path=trace.path,
         attrs=trace.attrs,
         layer_ids=np.asarray(trace.layers[index]),
         physical_count=physical,
-        logical_count=trace.logical_count()[index].astype(np.int64),
+        logical_count=logical,
         ep_size=trace.ep_size,
-        num_passes=int(trace.num_passes().max(initial=0)),
-        num_tokens=trace.tokens_served(),
+        num_passes=num_passes,
+        num_tokens=num_tokens,
+        pass_phase=None if code is None else PASS_PHASES[code],
         invalid_ids=int(trace.invalid_ids()[:, index].sum()),
         dropped=int(trace.dropped_tokens()[:, index].sum()),
         top=top,
@@ -306,11 +330,11 @@ def _analyze(trace: Trace, layers: Sequence[int] | None, window: int | None, top
 
 
 def _stream(trace: Trace, index: np.ndarray, window: int | None, progress: bool | None, chunk_passes: int,
-            chunk_tokens: int, physical: np.ndarray) -> tuple[DriftSeries, CoactivationAccumulator | None, list[str]]:
+            chunk_tokens: int, physical: np.ndarray, phase: int | None = None) -> tuple[DriftSeries, CoactivationAccumulator | None, list[str]]:
     """The one read of the time-ordered data: the drift series, co-activation (``per_token``) and notes.
 
     ``index`` selects the analysed layers; ``physical`` is their ``[L, P]`` ``/stat`` totals,
-    which the streamed rows must add up to.
+    which the streamed rows must add up to; ``phase``: the pass phase code whose passes are read.
     """
     mapping = trace.physical_to_logical[index]
     notes: list[str] = []
@@ -320,12 +344,12 @@ def _stream(trace: Trace, index: np.ndarray, window: int | None, progress: bool 
     with progress_bar(progress, records, f"analyzing {trace.path.name} ({unit})") as advance:
         if trace.mode == "per_token":
             coactivation = CoactivationAccumulator(mapping, index, trace.num_logical_experts)
-            for chunk in trace.iter_tokens(chunk_tokens, counted_only=True):
+            for chunk in trace.iter_tokens(chunk_tokens, counted_only=True, phase=phase):
                 windows.add(token_pass_block(chunk, index, trace.num_physical_experts))
                 coactivation.add(chunk.topk_ids)
                 advance(len(chunk.pass_id))
         else:
-            for block in iter_pass_blocks(trace, index, chunk_passes):
+            for block in iter_pass_blocks(trace, index, chunk_passes, phase):
                 windows.add(block)
                 advance(len(block.pass_id))
             notes.append("co-activation and cross-layer transitions need a per_token trace")

@@ -3,15 +3,20 @@
 A bias ``b[e]`` added to every token's logits shifts expert ``e``'s share of
 the routing: :func:`zipf_bias` gives a Zipf-like skew, :func:`fitted_bias`
 matches observed counts (e.g. the real OLMoE counts, shipped as package data, via
-:func:`olmoe_bias`).
+:func:`olmoe_bias`). A per-pass-phase bias (``phase_bias``) adds a second bias on
+the passes of one pass phase only (:mod:`moetrace.pass_phase`), so that prefill
+and decode route differently by construction (the set phase is host state).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from ..data import olmoe_counts
+from ..pass_phase import PASS_PHASES
 from .init import seeded_normal
 
 __all__ = ["TopKRouter", "fitted_bias", "olmoe_bias", "zipf_bias"]
@@ -81,6 +86,8 @@ class TopKRouter(torch.nn.Module):
         top_k: ``k`` experts per token (``k <= E``).
         renormalize: rescale the k weights to sum to 1.
         bias: optional ``[E]`` per-expert logit bias (a buffer, not trained).
+        phase_bias: optional ``{pass phase: [E] bias}`` added on the passes of that pass
+            phase only (``pass_phase``, set by the model's ``set_pass_phase``).
         seed: weights are drawn from a generator seeded with it.
         dtype, device: parameter dtype and device.
     """
@@ -93,6 +100,7 @@ class TopKRouter(torch.nn.Module):
         *,
         renormalize: bool = True,
         bias: torch.Tensor | None = None,
+        phase_bias: Mapping[str, torch.Tensor] | None = None,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
@@ -109,10 +117,19 @@ class TopKRouter(torch.nn.Module):
         if bias.shape != (num_experts,):
             raise ValueError(f"bias must have shape [num_experts={num_experts}], got {list(bias.shape)}")
         self.register_buffer("bias", bias.to(dtype=dtype, device=device))
+        self.pass_phase = PASS_PHASES[0]
+        self.phase_bias: dict[str, torch.Tensor] = {}
+        for phase, extra in (phase_bias or {}).items():
+            if phase not in PASS_PHASES or extra.shape != (num_experts,):
+                raise ValueError(f"phase_bias[{phase!r}] must name one of {PASS_PHASES} and have shape [num_experts={num_experts}], got {list(extra.shape)}")
+            self.phase_bias[phase] = extra.to(dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> ``(topk_ids [T, k] int64, topk_weights [T, k])``."""
         logits = x @ self.weight.t() + self.bias
+        extra = self.phase_bias.get(self.pass_phase)  # host lookup: no device read
+        if extra is not None:
+            logits = logits + extra
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:

@@ -49,6 +49,9 @@ class ModelConfig:
         dense_layers: model layer ids that use a dense MLP instead of MoE.
         router_bias: optional per-expert logit bias ``[E]`` for every router
             (e.g. ``tuple(zipf_bias(E, 1.2).tolist())``).
+        phase_router_bias: ``((pass phase, bias [E]), ...)``: a further bias every router adds
+            on the passes of that pass phase only (see :meth:`ReferenceMoEModel.set_pass_phase`),
+            so that e.g. prefill and decode route differently by construction.
         capacity_factor: optional expert capacity (tokens over it are dropped).
         renormalize: renormalise the top-k weights.
         seed: parameter seed.
@@ -63,6 +66,7 @@ class ModelConfig:
     top_k: int = 2
     dense_layers: tuple[int, ...] = ()
     router_bias: tuple[float, ...] | None = None
+    phase_router_bias: tuple[tuple[str, tuple[float, ...]], ...] = ()
     capacity_factor: float | None = None
     renormalize: bool = True
     seed: int = 0
@@ -244,7 +248,8 @@ class ReferenceMoEModel(torch.nn.Module):
 
     def _moe_layer(self, layer_id: int, moe_index: int, bias: torch.Tensor | None, device: torch.device) -> torch.nn.Module:
         c = self.config
-        router = TopKRouter(c.hidden_size, c.num_experts, c.top_k, renormalize=c.renormalize, bias=bias,
+        phase_bias = {phase: torch.tensor(b, dtype=torch.float32) for phase, b in c.phase_router_bias}
+        router = TopKRouter(c.hidden_size, c.num_experts, c.top_k, renormalize=c.renormalize, bias=bias, phase_bias=phase_bias,
                             seed=derive_seed(c.seed, layer_id, _ROUTER), dtype=c.dtype, device=device)
         seed = derive_seed(c.seed, layer_id, _EXPERTS)
         if self.ep is None:
@@ -257,6 +262,14 @@ class ReferenceMoEModel(torch.nn.Module):
         experts = SwiGLUExperts(c.hidden_size, c.intermediate_size, per_rank, ep.ep_rank * per_rank, seed=seed, dtype=c.dtype, device=device)
         return EPMoELayer(router, experts, ep_size=ep.ep_size, ep_rank=ep.ep_rank, group=ep.group, mode=ep.mode,
                           max_tokens=ep.max_tokens, capacity_factor=c.capacity_factor, moe_index=moe_index, layer_id=layer_id)
+
+    def set_pass_phase(self, phase: str) -> None:
+        """The pass phase of the next passes (a name of :data:`moetrace.pass_phase.PASS_PHASES`): every
+        router adds its ``phase_router_bias`` for it. Host state; the recorder's own phase is separate
+        (``recorder.set_pass_phase``)."""
+        for module in self.modules():
+            if isinstance(module, TopKRouter):
+                module.pass_phase = phase
 
     # ------------------------------------------------------------------ introspection
     @property

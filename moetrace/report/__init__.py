@@ -36,7 +36,8 @@ def require_plotly() -> None:
         raise ImportError(f"the HTML report needs plotly ({exc}); install it: pip install 'moetrace[report]'") from None
 
 
-def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | str | None = None, top: int = 5) -> Path:
+def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | str | None = None, top: int = 5,
+                 phase: str | None = None) -> Path:
     """Write the HTML report of ``paths`` (expert traces of one run and / or routing traces) to ``out``.
 
     Args:
@@ -44,6 +45,7 @@ def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | st
         out: the HTML file to write (atomically).
         routes: a routes file with per-request routed experts (``moetrace.routes.save_routes``).
         top: co-activated pairs and transitions per layer.
+        phase: the expert sections of one pass phase only (``prefill``, ``decode``, ...: one expert trace).
 
     Raises:
         TraceError: an input is not a readable trace (the error ``moetrace analyze`` gives).
@@ -52,7 +54,7 @@ def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | st
     """
     from .evidence import gather_evidence
 
-    return write_report(gather_evidence([Path(p) for p in paths], None if routes is None else Path(routes), top=top), out)
+    return write_report(gather_evidence([Path(p) for p in paths], None if routes is None else Path(routes), top=top, phase=phase), out)
 
 
 def write_report(evidence: Evidence, out: Path | str) -> Path:

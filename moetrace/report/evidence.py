@@ -35,6 +35,7 @@ from ..placement.plan import PlacementPlan, predicted_gpu_load
 from ..placement.series import PassSeries
 from ..replicas.analysis import summarize
 from ..routes import RouteSet, load_routes, trace_route_set
+from ..trace.pass_phases import phase_of
 from ..trace.reader import open_trace
 from ..trace.requests import RequestTable, is_routing_trace, read_requests
 from ..trace.schema import TraceDamageError, TraceError
@@ -138,11 +139,11 @@ class Evidence:
         return files + ([self.routes_path] if self.routes_path else [])
 
 
-def _series(paths: list[Path]) -> PassSeries | None:
+def _series(paths: list[Path], phase: str | None = None) -> PassSeries | None:
     try:
         if len(paths) == 1:
             with open_trace(paths[0]) as trace:
-                return load_series(trace, np.arange(trace.num_layers))
+                return load_series(trace, np.arange(trace.num_layers), phase=None if phase is None else phase_of(trace, phase))
         from ..analysis.distributed import pass_series
 
         return pass_series(paths)
@@ -152,27 +153,30 @@ def _series(paths: list[Path]) -> PassSeries | None:
         return None
 
 
-def _expert(paths: list[Path], top: int) -> ExpertEvidence:
+def _expert(paths: list[Path], top: int, phase: str | None = None) -> ExpertEvidence:
+    if phase is not None and len(paths) != 1:
+        raise ValueError(f"a report of pass phase {phase!r} reads one trace (merge per-rank files first: moetrace merge), got {len(paths)}")
     if len(paths) == 1:
-        report = analyze_trace(paths[0], top=top)
+        report = analyze_trace(paths[0], top=top, phase=phase)
     else:
         from ..analysis.distributed import analyze_traces
 
         report = analyze_traces(paths, top=top)
-    series = _series(paths)
+    series = _series(paths, phase)
     placement = None
     if report.ep_size > 1 and report.logical_count.any():
         placement = placement_view(report.logical_count.astype(np.float64), report.physical_count, series, report.ep_size)
     return ExpertEvidence(paths=paths, report=report, series=series, placement=placement)
 
 
-def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int = 5) -> Evidence:
+def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int = 5, phase: str | None = None) -> Evidence:
     """Read and analyse the inputs of a report.
 
     Args:
         paths: expert traces of one run and / or routing traces (files that exist).
         routes: a routes file (``moetrace.routes.save_routes``, an API response body, ``.npy``).
         top: pairs and transitions per layer.
+        phase: the expert evidence of one pass phase only (``prefill``, ``decode``, ...; one expert trace).
 
     Raises:
         TraceError: an input is not a readable trace (the error ``moetrace analyze`` gives).
@@ -189,7 +193,7 @@ def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int 
         table = read_requests(path)
         routing.append(RoutingEvidence(path, table, summarize(table)))
     return Evidence(
-        expert=_expert(expert_files, top) if expert_files else None,
+        expert=_expert(expert_files, top, phase) if expert_files else None,
         routing=routing,
         routes=load_routes(routes).logical() if routes is not None else _trace_routes(expert_files),
         routes_path=routes,

@@ -30,9 +30,11 @@ from typing import Any
 import numpy as np
 
 from ..ids import to_logical
+from ..pass_phase import PASS_PHASES
 from .schema import (
     MERGED_RANKS_ATTR,
     PADDING_IDS,
+    PHASE_COUNTS,
     STREAM_GROUP,
     Attr,
     Data,
@@ -97,18 +99,22 @@ def check_layout(trace: OpenTrace) -> None:
         "dropped_passes": (R,),
     }.items():
         _expect(trace, dataset(Data.STAT, name), shape)
-    for name in ("pass_id", "timestamp", "num_tokens"):
+    Q = len(PASS_PHASES)
+    _expect(trace, Data.STAT_PASS_PHASE_PHYSICAL_COUNT, (R, Q, L, P))
+    for name in PHASE_COUNTS:
+        _expect(trace, name, (R, Q))
+    for name in ("pass_id", "timestamp", "num_tokens", "pass_phase", "num_requests"):
         _expect(trace, dataset(Data.WINDOW, name), (R, None))
     _expect(trace, Data.WINDOW_PHYSICAL_COUNT, (R, trace.shape(Data.WINDOW_PASS_ID)[1] if trace.has(Data.WINDOW_PASS_ID) else None, L, P))  # type: ignore[index]
     group = STREAM_GROUP.get(trace.mode)
     if group == Data.PASSES:
         n = trace.num_rows(Data.PASSES_PASS_ID)
         for name, shape in {"pass_id": (n,), "timestamp": (n,), "num_tokens": (n,), "physical_count": (n, L, P), "invalid_ids": (n, L),
-                            "send_count": (n, L, ep), "recv_count": (n, L, ep), "rank": (n,)}.items():
+                            "send_count": (n, L, ep), "recv_count": (n, L, ep), "rank": (n,), "pass_phase": (n,), "num_requests": (n,)}.items():
             _expect(trace, dataset(Data.PASSES, name), shape)
     elif group == Data.TOKENS:
         m = trace.num_rows(Data.TOKENS_TOPK_IDS)
-        for name, shape in {"topk_ids": (m, L, k), "pass_id": (m,), "position": (m,), "rank": (m,), "request": (m,), "request_position": (m,)}.items():
+        for name, shape in {"topk_ids": (m, L, k), "pass_id": (m,), "position": (m,), "rank": (m,), "request": (m,), "request_position": (m,), "pass_phase": (m,)}.items():
             _expect(trace, dataset(Data.TOKENS, name), shape)
         if trace.has(Data.TOKENS_REQUEST) != trace.has(Data.REQUEST_TABLE_ID) or trace.has(Data.TOKENS_REQUEST) != trace.has(Data.TOKENS_REQUEST_POSITION):
             raise violation(trace.path, f"/{Data.TOKENS_REQUEST}", f"/{Data.TOKENS_REQUEST}, /{Data.TOKENS_REQUEST_POSITION} and /{Data.REQUEST_TABLE_ID} come together, but only some are present")
@@ -173,8 +179,25 @@ def check_stat(trace: OpenTrace) -> None:
                 trace.path, f"/{PADDING_IDS}",
                 f"rank row {r}, layer {trace.layers[layer]}: assignments + invalid + padding = {int(seen[r, layer])}, not a multiple of top_k {trace.top_k}",
             )
+    _check_pass_phases(trace, physical)
     if trace.has(Data.WINDOW_PASS_ID):
         _check_window(trace, physical, tokens)
+
+
+def _check_pass_phases(trace: OpenTrace, physical: np.ndarray) -> None:
+    """The ``/stat`` totals split by pass phase add up to the totals (counts, passes, tokens)."""
+    if not trace.has(Data.STAT_PASS_PHASE_PHYSICAL_COUNT):
+        return
+    by_phase = trace._read(Data.STAT_PASS_PHASE_PHYSICAL_COUNT).astype(np.int64).sum(axis=1)  # [R, L, P]
+    if by_phase.shape != physical.shape or not np.array_equal(by_phase, physical):
+        raise violation(trace.path, f"/{Data.STAT_PASS_PHASE_PHYSICAL_COUNT}",
+                        f"its pass phases add up to {int(by_phase.sum())} assignments, but /{Data.STAT_PHYSICAL_COUNT} holds {int(physical.sum())}")
+    for name, total in ((Data.STAT_PASS_PHASE_NUM_PASSES, Data.STAT_NUM_PASSES), (Data.STAT_PASS_PHASE_NUM_TOKENS, Data.STAT_NUM_TOKENS)):
+        if not trace.has(name) or not trace.has(total):
+            continue
+        split, whole = trace._read(name).astype(np.int64).sum(axis=1), trace._read(total).astype(np.int64)
+        if not np.array_equal(split, whole):
+            raise violation(trace.path, f"/{name}", f"its pass phases add up to {split.tolist()}, but /{total} says {whole.tolist()}")
 
 
 def _check_window(trace: OpenTrace, physical: np.ndarray, tokens: np.ndarray | None) -> None:
@@ -285,6 +308,7 @@ def check_rows_against_stat(trace: OpenTrace, chunk_bytes: int = CHECK_CHUNK_BYT
     invalid = trace._read(Data.STAT_INVALID_IDS).astype(np.int64) if trace.has(Data.STAT_INVALID_IDS) else None
     R, L, P = physical.shape
     counted = np.zeros_like(physical)
+    phases = _PhaseSums(trace, group)
     bad = np.zeros((R, L), np.int64)
     multi = trace.has(dataset(group, "rank"))
     at = 0
@@ -304,6 +328,7 @@ def check_rows_against_stat(trace: OpenTrace, chunk_bytes: int = CHECK_CHUNK_BYT
                 mine = ranks == r
                 counted[r] += part.physical_count[mine].sum(axis=0, dtype=np.int64)
                 bad[r] += part.invalid_ids[mine].sum(axis=0, dtype=np.int64)
+                phases.add_passes(r, part.pass_phase, mine, part.physical_count)
             advance(len(ranks))
     else:
         for part in trace.iter_tokens(max(1, chunk_bytes // (L * trace.top_k * 8 * 4))):  # ids, keys, rows as int64
@@ -314,12 +339,45 @@ def check_rows_against_stat(trace: OpenTrace, chunk_bytes: int = CHECK_CHUNK_BYT
                 raise violation(trace.path, f"/{Data.TOKENS_TOPK_IDS}", f"ids {int(ids.min())}..{int(ids.max())} outside -2..{P - 1}")
             key = (ranks[:, None, None] * L + np.arange(L)[None, :, None]) * P + ids
             counted += np.bincount(key[ids >= 0], minlength=R * L * P).reshape(R, L, P)
+            phases.add_tokens(ranks, part.pass_phase, ids)
             row = np.broadcast_to(ranks[:, None, None] * L + np.arange(L)[None, :, None], ids.shape)
             bad += np.bincount(row[ids == -2], minlength=R * L).reshape(R, L)
             advance(len(ranks))
     if not np.array_equal(counted, physical):
         r, layer, p = np.argwhere(counted != physical)[0]
         raise violation(trace.path, f"/{Data.STAT_PHYSICAL_COUNT}", f"rank row {r}, layer {trace.layers[layer]}, expert slot {p}: total {int(physical[r, layer, p])}, but the /{group} rows add up to {int(counted[r, layer, p])}")
+    phases.check()
     if invalid is not None and not np.array_equal(bad, invalid):
         r, layer = np.argwhere(bad != invalid)[0]
         raise violation(trace.path, f"/{Data.STAT_INVALID_IDS}", f"rank row {r}, layer {trace.layers[layer]}: total {int(invalid[r, layer])}, but the /{group} rows hold {int(bad[r, layer])}")
+
+
+class _PhaseSums:
+    """The streamed rows of each pass phase, summed per rank ``[R, Q, L, P]``, against ``/stat/pass_phase_physical_count``
+    (nothing when the trace records no pass phases)."""
+
+    def __init__(self, trace: OpenTrace, group: str) -> None:
+        self.trace, self.group = trace, group
+        name = Data.STAT_PASS_PHASE_PHYSICAL_COUNT
+        self.total = trace._read(name).astype(np.int64) if trace.has(name) else None
+        self.rows = np.zeros_like(self.total) if self.total is not None else None
+
+    def add_passes(self, rank: int, pass_phase: np.ndarray | None, mine: np.ndarray, counts: np.ndarray) -> None:
+        """``/passes`` rows ``mine`` of rank ``rank``: their counts ``[n, L, P]`` into their phases."""
+        if self.rows is not None and pass_phase is not None:
+            np.add.at(self.rows[rank], pass_phase[mine].astype(np.int64), counts[mine].astype(np.int64))
+
+    def add_tokens(self, ranks: np.ndarray, pass_phase: np.ndarray | None, ids: np.ndarray) -> None:
+        """``/tokens`` rows: ids ``[M, L, k]`` of ranks ``[M]`` into their phases."""
+        if self.rows is None or pass_phase is None:
+            return
+        _, Q, L, P = self.rows.shape
+        key = ((ranks[:, None, None] * Q + pass_phase.astype(np.int64)[:, None, None]) * L + np.arange(L)[None, :, None]) * P + ids
+        self.rows += np.bincount(key[ids >= 0], minlength=self.rows.size).reshape(self.rows.shape)
+
+    def check(self) -> None:
+        if self.rows is None or np.array_equal(self.rows, self.total):
+            return
+        r, q, layer, p = np.argwhere(self.rows != self.total)[0]
+        raise violation(self.trace.path, f"/{Data.STAT_PASS_PHASE_PHYSICAL_COUNT}", f"rank row {r}, pass phase {PASS_PHASES[q]}, layer {self.trace.layers[layer]}, "
+                        f"expert slot {p}: total {int(self.total[r, q, layer, p])}, but the /{self.group} rows of that phase add up to {int(self.rows[r, q, layer, p])}")

@@ -59,7 +59,7 @@ __all__ = ["DEFAULT_MEMORY_BYTES", "merge_traces", "rank_stops"]
 DEFAULT_MEMORY_BYTES = 256 << 20
 
 _REQUEST = "request"  # the /tokens column that indexes /request_table/id
-_WINDOW_FILL = {"pass_id": -1, "timestamp": 0.0, "num_tokens": 0, "physical_count": 0}
+_WINDOW_FILL = {"pass_id": -1, "timestamp": 0.0, "num_tokens": 0, "physical_count": 0, "pass_phase": 0, "num_requests": -1}
 
 
 def _check_inputs(paths: Sequence[Path], damaged: dict[Path, str]) -> tuple[list[Path], list[int], dict[str, object], np.ndarray, np.ndarray]:

@@ -4,6 +4,10 @@
 schema version this library understands, and raises :class:`TraceError`
 naming the file and the problem otherwise. Large datasets are read in chunks
 (``iter_passes``, ``iter_tokens``) so memory stays bounded.
+
+Over 500 lines: one class answers every read of one open file (attributes, layout, ``/stat``,
+``/window``, timing, streamed rows with their rank and pass-phase filters), each through the
+same integrity boundary and invariants; the totals by pass phase are :mod:`.pass_phases`.
 """
 
 from __future__ import annotations
@@ -48,12 +52,16 @@ class Window:
         timestamp: ``[R, W]`` unix seconds at pass end.
         num_tokens: ``[R, W]`` tokens in each pass.
         physical_count: ``[R, W, L, P]`` per-pass counts.
+        pass_phase: ``[R, W]`` pass phase codes (:data:`moetrace.pass_phase.PASS_PHASES`; 0 unknown).
+        num_requests: ``[R, W]`` requests in each pass (-1 unknown).
     """
 
     pass_id: np.ndarray
     timestamp: np.ndarray
     num_tokens: np.ndarray
     physical_count: np.ndarray
+    pass_phase: np.ndarray
+    num_requests: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +75,8 @@ class PassChunk:
     invalid_ids: np.ndarray  # [N, L]
     send_count: np.ndarray  # [N, L, R]
     recv_count: np.ndarray  # [N, L, R]
+    pass_phase: np.ndarray | None = None  # [N] pass phase codes (0 unknown: also every row of a trace without them)
+    num_requests: np.ndarray | None = None  # [N] requests in the pass (-1 unknown)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +86,7 @@ class TokenChunk:
     topk_ids: np.ndarray  # [M, L, k] physical ids, -1 = no routing
     pass_id: np.ndarray  # [M]
     position: np.ndarray  # [M] index of the token in its pass
+    pass_phase: np.ndarray | None = None  # [M] pass phase code of the token's pass (0 unknown)
     request: np.ndarray | None = None  # [M] int32 index into Trace.request_table() (-1: none); None: the trace has no request rows
     request_position: np.ndarray | None = None  # [M] int32 position of the token in its request (-1: none)
 
@@ -386,11 +397,14 @@ class Trace:
     def window(self) -> Window:
         """The ``stat`` mode's time-ordered window (oldest first)."""
         self.check_invariants()
+        pass_id = self._read(Data.WINDOW_PASS_ID)
         return Window(
-            pass_id=self._read(Data.WINDOW_PASS_ID),
+            pass_id=pass_id,
             timestamp=self._read(Data.WINDOW_TIMESTAMP),
             num_tokens=self._read(Data.WINDOW_NUM_TOKENS),
             physical_count=self._read(Data.WINDOW_PHYSICAL_COUNT),
+            pass_phase=self._read(Data.WINDOW_PASS_PHASE) if self.has(Data.WINDOW_PASS_PHASE) else np.zeros(pass_id.shape, np.int8),
+            num_requests=self._read(Data.WINDOW_NUM_REQUESTS) if self.has(Data.WINDOW_NUM_REQUESTS) else np.full(pass_id.shape, -1, np.int32),
         )
 
     # -- timing (schema v2) ------------------------------------------------------------
@@ -423,11 +437,12 @@ class Trace:
         return rows
 
     # -- streamed -----------------------------------------------------------------------
-    def iter_passes(self, chunk: int = 1024, counted_only: bool = False) -> Iterator[PassChunk]:
+    def iter_passes(self, chunk: int = 1024, counted_only: bool = False, phase: int | None = None) -> Iterator[PassChunk]:
         """``/passes`` in chunks of at most ``chunk`` passes (bounded memory).
 
         ``counted_only``: in a merged trace, skip the rows of ranks whose view replicates
         another rank's (see :meth:`counted_ranks`), so that totals count each token once.
+        ``phase``: only the passes of this pass phase code (:data:`moetrace.pass_phase.PASS_PHASES`).
         """
         names = ("pass_id", "timestamp", "num_tokens", "physical_count", "invalid_ids", "send_count", "recv_count")
         order = invariants.RowOrder(self.path, "passes", timestamps=True)
@@ -435,13 +450,17 @@ class Trace:
             keep = self._counted_mask("passes", start, chunk) if counted_only else None
             rows = {n: self._slice(dataset(Data.PASSES, n), start, chunk) for n in names}
             order.check(rows["pass_id"], rows["timestamp"], self._slice(dataset(Data.PASSES, "rank"), start, chunk) if self.has(dataset(Data.PASSES, "rank")) else None)
+            n = len(rows["pass_id"])
+            rows["pass_phase"] = self._slice_or(Data.PASSES_PASS_PHASE, start, n, 0, np.int8)
+            rows["num_requests"] = self._slice_or(Data.PASSES_NUM_REQUESTS, start, n, -1, np.int32)
+            keep = _keep_phase(keep, rows["pass_phase"], phase)
             if keep is not None:
                 rows = {n: a[keep] for n, a in rows.items()}
             if len(rows["pass_id"]):
                 yield PassChunk(**rows)
 
-    def iter_tokens(self, chunk: int = 65536, counted_only: bool = False) -> Iterator[TokenChunk]:
-        """``/tokens`` in chunks of at most ``chunk`` tokens (bounded memory); ``counted_only`` as for :meth:`iter_passes`."""
+    def iter_tokens(self, chunk: int = 65536, counted_only: bool = False, phase: int | None = None) -> Iterator[TokenChunk]:
+        """``/tokens`` in chunks of at most ``chunk`` tokens (bounded memory); ``counted_only`` and ``phase`` as for :meth:`iter_passes`."""
         order = invariants.RowOrder(self.path, "tokens")
         requests = self.shape(Data.REQUEST_TABLE_ID)
         names = ("topk_ids", "pass_id", "position", *(TOKEN_REQUEST_FIELDS if requests is not None else ()))
@@ -451,10 +470,16 @@ class Trace:
             order.check(rows["pass_id"])
             if requests is not None:
                 invariants.check_request_rows(self.path, start, rows["request"], rows["request_position"], requests[0])
+            rows["pass_phase"] = self._slice_or(Data.TOKENS_PASS_PHASE, start, len(rows["pass_id"]), 0, np.int8)
+            keep = _keep_phase(keep, rows["pass_phase"], phase)
             if keep is not None:
                 rows = {n: a[keep] for n, a in rows.items()}
             if len(rows["pass_id"]):
                 yield TokenChunk(**rows)
+
+    def _slice_or(self, name: str, start: int, count: int, fill: int, dtype: type) -> np.ndarray:
+        """Rows of an optional column (``count`` rows of ``fill`` in traces written without it)."""
+        return self._slice(name, start, count) if self.has(name) else np.full(count, fill, dtype=dtype)
 
     def _counted_mask(self, group: str, start: int, count: int) -> np.ndarray | None:
         """Rows ``[n]`` of a merged stream that come from counted ranks; ``None`` when every row counts."""
@@ -479,6 +504,14 @@ class Trace:
             raise TraceError(f"{self.path}: has no /{name} (mode {self.mode!r})")
         with reading(self.path, f"/{name}"):
             return np.asarray(self._file[name][start : start + count])
+
+
+def _keep_phase(keep: np.ndarray | None, pass_phase: np.ndarray, phase: int | None) -> np.ndarray | None:
+    """``keep`` (or all rows) narrowed to the rows of pass phase ``phase`` (``None``: unchanged)."""
+    if phase is None:
+        return keep
+    match = pass_phase == phase
+    return match if keep is None else keep & match
 
 
 def open_trace(path: Path | str) -> Trace:

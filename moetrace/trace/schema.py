@@ -12,6 +12,7 @@ tests/packaging/test_schema_names.py fails when a name is spelled elsewhere.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ import numpy as np
 
 from .._version import __version__
 from ..layout import RankLayout
+from ..pass_phase import PASS_PHASES
 
 __all__ = [
     "CANDIDATE_FIELDS",
@@ -36,6 +38,7 @@ __all__ = [
     "MIGRATION_FIELDS",
     "PADDING_IDS",
     "PASS_FIELDS",
+    "PHASE_COUNTS",
     "RANKS_GROUP",
     "RANK_COORDINATES",
     "RECOVERED_DAMAGED_ATTR",
@@ -172,6 +175,8 @@ class Attr:
     ROUTING_NUM_REPLICAS = "routing_num_replicas"
     ROUTING_BLOCK_SIZE = "routing_block_size"
     ROUTING_CLOCK = "routing_clock"
+    # pass phases (prefill/decode/...; moetrace.pass_phase): JSON list of the names, in code order
+    PASS_PHASES = "pass_phases"
 
 
 def dataset(group: str, field: str) -> str:
@@ -194,11 +199,17 @@ class Data:
     STAT_NUM_PASSES = "stat/num_passes"
     STAT_NUM_TOKENS = "stat/num_tokens"
     STAT_DROPPED_PASSES = "stat/dropped_passes"
+    STAT_PASS_PHASE_PHYSICAL_COUNT = "stat/pass_phase_physical_count"
+    STAT_PASS_PHASE_NUM_PASSES = "stat/pass_phase_num_passes"
+    STAT_PASS_PHASE_NUM_TOKENS = "stat/pass_phase_num_tokens"
+    STAT_PASS_PHASE_NUM_REQUESTS = "stat/pass_phase_num_requests"
     WINDOW = "window"
     WINDOW_PASS_ID = "window/pass_id"
     WINDOW_TIMESTAMP = "window/timestamp"
     WINDOW_NUM_TOKENS = "window/num_tokens"
     WINDOW_PHYSICAL_COUNT = "window/physical_count"
+    WINDOW_PASS_PHASE = "window/pass_phase"
+    WINDOW_NUM_REQUESTS = "window/num_requests"
     PASSES = "passes"
     PASSES_PASS_ID = "passes/pass_id"
     PASSES_TIMESTAMP = "passes/timestamp"
@@ -207,11 +218,14 @@ class Data:
     PASSES_INVALID_IDS = "passes/invalid_ids"
     PASSES_SEND_COUNT = "passes/send_count"
     PASSES_RECV_COUNT = "passes/recv_count"
+    PASSES_PASS_PHASE = "passes/pass_phase"
+    PASSES_NUM_REQUESTS = "passes/num_requests"
     TOKENS = "tokens"
     TOKENS_TOPK_IDS = "tokens/topk_ids"
     TOKENS_PASS_ID = "tokens/pass_id"
     TOKENS_POSITION = "tokens/position"
     TOKENS_RANK = "tokens/rank"
+    TOKENS_PASS_PHASE = "tokens/pass_phase"
     TOKENS_REQUEST = "tokens/request"
     TOKENS_REQUEST_POSITION = "tokens/request_position"
     REQUEST_TABLE = "request_table"
@@ -228,6 +242,9 @@ SAME_RUN_ATTRS = (Attr.MODE, Attr.ID_SPACE, Attr.NUM_LAYERS, Attr.NUM_LOGICAL_EX
                   Attr.EP_SIZE, Attr.WORLD_SIZE, Attr.HIDDEN_SIZE, Attr.DTYPE_BYTES, *LAYOUT_ATTRS.values())
 #: Root attributes the segments of one rank's recording share (``concat_segments`` checks them).
 SAME_SEGMENT_ATTRS = (Attr.RUN_ID, Attr.RANK, Attr.MODE, Attr.NUM_LAYERS, Attr.NUM_PHYSICAL_EXPERTS, Attr.TOP_K, Attr.EP_SIZE)
+#: ``/stat`` rows of the per-pass-phase counts ``[R, 3, Q]`` that travel with the counter rows split by
+#: pass phase: passes, tokens and requests (the sum of each pass's request count) of each pass phase.
+PHASE_COUNTS = (Data.STAT_PASS_PHASE_NUM_PASSES, Data.STAT_PASS_PHASE_NUM_TOKENS, Data.STAT_PASS_PHASE_NUM_REQUESTS)
 #: Fields of ``/passes`` (``per_pass``) and ``/tokens`` (``per_token``), in reading order.
 PASS_FIELDS = ("pass_id", "timestamp", "num_tokens", "physical_count", "invalid_ids", "send_count", "recv_count")
 TOKEN_FIELDS = ("topk_ids", "pass_id", "position")
@@ -402,6 +419,7 @@ class TraceHeader:
             Attr.WORLD_SIZE: self.world_size,
             Attr.HIDDEN_SIZE: self.hidden_size,
             Attr.DTYPE_BYTES: self.dtype_bytes,
+            Attr.PASS_PHASES: json.dumps(list(PASS_PHASES)),
             Attr.COMPLETE: False,
         }
 

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..pass_phase import PASS_PHASES
 from .files import segment_path
 from .journal import Journal
-from .schema import STRING_DTYPE, Attr, Data, TraceHeader
+from .schema import PHASE_COUNTS, STRING_DTYPE, Attr, Data, TraceHeader
 from .stat import CounterLayout, write_stat
 from .writer import TraceWriter
 
@@ -51,6 +52,9 @@ class StreamRows:
         first_pass: pass id of the first pass (``-1`` when ``passes == 0``).
         last_pass: pass id of the last pass.
         dropped_passes: passes dropped (``on_overflow="drop"``) since the previous hand-off.
+        phase_totals: ``[Q, L, C]`` the same totals split by pass phase (they add up to ``totals``).
+        phase_counts: ``[3, Q]`` passes, tokens and requests of each pass phase
+            (:data:`~moetrace.trace.stat.PHASE_COUNTS`).
         request_ids: ``per_token``: the request ids that ``rows["tokens/request"]`` indexes
             (this hand-off's own table); the segment writer re-indexes them into the
             segment's ``/request_table``. ``None``: no request column.
@@ -63,6 +67,8 @@ class StreamRows:
     first_pass: int
     last_pass: int
     dropped_passes: int = 0
+    phase_totals: np.ndarray | None = None
+    phase_counts: np.ndarray | None = None
     request_ids: tuple[str, ...] | None = None
 
 
@@ -122,6 +128,8 @@ class SegmentWriter:
     def _reset_open(self) -> None:
         self._requests: dict[str, int] = {}  # the open segment's /request_table: id -> index
         self._totals: np.ndarray | None = None
+        self._phase_totals = np.zeros((len(PASS_PHASES), self.header.num_layers, self.layout.width), np.int64)
+        self._phase_counts = np.zeros((len(PHASE_COUNTS), len(PASS_PHASES)), np.int64)
         self._passes = self._tokens = self._bytes = self._dropped = 0
         self._first = self._last = -1
 
@@ -159,6 +167,9 @@ class SegmentWriter:
             return
         assert part.totals is not None
         self._totals = part.totals.astype(np.int64) if self._totals is None else self._totals + part.totals
+        if part.phase_totals is not None and part.phase_counts is not None:
+            self._phase_totals += part.phase_totals
+            self._phase_counts += part.phase_counts
         if self._passes == 0:
             self._first = part.first_pass
         self._passes += part.passes
@@ -192,7 +203,8 @@ class SegmentWriter:
             for name, (row_shape, dtype) in self.streamed.items():
                 writer.ensure_empty(name, row_shape, np.dtype(dtype))
             totals = self._totals if self._totals is not None else np.zeros((self.header.num_layers, self.layout.width), np.int64)
-            write_stat(writer, self.layout, self.physical_to_logical, totals[None], np.array([self._passes]), np.array([self._tokens]))
+            write_stat(writer, self.layout, self.physical_to_logical, totals[None], np.array([self._passes]), np.array([self._tokens]),
+                       self._phase_totals[None], self._phase_counts[None])
             writer.write(Data.STAT_DROPPED_PASSES, np.array([self._dropped], dtype=np.int64))
             closed = time.time()
             for key, value in ((Attr.SEGMENT_INDEX, self._index), (Attr.FIRST_PASS, self._first), (Attr.LAST_PASS, self._last), (Attr.SEGMENT_UNIX, closed)):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ids import to_logical
-from .schema import PADDING_IDS, Data
+from .schema import PADDING_IDS, PHASE_COUNTS, Data
 from .writer import TraceWriter
 
 __all__ = ["CounterLayout", "write_stat"]
@@ -53,11 +53,16 @@ def write_stat(
     rows: np.ndarray,
     num_passes: np.ndarray,
     num_tokens: np.ndarray,
+    phase_rows: np.ndarray | None = None,
+    phase_counts: np.ndarray | None = None,
 ) -> None:
     """Write ``/stat`` from counter rows ``[R, L, C]`` and the passes / tokens ``[R]`` they cover.
 
     Args:
         physical_to_logical: ``[L, P]`` map for ``/stat/logical_count``.
+        phase_rows: ``[R, Q, L, C]`` the same counter rows split by pass phase
+            (:data:`moetrace.pass_phase.PASS_PHASES`; they add up to ``rows``), or ``None``.
+        phase_counts: ``[R, 3, Q]`` passes, tokens and requests of each pass phase (:data:`PHASE_COUNTS`).
     """
     physical = rows[:, :, layout.experts]
     writer.write(Data.STAT_PHYSICAL_COUNT, physical, compress=True)
@@ -69,3 +74,7 @@ def write_stat(
     writer.write(Data.STAT_DROPPED, rows[:, :, layout.dropped])
     writer.write(Data.STAT_NUM_PASSES, np.asarray(num_passes, dtype=np.int64))
     writer.write(Data.STAT_NUM_TOKENS, np.asarray(num_tokens, dtype=np.int64))
+    if phase_rows is not None and phase_counts is not None:
+        writer.write(Data.STAT_PASS_PHASE_PHYSICAL_COUNT, np.ascontiguousarray(phase_rows[..., layout.experts]), compress=True)
+        for i, name in enumerate(PHASE_COUNTS):
+            writer.write(name, np.asarray(phase_counts[:, i], dtype=np.int64))

@@ -22,7 +22,7 @@ def test_metric_names_follow_conventions():
     for spec in ALL:
         assert spec.prom_name.startswith("moetrace_") and ":" not in spec.prom_name
         assert spec.prom_name.endswith("_total") == (spec.kind == "counter"), spec.prom_name
-        assert spec.otel_name.startswith("moetrace.") and spec.unit in ("{pass}", "{token}", "{id}", "{expert}", "{error}", "{file}", "1", "s", "By")
+        assert spec.otel_name.startswith("moetrace.") and spec.unit in ("{pass}", "{token}", "{id}", "{expert}", "{error}", "{file}", "{request}", "1", "s", "By")
     names = [s.prom_name for s in METRICS]
     assert len(names) == len(set(names))
 

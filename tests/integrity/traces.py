@@ -71,7 +71,11 @@ def run_directory(directory: Path, mode: str) -> Path:
     """A crashed run's directory (closed segments or the stat checkpoint, and the journal), copied
     away from the live writer so nothing changes under the test."""
     live = directory / "live"
-    _record(live, mode, segment_seconds=0.05, segment_bytes=1024)  # never dumped: the "crash"
+    # never dumped: the "crash". Streaming modes close a segment at every hand-off (8 passes: 5 segments,
+    # whatever the machine's load; by time, a loaded machine closed one per pass and recover read 40);
+    # stat writes its checkpoint by time (the only schedule it has).
+    rotation = {"segment_seconds": 0.05} if mode == "stat" else {"segment_seconds": 0, "segment_bytes": 1}
+    _record(live, mode, **rotation)
     want = "-seg000002.h5" if mode != "stat" else "-checkpoint.h5"
     deadline = time.monotonic() + 30
     while not any(p.name.endswith(want) for p in live.iterdir()):  # the writer thread closes them

@@ -48,7 +48,8 @@ ROOTS = {"moetrace": "moetrace", "adapters": "moetrace.adapters", "exporters": "
 #: The layers, bottom to top: (name, module prefixes, what the layer is for). A module belongs to
 #: the layer of its longest matching prefix; a module may import its own layer and those below.
 LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("base", ("moetrace._version", "moetrace.ids", "moetrace.data", "moetrace.dispatch", "moetrace.balance", "moetrace.layout"),
+    ("base", ("moetrace._version", "moetrace.ids", "moetrace.data", "moetrace.dispatch", "moetrace.balance", "moetrace.layout",
+              "moetrace.pass_phase"),
      "versions, id spaces, vendored data, dispatch formulas, balance metric definitions, rank layouts"),
     ("trace", ("moetrace.trace",), "the HDF5 trace: schema (every name), writers, readers, segments, merge"),
     ("core", ("moetrace.config", "moetrace.accumulators", "moetrace.timing", "moetrace.snapshot",

@@ -25,6 +25,7 @@ CORE = {
     "moetrace.graphs",
     "moetrace.ids",
     "moetrace.layout",
+    "moetrace.pass_phase",
     "moetrace.balance",
     "moetrace.batch",
     "moetrace.recorder",

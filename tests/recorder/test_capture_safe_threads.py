@@ -89,7 +89,7 @@ def test_a_full_queue_settles_instead_of_deadlocking():
 
 def cuda_channel(monkeypatch) -> SnapshotChannel:
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    channel = SnapshotChannel((2, 3), torch.device("cpu"))
+    channel = SnapshotChannel((1, 2, 3), torch.device("cpu"))  # one pass phase
     channel._cuda = True  # events as on a GPU; host buffers stay unpinned here
     return channel
 
@@ -105,7 +105,7 @@ def scrape(channel: SnapshotChannel) -> tuple[np.ndarray, tuple[int, int, float]
 def test_scrapes_read_host_memory_only_and_clear_drops_copies_in_flight(monkeypatch):
     FakeEvent.calls = []
     channel = cuda_channel(monkeypatch)
-    ones, tokens = torch.ones((2, 3), dtype=torch.int64), torch.tensor([5])
+    ones, tokens = torch.ones((1, 2, 3), dtype=torch.int64), torch.tensor([5])
     channel.publish(ones, tokens, 1, 10.0)
     rows, (passes, num_tokens, _) = scrape(channel)
     assert rows.sum() == 0 and passes == 0  # the copy is not known finished yet
@@ -129,7 +129,7 @@ def test_a_lifecycle_call_settles_the_last_copy(monkeypatch):
     """An idle engine publishes no more passes: stop_record/dump_record wait for the copy in flight."""
     FakeEvent.calls = []
     channel = cuda_channel(monkeypatch)
-    channel.publish(torch.ones((2, 3), dtype=torch.int64), torch.tensor([4]), 1, 10.0)
+    channel.publish(torch.ones((1, 2, 3), dtype=torch.int64), torch.tensor([4]), 1, 10.0)
     assert scrape(channel)[1][:2] == (0, 0)
     channel.settle()
     rows, (passes, tokens, _) = scrape(channel)

@@ -115,6 +115,27 @@ def test_hooks_never_sync_host_and_device(bridged: tuple[Any, Any]) -> None:
     assert handle.recorder.snapshot().physical_count.sum() == 6 * TOP_K
 
 
+def test_each_pass_counts_into_the_phase_of_sglangs_forward_mode(bridged: tuple[Any, Any]) -> None:
+    """The bridge names each pass's phase from SGLang's own ForwardMode enum (host fields only)."""
+    from types import SimpleNamespace
+
+    from moetrace.adapters.sglang.bridge import SGLANG_PASS_PHASES
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    handle, _ = bridged
+    bridge = handle.bridge
+    bridge.start_record()
+    ids = torch.randint(0, PHYSICAL, (3, TOP_K))
+    for mode, requests in ((ForwardMode.EXTEND, 2), (ForwardMode.DECODE, 3), (ForwardMode.DECODE, 3), (ForwardMode.MIXED, 4), (ForwardMode.IDLE, 0)):
+        with bridge.with_forward_pass(0, SimpleNamespace(forward_mode=mode, batch_size=requests)), bridge.with_current_layer(1), assert_no_host_sync():
+            bridge.on_select_experts(topk_ids=ids)
+    _pass(bridge, 1, {1: ids})  # no forward batch: unknown
+    snap = handle.recorder.snapshot()
+    assert snap.pass_phase_num_passes.tolist() == [1, 1, 2, 1, 1]  # unknown, prefill, decode, mixed, idle
+    assert snap.pass_phase_num_requests.tolist() == [0, 2, 6, 4, 0]
+    assert {m.name for m in ForwardMode} <= set(SGLANG_PASS_PHASES), "a ForwardMode of this SGLang has no pass phase"
+
+
 def test_a_moetrace_error_is_logged_once_and_never_reaches_sglang(bridged: tuple[Any, Any], caplog: pytest.LogCaptureFixture) -> None:
     handle, _ = bridged
     bridge = handle.bridge
