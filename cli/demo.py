@@ -117,12 +117,14 @@ def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, ev
     )
     moetrace.set_recorder(recorder)
     loop = ServingLoop(model, max_running=8, max_tokens_per_pass=64, chunk_size=32, num_kv_slots=2048, max_len=128)
+    # From here a Ctrl-C (the whole process group gets SIGINT) stops the loop at its next step, even
+    # one that comes while the requests are still being made: the rank still dumps what it recorded.
+    signal.signal(signal.SIGINT, lambda *_: loop.stop())
     servers: list[Any] = []
     if settings.serve:
         servers = [start_http_server(0, recorder=recorder, per_expert=True, per_ep_rank=True), serve_control(recorder, per_ep_rank=True)]
         events.put(("urls", rank, servers[0].url, servers[1].url))
     loop.submit(_requests(settings, rank, config.vocab_size))
-    signal.signal(signal.SIGINT, lambda *_: loop.stop())
     recorder.start_record()
     results = []
     try:
