@@ -132,35 +132,43 @@ def routeset_source(routeset: RouteSet, *, num_experts: int | None = None, run_i
     return RecordedSource(requests, int(experts), int(top_k), layer_ids, run_id, describe)
 
 
-def trace_source(paths: Sequence[Path | str]) -> RecordedSource:
+def trace_source(paths: Sequence[Path | str], group: int = 4096) -> RecordedSource:
     """A :class:`RecordedSource` over the ``per_token`` trace(s) of one run (per-rank files, consecutive dumps).
 
-    Rows are tied to requests by the trace's request rows (:func:`moetrace.trace.token_routes.request_routes`);
-    physical ids are mapped to logical ones through the trace's ``physical_to_logical``; ``-2``
-    (an id the engine routed outside the expert range) is left out of the comparison.
+    Rows are tied to requests by the trace's request rows (:func:`moetrace.trace.token_routes.request_routes`),
+    read ``group`` requests at a time (memory: the rows of one group); physical ids are mapped to
+    logical ones through the trace's ``physical_to_logical``; ``-2`` (an id the engine routed outside
+    the expert range) is left out of the comparison.
 
     Raises:
         AuditError: traces of different runs or models.
         TraceError: a trace that cannot be read, is not ``per_token`` or has no request rows.
     """
     from ..trace.reader import open_trace
-    from ..trace.token_routes import request_routes
+    from ..trace.token_routes import has_request_rows, request_routes
 
     if not paths:
         raise AuditError("no trace given")
     headers = []
+    request_ids: dict[str, None] = {}  # every request id of the run, first seen first (the table is small: one id per request)
     for path in paths:
         with open_trace(path) as trace:
             headers.append((str(trace.attrs.get(Attr.RUN_ID, "")), tuple(int(x) for x in trace.layers), trace.top_k,
                             trace.num_logical_experts, trace.physical_to_logical))
+            if trace.mode != "per_token" or not has_request_rows(trace):
+                raise AuditError(f"{path}: its token rows carry no request ids; record the run in per_token mode through an adapter that "
+                                 "gives the engine's batch (request rows), or give a routes file as the recorded side")
+            request_ids.update(dict.fromkeys(map(str, trace.request_table())))
     run_id, layer_ids, top_k, experts, mapping = headers[0]
     for path, (other_run, other_layers, other_k, other_experts, _) in zip(paths, headers, strict=True):
         if (other_run, other_layers, other_k, other_experts) != (run_id, layer_ids, top_k, experts):
             raise AuditError(f"{path}: another run or model than {paths[0]} (run_id, MoE layers, top_k, experts differ); give the traces of one run")
+    ids = list(request_ids)
 
     def requests() -> Iterator[tuple[str, np.ndarray]]:
-        for rid, arr in request_routes(list(paths)).items():
-            yield rid, logical_ids(np.where(arr < -1, -1, arr), mapping)
+        for first in range(0, len(ids), group):
+            for rid, arr in request_routes(list(paths), request_ids=ids[first : first + group]).items():
+                yield rid, logical_ids(np.where(arr < -1, -1, arr), mapping)
 
     return RecordedSource(requests, experts, top_k, layer_ids, run_id, ", ".join(map(str, paths)))
 

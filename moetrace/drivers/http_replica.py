@@ -32,7 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ..replicas.routing_recorder import RoutingRecorder
-from .engine import REPLICA_LOOP, REPLICA_MODEL, build_loop
+from .engine import REPLICA_LOOP, REPLICA_MODEL, build_loop, serve
 
 __all__ = ["ReplicaServer", "main", "parse_prompt", "record_response"]
 
@@ -87,27 +87,30 @@ class ReplicaServer:
         return {"text": " ".join(map(str, output)), "output_ids": output, "meta_info": meta}
 
     def _run(self) -> None:
-        loop = self.loop
-        while True:
-            if not loop.pending:
-                self._submit(self.inbox.get())
-            while not self.inbox.empty():
-                self._submit(self.inbox.get_nowait())
-            t0 = time.monotonic()
-            progress = loop.step()
-            t1 = time.monotonic()
-            if progress is None:
-                continue
-            for rid in progress.admitted:
-                self._waiting[rid][1]["start"] = t0
-            for rid in progress.first_tokens:
-                self._waiting[rid][1]["first_token"] = t1
-            loop.take_kv_events()
-            for res in progress.new_results:
-                done, meta = self._waiting.pop(res.rid)
-                meta.update(output_ids=res.output_ids, completion_tokens=len(res.output_ids), cached_tokens=res.cached_tokens, finish=t1)
-                meta.setdefault("first_token", t1)
-                done.set()
+        serve(self.loop, self._take, self)
+
+    def _take(self, idle: bool) -> bool:
+        if idle:
+            self._submit(self.inbox.get())
+        while not self.inbox.empty():
+            self._submit(self.inbox.get_nowait())
+        return True
+
+    # StepEvents (moetrace.drivers.engine.serve): stamped into the waiting request's meta_info
+    def started(self, rid: str, t: float) -> None:
+        self._waiting[rid][1]["start"] = t
+
+    def kv(self, kind: str, hashes: list[int]) -> None:
+        """No router listens for KV events here (an external router keeps its own view)."""
+
+    def first_token(self, rid: str, t: float) -> None:
+        self._waiting[rid][1]["first_token"] = t
+
+    def finished(self, result: Any, t: float) -> None:
+        done, meta = self._waiting.pop(result.rid)
+        meta.update(output_ids=result.output_ids, completion_tokens=len(result.output_ids), cached_tokens=result.cached_tokens, finish=t)
+        meta.setdefault("first_token", t)
+        done.set()
 
     def _submit(self, request: Any) -> None:
         try:

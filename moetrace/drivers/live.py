@@ -29,7 +29,7 @@ from typing import Any
 from ..replicas.prefix_cache import chain_hashes
 from ..replicas.router import CostModel, ReplicaRouter, RouterConfig, RouteRequest
 from ..replicas.routing_recorder import RoutingRecorder
-from .engine import REPLICA_LOOP, REPLICA_MODEL, build_loop
+from .engine import REPLICA_LOOP, REPLICA_MODEL, build_loop, serve
 
 __all__ = ["LiveCluster", "Session", "calibrate_cost_model", "run_sessions", "run_unrouted"]
 
@@ -43,41 +43,52 @@ class Session:
     max_new_tokens: int
 
 
+class _ReplicaEvents:
+    """A replica's step events, sent on ``events`` and counted per request (sent with ``stats`` at the end)."""
+
+    def __init__(self, index: int, events: Any) -> None:
+        self.index, self.events = index, events
+        self.arrival: dict[str, float] = {}
+        self.counted: dict[str, dict[str, Any]] = {}
+
+    def started(self, rid: str, t: float) -> None:
+        self.events.put(("start", self.index, rid, t))
+        self.counted[rid] = {"queue_wait": t - self.arrival[rid]}
+
+    def kv(self, kind: str, hashes: list[int]) -> None:
+        self.events.put((kind, self.index, hashes))
+
+    def first_token(self, rid: str, t: float) -> None:
+        self.events.put(("first", self.index, rid, t))
+        self.counted[rid]["ttft"] = t - self.arrival[rid]
+
+    def finished(self, result: Any, t: float) -> None:
+        self.events.put(("finish", self.index, result.rid, result.output_ids, result.cached_tokens, t))
+        self.counted[result.rid].update(cached_tokens=result.cached_tokens, output_tokens=len(result.output_ids), e2e=t - self.arrival.pop(result.rid))
+
+
 def _replica_main(index: int, model_cfg: dict[str, Any], loop_cfg: dict[str, Any], cache_blocks: int, block_size: int,
                   inbox: Any, events: Any) -> None:
     """A replica process: serve what arrives on ``inbox``; report on ``events``."""
     from ..reference import Request
 
     loop = build_loop(model_cfg, loop_cfg, cache_blocks, block_size)
-    arrival: dict[str, float] = {}
-    counted: dict[str, dict[str, Any]] = {}
-    while True:
-        if not loop.pending:
+    report = _ReplicaEvents(index, events)
+
+    def take(idle: bool) -> bool:
+        if idle:
             inbox.poll(None)
         while inbox.poll(0):
             msg = inbox.recv()
             if msg[0] == "stop":
-                events.put(("stats", index, counted))
-                return
+                events.put(("stats", index, report.counted))
+                return False
             _, rid, prompt, max_new, t_arrival = msg
-            arrival[rid] = t_arrival
+            report.arrival[rid] = t_arrival
             loop.submit([Request(rid, prompt, max_new)])
-        t0 = time.monotonic()
-        progress = loop.step()
-        t1 = time.monotonic()
-        if progress is None:
-            continue
-        for rid in progress.admitted:
-            events.put(("start", index, rid, t0))
-            counted[rid] = {"queue_wait": t0 - arrival[rid]}
-        for kind, hashes in loop.take_kv_events():
-            events.put((kind, index, hashes))
-        for rid in progress.first_tokens:
-            events.put(("first", index, rid, t1))
-            counted[rid]["ttft"] = t1 - arrival[rid]
-        for res in progress.new_results:
-            events.put(("finish", index, res.rid, res.output_ids, res.cached_tokens, t1))
-            counted[res.rid].update(cached_tokens=res.cached_tokens, output_tokens=len(res.output_ids), e2e=t1 - arrival.pop(res.rid))
+        return True
+
+    serve(loop, take, report)
 
 
 class LiveCluster:

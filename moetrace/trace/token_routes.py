@@ -18,7 +18,7 @@ Memory: the rows of the requests asked for (one request with ``request_id``), re
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -44,7 +44,7 @@ def _opened(traces: Trace | Path | str | Iterable[Trace | Path | str], stack: Ex
 
 
 def request_routes(traces: Trace | Path | str | Iterable[Trace | Path | str], request_id: str | None = None,
-                   chunk: int = 65536) -> dict[str, np.ndarray]:
+                   chunk: int = 65536, *, request_ids: Collection[str] | None = None) -> dict[str, np.ndarray]:
     """Per-request routes ``{request id: [T, L, k] int64}`` from ``per_token`` traces.
 
     Args:
@@ -52,6 +52,8 @@ def request_routes(traces: Trace | Path | str | Iterable[Trace | Path | str], re
             consecutive dumps); rows are combined in the order given.
         request_id: only this engine request id (its rows alone are held in memory).
         chunk: token rows read at a time.
+        request_ids: only these requests (those of them with rows; a group at a time keeps
+            memory bounded: ``moetrace audit`` reads a run's requests in groups).
 
     Raises:
         TraceError: a trace is not ``per_token``, or its rows carry no requests (recorded
@@ -69,7 +71,11 @@ def request_routes(traces: Trace | Path | str | Iterable[Trace | Path | str], re
                     "through an adapter that gives the engine's batch (recorder.with_forward_pass(batch=...))"
                 )
             table = trace.request_table()
-            if request_id is None:
+            if request_ids is not None:
+                wanted = set(request_ids)
+                keys = np.fromiter((names.setdefault(t, len(names)) if t in wanted else -1 for t in map(str, table)),
+                                   dtype=np.int64, count=len(table))
+            elif request_id is None:
                 keys = np.fromiter((names.setdefault(str(t), len(names)) for t in table), dtype=np.int64, count=len(table))
             else:
                 keys = np.where(table == request_id, 0, -1).astype(np.int64)

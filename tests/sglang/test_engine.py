@@ -253,3 +253,57 @@ def test_per_token_rows_are_each_requests_routes(run: Run, trace: Trace) -> None
         assert (got[:hit] == -1).all() and (got[hit:] >= 0).all(), rid
         np.testing.assert_array_equal(np.sort(got[hit:], axis=-1), np.sort(read_routed_experts(answer, NUM_LAYERS, TOP_K)[hit:], axis=-1), err_msg=rid)
         np.testing.assert_array_equal(np.sort(got[hit:], axis=-1), reference[hit:], err_msg=rid)
+
+
+def test_audit_of_sglang_answers_against_the_trace(run: Run, tmp_path: Path) -> None:
+    """Issue 35: ``moetrace audit`` of SGLang's returned routes against moetrace's trace of the same run exits 0;
+    the same answers with one request's routes shifted by a position and another's bound to a third request's
+    fail, naming exactly those requests and faults (exit 1)."""
+    import json
+
+    from moetrace.adapters.sglang import answers_routes
+    from moetrace.cli.app import app
+    from typer.testing import CliRunner
+
+    from moetrace.analysis.route_audit import audit_routes, trace_source
+
+    answers = run.sequential + run.batched + run.many
+    report = audit_routes(answers_routes(answers, NUM_LAYERS, TOP_K), trace_source(run.moetrace_files))
+    figures = report.to_dict()
+    assert report.ok and figures["requests"] == len(answers) and figures["compared_rows"] == figures["matched_rows"] > 0
+    path = tmp_path / "answers.json"
+    path.write_text(json.dumps(answers))
+    files = [str(f) for f in run.moetrace_files]
+    result = CliRunner().invoke(app, ["audit", *files, "--returned", str(path), "--model-layers", str(NUM_LAYERS)])
+    assert result.exit_code == 0, result.output
+    # plant: the longest uncached answer shifted by one position, a second one holding a third's routes (same length)
+    faulty = json.loads(json.dumps(answers))
+    decoded = {a["meta_info"]["id"]: read_routed_experts(a, NUM_LAYERS, TOP_K) for a in answers}
+    fresh = [a for a in faulty if a["meta_info"]["cached_tokens"] == 0]
+    shifted = max(fresh, key=lambda a: len(decoded[a["meta_info"]["id"]]))
+    rows = decoded[shifted["meta_info"]["id"]].copy()
+    rows[1:] = rows[:-1].copy()
+    shifted["meta_info"]["routed_experts"] = routed_experts_payload_b64(rows)
+    def rows_of(answer: dict[str, Any]) -> np.ndarray:
+        return decoded[answer["meta_info"]["id"]]
+
+    pairs = [(a, b) for a in fresh for b in fresh if a is not b and shifted not in (a, b) and len(rows_of(b)) >= len(rows_of(a))
+             and not np.array_equal(rows_of(a), rows_of(b)[: len(rows_of(a))])]
+    bound, donor = pairs[0]
+    bound["meta_info"]["routed_experts"] = routed_experts_payload_b64(rows_of(donor)[: len(rows_of(bound))])
+    path.write_text(json.dumps(faulty))
+    result = CliRunner().invoke(app, ["audit", *files, "--returned", str(path), "--json"])
+    assert result.exit_code == 1, result.output
+    failed = {r["request"]: r for r in json.loads(result.stdout)["per_request"] if not r["ok"]}
+    assert set(failed) == {shifted["meta_info"]["id"], bound["meta_info"]["id"]}
+    assert set(failed[shifted["meta_info"]["id"]]["faults"]) == {"shifted"}
+    assert set(failed[bound["meta_info"]["id"]]["faults"]) == {"foreign"}
+    named = failed[bound["meta_info"]["id"]]["foreign_of"]  # the donor, or a request with the same prompt and routes
+    assert len(named) == 1 and np.array_equal(decoded[named[0]][: len(rows_of(bound))], rows_of(donor)[: len(rows_of(bound))])
+
+
+def routed_experts_payload_b64(rows: np.ndarray) -> str:
+    """``rows`` as SGLang returns them in ``meta_info["routed_experts"]``: base64 of little-endian int32 bytes."""
+    import base64
+
+    return base64.b64encode(rows.astype("<i4").tobytes()).decode("ascii")
