@@ -296,7 +296,16 @@ class Trace:
         if not self.has(name):
             raise TraceError(f"{self.path}: has no /{name} (mode {self.mode!r})")
         with reading(self.path, f"/{name}"):
-            return np.asarray(self._file[name][()])
+            data = np.asarray(self._file[name][()])
+        if name in (Data.TOKENS_REQUEST, Data.TOKENS_REQUEST_POSITION) and self.has(Data.REQUEST_TABLE_ID):
+            # Fletcher-32 sums 16-bit words mod 65535, so a run of -1 (0xFFFF) zeroed keeps its checksum:
+            # a whole column read checks the request-row invariant, as iter_tokens does chunk by chunk.
+            other = Data.TOKENS_REQUEST_POSITION if name == Data.TOKENS_REQUEST else Data.TOKENS_REQUEST
+            with reading(self.path, f"/{other}"):
+                pair = np.asarray(self._file[other][()])
+            request, position = (data, pair) if name == Data.TOKENS_REQUEST else (pair, data)
+            invariants.check_request_rows(self.path, 0, request, position, self.shape(Data.REQUEST_TABLE_ID)[0])  # type: ignore[index]
+        return data
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         """Shape of dataset ``name`` (``None`` when absent); reads no data."""
