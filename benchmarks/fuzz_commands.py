@@ -50,7 +50,7 @@ def _summary(results: dict, started: float, args: argparse.Namespace, replaced: 
         per_command[command].update(counts)
     return {
         "complete": done,
-        "command": f"{sys.executable} benchmarks/fuzz_commands.py --cases {args.cases} --workers {args.workers} --bound {args.bound}",
+        "command": f"{sys.executable} benchmarks/fuzz_commands.py --cases {args.cases} --first-case {args.first_case} --workers {args.workers} --bound {args.bound}",
         "seed": SEED, "bound_s": args.bound, "workers": args.workers, "cases_per_kind": args.cases,
         "damaged_files": len(files), "runs": sum(1 for (_, case, _) in results if case >= 0),
         "wall_s": round(time.monotonic() - started, 1), "workers_replaced": replaced,
@@ -68,13 +68,15 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--bound", type=float, default=300.0, help="seconds one command may take")
     parser.add_argument("--flush", type=float, default=60.0, help="seconds between rewrites of the results file")
     parser.add_argument("--quick", action="store_true", help="4 files per kind")
+    parser.add_argument("--first-case", type=int, default=0,
+                        help="skip the damaged files of cases below this (resume a run that stopped; its seeds are unchanged)")
     args = parser.parse_args(argv)
     if args.quick:
         args.cases = 4
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="moetrace-fuzz-") as tmp:
         sources = build_sources(Path(tmp) / "sources")
-        tasks = _case_major(tasks_for(KINDS, args.cases))
+        tasks = _case_major([t for t in tasks_for(KINDS, args.cases) if t.case < 0 or t.case >= args.first_case])
         results: dict = {}
         with Pool(sources, Path(tmp) / "workers", workers=args.workers, bound_s=args.bound, seed=SEED) as pool:
             last = time.monotonic()

@@ -87,14 +87,42 @@ def test_drop_policy_drops_whole_passes_counts_them_and_never_waits(tmp_path, th
     assert spec.value(snapshot) == dropped
 
 
-def test_block_policy_keeps_every_pass_under_the_same_throttle(tmp_path, throttled):
+@pytest.fixture
+def held_writer(monkeypatch):
+    """The writer thread writes nothing until the forward thread has had to wait for a host buffer
+    (a non-blocking try found none free), or 120 s passed. So the pool runs dry whatever the
+    machine's speed: a fixed writer delay raced the forward thread, and a loaded machine, slow
+    to feed, never made it wait. Returns the event that says it waited."""
+    original_write, original_acquire = SegmentWriter.write, HostBufferPool.acquire
+    forward = threading.get_ident()
+    waited = threading.Event()
+
+    def held_write(self, part):
+        waited.wait(timeout=120)
+        return original_write(self, part)
+
+    def acquire(self, block=True):
+        if block and threading.get_ident() == forward:
+            free = original_acquire(self, False)
+            if free is not None:
+                return free
+            waited.set()
+        return original_acquire(self, block)
+
+    monkeypatch.setattr(SegmentWriter, "write", held_write)
+    monkeypatch.setattr(HostBufferPool, "acquire", acquire)
+    return waited
+
+
+def test_block_policy_waits_for_the_writer_and_keeps_every_pass(tmp_path, held_writer):
     rec = recorder(tmp_path, on_overflow="block")
     rec.start_record()
     for pass_id in range(80):
         feed(rec, pass_id)
+    assert held_writer.is_set(), "the forward thread never had to wait for a host buffer"
     rec.stop_record()
     pid, _, _, dropped, passes = token_rows(rec.dump_record(tmp_path / "t.h5"))
-    assert any(throttled) and rec.dropped_passes == 0 and dropped == 0 and passes == 80
+    assert rec.dropped_passes == 0 and dropped == 0 and passes == 80
     np.testing.assert_array_equal(np.unique(pid), np.arange(80))
 
 
