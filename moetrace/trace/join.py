@@ -18,7 +18,7 @@ from .guarded import open_hdf5
 from .integrity import reading
 from .ranks import read_layouts
 from .reader import open_trace
-from .request_table import append_request_tables, shift_requests
+from .request_table import append_request_tables, check_rows, shift_requests
 from .schema import RANKS_GROUP, SAME_SEGMENT_ATTRS, Data, TraceError, TraceHeader
 from .writer import TraceWriter
 
@@ -119,11 +119,13 @@ def _join(files: Sequence[h5py.File], writer: TraceWriter, block_bytes: int) -> 
 
 
 def _append_shifted(file: h5py.File, writer: TraceWriter, offset: int, block_bytes: int) -> None:
-    source = file[Data.TOKENS_REQUEST]
-    block = max(1, block_bytes // 4)
+    source, positions = file[Data.TOKENS_REQUEST], file.get(Data.TOKENS_REQUEST_POSITION)
+    block = max(1, block_bytes // 8)
     for at in range(0, source.shape[0], block):
         with reading(file.filename, f"/{Data.TOKENS_REQUEST}"):
             column = np.asarray(source[at : at + block])
+            position = None if positions is None else np.asarray(positions[at : at + block])
+        check_rows(file, at, column, position)
         writer.append(Data.TOKENS_REQUEST, shift_requests(column, offset))
 
 

@@ -38,7 +38,7 @@ from .guarded import open_hdf5
 from .integrity import reading
 from .ranks import read_layouts
 from .reader import open_trace
-from .request_table import append_request_tables, shift_requests
+from .request_table import append_request_tables, check_rows, shift_requests
 from .schema import (
     MERGED_DAMAGED_ATTR,
     MERGED_RANKS_ATTR,
@@ -59,6 +59,7 @@ __all__ = ["DEFAULT_MEMORY_BYTES", "merge_traces", "rank_stops"]
 DEFAULT_MEMORY_BYTES = 256 << 20
 
 _REQUEST = "request"  # the /tokens column that indexes /request_table/id
+_REQUEST_POSITION = "request_position"  # and the row's position in that request
 _WINDOW_FILL = {"pass_id": -1, "timestamp": 0.0, "num_tokens": 0, "physical_count": 0, "pass_phase": 0, "num_requests": -1}
 
 
@@ -124,6 +125,8 @@ class _Cursor:
         pid = rows["pass_id"]
         if len(pid) and (pid[0] < self.last_pass or (np.diff(pid) < 0).any()):
             raise TraceError(f"{self.file.filename}: pass ids in /{self.group} are not in order; cannot merge by time")
+        if _REQUEST in rows:  # indices into this file's own table, checked before the merge moves them
+            check_rows(self.file, self.next, rows[_REQUEST], rows.get(_REQUEST_POSITION))
         self.buffer = {n: np.concatenate([self.buffer[n], rows[n]]) for n in self.names}
         self.last_pass = int(pid[-1])
         self.next = stop

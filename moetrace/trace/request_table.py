@@ -17,15 +17,34 @@ import h5py
 import numpy as np
 
 from .integrity import reading
+from .invariants import check_request_rows, violation
 from .schema import STRING_DTYPE, Data
 from .writer import TraceWriter
 
-__all__ = ["append_request_tables", "has_request_table", "read_request_table", "shift_requests"]
+__all__ = ["append_request_tables", "check_rows", "has_request_table", "read_request_table", "shift_requests", "table_size"]
 
 
 def has_request_table(file: h5py.File) -> bool:
     """Whether ``file``'s token rows carry requests (``per_token`` traces since request rows)."""
     return Data.REQUEST_TABLE_ID in file and Data.TOKENS_REQUEST in file
+
+
+def table_size(file: h5py.File) -> int:
+    """Ids in ``file``'s ``/request_table/id`` (0 without a table)."""
+    return int(file[Data.REQUEST_TABLE_ID].shape[0]) if Data.REQUEST_TABLE_ID in file else 0
+
+
+def check_rows(file: h5py.File, row: int, request: np.ndarray, position: np.ndarray | None) -> None:
+    """``request [n]`` / ``position [n]``, ``file``'s token rows ``row ..``, checked against its own table
+    before a join or merge moves them: HDF5's Fletcher-32 cannot tell a run of ``-1`` from one of ``0``
+    (a chunk of each swapped keeps both checksums), so the rows' own rule is the check that sees it.
+
+    Raises:
+        TraceDamageError: naming the first row that breaks the rule, or the missing position column.
+    """
+    if position is None:
+        raise violation(file.filename, f"/{Data.TOKENS_REQUEST_POSITION}", f"missing beside /{Data.TOKENS_REQUEST}")
+    check_request_rows(file.filename, row, request, position, table_size(file))
 
 
 def read_request_table(file: h5py.File, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -46,7 +65,7 @@ def append_request_tables(files: Sequence[h5py.File], writer: TraceWriter, block
     offsets, total = [], 0
     for f in files:
         offsets.append(total)
-        size = f[Data.REQUEST_TABLE_ID].shape[0] if Data.REQUEST_TABLE_ID in f else 0
+        size = table_size(f)
         for start in range(0, size, block):
             writer.append(Data.REQUEST_TABLE_ID, np.array(read_request_table(f, start, start + block), dtype=STRING_DTYPE))
         total += size

@@ -11,6 +11,7 @@ ranks: the rows and :func:`moetrace.trace.token_routes.request_routes` must equa
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import h5py
 import numpy as np
@@ -22,6 +23,7 @@ from moetrace.batch import BatchError, PassBatch
 from moetrace.layout import RankLayout
 from moetrace.trace import TraceError, open_trace
 from moetrace.trace.integrity import reseal
+from moetrace.trace.join import concat_segments
 from moetrace.trace.merge import merge_traces
 from moetrace.trace.schema import Data, TraceDamageError
 from moetrace.trace.token_routes import request_routes
@@ -254,3 +256,27 @@ def test_out_of_range_request_index_is_damage(tmp_path):
     reseal(path)  # checksums redone: only the invariant can catch it
     with pytest.raises(TraceDamageError, match="request_table"):
         rows_of(path)
+
+
+def test_merge_and_join_refuse_request_rows_their_table_cannot_hold(tmp_path):
+    """A chunk of ``-1`` (rows without a request) swapped with a chunk of zeros keeps its Fletcher-32
+    checksum (16-bit words summed mod 65535: 0xFFFF and 0x0000 are the same). ``merge`` and the
+    segment join move the index column without the reader; they check the rows' rule themselves
+    (the command fuzz found ``merge`` answering exit 0 with zeros: segment kind, case 59)."""
+    passes, _ = schedule(seed=2, requests=4)
+    rec = make(tmp_path)
+    rec.start_record()
+    record(rec, passes)
+    rec.stop_record()
+    path = rec.dump_record(tmp_path / "t.h5")
+    other = tmp_path / "other.h5"  # a join of one segment copies it whole: join two
+    shutil.copy(path, other)
+    merge_traces([path], tmp_path / "honest.h5")  # the honest trace merges and joins (negative control)
+    concat_segments([path, other], tmp_path / "honest-join.h5")
+    with h5py.File(path, "r+") as f:
+        f[Data.TOKENS_REQUEST][0] = f[Data.REQUEST_TABLE_ID].shape[0]  # one past the table
+    reseal(path)  # checksums redone: only the rows' rule can catch it
+    with pytest.raises(TraceDamageError, match="request_table"):
+        merge_traces([path], tmp_path / "merged.h5")
+    with pytest.raises(TraceDamageError, match="request_table"):
+        concat_segments([path, other], tmp_path / "joined.h5")
