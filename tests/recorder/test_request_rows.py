@@ -242,13 +242,18 @@ def _tp_layout(rank: int) -> RankLayout:
     return RankLayout(world_size=2, rank=rank, tp_size=2, tp_rank=rank, source="reference")
 
 
-def test_out_of_range_request_index_is_damage(tmp_path):
-    passes, _ = schedule(seed=1, requests=4)
+def _recorded(tmp_path, seed: int):
+    """A per_token trace of 4 scheduled requests, recorded and dumped to ``tmp_path / "t.h5"``."""
+    passes, _ = schedule(seed=seed, requests=4)
     rec = make(tmp_path)
     rec.start_record()
     record(rec, passes)
     rec.stop_record()
-    path = rec.dump_record(tmp_path / "t.h5")
+    return rec.dump_record(tmp_path / "t.h5")
+
+
+def test_out_of_range_request_index_is_damage(tmp_path):
+    path = _recorded(tmp_path, seed=1)
     assert rows_of(path)["request"].tolist()  # the honest trace reads (negative control)
     with h5py.File(path, "r+") as f:
         column = f[Data.TOKENS_REQUEST]
@@ -263,12 +268,7 @@ def test_merge_and_join_refuse_request_rows_their_table_cannot_hold(tmp_path):
     checksum (16-bit words summed mod 65535: 0xFFFF and 0x0000 are the same). ``merge`` and the
     segment join move the index column without the reader; they check the rows' rule themselves
     (the command fuzz found ``merge`` answering exit 0 with zeros: segment kind, case 59)."""
-    passes, _ = schedule(seed=2, requests=4)
-    rec = make(tmp_path)
-    rec.start_record()
-    record(rec, passes)
-    rec.stop_record()
-    path = rec.dump_record(tmp_path / "t.h5")
+    path = _recorded(tmp_path, seed=2)
     other = tmp_path / "other.h5"  # a join of one segment copies it whole: join two
     shutil.copy(path, other)
     merge_traces([path], tmp_path / "honest.h5")  # the honest trace merges and joins (negative control)
