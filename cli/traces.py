@@ -173,7 +173,7 @@ def inspect(
 def routes(
     traces: Annotated[list[Path], typer.Argument(help="per_token traces whose rows carry their requests (per-rank files or consecutive dumps of one run).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Routes file to write (JSON, moetrace.routes.load_routes reads it).")],
-    request: Annotated[str | None, typer.Option("--request", help="Only this engine request id (SGLang's meta_info['id'], vLLM's request id).")] = None,
+    request: Annotated[str | None, typer.Option("--request", help="Only this engine request id (SGLang's meta_info['id']; vLLM's engine-core id: RequestOutput.request_id, '-' and 8 random characters).")] = None,
 ) -> None:
     """Write every request's routed experts from the trace alone as a routes file, keyed by the engine's request ids.
 

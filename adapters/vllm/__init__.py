@@ -17,7 +17,10 @@ and makes its recorder reachable (control endpoint, dump on exit).
 
 Hook points are described in :mod:`moetrace.adapters.vllm.layers`; each call
 of the model's ``forward`` (what vLLM's model runner calls once per engine
-step) is one ``recorder.with_forward_pass()``.
+step) is one ``recorder.with_forward_pass()``, with the step's batch (which
+request and position each row is, the pass's phase: :mod:`.batches`) once the
+model runner is followed: at once for an in-process ``vllm.LLM``, after warm-up
+for the plugin.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ..base import (
     resolve_recorder,
     unwinding,
 )
+from .batches import StepBatches, vllm_pass_batch
 from .layers import (
     ALLOW_UNTESTED_ENV,
     SUPPORTED_VLLM,
@@ -53,12 +57,15 @@ __all__ = [
     "ALLOW_UNTESTED_ENV",
     "SUPPORTED_VLLM",
     "RouterTap",
+    "StepBatches",
     "VLLMMoELayer",
     "check_vllm_version",
     "find_moe_layers",
     "instrument",
     "instrument_model",
     "resolve_model",
+    "resolve_runner",
+    "vllm_pass_batch",
     "vllm_version",
 ]
 
@@ -93,6 +100,18 @@ def resolve_model(target: Any) -> tuple[torch.nn.Module, Any]:
 
 def _identity(model: torch.nn.Module) -> torch.nn.Module:
     return model
+
+
+def _model_runner(worker: Any) -> Any:
+    return getattr(worker, "model_runner", None)
+
+
+def resolve_runner(target: Any) -> Any:
+    """The model runner of an in-process, single-worker ``vllm.LLM`` (``None`` for a model, or none found)."""
+    if isinstance(target, torch.nn.Module):
+        return None
+    runners = target.collective_rpc(_model_runner)
+    return runners[0] if len(runners) == 1 and hasattr(runners[0], "execute_model") else None
 
 
 def _check_eager(vllm_config: Any) -> None:
@@ -153,7 +172,13 @@ def instrument(
             "vLLM's own capture (enable_return_routed_experts), which moetrace's tap leaves working"
         )
     model, vllm_config = resolve_model(target)
-    return instrument_model(model, vllm_config, recorder, mark_passes=mark_passes, **recorder_options)
+    handle = instrument_model(model, vllm_config, recorder, mark_passes=mark_passes, **recorder_options)
+    batches = handle.details.get("batches")
+    if isinstance(batches, StepBatches) and not batches.attached:
+        runner = resolve_runner(target)
+        if runner is not None:
+            batches.attach(runner)
+    return handle
 
 
 def instrument_model(
@@ -164,7 +189,11 @@ def instrument_model(
     mark_passes: bool = True,
     **recorder_options: Any,
 ) -> Instrumentation:
-    """:func:`instrument` for a model in hand (``vllm_config`` enables the eager-mode check)."""
+    """:func:`instrument` for a model in hand (``vllm_config`` enables the eager-mode check).
+
+    With ``mark_passes``, ``details["batches"]`` is the :class:`~.batches.StepBatches` that
+    gives each pass its requests once a model runner is attached (``attach(runner)``).
+    """
     live = existing_instrumentation(model, recorder)
     if live is not None:
         return live
@@ -196,8 +225,9 @@ def instrument_model(
             install_tap(hooks, layer, functools.partial(rec.on_select_experts, layer=layer.index))
             if getattr(getattr(rec, "config", None), "timing", False):
                 install_phase_timing(hooks, layer, rec)
-        if mark_passes:
-            hooks.wrap_forward(model, forward_pass_wrapper(rec))
+        batches = StepBatches(hooks) if mark_passes else None
+        if batches is not None:
+            hooks.wrap_forward(model, forward_pass_wrapper(rec, batch_of=batches.batch_of))
         return Instrumentation(
             model, rec, layer_ids, hooks, engine="vllm",
             details={
@@ -206,6 +236,7 @@ def instrument_model(
                 "top_k": layers[0].top_k,
                 "id_space": "logical ids before EPLB mapping" if eplb else "expert ids",
                 "vllm": ".".join(map(str, vllm_version() or ())),
+                "batches": batches,
             },
         )
 

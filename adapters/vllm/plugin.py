@@ -21,7 +21,9 @@ variable                   default     meaning
 =========================  ==========  ===============================================
 
 Warm-up and profiling passes are not recorded: recording starts after the
-worker's ``compile_or_warm_up_model`` returns. With a control endpoint, each
+worker's ``compile_or_warm_up_model`` returns, and from then on each pass
+carries its step's requests (the worker's model runner is followed:
+:mod:`moetrace.adapters.vllm.batches`). With a control endpoint, each
 worker writes ``moetrace-control-<pid>.json`` (its URL, pid, rank) into the
 output directory, so that ``port=0`` can be found. The variables are read and
 checked by :class:`moetrace.adapters.settings.PluginSettings`,
@@ -92,12 +94,26 @@ class WorkerSession:
             # leave through os._exit (no atexit) after running multiprocessing's finalizers.
             multiprocessing.util.Finalize(None, self.on_exit, exitpriority=100)
 
-    def on_engine_ready(self) -> None:
-        """Warm-up is over: start recording (``MOETRACE_AUTOSTART``)."""
-        if self.handle is None or not self.settings.autostart or self.handle.recorder.recording:
+    def on_engine_ready(self, worker: Any = None) -> None:
+        """Warm-up is over: follow ``worker``'s model runner's steps, start recording (``MOETRACE_AUTOSTART``)."""
+        if self.handle is None:
+            return
+        self._follow_steps(worker)
+        if not self.settings.autostart or self.handle.recorder.recording:
             return
         self.handle.recorder.start_record()
         log.info("moetrace: recording (%s mode)", self.settings.mode)
+
+    def _follow_steps(self, worker: Any) -> None:
+        assert self.handle is not None
+        batches, runner = self.handle.details.get("batches"), getattr(worker, "model_runner", None)
+        if batches is None or runner is None or not hasattr(runner, "execute_model"):
+            log.warning("moetrace: no vLLM model runner to follow in this worker; passes are recorded without their requests")
+            return
+        try:
+            batches.attach(runner)
+        except Exception:
+            log.exception("moetrace: could not follow the model runner's steps; passes are recorded without their requests")
 
     def _serve_control(self, vllm_config: Any) -> None:
         from moetrace.control import serve_control
@@ -193,8 +209,8 @@ def _wrap_load(original: Callable[..., Any], on_loaded: Callable[[Any, Any], Non
     return _marked(functools.update_wrapper(load_model, original))
 
 
-def _patch_worker_warm_up(vllm_config: Any, on_ready: Callable[[], None]) -> None:
-    """Run ``on_ready()`` after the worker class's ``compile_or_warm_up_model`` returns."""
+def _patch_worker_warm_up(vllm_config: Any, on_ready: Callable[[Any], None]) -> None:
+    """Run ``on_ready(worker)`` after the worker class's ``compile_or_warm_up_model`` returns (``None``: no such method)."""
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     worker_cls = getattr(getattr(vllm_config, "parallel_config", None), "worker_cls", None)
@@ -202,14 +218,14 @@ def _patch_worker_warm_up(vllm_config: Any, on_ready: Callable[[], None]) -> Non
     original = getattr(cls, "compile_or_warm_up_model", None)
     if original is None:
         log.warning("moetrace: cannot tell when the worker %r has warmed up; recording starts now", worker_cls)
-        on_ready()
+        on_ready(None)
         return
     if getattr(original, _MARK, False):
         return
 
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        on_ready()
+        on_ready(self)
         return result
 
     cls.compile_or_warm_up_model = _marked(functools.update_wrapper(compile_or_warm_up_model, original))

@@ -25,6 +25,7 @@ def plugin_state(model: torch.nn.Module) -> dict[str, Any]:
         "wrapped_once": getattr(load_model, plugin._MARK, False) and not getattr(load_model.__wrapped__, plugin._MARK, False),
         "recording": handle is not None and handle.recorder.recording,
         "mode": handle.recorder.mode if handle is not None else None,
+        "steps_followed": handle is not None and handle.details["batches"].attached,
     }
 
 

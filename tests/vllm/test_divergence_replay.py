@@ -6,7 +6,11 @@ transformers (float32) on the same tokens, both recorded by moetrace:
 1. vLLM generates each prompt alone (prefill, then one pass per decode step),
    ``per_token`` trace; per-request routes are read back from it. Two more
    requests: a long prompt prefilled in chunks, and one whose first 128 tokens
-   come from the prefix cache (no forward, so ``-1`` routes there).
+   come from the prefix cache (no forward, so ``-1`` routes there). The trace's
+   own request rows (``moetrace routes``) give the same routes, and its passes
+   the phases vLLM ran. Then the eight prompts at once (continuous batching:
+   chunked prefills beside decodes), a second trace whose every row is checked
+   against the token vLLM fed at that row and the request it answered.
 2. transformers runs the first eight requests' tokens in the same passes
    (prefill, then each of vLLM's tokens fed back with the KV cache),
    ``per_token`` trace: ``moetrace diff`` aligns the two traces by pass and
@@ -81,38 +85,59 @@ class Runs:
     hf_logprobs: dict[str, list[np.ndarray]]  # "own" / "replay": per request [len(tokens) - 1]
     model: torch.nn.Module  # the transformers model (float32)
     vllm_routes: list[np.ndarray]  # per request [len(tokens) - 1, L, k]
+    vllm_ids: list[str]  # per request: vLLM's RequestOutput.request_id
+    batched: Batched  # the eight prompts at once
 
 
-def _vllm_run(checkpoint: Path, out: Path) -> tuple[list[Request], Path]:
+@dataclass
+class Batched:
+    """The eight prompts generated at once, recorded in their own per_token trace."""
+
+    trace: Path
+    ids: list[str]  # RequestOutput.request_id of each
+    tokens: list[list[int]]  # prompt + generated tokens of each
+    cached: list[int]  # prompt tokens served from the prefix cache
+    fed: np.ndarray  # [rows] the token id vLLM fed at each row of the recorded passes, in pass order
+
+
+def _vllm_run(checkpoint: Path, out: Path) -> tuple[list[Request], list[str], Path, Batched]:
     from vllm import SamplingParams
 
     llm = start_llm(checkpoint, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, max_num_batched_tokens=CHUNK, enable_prefix_caching=True)
     try:
         model = llm.apply_model(lambda m: m)[0]
-        forwards = [0]
-        counter = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        fed: list[torch.Tensor] = []  # input ids of every forward: the token fed at each row
+        counter = model.register_forward_pre_hook(lambda _, args, kwargs: fed.append(kwargs["input_ids"].clone()), with_kwargs=True)
         handle = mt_vllm.instrument(llm, mode="per_token", output_dir=out)
-        requests = []
+        requests, ids = [], []
         handle.recorder.start_record()
         for i, text in enumerate(PROMPTS + EXTRA):  # one request at a time: its passes are its prefill chunks + decode steps
             extra = i >= len(PROMPTS)
             params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1,
                                     prompt_logprobs=None if extra else 1)
-            before = forwards[0]
+            before = len(fed)
             result = llm.generate([text], params, use_tqdm=False)[0]
+            ids.append(result.request_id)
             prompt_ids, generated = list(result.prompt_token_ids), list(result.outputs[0].token_ids)
             logprobs = [math.nan] * (len(prompt_ids) - 1) if extra else [
                 entry[tok].logprob for entry, tok in zip(result.prompt_logprobs[1:], prompt_ids[1:], strict=True)]
             logprobs += [entry[tok].logprob for entry, tok in zip(result.outputs[0].logprobs, generated, strict=True)]
-            requests.append(Request(prompt_ids + generated, len(prompt_ids), np.asarray(logprobs), forwards[0] - before,
+            requests.append(Request(prompt_ids + generated, len(prompt_ids), np.asarray(logprobs), len(fed) - before,
                                     int(result.num_cached_tokens or 0)))
         handle.recorder.stop_record()
         path = handle.recorder.dump_record(out / "vllm.h5")
+        first = len(fed)
+        handle.recorder.start_record()
+        results = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        handle.recorder.stop_record()
+        batched = Batched(handle.recorder.dump_record(out / "vllm_batched.h5"), [r.request_id for r in results],
+                          [list(r.prompt_token_ids) + list(r.outputs[0].token_ids) for r in results],
+                          [int(r.num_cached_tokens or 0) for r in results], torch.cat(fed[first:]).numpy())
         handle.uninstrument()
         counter.remove()
     finally:
         stop_llm(llm)
-    return requests, path
+    return requests, ids, path, batched
 
 
 def _vllm_routes(trace_path: Path, requests: list[Request]) -> list[np.ndarray]:
@@ -173,7 +198,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     out = tmp_path_factory.mktemp(f"divergence-{name}")
     checkpoint = build_checkpoint(name, out / "checkpoint")
     layer_ids = list(MODELS[name]["layer_ids"])
-    requests, vllm_trace = _vllm_run(checkpoint, out)
+    requests, vllm_ids, vllm_trace, batched = _vllm_run(checkpoint, out)
     gc.collect()
     vllm_routes = _vllm_routes(vllm_trace, requests)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -191,7 +216,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         "hf": save_routes(out / "hf.json", own, **meta),
         "replay": save_routes(out / "hf_replay.json", replayed, **meta),
     }
-    return Runs(name, layer_ids, requests, vllm_trace, hf_trace, files, {"own": own_lp, "replay": replay_lp}, model, vllm_routes)
+    return Runs(name, layer_ids, requests, vllm_trace, hf_trace, files, {"own": own_lp, "replay": replay_lp}, model, vllm_routes,
+                vllm_ids, batched)
 
 
 def _gap(runs: Runs, which: str) -> tuple[float, float]:
@@ -273,3 +299,79 @@ def test_one_padded_training_batch_replays_every_request(runs: Runs, tmp_path: P
     for row, routes in enumerate(runs.vllm_routes):
         routed = (routes >= 0).all(-1).all(-1)
         np.testing.assert_array_equal(got[row][: len(routes)][routed], routes[routed])
+
+
+def _trace_key(keys: list[str], request_id: str) -> str:
+    """The trace's id of a request: vLLM's engine-core id, ``RequestOutput.request_id`` + ``-`` + 8 random characters."""
+    found = [k for k in keys if k.rsplit("-", 1)[0] == request_id and len(k.rsplit("-", 1)[1]) == 8]
+    assert len(found) == 1, (request_id, keys)
+    return found[0]
+
+
+def _cli_routes(trace: Path, out: Path, *extra: str) -> Any:
+    cli = CliRunner().invoke(app, ["routes", str(trace), "-o", str(out), *extra])
+    assert cli.exit_code == 0, cli.output
+    return load_routes(out)
+
+
+def test_trace_request_rows_are_each_requests_routes_and_the_audit_passes(runs: Runs, tmp_path: Path) -> None:
+    """``moetrace routes`` of the trace alone equals the routes rebuilt from vLLM's passes and cached-token counts."""
+    found = _cli_routes(runs.vllm_trace, tmp_path / "routes.json")
+    keys = sorted(found.requests)
+    assert len(keys) == len(runs.requests)
+    for rid, req, routes in zip(runs.vllm_ids, runs.requests, runs.vllm_routes, strict=True):
+        start, rows = found.requests[_trace_key(keys, rid)]
+        assert start == 0 and rows.shape == (len(req.tokens) - 1, len(runs.layer_ids), routes.shape[2])
+        np.testing.assert_array_equal(rows, routes)  # prefix-cached positions -1, the rest as each pass routed them
+    one = _cli_routes(runs.vllm_trace, tmp_path / "one.json", "--request", keys[-1])
+    assert list(one.requests) == [keys[-1]]
+    audit = CliRunner().invoke(app, ["audit", str(runs.vllm_trace), "--returned", str(tmp_path / "routes.json")])
+    assert audit.exit_code == 0, audit.output
+    # Negative control: one request's computed rows shifted by a position are flagged, in that request only.
+    victim = _trace_key(keys, runs.vllm_ids[3])
+    start, rows = found.requests[victim]
+    shifted = dict(found.requests)
+    shifted[victim] = (start, np.concatenate([rows[1:], rows[-1:]]))
+    bad = save_routes(tmp_path / "shifted.json", {k: v[1] for k, v in shifted.items()}, model=found.model, id_space=found.id_space,
+                      num_experts=found.num_experts, layer_ids=found.layer_ids, physical_to_logical=found.physical_to_logical)
+    audit = CliRunner().invoke(app, ["audit", str(runs.vllm_trace), "--returned", str(bad), "--json"])
+    assert audit.exit_code == 1, audit.output
+    report = json.loads(audit.output)
+    assert [r["request"] for r in report["per_request"] if not r["ok"]] == [victim]
+
+
+def test_trace_passes_carry_the_phase_vllm_ran(runs: Runs) -> None:
+    """Requests one at a time: each request's prefill chunks are ``prefill`` passes, its decode steps ``decode`` passes."""
+    from moetrace.pass_phase import PASS_PHASES
+
+    with open_trace(runs.vllm_trace) as trace:
+        chunks = list(trace.iter_tokens())
+    pass_id = np.concatenate([c.pass_id for c in chunks])
+    phase = np.concatenate([c.pass_phase for c in chunks])
+    _, first = np.unique(pass_id, return_index=True)
+    expected = []
+    for req in runs.requests:
+        prefills = math.ceil((req.prompt_len - req.cached) / CHUNK)
+        expected += ["prefill"] * prefills + ["decode"] * (req.passes - prefills)
+    assert [PASS_PHASES[p] for p in phase[np.sort(first)]] == expected
+
+
+def test_batched_rows_are_the_tokens_vllm_fed_for_their_request(runs: Runs) -> None:
+    """Continuous batching, chunked prefill beside decodes: every row's (request, position) names the token vLLM fed there."""
+    from moetrace.pass_phase import PASS_PHASES
+
+    batched = runs.batched
+    with open_trace(batched.trace) as trace:
+        chunks = list(trace.iter_tokens())
+        table = [str(t) for t in trace.request_table()]
+    request = np.concatenate([c.request for c in chunks]).astype(np.int64)
+    position = np.concatenate([c.request_position for c in chunks]).astype(np.int64)
+    phases = {PASS_PHASES[p] for p in np.concatenate([c.pass_phase for c in chunks])}
+    assert len(request) == len(batched.fed) and (request >= 0).all()
+    assert "mixed" in phases and "decode" in phases
+    index = {key: i for i, key in enumerate(table)}
+    for rid, tokens, cached in zip(batched.ids, batched.tokens, batched.cached, strict=True):
+        mine = request == index[_trace_key(table, rid)]
+        # Every position vLLM computed, once each, and each row is the token vLLM fed at that row.
+        assert sorted(position[mine].tolist()) == list(range(cached, len(tokens) - 1))
+        np.testing.assert_array_equal(batched.fed[mine], np.asarray(tokens)[position[mine]])

@@ -104,7 +104,7 @@ def _serve(tmp_path_factory: pytest.TempPathFactory, out: Path) -> Served:
 def test_plugin_instruments_the_worker_model_once(served: Served) -> None:
     assert served.state == {
         "same_session": True, "instrumented": True, "layer_ids": SPEC["layer_ids"], "wrapped_once": True,
-        "recording": True, "mode": "per_pass",
+        "recording": True, "mode": "per_pass", "steps_followed": True,
     }
     assert served.installed_routers == len(SPEC["layer_ids"])
 
@@ -120,6 +120,18 @@ def test_control_endpoint_dump_equals_independent_capture(served: Served) -> Non
     prompt_tokens = sum(len(p.split()) for p in PROMPTS)
     assert tokens.sum() == prompt_tokens + len(PROMPTS) * (sampling_params().max_tokens - 1)
     assert served.summary["topk_violations"] == 0
+    # The worker's model runner is followed: each pass names the phase and requests of vLLM's step. The
+    # front end hands the engine core the prompts one by one, so a prompt can join beside the first
+    # one's decode (a mixed pass); whatever the schedule, each request is in one prefill pass and
+    # max_tokens - 1 decode passes (no prompt here is chunked), and a decode pass has one row per request.
+    from moetrace.pass_phase import PASS_PHASES
+
+    phases = np.asarray([PASS_PHASES[p] for p in np.concatenate([c.pass_phase for c in chunks])])
+    requests = np.concatenate([c.num_requests for c in chunks])
+    assert phases[0] == "prefill" and phases[-1] == "decode" and set(phases) <= {"prefill", "mixed", "decode"}
+    assert requests.sum() == len(PROMPTS) * sampling_params().max_tokens
+    np.testing.assert_array_equal(tokens[phases == "decode"], requests[phases == "decode"])
+    assert (tokens[phases != "decode"] > requests[phases != "decode"]).all()
     assert served.live.attrs["engine"] == "vllm" and served.live.layers.tolist() == list(SPEC["layer_ids"])
 
 
