@@ -26,7 +26,7 @@ SGLANG_RUNTIME := orjson psutil pybase64 requests pillow fastapi msgspec pyzmq t
 	transformers dill sentencepiece apache-tvm-ffi compressed-tensors gguf openai partial-json-parser \
 	uvloop uvicorn setproctitle xgrammar jsonschema soundfile python-multipart plotly selenium
 
-.PHONY: demo test test-vllm test-sglang test-megatron bench fuzz gpu-check lint clean
+.PHONY: demo test ci-core ci-megatron ci-vllm ci-sglang test-vllm test-sglang test-megatron bench fuzz gpu-check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -65,13 +65,25 @@ $(MEGATRON_STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/moetrace demo
 
+# `make test`: ruff and the core suite start as soon as .venv is built and run while the three engine
+# virtualenvs build beside them (pip mostly waits on the network and the disk); the engine suites then
+# run one after another (each starts engines that want both cores). A failure stops what has not
+# started; the `ci-*` targets are these steps, chained by order-only prerequisites.
 test:
-	$(MAKE) -j4 $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(MEGATRON_STAMP)
+	$(MAKE) -j4 ci-sglang
+
+ci-core: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
-	$(MAKE) test-vllm
-	$(MAKE) test-sglang
-	$(MAKE) test-megatron
+
+ci-megatron: $(MEGATRON_STAMP) | ci-core
+	$(MAKE) --no-print-directory test-megatron
+
+ci-vllm: $(VLLM_STAMP) | ci-megatron
+	$(MAKE) --no-print-directory test-vllm
+
+ci-sglang: $(SGLANG_STAMP) | ci-vllm
+	$(MAKE) --no-print-directory test-sglang
 
 # tests/vllm start real vLLM engines; MOETRACE_REQUIRE_VLLM=1 makes a missing vLLM an error, not a skip.
 test-vllm: $(VLLM_STAMP)

@@ -87,8 +87,11 @@ def _requests(settings: DemoSettings, rank: int, vocab: int) -> list[Any]:
     return out
 
 
-def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, events: Any) -> dict[str, Any]:
-    """One EP rank: model, recorder, endpoints, serving loop, dump. Runs in a spawned process."""
+def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, events: Any, stop: Any) -> dict[str, Any]:
+    """One EP rank: model, recorder, endpoints, serving loop, dump. Runs in a spawned process.
+
+    ``stop``: a shared event the main process sets on Ctrl-C; the rank stops at its next step.
+    """
     from moetrace.exporters.prometheus import start_http_server
 
     import moetrace
@@ -119,7 +122,10 @@ def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, ev
     loop = ServingLoop(model, max_running=8, max_tokens_per_pass=64, chunk_size=32, num_kv_slots=2048, max_len=128)
     # From here a Ctrl-C (the whole process group gets SIGINT) stops the loop at its next step, even
     # one that comes while the requests are still being made: the rank still dumps what it recorded.
-    signal.signal(signal.SIGINT, lambda *_: loop.stop())
+    # A SIGINT only the main process gets (`kill -INT`) reaches the rank through `stop`. A demo
+    # started with SIGINT ignored (a background job of a non-interactive shell) keeps ignoring it.
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, lambda *_: loop.stop())
     servers: list[Any] = []
     if settings.serve:
         servers = [start_http_server(0, recorder=recorder, per_expert=True, per_ep_rank=True), serve_control(recorder, per_ep_rank=True)]
@@ -129,6 +135,8 @@ def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, ev
     results = []
     try:
         for progress in loop.steps():
+            if stop.is_set():
+                loop.stop()
             results.extend(progress.new_results)
             if progress.new_results:
                 with finished.get_lock():
@@ -199,13 +207,13 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
     for stale in (out / "ranks").glob("trace-rank*.h5"):
         stale.unlink()
     ctx = mp.get_context("spawn")
-    finished, events = ctx.Value("i", 0), ctx.Queue()
+    finished, events, stop = ctx.Value("i", 0), ctx.Queue(), ctx.Event()
     outcome: dict[str, Any] = {}
     done = threading.Event()
 
     def target() -> None:
         try:
-            outcome["ranks"] = launch(_serve_rank, settings.ranks, settings, finished, events, backend="gloo", timeout=600)
+            outcome["ranks"] = launch(_serve_rank, settings.ranks, settings, finished, events, stop, backend="gloo", timeout=600)
         except BaseException as exc:  # re-raised in the main thread
             outcome["error"] = exc
         finally:
@@ -234,6 +242,7 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
                 if interrupted:
                     raise
                 interrupted = True
+                stop.set()
                 bar.console.print("interrupted: stopping every rank at the next step and keeping what was recorded (Ctrl-C again to abort)")
         bar.update(task, completed=finished.value)
     worker.join()

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["free_port", "http_status", "moetrace_cli", "post_json", "serve"]
+__all__ = ["default_sigint", "http_status", "moetrace_cli", "post_json", "serve"]
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def default_sigint() -> None:
+    """``preexec_fn`` for a child a test interrupts with SIGINT: restore its default action.
+
+    A test run as a background job of a non-interactive shell (``pytest ... &``, a CI runner
+    that does so) inherits SIGINT ignored, and Python keeps an inherited ignore: the child would
+    never see the Ctrl-C the test sends.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def http_status(url: str, timeout: float = 5.0) -> int:

@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.analysis import analyze_trace
 from moetrace.analysis.distributed import analyze_traces, dask_client, make_tasks, pass_series
 from moetrace.analysis.source import load_series
+from moetrace.reference import free_port
 from moetrace.trace import TraceError, open_trace
 from moetrace.trace.merge import merge_traces
 
@@ -80,12 +80,6 @@ def worker(rank: int, port: int, out: str) -> None:
         rec.dump_record(os.path.join(out, "run.h5"))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

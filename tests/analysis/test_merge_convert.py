@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import h5py
 import numpy as np
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.analysis import analyze_trace
+from moetrace.reference import free_port
 from moetrace.trace import TraceError, open_trace
 from moetrace.trace.convert import convert, convert_jsonl, convert_sglang
 from moetrace.trace.merge import merge_traces
@@ -27,12 +27,6 @@ PASS_IDS = {0: [0, 1, 2, 3, 4, 5], 1: [0, 1, 3, 4, 5, 6]}  # rank 1 skips pass 2
 def rank_routing(rank: int) -> list[np.ndarray]:
     rng = np.random.default_rng(100 + rank)
     return [rng.integers(0, 8, size=(3 + rank + i % 2, 2, 2)) for i in range(6)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(rank: int, world: int, port: int, out: str) -> None:

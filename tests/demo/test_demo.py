@@ -21,6 +21,7 @@ from moetrace.report.sections import build_sections
 from moetrace.trace import open_trace
 
 from ..report.browser import available, browser, check_page, choose_request, open_report
+from ..servers import default_sigint
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +93,7 @@ def test_demo_ctrl_c_keeps_a_valid_trace(tmp_path):
     signal): the run stops, exits 0 and keeps a valid trace of what it served."""
     out = tmp_path / "demo"
     command = [sys.executable, "-m", "moetrace.cli", "demo", "--requests", "100000", "--layers", "2", "--experts", "4", "--out", str(out)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=default_sigint)
     lines = []
     deadline = time.monotonic() + 240
     assert proc.stdout is not None

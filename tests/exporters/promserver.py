@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from moetrace.exporters.spec import MetricSpec
+
+from moetrace.reference import free_port
 
 SCRAPE_INTERVAL_S = 0.5
 
@@ -28,12 +29,6 @@ def require_prometheus() -> str:
     if os.environ.get("CI"):
         pytest.fail(f"{message}; .ci/run installs it and CI must run this test")
     pytest.skip(f"{message}; CI requires it")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Prometheus:

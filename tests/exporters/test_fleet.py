@@ -22,9 +22,9 @@ import pytest
 from moetrace.exporters.catalog import rules_path, series_per_process
 
 from moetrace.analysis.distributed import analyze_traces
-from moetrace.reference import launch
+from moetrace.reference import free_port, launch
 from tests.exporters import fleet
-from tests.exporters.promserver import Prometheus, free_port, require_prometheus
+from tests.exporters.promserver import Prometheus, require_prometheus
 
 PASSES = 24
 

@@ -17,10 +17,10 @@ from moetrace.exporters import prometheus
 from moetrace.exporters.catalog import INFO, METRICS, PER_EXPERT, samples
 
 from moetrace import balance
-from moetrace.reference import launch
+from moetrace.reference import free_port, launch
 from moetrace.trace import open_trace
 from tests.exporters import dashboard
-from tests.exporters.promserver import Prometheus, free_port, require_prometheus
+from tests.exporters.promserver import Prometheus, require_prometheus
 from tests.exporters.workload import MODEL, ep_worker, requests, serving_loop
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -12,15 +11,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
+from moetrace.reference import free_port
 from moetrace.trace import open_trace
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def routing(rank: int, passes: int) -> list[np.ndarray]:

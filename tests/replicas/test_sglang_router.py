@@ -21,7 +21,7 @@ import pytest
 
 from moetrace.drivers.http_replica import record_response
 from moetrace.drivers.live import run_unrouted
-from moetrace.reference.launcher import free_port
+from moetrace.reference import free_port
 from moetrace.replicas import RoutingRecorder
 from moetrace.trace.requests import read_requests
 

@@ -26,9 +26,10 @@ import pytest
 import torch
 from moetrace.adapters.sglang import read_routed_experts
 
+from moetrace.reference import free_port
 from moetrace.trace.reader import open_trace
 
-from ..servers import free_port, http_status, moetrace_cli, post_json, serve
+from ..servers import http_status, moetrace_cli, post_json, serve
 from .checkpoint import NUM_EXPERTS, NUM_LAYERS, TOP_K, build_checkpoint
 from .engine import CPU_ENV, ENGINE_ARGS, GENERATION, PROMPTS
 

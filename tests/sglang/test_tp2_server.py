@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from moetrace.reference import free_port
 from moetrace.trace.reader import open_trace
 
-from ..servers import free_port, moetrace_cli, post_json, serve
+from ..servers import moetrace_cli, post_json, serve
 from .checkpoint import build_checkpoint
 from .engine import CPU_ENV, ENGINE_ARGS, GENERATION, PROMPTS
 from .multirank import (

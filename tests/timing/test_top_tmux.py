@@ -24,6 +24,8 @@ import pytest
 
 from moetrace.reference import free_port
 
+from ..servers import default_sigint
+
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (.ci/run installs it)")]
 
 URL_LINE = re.compile(r"rank (\d+): Prometheus (\S+)")
@@ -71,7 +73,8 @@ def demo(tmp_path):
     """A running demo (2 ranks, rank 1 slow); yields its Prometheus URLs; interrupted and reaped at the end."""
     command = [sys.executable, "-m", "moetrace.cli", "demo", "--requests", "3000", "--layers", "2", "--experts", "8",
                "--out", str(tmp_path / "demo"), "--slow-rank", "1", "--slow-ms", "15"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"})
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
+                            preexec_fn=default_sigint)
     urls: dict[int, str] = {}
     lines: list[str] = []
     try:

@@ -55,6 +55,7 @@ class Served:
     exit_captures: list[dict[str, Any]]  # per rank: the capture after the recorded second generate (cumulative)
     exit_dumps: list[Path]  # each worker's dump at exit, in rank order
     exit_sequences: list[list[int]]  # the token ids the second generate ran through the model
+    request_ids: list[str]  # RequestOutput.request_id of each prompt of the first generate
 
 
 #: Seconds a worker may take to exit (vLLM's default, 5 s, then SIGTERM and SIGKILL, is short on a
@@ -113,7 +114,7 @@ def serve(tmp_path_factory: pytest.TempPathFactory, name: str, mode: str = "per_
     (second,) = [list(r.prompt_token_ids) + list(r.outputs[0].token_ids)[:-1] for r in again]
     return Served(checkpoint, [list(r.outputs[0].token_ids) for r in results], [list(r.prompt_token_ids) for r in results],
                   [list(r.outputs[0].token_ids) for r in plain], captures, statuses, dumps, top, exported, after, expert_maps,
-                  exit_captures, exit_dumps, [second])
+                  exit_captures, exit_dumps, [second], [r.request_id for r in results])
 
 
 def tokens_total(text: str) -> float:

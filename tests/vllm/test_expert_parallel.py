@@ -7,7 +7,8 @@ it, EP runs as vLLM's GPU path does under TP attention: each rank routes the
 whole batch, computes its half of the experts, and the outputs are all-reduced.
 
 The plugin records ``per_token`` here (the tensor-parallel module records
-``per_pass``), so that both streaming modes' dumps at exit are read back at TP=2.
+``per_pass``), so that both streaming modes' dumps at exit are read back at TP=2,
+and each row's request and position are checked against the tokens vLLM fed.
 moetrace records EP rank ``r`` of 2 on worker ``r``, counts each token once
 (the views are replicas), and its per-rank load equals the load the engine's
 own placement gives: the counted view's counts summed over the experts each
@@ -16,10 +17,15 @@ worker's ``expert_map`` says it holds.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+from moetrace.cli.app import app
+from typer.testing import CliRunner
 
 from moetrace.analysis.distributed import analyze_traces
+from moetrace.routes import load_routes
 from moetrace.trace.merge import merge_traces
 from moetrace.trace.reader import open_trace
 
@@ -63,6 +69,37 @@ def test_tokens_once_and_rank_load_from_the_engines_placement(served: Served) ->
     for rank, independent in enumerate(served.captures):
         np.testing.assert_array_equal(pass_counts(served.dumps[rank]), independent["counts"])
     print(f"vLLM TP=2 EP=2: tokens {tokens}, assignments {assignments}, rank load per layer {engine_load.tolist()}")
+
+
+def test_each_ranks_rows_are_the_tokens_vllm_fed_for_their_request(served: Served, tmp_path: Path) -> None:
+    """Request rows at TP=2 EP=2: each rank follows its own model runner (every TP rank holds the whole
+    batch). Every row's (request, position) names the token that rank's independent capture saw vLLM
+    feed at that row, every computed position of every request is a row once, and ``moetrace routes``
+    of both rank files passes ``moetrace audit`` against them."""
+    sequences = dict(zip(served.request_ids, computed(served), strict=True))
+    first = min(SPEC["layer_ids"])
+    views = []
+    for path, independent in zip(served.dumps, served.captures, strict=True):
+        fed = np.concatenate([row["token"] for row in independent["routes"] if row["layer"] == first])
+        with open_trace(path) as trace:
+            chunks = list(trace.iter_tokens())
+            table = [str(t) for t in trace.request_table()]
+        request = np.concatenate([c.request for c in chunks]).astype(np.int64)
+        position = np.concatenate([c.request_position for c in chunks]).astype(np.int64)
+        assert len(request) == len(fed) and (request >= 0).all()
+        owner = np.asarray([t.rsplit("-", 1)[0] for t in table])[request]  # vLLM's engine-core id: request_id + "-" + 8 characters
+        for rid, tokens in sequences.items():
+            mine = owner == rid
+            assert sorted(position[mine].tolist()) == list(range(len(tokens)))
+            np.testing.assert_array_equal(fed[mine], np.asarray(tokens)[position[mine]])
+        views.append((owner.tolist(), position.tolist()))
+    assert views[0] == views[1]  # the replica rank holds the same rows
+    routes = tmp_path / "routes.json"
+    cli = CliRunner().invoke(app, ["routes", *map(str, served.dumps), "-o", str(routes)])
+    assert cli.exit_code == 0, cli.output
+    assert sorted(t.rsplit("-", 1)[0] for t in load_routes(routes).requests) == sorted(served.request_ids)
+    cli = CliRunner().invoke(app, ["audit", *map(str, served.dumps), "--returned", str(routes)])
+    assert cli.exit_code == 0, cli.output
 
 
 def test_outputs_are_the_same_without_moetrace(served: Served) -> None:

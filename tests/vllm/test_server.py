@@ -30,9 +30,10 @@ import pytest
 import torch
 from transformers import MixtralForCausalLM
 
+from moetrace.reference import free_port
 from moetrace.trace.reader import open_trace
 
-from ..servers import free_port, moetrace_cli, post_json, serve
+from ..servers import moetrace_cli, post_json, serve
 from .checkpoints import MODELS, build_checkpoint
 from .engine import GENERATION, PROMPTS
 
