@@ -153,6 +153,8 @@ class Trace:
         self.path = Path(path)
         if not self.path.exists():
             raise TraceError(f"{self.path}: no such file")
+        if parse_temporary(self.path) is not None:  # never committed, whole or not: `recover` sweeps it
+            raise TraceError(f"{self.path}: not a trace{_unfinished_hint(self.path)}")
         try:
             self._file = open_hdf5(self.path)
         except Exception as exc:

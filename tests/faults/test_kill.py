@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -149,6 +151,28 @@ def test_sweep_spares_live_writers(tmp_path):
     with open_trace(rec.dump_record(tmp_path / "t.h5")) as trace:
         assert trace.num_passes().tolist() == [CHUNK_TOKENS // TOKENS + 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]  # segments and journal consumed
+
+
+def test_a_whole_temporary_is_refused_by_its_name(tmp_path, monkeypatch):
+    """A kill between the writer's seal and its rename leaves a temporary that is a whole trace (seen at
+    load 6: the per_token kill test's temporary opened). It was never committed and `recover` sweeps
+    it, so the reader refuses it by name, whole or not, and says what to do."""
+    rec = make_recorder("per_token", tmp_path / "run", segment_seconds=0)
+    rec.start_record()
+    feed(rec, 0)
+    rec.stop_record()
+    whole = rec.dump_record(tmp_path / "t.h5")
+    dead = tmp_path / f".t.h5.tmp-{socket.gethostname()}-999999999-0123abcd"
+    live = tmp_path / f".t.h5.tmp-{socket.gethostname()}-{os.getpid()}-0123abcd"
+    for path in (dead, live):
+        shutil.copy(whole, path)
+    with pytest.raises(TraceError, match=r"no longer running: .*`moetrace recover "):
+        open_trace(dead)
+    with pytest.raises(TraceError, match="is still running: wait for it to finish"):
+        open_trace(live)
+    monkeypatch.setattr("moetrace.trace.reader.parse_temporary", lambda path: None)  # negative control
+    with open_trace(dead) as trace:
+        assert trace.num_passes().tolist() == [1]
 
 
 def test_per_pass_sigkill_recovers_exact_contiguous_passes(tmp_path):
