@@ -13,8 +13,9 @@ making the script exit 1. Cases run case-major (case 0 of every kind, then case 
 results file is rewritten every ``--flush`` seconds, so a run stopped early still reports evenly
 over the kinds.
 
-Run: ``.venv/bin/python benchmarks/fuzz_commands.py [--cases 91] [--workers 2] [--bound 300]``
-(``make fuzz``). Writes ``benchmarks/results/fuzz_commands.json``: cases, outcome counts per
+Run: ``.venv/bin/python benchmarks/fuzz_commands.py [--cases 91] [--workers 2] [--bound 300] [--kinds stat,per_pass]``
+(``make fuzz``). Writes ``benchmarks/results/fuzz_commands.json`` (``fuzz_commands-<kinds>.json`` with
+``--kinds``): cases, outcome counts per
 command and kind, the slowest run per command, wall time, failures.
 """
 
@@ -50,7 +51,8 @@ def _summary(results: dict, started: float, args: argparse.Namespace, replaced: 
         per_command[command].update(counts)
     return {
         "complete": done,
-        "command": f"{sys.executable} benchmarks/fuzz_commands.py --cases {args.cases} --first-case {args.first_case} --workers {args.workers} --bound {args.bound}",
+        "command": f"{sys.executable} benchmarks/fuzz_commands.py --cases {args.cases} --first-case {args.first_case} --kinds {args.kinds} "
+                   f"--workers {args.workers} --bound {args.bound}",
         "seed": SEED, "bound_s": args.bound, "workers": args.workers, "cases_per_kind": args.cases,
         "damaged_files": len(files), "runs": sum(1 for (_, case, _) in results if case >= 0),
         "wall_s": round(time.monotonic() - started, 1), "workers_replaced": replaced,
@@ -70,13 +72,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--quick", action="store_true", help="4 files per kind")
     parser.add_argument("--first-case", type=int, default=0,
                         help="skip the damaged files of cases below this (resume a run that stopped; its seeds are unchanged)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated kinds to damage (default every one: {','.join(KINDS)})")
     args = parser.parse_args(argv)
+    kinds = [k for k in args.kinds.split(",") if k]
+    if set(kinds) - set(KINDS):
+        parser.error(f"unknown kinds {sorted(set(kinds) - set(KINDS))}; choose from {','.join(KINDS)}")
     if args.quick:
         args.cases = 4
+    name = "fuzz_commands" if kinds == list(KINDS) else "fuzz_commands-" + "-".join(kinds)  # a run of some kinds keeps its own results
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="moetrace-fuzz-") as tmp:
-        sources = build_sources(Path(tmp) / "sources")
-        tasks = _case_major([t for t in tasks_for(KINDS, args.cases) if t.case < 0 or t.case >= args.first_case])
+        sources = build_sources(Path(tmp) / "sources", kinds)
+        tasks = _case_major([t for t in tasks_for(kinds, args.cases) if t.case < 0 or t.case >= args.first_case])
         results: dict = {}
         with Pool(sources, Path(tmp) / "workers", workers=args.workers, bound_s=args.bound, seed=SEED) as pool:
             last = time.monotonic()
@@ -84,10 +91,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             for at in range(0, len(tasks), batch):  # in batches, to flush partial results
                 results.update(pool.run(tasks[at : at + batch]))
                 if time.monotonic() - last > args.flush:
-                    write_results("fuzz_commands", _summary(results, started, args, pool.replaced, done=False))
+                    write_results(name, _summary(results, started, args, pool.replaced, done=False))
                     last = time.monotonic()
             summary = _summary(results, started, args, pool.replaced, done=True)
-    path = write_results("fuzz_commands", summary)
+    path = write_results(name, summary)
     print(f"{summary['damaged_files']} damaged files, {summary['runs']} command runs in {summary['wall_s']} s: "
           f"{summary['per_command']}; slowest {summary['slowest_s']}; {summary['failure_count']} failures -> {path}")
     return summary

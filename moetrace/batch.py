@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .pass_phase import PASS_PHASES, UNKNOWN
+from .pass_phase import PASS_PHASES, REQUESTS_RULE, UNKNOWN, requests_allowed
 
 __all__ = ["BATCH_PHASES", "BatchError", "PassBatch"]
 
@@ -81,6 +81,12 @@ class PassBatch:
     prefill: np.ndarray
     phase: str
     num_rows: int
+
+    def __post_init__(self) -> None:
+        """A batch built directly (not through :meth:`of`) still keeps the phase/request rule."""
+        if self.phase not in BATCH_PHASES or not requests_allowed(PASS_PHASES.index(self.phase), self.num_requests):
+            raise BatchError(f"`phase` {self.phase!r} with {self.num_requests} requests: {REQUESTS_RULE}; "
+                             "build the batch with PassBatch.of (it derives the phase from the rows) or PassBatch.idle")
 
     @classmethod
     def of(

@@ -62,7 +62,7 @@ from .dump import (
     streamed_schema,
 )
 from .graphs import is_capturing
-from .pass_phase import UNKNOWN, pass_phase_code
+from .pass_phase import UNKNOWN, pass_phase_code, pass_requests
 from .session import RecordingSession, Staged
 from .snapshot import RecorderSnapshot, SnapshotChannel
 from .timing import (
@@ -277,13 +277,19 @@ class ExpertDistributionRecorder:
 
         ``phase``: a name of :data:`moetrace.pass_phase.PASS_PHASES` (``prefill``, ``decode``,
         ``mixed``, ``idle``; ``unknown`` when nobody calls this) or its code; ``num_requests``:
-        requests in the pass's batch (-1: unknown). Not the timing phases of :meth:`with_phase`.
+        requests in the pass's batch (-1: unknown; an ``idle`` pass has 0, given or not). Not the timing
+        phases of :meth:`with_phase`.
         Host state only (no device op): the adapter calls it once per pass from the batch it holds
         on the host, outside any CUDA graph; the pass end, which runs for every pass (a graph
         replay included), counts the pass into this phase and resets it to ``unknown``.
+
+        Raises:
+            ValueError: an unknown phase, or a count that breaks :data:`moetrace.pass_phase.REQUESTS_RULE`
+                (0 requests in a non-idle pass, requests in an idle one, below -1).
         """
-        self._pass_phase = pass_phase_code(phase)
-        self._pass_requests = int(num_requests)
+        code = pass_phase_code(phase)
+        self._pass_requests = pass_requests(code, num_requests)
+        self._pass_phase = code
 
     def with_current_layer(self, layer_idx: int) -> _LayerScope:
         """Set the MoE layer (compact index ``0..L-1``) that hooks in the block count into."""
@@ -796,7 +802,7 @@ class NoOpRecorder:
         return _UNTIMED
 
     def set_pass_phase(self, phase: str | int, num_requests: int = -1) -> None:
-        return None
+        pass_requests(pass_phase_code(phase), num_requests)  # refuses what a configured recorder would
 
     def on_select_experts(self, topk_ids: torch.Tensor, layer: int | None = None) -> None:
         return None

@@ -46,12 +46,15 @@ SGLANG_PASS_PHASES = {
 
 
 def sglang_pass_phase(forward_batch: Any) -> tuple[str, int]:
-    """``(pass phase, requests)`` of an SGLang ``ForwardBatch`` (``("unknown", -1)`` without one); host fields only."""
+    """``(pass phase, requests)`` of an SGLang ``ForwardBatch`` (``("unknown", -1)`` without one; requests -1 when the
+    batch gives no positive count, 0 for an idle pass); host fields only."""
     mode = getattr(forward_batch, "forward_mode", None)
     if mode is None:
         return "unknown", -1
-    requests = getattr(forward_batch, "batch_size", -1)
-    return SGLANG_PASS_PHASES.get(getattr(mode, "name", ""), "unknown"), requests if isinstance(requests, int) else -1
+    phase, requests = SGLANG_PASS_PHASES.get(getattr(mode, "name", ""), "unknown"), getattr(forward_batch, "batch_size", -1)
+    if phase == "idle":  # no requests of its own (moetrace.pass_phase.REQUESTS_RULE)
+        return phase, 0
+    return phase, requests if isinstance(requests, int) and requests >= 1 else -1
 
 
 logger = logging.getLogger(__name__)

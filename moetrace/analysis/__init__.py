@@ -7,8 +7,7 @@ the recorder does not pull in rich or matplotlib.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy_attributes
 
 __all__ = ["AnalysisReport", "analyze_trace", "ep_projection", "plot_report"]
 
@@ -19,8 +18,4 @@ _LAZY = {
     "plot_report": "plots",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -18,8 +18,7 @@ Modules: ``checks`` (sizes and refusals), ``plan`` (the planner), ``eplb`` (the 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy_attributes
 
 __all__ = [
     "PassSeries",
@@ -55,8 +54,4 @@ _LAZY = {
     "write_sglang_plan": "sglang_plan",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

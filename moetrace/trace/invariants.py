@@ -13,7 +13,11 @@ merged trace, else 1), ``L`` MoE layers, ``P`` physical / ``E`` logical experts,
 - :func:`check_stat` (the first time ``/stat`` or ``/window`` is read): logical counts
   equal the physical counts summed through the map; each layer's assignments (experts +
   invalid ids) at most ``tokens x k``, and with padding a multiple of ``k``; the window within the totals, its pass ids
-  increasing and its timestamps non-decreasing.
+  increasing and its timestamps non-decreasing; :func:`check_pass_requests` on its slots.
+- :func:`check_pass_requests` (the window, and ``/passes`` as it is iterated): each pass's request
+  count against its pass phase (:data:`moetrace.pass_phase.REQUESTS_RULE`), empty window slots
+  phase ``unknown`` with -1: a run of ``-1`` turned into ``0``, which HDF5's Fletcher-32 cannot
+  see, breaks it.
 - :class:`RowOrder` (as ``/passes`` and ``/tokens`` are iterated) and
   :func:`check_timing_rows`: pass ids non-decreasing, timestamps non-decreasing per rank.
 - :func:`check_rows_against_stat` (``moetrace verify``; it reads every row): ``/passes``
@@ -30,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..ids import to_logical
-from ..pass_phase import PASS_PHASES
+from ..pass_phase import PASS_PHASES, REQUESTS_RULE, UNKNOWN, requests_allowed
 from .schema import (
     MERGED_RANKS_ATTR,
     PADDING_IDS,
@@ -45,7 +49,8 @@ from .schema import (
 #: An open :class:`moetrace.trace.reader.Trace` (not imported: the reader imports this module).
 OpenTrace = Any
 
-__all__ = ["CHECK_CHUNK_BYTES", "RowOrder", "check_layout", "check_rows_against_stat", "check_stat", "check_timing_rows", "violation"]
+__all__ = ["CHECK_CHUNK_BYTES", "RowOrder", "check_layout", "check_pass_requests", "check_rows_against_stat", "check_stat", "check_timing_rows",
+           "violation"]
 
 
 
@@ -226,6 +231,9 @@ def _check_window(trace: OpenTrace, physical: np.ndarray, tokens: np.ndarray | N
             raise violation(trace.path, f"/{Data.WINDOW_PHYSICAL_COUNT}", f"rank row {r}, layer {trace.layers[layer]}, expert slot {p}: {int(in_window[layer, p])} in the window, more than the /{Data.STAT_PHYSICAL_COUNT} total {int(physical[r, layer, p])}")
         if (counts[r, n:] != 0).any():
             raise violation(trace.path, f"/{Data.WINDOW_PHYSICAL_COUNT}", f"rank row {r}: counts in the {pass_id.shape[1] - n} empty slots")
+    if trace.has(Data.WINDOW_NUM_REQUESTS):
+        phase = trace._read(Data.WINDOW_PASS_PHASE) if trace.has(Data.WINDOW_PASS_PHASE) else np.zeros(pass_id.shape, np.int8)
+        check_pass_requests(trace.path, Data.WINDOW_NUM_REQUESTS, phase, trace._read(Data.WINDOW_NUM_REQUESTS), pass_id)
 
 
 class RowOrder:
@@ -276,6 +284,29 @@ def check_request_rows(path: Path | str, row: int, request: np.ndarray, position
         at = int(np.argmax(bad))
         raise violation(path, f"/{Data.TOKENS_REQUEST}", f"row {row + at}: request {int(request[at])} at position {int(position[at])}, "
                         f"but /{Data.REQUEST_TABLE_ID} holds {table_size} ids (-1 and position -1: no request)")
+
+
+def check_pass_requests(path: Path | str, name: str, phase: np.ndarray, requests: np.ndarray, pass_id: np.ndarray | None = None, row: int = 0) -> None:
+    """Passes' request counts against their phases: ``requests`` and ``phase`` ``[n]`` (``/passes`` rows
+    ``row ..``) or ``[R, W]`` (window slots, with ``pass_id [R, W]``: an empty slot, pass id -1, holds
+    phase ``unknown`` and -1). ``name``: the request dataset, for the message.
+
+    Raises:
+        TraceDamageError: naming the first pass (or slot) that breaks :data:`moetrace.pass_phase.REQUESTS_RULE`.
+    """
+    bad = ~requests_allowed(phase, requests)
+    if pass_id is not None:
+        bad = np.where(pass_id < 0, (phase != UNKNOWN) | (requests != -1), bad)
+    if not bad.any():
+        return
+    at = np.unravel_index(int(np.argmax(bad)), bad.shape)
+    code = int(phase[at])
+    what = PASS_PHASES[code] if 0 <= code < len(PASS_PHASES) else f"code {code} (no pass phase)"
+    if pass_id is None:
+        where, rule = f"row {row + int(at[0])}", REQUESTS_RULE
+    else:
+        where, rule = f"rank row {int(at[0])}, slot {int(at[1])} (pass id {int(pass_id[at])})", f"{REQUESTS_RULE}; an empty slot (pass id -1) unknown and -1"
+    raise violation(path, f"/{name}", f"{where}: {int(requests[at])} requests in a pass of phase {what}, but {rule}")
 
 
 def check_timing_rows(path: Path | str, rows: dict[str, np.ndarray]) -> None:

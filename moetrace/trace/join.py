@@ -16,6 +16,7 @@ import numpy as np
 
 from .guarded import open_hdf5
 from .integrity import reading
+from .pass_requests import check_stored_requests
 from .ranks import read_layouts
 from .reader import open_trace
 from .request_table import append_request_tables, check_rows, shift_requests
@@ -65,6 +66,8 @@ def concat_segments(
     files = [open_hdf5(p) for p in paths]
     try:
         _check_same(paths, files)
+        for f in files:  # copied without the reader's checks
+            check_stored_requests(f)
         first = files[0]
         with reading(paths[0], "/layers, /physical_to_logical and /ranks"):
             header = TraceHeader.of_attrs(dict(first.attrs), np.asarray(first[Data.LAYERS][()]), np.asarray(first[Data.PHYSICAL_TO_LOGICAL][()]), layouts=read_layouts(first))

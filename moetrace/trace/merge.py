@@ -36,6 +36,7 @@ import numpy as np
 from ..layout import RankLayout
 from .guarded import open_hdf5
 from .integrity import reading
+from .pass_requests import check_stored_requests
 from .ranks import read_layouts
 from .reader import open_trace
 from .request_table import append_request_tables, check_rows, shift_requests
@@ -271,6 +272,8 @@ def _write_merged(ordered: list[Path], ranks: list[int], attrs: dict[str, object
                                   layouts=tuple(layouts) if len(layouts) == len(ordered) else ())
     files = [open_hdf5(p) for p in ordered]
     try:
+        for f in files:  # request counts the window restack and the pass stream move unchecked otherwise
+            check_stored_requests(f)
         with TraceWriter(out, header) as writer:
             _stack_static(files, "stat", writer)
             _stack_static(files, "window", writer)

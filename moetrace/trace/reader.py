@@ -462,6 +462,7 @@ class Trace:
             n = len(rows["pass_id"])
             rows["pass_phase"] = self._slice_or(Data.PASSES_PASS_PHASE, start, n, 0, np.int8)
             rows["num_requests"] = self._slice_or(Data.PASSES_NUM_REQUESTS, start, n, -1, np.int32)
+            invariants.check_pass_requests(self.path, Data.PASSES_NUM_REQUESTS, rows["pass_phase"], rows["num_requests"], row=start)
             keep = _keep_phase(keep, rows["pass_phase"], phase)
             if keep is not None:
                 rows = {n: a[keep] for n, a in rows.items()}

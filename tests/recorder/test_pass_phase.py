@@ -193,7 +193,7 @@ def test_hooks_with_pass_phases_have_no_host_sync_and_the_check_can_fail(tmp_pat
         try:
             with assert_no_host_sync():
                 for i in range(10):  # wraps the window and hands chunks to the writer
-                    recorder.set_pass_phase(PASS_PHASES[1 + i % 4], num_requests=i)
+                    recorder.set_pass_phase(PASS_PHASES[1 + i % 4], num_requests=0 if i % 4 == 3 else i + 1)  # idle: none
                     with recorder.with_forward_pass():
                         for layer in range(3):
                             with recorder.with_current_layer(layer):
