@@ -66,8 +66,9 @@ demo: $(STAMP)
 	$(BIN)/moetrace demo
 
 # `make test`: ruff and the core suite start as soon as .venv is built and run while the three engine
-# virtualenvs build beside them (pip mostly waits on the network and the disk); the engine suites then
-# run one after another (each starts engines that want both cores). A failure stops what has not
+# virtualenvs build beside them (pip mostly waits on the network and the disk); the Megatron suite (two
+# small gloo ranks) runs beside the core suite once its virtualenv is there; the vLLM and SGLang suites
+# then run one after another (each starts engines bound to both cores). A failure stops what has not
 # started; the `ci-*` targets are these steps, chained by order-only prerequisites.
 test:
 	$(MAKE) -j4 ci-sglang
@@ -76,10 +77,10 @@ ci-core: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
-ci-megatron: $(MEGATRON_STAMP) | ci-core
+ci-megatron: $(MEGATRON_STAMP)
 	$(MAKE) --no-print-directory test-megatron
 
-ci-vllm: $(VLLM_STAMP) | ci-megatron
+ci-vllm: $(VLLM_STAMP) | ci-core ci-megatron
 	$(MAKE) --no-print-directory test-vllm
 
 ci-sglang: $(SGLANG_STAMP) | ci-vllm
