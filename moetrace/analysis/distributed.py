@@ -49,6 +49,7 @@ from ..layout import RankLayout, counted_rows
 from ..placement.series import PassSeries
 from ..trace.guarded import open_hdf5
 from ..trace.integrity import reading
+from ..trace.invariants import TokenTally
 from ..trace.merge import merge_traces
 from ..trace.reader import PassChunk, TokenChunk, Trace, open_trace
 from ..trace.schema import (
@@ -116,6 +117,9 @@ class Partial:
         window_counts: ``[K, L, P]`` counts per window touched.
         window_tokens: ``[K]`` tokens per window touched.
         coactivation: co-activation and transitions (``per_token`` only).
+        tallies: per file, every ``/tokens`` row read (all ranks, all layers) counted for the
+            comparison with that file's ``/stat`` once the partials of all its rows are added
+            (:class:`~moetrace.trace.invariants.TokenTally`; ``per_token`` only).
     """
 
     total: np.ndarray
@@ -123,6 +127,7 @@ class Partial:
     window_counts: np.ndarray
     window_tokens: np.ndarray
     coactivation: CoactivationAccumulator | None
+    tallies: dict[str, TokenTally] = dataclasses.field(default_factory=dict)
 
     def merge(self, other: Partial) -> Partial:
         """The partial of both row sets (a new object; windows are aligned by index)."""
@@ -139,7 +144,10 @@ class Partial:
             co = dataclasses.replace(co)  # a fresh accumulator of the same shape, then both added
             co.merge(self.coactivation)  # type: ignore[arg-type]
             co.merge(other.coactivation)
-        return Partial(self.total + other.total, first, counts, tokens, co)
+        tallies = dict(self.tallies)
+        for path, tally in other.tallies.items():
+            tallies[path] = tallies[path].merge(tally) if path in tallies else tally
+        return Partial(self.total + other.total, first, counts, tokens, co, tallies)
 
 
 def _rows(file: h5py.File, path: str, group: str, names: Sequence[str], start: int, stop: int) -> dict[str, np.ndarray]:
@@ -162,12 +170,18 @@ def task_partial(task: Task, ctx: _Context) -> Partial:
     tokens = np.zeros(0, dtype=np.int64)
     first = -1
     group = STREAM_GROUP[task.mode]
+    tallies: dict[str, TokenTally] = {}
     with reading(task.path), open_hdf5(task.path) as f:
+        if task.mode == "per_token" and Data.STAT_PHYSICAL_COUNT in f:
+            tallies[task.path] = TokenTally(task.path, f[Data.STAT_PHYSICAL_COUNT].shape)
         for start in range(task.start, task.stop, ctx.chunk_rows):
             stop = min(start + ctx.chunk_rows, task.stop)
             rows = _rows(f, task.path, group, TOKEN_FIELDS if task.mode == "per_token" else PASS_FIELDS, start, stop)
-            if task.ranks is not None:
-                keep = np.isin(np.asarray(f[dataset(group, "rank")][start:stop]), task.ranks)
+            ranks = _rows(f, task.path, group, ["rank"], start, stop)["rank"] if dataset(group, "rank") in f else None
+            if tallies:  # every row, before the counted-rank filter
+                tallies[task.path].add(rows["topk_ids"], ranks)
+            if task.ranks is not None and ranks is not None:
+                keep = np.isin(ranks, task.ranks)
                 rows = {n: a[keep] for n, a in rows.items()}
             if task.mode == "per_token":
                 chunk = TokenChunk(**rows)
@@ -192,7 +206,7 @@ def task_partial(task: Task, ctx: _Context) -> Partial:
     if counts is None:
         counts = np.zeros((0, num_layers, ctx.num_physical), dtype=np.int64)
         first = 0
-    return Partial(total, first, counts, tokens, co)
+    return Partial(total, first, counts, tokens, co, tallies)
 
 
 def _last_pass(file: h5py.File, task: Task) -> int:
@@ -545,6 +559,9 @@ def _fold(inputs: _Inputs, tasks: list[Task], per_window: Callable[[int], int], 
                         folded.distinct[::n].copy(), chunk_rows, coactivation)
 
     _, folded.total = _run_local(tasks, context, progress) if client is None else _run_dask(client, tasks, context)
+    for path, tally in (folded.total.tallies if folded.total is not None else {}).items():
+        with open_trace(path) as trace:  # every row of the file added: held to its /stat, as Trace.iter_tokens does
+            tally.check(trace)
     return folded
 
 

@@ -232,10 +232,15 @@ def _check_same(what: str, a: Any, b: Any, hint: str) -> None:
         raise DivergenceError(f"the two inputs have different {what} ({a!r} vs {b!r}); {hint}")
 
 
-def _trace_keys(trace: Any) -> np.ndarray:
-    """One int64 key per ``/tokens`` row: pass id, rank (merged traces) and position."""
-    pass_id = trace.read_tokens("pass_id").astype(np.int64)
-    position = trace.read_tokens("position").astype(np.int64)
+def _trace_keys(trace: Any, chunk: int) -> np.ndarray:
+    """One int64 key per ``/tokens`` row: pass id, rank (merged traces) and position.
+
+    Read through :meth:`Trace.iter_tokens`, so every row is also held to ``/stat`` before any is
+    compared (the ids are then read again, only the matched rows).
+    """
+    parts = [(c.pass_id.astype(np.int64), c.position.astype(np.int64)) for c in trace.iter_tokens(chunk)]
+    pass_id = np.concatenate([np.zeros(0, np.int64), *(p for p, _ in parts)])
+    position = np.concatenate([np.zeros(0, np.int64), *(q for _, q in parts)])
     rank = trace.read_tokens("rank").astype(np.int64) if trace.has(Data.TOKENS_RANK) else np.zeros_like(pass_id)
     return (pass_id << 40) | (rank << 32) | position
 
@@ -252,7 +257,7 @@ def _diff_traces(path_a: Path, path_b: Path, ignore_model: bool, chunk: int) -> 
         _check_same("top_k", ta.top_k, tb.top_k, "routes of different top-k cannot be compared")
         _check_same("MoE layers (model layer ids)", ta.layers.tolist(), tb.layers.tolist(), "the traces come from different models or layer layouts")
         _check_same("logical expert counts (id spaces)", ta.num_logical_experts, tb.num_logical_experts, "the traces come from different models")
-        keys_a, keys_b = _trace_keys(ta), _trace_keys(tb)
+        keys_a, keys_b = _trace_keys(ta, chunk), _trace_keys(tb, chunk)
         for trace, keys in ((ta, keys_a), (tb, keys_b)):
             if np.unique(keys).size != keys.size:
                 raise DivergenceError(f"{trace.path}: (pass, rank, position) repeats; a merged trace needs its rank column")

@@ -20,8 +20,14 @@ merged trace, else 1), ``L`` MoE layers, ``P`` physical / ``E`` logical experts,
   see, breaks it.
 - :class:`RowOrder` (as ``/passes`` and ``/tokens`` are iterated) and
   :func:`check_timing_rows`: pass ids non-decreasing, timestamps non-decreasing per rank.
+- :class:`TokenTally` (every full read of ``/tokens``: :meth:`Trace.iter_tokens` and the row-range
+  tasks of :mod:`moetrace.analysis.distributed`): the ids counted per rank, layer and slot equal
+  ``/stat/physical_count`` (``-2``: ``/stat/invalid_ids``) once the last row is read, so a zeroed
+  ``0xFFFF`` word of ids (two int8 or one int16 ``-1`` read as expert 0), which Fletcher-32 cannot
+  see, is refused by every command that reads the rows.
 - :func:`check_rows_against_stat` (``moetrace verify``; it reads every row): ``/passes``
-  sums or ``/tokens`` counts per rank equal the ``/stat`` totals exactly.
+  sums or ``/tokens`` counts per rank equal the ``/stat`` totals exactly (:func:`compare_with_stat`),
+  and so do each pass phase's.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import numpy as np
 
 from ..ids import to_logical
 from ..pass_phase import PASS_PHASES, REQUESTS_RULE, UNKNOWN, requests_allowed
+from .integrity import reading
 from .schema import (
     MERGED_RANKS_ATTR,
     PADDING_IDS,
@@ -49,8 +56,8 @@ from .schema import (
 #: An open :class:`moetrace.trace.reader.Trace` (not imported: the reader imports this module).
 OpenTrace = Any
 
-__all__ = ["CHECK_CHUNK_BYTES", "RowOrder", "check_layout", "check_pass_requests", "check_rows_against_stat", "check_stat", "check_timing_rows",
-           "violation"]
+__all__ = ["CHECK_CHUNK_BYTES", "RowOrder", "TokenTally", "check_layout", "check_pass_requests", "check_rows_against_stat", "check_stat",
+           "check_timing_rows", "compare_totals", "compare_with_stat", "violation"]
 
 
 
@@ -318,6 +325,101 @@ def check_timing_rows(path: Path | str, rows: dict[str, np.ndarray]) -> None:
         RowOrder(path, "timing").check(rows["pass_id"])
 
 
+class TokenTally:
+    """``/tokens/topk_ids`` counted as the rows are read, first to last, for the comparison with ``/stat``.
+
+    HDF5's Fletcher-32 sums 16-bit words mod 65535, so a word ``0xFFFF`` zeroed keeps its chunk's
+    checksum: int8 ids ``[-1, -1]`` or one int16 ``-1`` read as expert 0. Every row adds its ids to
+    ``counted [R, L, P]`` (int64, per ``/stat`` rank row, layer and slot) and its ``-2`` to ``bad [R, L]``;
+    once every row has been added, :meth:`check` compares them with ``/stat/physical_count`` and
+    ``/stat/invalid_ids`` exactly (``/stat`` counts exactly the passes whose rows the file holds, those
+    dropped with ``on_overflow="drop"`` in neither). Additive (:meth:`merge`), so row ranges read
+    apart add up too. Memory: the accumulators and one chunk of keys.
+    """
+
+    def __init__(self, path: Path | str, shape: tuple[int, int, int]) -> None:
+        self.path, self.rows = path, 0
+        self.counted = np.zeros(shape, np.int64)
+        self.bad = np.zeros(shape[:2], np.int64)
+
+    @classmethod
+    def of(cls, trace: OpenTrace) -> TokenTally | None:
+        """A tally for ``trace``'s ``/tokens`` (``None``: the trace has no rows or no ``/stat`` to hold them to)."""
+        shape = trace.shape(Data.STAT_PHYSICAL_COUNT)
+        if not trace.has(Data.TOKENS_TOPK_IDS) or shape is None:
+            return None
+        return cls(trace.path, shape)
+
+    def add(self, ids: np.ndarray, ranks: np.ndarray | None) -> None:
+        """Rows ``ids [M, L, k]`` of ``/stat`` rank rows ``ranks [M]`` (``None``: a per-rank file, row 0).
+
+        Raises:
+            TraceDamageError: an id outside ``-2..P-1`` or a rank outside the ``/stat`` rows.
+        """
+        R, L, P = self.counted.shape
+        ids = ids.astype(np.int64)
+        ranks = np.zeros(len(ids), np.int64) if ranks is None else ranks.astype(np.int64)
+        if len(ranks) and (ranks.min() < 0 or ranks.max() >= R):
+            raise violation(self.path, f"/{Data.TOKENS_RANK}", f"ranks {int(ranks.min())}..{int(ranks.max())} outside 0..{R - 1}")
+        if ids.size and (ids.max() >= P or ids.min() < -2):
+            raise violation(self.path, f"/{Data.TOKENS_TOPK_IDS}", f"ids {int(ids.min())}..{int(ids.max())} outside -2..{P - 1}")
+        row = ranks[:, None, None] * L + np.arange(L)[None, :, None]  # [M, L, 1]
+        self.counted += np.bincount((row * P + ids)[ids >= 0], minlength=R * L * P).reshape(R, L, P)
+        self.bad += np.bincount(np.broadcast_to(row, ids.shape)[ids == -2], minlength=R * L).reshape(R, L)
+        self.rows += len(ids)
+
+    def merge(self, other: TokenTally) -> TokenTally:
+        """The tally of both row sets (a new object)."""
+        out = TokenTally(self.path, self.counted.shape)  # type: ignore[arg-type]
+        out.counted, out.bad, out.rows = self.counted + other.counted, self.bad + other.bad, self.rows + other.rows
+        return out
+
+    def check(self, trace: OpenTrace) -> None:
+        """Every row of ``trace`` (an open :class:`Trace`) added: the tally against its ``/stat`` (:func:`compare_with_stat`).
+
+        Raises:
+            TraceDamageError: naming the dataset and the figures.
+            ValueError: fewer or more rows added than the trace holds (a partial read cannot check).
+        """
+        self._complete(trace.num_rows(Data.TOKENS_TOPK_IDS))
+        compare_with_stat(trace, Data.TOKENS, self.counted, self.bad)
+
+    def check_file(self, file: Any) -> None:
+        """The same for an open ``h5py.File`` (``merge`` and the segment join move rows without the reader)."""
+        self._complete(file[Data.TOKENS_TOPK_IDS].shape[0])
+        with reading(self.path, f"/{Data.STAT}"):
+            physical, layers = np.asarray(file[Data.STAT_PHYSICAL_COUNT][()]), np.asarray(file[Data.LAYERS][()])
+            invalid = np.asarray(file[Data.STAT_INVALID_IDS][()]) if Data.STAT_INVALID_IDS in file else None
+        compare_totals(self.path, layers, Data.TOKENS, (self.counted, self.bad), (physical, invalid))
+
+    def _complete(self, rows: int) -> None:
+        if self.rows != rows:
+            raise ValueError(f"{self.path}: {self.rows} of {rows} /tokens rows were added; only a read of every row can be checked")
+
+
+def compare_with_stat(trace: OpenTrace, group: str, counted: np.ndarray, bad: np.ndarray) -> None:
+    """The streamed rows of ``group`` added up, ``counted [R, L, P]`` and invalid ids ``bad [R, L]``,
+    against ``trace``'s ``/stat/physical_count`` and ``/stat/invalid_ids`` (:func:`compare_totals`)."""
+    invalid = trace._read(Data.STAT_INVALID_IDS) if trace.has(Data.STAT_INVALID_IDS) else None
+    compare_totals(trace.path, trace.layers, group, (counted, bad), (trace._read(Data.STAT_PHYSICAL_COUNT), invalid))
+
+
+def compare_totals(path: Path | str, layers: np.ndarray, group: str, rows: tuple[np.ndarray, np.ndarray],
+                   stat: tuple[np.ndarray, np.ndarray | None]) -> None:
+    """Rows added up ``(counted [R, L, P], bad [R, L])`` against ``/stat`` ``(physical_count, invalid_ids or None)``, exactly.
+
+    Raises:
+        TraceDamageError: naming the dataset and the first figures that differ.
+    """
+    (counted, bad), (physical, invalid) = rows, stat
+    if not np.array_equal(counted, physical):
+        r, layer, p = np.argwhere(counted != physical)[0]
+        raise violation(path, f"/{Data.STAT_PHYSICAL_COUNT}", f"rank row {r}, layer {layers[layer]}, expert slot {p}: total {int(physical[r, layer, p])}, but the /{group} rows add up to {int(counted[r, layer, p])}")
+    if invalid is not None and not np.array_equal(bad, invalid):
+        r, layer = np.argwhere(bad != invalid)[0]
+        raise violation(path, f"/{Data.STAT_INVALID_IDS}", f"rank row {r}, layer {layers[layer]}: total {int(invalid[r, layer])}, but the /{group} rows hold {int(bad[r, layer])}")
+
+
 #: Bytes of streamed rows :func:`check_rows_against_stat` reads at once (a 72-rank DeepSeek-V3 ``per_pass``
 #: trace is 67 KB a row: a fixed row count would hold gigabytes).
 CHECK_CHUNK_BYTES = 32 << 20
@@ -325,9 +427,10 @@ CHECK_CHUNK_BYTES = 32 << 20
 
 def check_rows_against_stat(trace: OpenTrace, chunk_bytes: int = CHECK_CHUNK_BYTES,
                             progress: Callable[[int], None] | None = None) -> None:
-    """Every streamed row, summed per rank, against the ``/stat`` totals (exact).
+    """Every streamed row, summed per rank, against the ``/stat`` totals (exact), and each pass phase's.
 
     Reads ``chunk_bytes`` of rows at a time (at least one row); ``progress(rows)`` after each read.
+    ``/tokens`` rows are added up by :meth:`Trace.iter_tokens` itself (:class:`TokenTally`).
 
     Raises:
         TraceDamageError: naming the dataset and the figures.
@@ -335,52 +438,35 @@ def check_rows_against_stat(trace: OpenTrace, chunk_bytes: int = CHECK_CHUNK_BYT
     group = STREAM_GROUP.get(trace.mode)
     if group is None or not trace.has(Data.STAT_PHYSICAL_COUNT) or not trace.has(dataset(group, "pass_id")):
         return
-    physical = trace._read(Data.STAT_PHYSICAL_COUNT).astype(np.int64)  # [R, L, P]
-    invalid = trace._read(Data.STAT_INVALID_IDS).astype(np.int64) if trace.has(Data.STAT_INVALID_IDS) else None
-    R, L, P = physical.shape
-    counted = np.zeros_like(physical)
+    R, L, P = trace.shape(Data.STAT_PHYSICAL_COUNT)
     phases = _PhaseSums(trace, group)
-    bad = np.zeros((R, L), np.int64)
     multi = trace.has(dataset(group, "rank"))
     at = 0
-
-    def ranks_of(n: int) -> np.ndarray:
-        ranks = trace._slice(dataset(group, "rank"), at, n).astype(np.int64) if multi else np.zeros(n, np.int64)
-        if len(ranks) and (ranks.min() < 0 or ranks.max() >= R):
-            raise violation(trace.path, f"/{group}/rank", f"ranks {int(ranks.min())}..{int(ranks.max())} outside 0..{R - 1}")
-        return ranks
-
     advance = progress if progress is not None else (lambda rows: None)
     if group == Data.PASSES:
+        counted, bad = np.zeros((R, L, P), np.int64), np.zeros((R, L), np.int64)
         for part in trace.iter_passes(max(1, chunk_bytes // (L * P * 8))):  # int64 sums of [rows, L, P]
-            ranks = ranks_of(len(part.pass_id))
-            at += len(ranks)
+            n = len(part.pass_id)
+            ranks = trace._slice(dataset(group, "rank"), at, n).astype(np.int64) if multi else np.zeros(n, np.int64)
+            if n and (ranks.min() < 0 or ranks.max() >= R):
+                raise violation(trace.path, f"/{group}/rank", f"ranks {int(ranks.min())}..{int(ranks.max())} outside 0..{R - 1}")
+            at += n
             for r in np.unique(ranks):
                 mine = ranks == r
                 counted[r] += part.physical_count[mine].sum(axis=0, dtype=np.int64)
                 bad[r] += part.invalid_ids[mine].sum(axis=0, dtype=np.int64)
                 phases.add_passes(r, part.pass_phase, mine, part.physical_count)
-            advance(len(ranks))
+            advance(n)
+        compare_with_stat(trace, group, counted, bad)
     else:
         for part in trace.iter_tokens(max(1, chunk_bytes // (L * trace.top_k * 8 * 4))):  # ids, keys, rows as int64
-            ranks = ranks_of(len(part.pass_id))
-            at += len(ranks)
-            ids = part.topk_ids.astype(np.int64)  # [M, L, k]
-            if (ids >= P).any() or (ids < -2).any():
-                raise violation(trace.path, f"/{Data.TOKENS_TOPK_IDS}", f"ids {int(ids.min())}..{int(ids.max())} outside -2..{P - 1}")
-            key = (ranks[:, None, None] * L + np.arange(L)[None, :, None]) * P + ids
-            counted += np.bincount(key[ids >= 0], minlength=R * L * P).reshape(R, L, P)
-            phases.add_tokens(ranks, part.pass_phase, ids)
-            row = np.broadcast_to(ranks[:, None, None] * L + np.arange(L)[None, :, None], ids.shape)
-            bad += np.bincount(row[ids == -2], minlength=R * L).reshape(R, L)
-            advance(len(ranks))
-    if not np.array_equal(counted, physical):
-        r, layer, p = np.argwhere(counted != physical)[0]
-        raise violation(trace.path, f"/{Data.STAT_PHYSICAL_COUNT}", f"rank row {r}, layer {trace.layers[layer]}, expert slot {p}: total {int(physical[r, layer, p])}, but the /{group} rows add up to {int(counted[r, layer, p])}")
+            n = len(part.pass_id)
+            if phases.rows is not None:  # the rank column was checked by iter_tokens' tally
+                ranks = trace._slice(dataset(group, "rank"), at, n).astype(np.int64) if multi else np.zeros(n, np.int64)
+                phases.add_tokens(ranks, part.pass_phase, part.topk_ids.astype(np.int64))
+            at += n
+            advance(n)
     phases.check()
-    if invalid is not None and not np.array_equal(bad, invalid):
-        r, layer = np.argwhere(bad != invalid)[0]
-        raise violation(trace.path, f"/{Data.STAT_INVALID_IDS}", f"rank row {r}, layer {trace.layers[layer]}: total {int(invalid[r, layer])}, but the /{group} rows hold {int(bad[r, layer])}")
 
 
 class _PhaseSums:

@@ -36,6 +36,7 @@ import numpy as np
 from ..layout import RankLayout
 from .guarded import open_hdf5
 from .integrity import reading
+from .invariants import TokenTally
 from .pass_requests import check_stored_requests
 from .ranks import read_layouts
 from .reader import open_trace
@@ -115,6 +116,10 @@ class _Cursor:
         self.next = 0
         self.buffer: dict[str, np.ndarray] = {n: file[dataset(group, n)][0:0] for n in names}
         self.last_pass = -(1 << 62)
+        # /tokens ids added up as they are read and held to the file's /stat with the last row (a zeroed 0xFFFF word)
+        self.tally = TokenTally(file.filename, file[Data.STAT_PHYSICAL_COUNT].shape) if group == Data.TOKENS and Data.STAT_PHYSICAL_COUNT in file else None
+        if self.tally is not None and self.rows == 0:
+            self.tally.check_file(file)
 
     def refill(self, grow: bool = False) -> None:
         """Read the next chunk when the buffer is empty (or, with ``grow``, append it)."""
@@ -131,6 +136,10 @@ class _Cursor:
         self.buffer = {n: np.concatenate([self.buffer[n], rows[n]]) for n in self.names}
         self.last_pass = int(pid[-1])
         self.next = stop
+        if self.tally is not None:
+            self.tally.add(rows["topk_ids"], rows.get("rank"))
+            if not self.more:
+                self.tally.check_file(self.file)
 
     @property
     def more(self) -> bool:

@@ -472,14 +472,30 @@ class Trace:
                 yield PassChunk(**rows)
 
     def iter_tokens(self, chunk: int = 65536, counted_only: bool = False, phase: int | None = None) -> Iterator[TokenChunk]:
-        """``/tokens`` in chunks of at most ``chunk`` tokens (bounded memory); ``counted_only`` and ``phase`` as for :meth:`iter_passes`."""
+        """``/tokens`` in chunks of at most ``chunk`` tokens (bounded memory); ``counted_only`` and ``phase`` as for :meth:`iter_passes`.
+
+        Every row read (before the filters) is added up per rank, layer and slot
+        (:class:`~moetrace.trace.invariants.TokenTally`); with the last row, before the last chunk is
+        yielded, the sums are held to ``/stat`` exactly, as ``moetrace verify`` does. A caller that stops
+        early has read part of the rows, which cannot be checked: use :meth:`read_tokens` for a range.
+
+        Raises:
+            TraceDamageError: the rows do not add up to ``/stat`` (e.g. ``-1`` ids zeroed into expert 0).
+        """
         order = invariants.RowOrder(self.path, "tokens")
         requests = self.shape(Data.REQUEST_TABLE_ID)
         names = ("topk_ids", "pass_id", "position", *(TOKEN_REQUEST_FIELDS if requests is not None else ()))
-        for start in range(0, self.num_rows(Data.TOKENS_TOPK_IDS), chunk):
+        tally, total = invariants.TokenTally.of(self), self.num_rows(Data.TOKENS_TOPK_IDS)
+        if tally is not None and total == 0:
+            tally.check(self)
+        for start in range(0, total, chunk):
             keep = self._counted_mask("tokens", start, chunk) if counted_only else None
             rows = {n: self._slice(dataset(Data.TOKENS, n), start, chunk) for n in names}
             order.check(rows["pass_id"])
+            if tally is not None:
+                tally.add(rows["topk_ids"], self._slice(Data.TOKENS_RANK, start, chunk) if self.has(Data.TOKENS_RANK) else None)
+                if start + chunk >= total:
+                    tally.check(self)
             if requests is not None:
                 invariants.check_request_rows(self.path, start, rows["request"], rows["request_position"], requests[0])
             rows["pass_phase"] = self._slice_or(Data.TOKENS_PASS_PHASE, start, len(rows["pass_id"]), 0, np.int8)
