@@ -60,7 +60,6 @@ __all__ = ["CHECK_CHUNK_BYTES", "RowOrder", "TokenTally", "check_layout", "check
            "check_timing_rows", "compare_totals", "compare_with_stat", "violation"]
 
 
-
 def violation(path: Path | str, dataset: str, figures: str) -> TraceDamageError:
     """The error for a broken invariant: the file, the dataset, the figures, the remedy."""
     return TraceDamageError(
@@ -357,15 +356,17 @@ class TokenTally:
             TraceDamageError: an id outside ``-2..P-1`` or a rank outside the ``/stat`` rows.
         """
         R, L, P = self.counted.shape
-        ids = ids.astype(np.int64)
-        ranks = np.zeros(len(ids), np.int64) if ranks is None else ranks.astype(np.int64)
+        ranks = np.zeros(len(ids), np.int64) if ranks is None else np.asarray(ranks, np.int64)
         if len(ranks) and (ranks.min() < 0 or ranks.max() >= R):
             raise violation(self.path, f"/{Data.TOKENS_RANK}", f"ranks {int(ranks.min())}..{int(ranks.max())} outside 0..{R - 1}")
         if ids.size and (ids.max() >= P or ids.min() < -2):
             raise violation(self.path, f"/{Data.TOKENS_TOPK_IDS}", f"ids {int(ids.min())}..{int(ids.max())} outside -2..{P - 1}")
-        row = ranks[:, None, None] * L + np.arange(L)[None, :, None]  # [M, L, 1]
-        self.counted += np.bincount((row * P + ids)[ids >= 0], minlength=R * L * P).reshape(R, L, P)
-        self.bad += np.bincount(np.broadcast_to(row, ids.shape)[ids == -2], minlength=R * L).reshape(R, L)
+        width = P + 2  # one bin per id -2..P-1: a single bincount over every id, nothing masked
+        dtype = np.int32 if R * L * width < np.iinfo(np.int32).max else np.int64
+        base = (ranks.astype(dtype)[:, None, None] * L + np.arange(L, dtype=dtype)[None, :, None]) * width + 2  # [M, L, 1]
+        counts = np.bincount((base + ids).ravel(), minlength=R * L * width).reshape(R, L, width)
+        self.counted += counts[:, :, 2:]
+        self.bad += counts[:, :, 0]
         self.rows += len(ids)
 
     def merge(self, other: TokenTally) -> TokenTally:
@@ -385,14 +386,13 @@ class TokenTally:
         compare_with_stat(trace, Data.TOKENS, self.counted, self.bad)
 
     def check_file(self, file: Any) -> None:
-        """The same for an open ``h5py.File`` (``merge`` and the segment join move rows without the reader)."""
+        """The same for an open ``h5py.File`` (``merge`` moves rows without the reader)."""
         self._complete(file[Data.TOKENS_TOPK_IDS].shape[0])
         with reading(self.path, f"/{Data.STAT}"):
-            physical, layers = np.asarray(file[Data.STAT_PHYSICAL_COUNT][()]), np.asarray(file[Data.LAYERS][()])
-            invalid = np.asarray(file[Data.STAT_INVALID_IDS][()]) if Data.STAT_INVALID_IDS in file else None
-        compare_totals(self.path, layers, Data.TOKENS, (self.counted, self.bad), (physical, invalid))
+            stat, layers = (file[Data.STAT_PHYSICAL_COUNT][()], file[Data.STAT_INVALID_IDS][()] if Data.STAT_INVALID_IDS in file else None), file[Data.LAYERS][()]
+        compare_totals(self.path, np.asarray(layers), Data.TOKENS, (self.counted, self.bad), stat)
 
-    def _complete(self, rows: int) -> None:
+    def _complete(self, rows: int) -> None:  # a partial read cannot check
         if self.rows != rows:
             raise ValueError(f"{self.path}: {self.rows} of {rows} /tokens rows were added; only a read of every row can be checked")
 
