@@ -14,7 +14,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["default_sigint", "http_status", "moetrace_cli", "post_json", "serve"]
+__all__ = ["SUBPROCESS_BOUND_S", "default_sigint", "http_status", "moetrace_cli", "post_json", "serve"]
+
+#: How long a test waits for a command that must finish (a `moetrace` CLI run, a short script) before
+#: calling it hung. A hang guard, not a speed check: at load 11 on 2 cores one `moetrace analyze`
+#: (7.5 s of CPU, most of it imports) took over 120 s, the bound the Megatron test had.
+SUBPROCESS_BOUND_S = 600.0
 
 
 def default_sigint() -> None:
@@ -43,7 +48,7 @@ def post_json(url: str, body: dict[str, Any], *, timeout: float) -> dict[str, An
         return json.loads(response.read())
 
 
-def moetrace_cli(*args: str, timeout: float) -> str:
+def moetrace_cli(*args: str, timeout: float = SUBPROCESS_BOUND_S) -> str:
     """Stdout of ``moetrace ARGS...`` run as a user runs it; fails the test on a non-zero exit."""
     done = subprocess.run([sys.executable, "-m", "moetrace.cli", *args], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"moetrace {' '.join(args)} failed ({done.returncode}): {done.stderr}"

@@ -33,6 +33,7 @@ from moetrace import RecorderStateError
 from moetrace.recorder import ExpertDistributionRecorder
 from moetrace.reference import Request
 from tests.exporters.workload import rank_config, route_pass, routers, serving_loop
+from tests.servers import SUBPROCESS_BOUND_S
 
 
 def expected(spec, snap) -> dict[frozenset, float]:
@@ -140,7 +141,7 @@ def test_global_provider_is_used_when_none_is_passed(tmp_path):
         values = {{m.name: [p.value for p in m.data.data_points] for m in scope.metrics}}
         print(values["moetrace.forward_passes"], values["moetrace.layer.routed_tokens"], values["moetrace.layer.dead_experts"])
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=SUBPROCESS_BOUND_S)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[1]", "[3]", "[2]"]
 

@@ -21,6 +21,7 @@ from moetrace.trace import open_trace
 from moetrace.trace.guarded import collection_damage
 from moetrace.trace.schema import TraceDamageError
 from moetrace.trace.verify import verify_trace
+from tests.servers import SUBPROCESS_BOUND_S
 
 from .traces import dumped
 
@@ -81,7 +82,7 @@ def test_without_the_guard_hdf5_loops_on_it(traces):
     (it reads the pristine one at once). The child is killed after 10 s past its open."""
     pristine, damaged, _ = traces
     code = "import sys, h5py; f = h5py.File(sys.argv[1], 'r'); print('open', flush=True); f.attrs['model']; print('read', flush=True)"
-    done = subprocess.run([sys.executable, "-c", code, str(pristine)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code, str(pristine)], capture_output=True, text=True, timeout=SUBPROCESS_BOUND_S)
     assert done.returncode == 0 and done.stdout.split() == ["open", "read"], done
     child = subprocess.Popen([sys.executable, "-c", code, str(damaged)], stdout=subprocess.PIPE, text=True)
     try:

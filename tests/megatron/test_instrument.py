@@ -16,6 +16,7 @@ import pytest
 
 from moetrace.reference.launcher import launch
 
+from ..servers import SUBPROCESS_BOUND_S
 from . import ranks
 
 pytestmark = pytest.mark.megatron
@@ -68,6 +69,6 @@ def trace_checks(results):
         per_rank = trace.logical_count(per_rank=True)
         assert per_rank.tolist() == [r["timing_and_trace"]["counts"] for r in results]
         assert trace.has_timing
-    out = subprocess.run([sys.executable, "-m", "moetrace.cli", "analyze", path], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "moetrace.cli", "analyze", path], capture_output=True, text=True, timeout=SUBPROCESS_BOUND_S)
     assert out.returncode == 0, out.stderr
     assert "balancedness" in out.stdout.lower()

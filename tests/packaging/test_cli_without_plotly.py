@@ -9,11 +9,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from tests.servers import SUBPROCESS_BOUND_S
+
 HIDE = "import sys; sys.modules['plotly'] = None; sys.argv = ['moetrace', *sys.argv[1:]]; from moetrace.cli.app import main; main()"
 
 
 def _moetrace(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", HIDE, *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", HIDE, *args], capture_output=True, text=True, timeout=SUBPROCESS_BOUND_S)
 
 
 def test_commands_load_without_plotly(tmp_path):
@@ -35,4 +37,4 @@ def test_report_and_demo_name_the_extra(tmp_path):
 def test_control_passes_with_plotly_present():
     """Negative control: the same interpreter without the hiding line imports plotly through the report."""
     code = "import moetrace.report.figures, sys; print('plotly' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.strip() == "True"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SUBPROCESS_BOUND_S).stdout.strip() == "True"

@@ -19,6 +19,7 @@ from moetrace.trace.segments import SegmentWriter
 from moetrace.trace.stream import HostBufferPool
 from moetrace.trace.writer import compression_options, token_id_dtype
 from tests.faults.recording import EXPERTS, LAYERS, TOKENS, feed, pass_ids
+from tests.servers import SUBPROCESS_BOUND_S
 
 
 def recorder(tmp_path, **changes) -> ExpertDistributionRecorder:
@@ -147,7 +148,7 @@ def test_plugin_filters_need_hdf5plugin_with_clear_errors(tmp_path, monkeypatch)
     feed(rec, 0)
     path = rec.dump_record(tmp_path / "t.h5")
     code = f"import sys; sys.modules['hdf5plugin'] = None\nfrom moetrace.trace import open_trace\nopen_trace({str(path)!r})"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SUBPROCESS_BOUND_S)
     assert result.returncode != 0 and "install hdf5plugin" in result.stderr and "32015" in result.stderr
     monkeypatch.setitem(sys.modules, "hdf5plugin", None)
     with pytest.raises(ValueError, match="needs hdf5plugin"):

@@ -85,7 +85,7 @@ def plan(trivial: Run, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     out = tmp_path_factory.mktemp("plan")
     path = out / "plan.json"
     document = json.loads(moetrace_cli("placement", str(trivial.files[0]), "--gpus", str(RANKS), "--replicas", str(SLOTS),
-                                       "--format", "sglang", "-o", str(path), "--json", timeout=120))
+                                       "--format", "sglang", "-o", str(path), "--json"))
     return {"path": path, "document": document}
 
 

@@ -29,7 +29,7 @@ from moetrace.adapters.sglang import read_routed_experts
 from moetrace.reference import free_port
 from moetrace.trace.reader import open_trace
 
-from ..servers import http_status, moetrace_cli, post_json, serve
+from ..servers import SUBPROCESS_BOUND_S, http_status, moetrace_cli, post_json, serve
 from .checkpoint import NUM_EXPERTS, NUM_LAYERS, TOP_K, build_checkpoint
 from .engine import CPU_ENV, ENGINE_ARGS, GENERATION, PROMPTS
 
@@ -57,8 +57,8 @@ def _flags(args: dict[str, Any]) -> list[str]:
     return flags
 
 
-_post = functools.partial(post_json, timeout=120)
-_cli = functools.partial(moetrace_cli, timeout=120)
+_post = functools.partial(post_json, timeout=SUBPROCESS_BOUND_S)
+_cli = moetrace_cli
 
 
 @pytest.fixture(scope="module")

@@ -130,16 +130,16 @@ def test_what_the_killed_ranks_leave_is_read_as_one_run(run: Run, trace: Trace, 
     each rank leaves its last ``stat`` checkpoint (written at ``stop_record``). ``moetrace recover`` gives
     one trace per rank, rank r of 2 with the TP layout, and ``moetrace analyze`` of the two and
     ``moetrace merge`` count each token once, as the gathered dump does."""
-    moetrace_cli("recover", str(run.moetrace_files[0].parent), "-o", str(tmp_path / "left.h5"), timeout=120)
+    moetrace_cli("recover", str(run.moetrace_files[0].parent), "-o", str(tmp_path / "left.h5"))
     files = sorted(tmp_path.glob("left-rank*.h5"))
     assert [f.name for f in files] == ["left-rank0.h5", "left-rank1.h5"]
     for rank, path in enumerate(files):
         with open_trace(path) as left:
             assert (left.attrs["rank"], left.attrs["world_size"], left.mode) == (rank, TP, "stat")
             assert [(x.rank, x.tp_rank, x.attention) for x in left.layouts] == [(rank, rank, "tp")]
-    report = json.loads(moetrace_cli("analyze", "--json", *map(str, files), timeout=120))
+    report = json.loads(moetrace_cli("analyze", "--json", *map(str, files)))
     assert (report["totals"]["tokens"], report["totals"]["assignments"]) == (WORKLOAD_TOKENS, 144)
-    moetrace_cli("merge", *map(str, files), "-o", str(tmp_path / "merged.h5"), timeout=120)
+    moetrace_cli("merge", *map(str, files), "-o", str(tmp_path / "merged.h5"))
     with open_trace(tmp_path / "merged.h5") as merged:
         assert merged.tokens_served() == WORKLOAD_TOKENS
         np.testing.assert_array_equal(merged.physical_count(), trace.physical_count())
@@ -154,7 +154,7 @@ def test_analyze_names_the_delayed_rank(run: Run, trace: Trace) -> None:
     larger expert time), and rank 1 must be the rank named: slowest in most passes. Rank 1's
     expert time holds at least every sleep it slept (a bound no load can break).
     """
-    text = moetrace_cli("analyze", str(run.moetrace_files[0]), timeout=120)
+    text = moetrace_cli("analyze", str(run.moetrace_files[0]))
     rows = trace.timing_rows()
     expert_by_rank: dict[int, dict[int, float]] = {r: {} for r in range(TP)}  # rank -> pass id -> expert seconds over layers
     for pass_id, rank, phase in zip(rows["pass_id"], rows["rank"], rows["phase"], strict=True):

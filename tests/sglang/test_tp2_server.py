@@ -20,7 +20,7 @@ import pytest
 from moetrace.reference import free_port
 from moetrace.trace.reader import open_trace
 
-from ..servers import moetrace_cli, post_json, serve
+from ..servers import SUBPROCESS_BOUND_S, moetrace_cli, post_json, serve
 from .checkpoint import build_checkpoint
 from .engine import CPU_ENV, ENGINE_ARGS, GENERATION, PROMPTS
 from .multirank import (
@@ -34,8 +34,8 @@ from .test_server import START_TIMEOUT, _flags
 
 pytestmark = pytest.mark.slow
 
-_post = functools.partial(post_json, timeout=120)
-_cli = functools.partial(moetrace_cli, timeout=120)
+_post = functools.partial(post_json, timeout=SUBPROCESS_BOUND_S)
+_cli = moetrace_cli
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import torch
 
 from moetrace.trace.reader import open_trace
 
-from ..servers import moetrace_cli, post_json
+from ..servers import SUBPROCESS_BOUND_S, moetrace_cli, post_json
 from . import capture, probes
 from .checkpoints import MODELS, build_checkpoint
 from .engine import PROMPTS, sampling_params, start_llm, stop_llm
@@ -101,8 +101,8 @@ def serve(tmp_path_factory: pytest.TempPathFactory, name: str, mode: str = "per_
             controls = sorted((json.loads(p.read_text()) for p in out.glob("moetrace-control-*.json")), key=lambda c: c["rank"])
             statuses = [json.loads(get(c["url"] + "/status")) for c in controls]
             exported = sum(tokens_total(get(c["url"] + "/metrics")) for c in controls)
-            top = moetrace_cli("top", "--once", *(arg for c in controls for arg in ("--url", c["url"])), timeout=120)
-            dumps = [Path(post_json(c["url"] + "/dump", {"name": "live.h5"}, timeout=120)["path"]) for c in controls]
+            top = moetrace_cli("top", "--once", *(arg for c in controls for arg in ("--url", c["url"])))
+            dumps = [Path(post_json(c["url"] + "/dump", {"name": "live.h5"}, timeout=SUBPROCESS_BOUND_S)["path"]) for c in controls]
             again = llm.generate(PROMPTS[:1], sampling_params(), use_tqdm=False)  # what the dumps at exit hold
             exit_captures = llm.apply_model(capture.collect(SPEC["layer_ids"], SPEC["num_experts"]))
             llm.apply_model(probes.uninstrument)
@@ -208,10 +208,10 @@ def check_dumps_at_exit(served: Served, mode: str) -> None:
     engine = served.exit_captures[0]["counts"][first:].sum(axis=0)  # [L, E], rank 0's view (rank 1 routes alike)
     assert int(engine.sum()) == tokens * SPEC["top_k"] * len(SPEC["layer_ids"])
     paths = [str(p) for p in served.exit_dumps]
-    report = json.loads(moetrace_cli("analyze", "--json", *paths, timeout=120))
+    report = json.loads(moetrace_cli("analyze", "--json", *paths))
     assert (report["totals"]["tokens"], report["totals"]["assignments"]) == (tokens, int(engine.sum()))
     merged = served.exit_dumps[0].with_name(f"exit-merged-{mode}.h5")
-    moetrace_cli("merge", *paths, "-o", str(merged), timeout=120)
+    moetrace_cli("merge", *paths, "-o", str(merged))
     with open_trace(merged) as trace:
         assert trace.tokens_served() == tokens
         np.testing.assert_array_equal(trace.physical_count(), engine)
