@@ -457,10 +457,12 @@ class Trace:
         """
         names = ("pass_id", "timestamp", "num_tokens", "physical_count", "invalid_ids", "send_count", "recv_count")
         order = invariants.RowOrder(self.path, "passes", timestamps=True)
+        merged = self.has(dataset(Data.PASSES, "rank"))
         for start in range(0, self.num_rows(Data.PASSES_PASS_ID), chunk):
-            keep = self._counted_mask("passes", start, chunk) if counted_only else None
+            ranks = self._slice(dataset(Data.PASSES, "rank"), start, chunk) if merged else None
+            keep = self._counted_mask(ranks) if counted_only else None
             rows = {n: self._slice(dataset(Data.PASSES, n), start, chunk) for n in names}
-            order.check(rows["pass_id"], rows["timestamp"], self._slice(dataset(Data.PASSES, "rank"), start, chunk) if self.has(dataset(Data.PASSES, "rank")) else None)
+            order.check(rows["pass_id"], rows["timestamp"], ranks)
             n = len(rows["pass_id"])
             rows["pass_phase"] = self._slice_or(Data.PASSES_PASS_PHASE, start, n, 0, np.int8)
             rows["num_requests"] = self._slice_or(Data.PASSES_NUM_REQUESTS, start, n, -1, np.int32)
@@ -488,12 +490,14 @@ class Trace:
         tally, total = invariants.TokenTally.of(self), self.num_rows(Data.TOKENS_TOPK_IDS)
         if tally is not None and total == 0:
             tally.check(self)
+        merged = self.has(Data.TOKENS_RANK)
         for start in range(0, total, chunk):
-            keep = self._counted_mask("tokens", start, chunk) if counted_only else None
+            ranks = self._slice(Data.TOKENS_RANK, start, chunk) if merged and (tally is not None or counted_only) else None
+            keep = self._counted_mask(ranks) if counted_only else None
             rows = {n: self._slice(dataset(Data.TOKENS, n), start, chunk) for n in names}
             order.check(rows["pass_id"])
             if tally is not None:
-                tally.add(rows["topk_ids"], self._slice(Data.TOKENS_RANK, start, chunk) if self.has(Data.TOKENS_RANK) else None)
+                tally.add(rows["topk_ids"], ranks)
                 if start + chunk >= total:
                     tally.check(self)
             if requests is not None:
@@ -509,12 +513,13 @@ class Trace:
         """Rows of an optional column (``count`` rows of ``fill`` in traces written without it)."""
         return self._slice(name, start, count) if self.has(name) else np.full(count, fill, dtype=dtype)
 
-    def _counted_mask(self, group: str, start: int, count: int) -> np.ndarray | None:
-        """Rows ``[n]`` of a merged stream that come from counted ranks; ``None`` when every row counts."""
+    def _counted_mask(self, ranks: np.ndarray | None) -> np.ndarray | None:
+        """Which rows of a merged stream, of ranks ``ranks [n]`` (``None``: a per-rank file), come from
+        counted ranks; ``None`` when every row counts."""
         keep = self.counted_ranks()
-        if keep is None or not self.has(dataset(group, "rank")) or len(keep) == len(self.layouts):
+        if keep is None or ranks is None or len(keep) == len(self.layouts):
             return None
-        return np.isin(self._slice(dataset(group, "rank"), start, count), sorted(keep))
+        return np.isin(ranks, sorted(keep))
 
     def request_table(self) -> np.ndarray:
         """``[Q]`` the engine request ids that ``/tokens/request`` indexes (``str``); one id may sit at
