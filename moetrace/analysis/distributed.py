@@ -65,7 +65,7 @@ from ..trace.schema import (
 )
 from .coactivation import CoactivationAccumulator
 from .drift import WindowAccumulator
-from .source import MAX_BUCKETS, pass_block, select_layers, token_pass_block
+from .source import MAX_BUCKETS, pass_block, pass_block_rows, select_layers, token_pass_block
 from .summary import (
     DEFAULT_WINDOWS,
     AnalysisReport,
@@ -241,24 +241,22 @@ def make_tasks(paths: Sequence[Path | str], task_rows: int | None = None) -> lis
 Runner = Callable[[Callable[..., Any], list[Any], dict[str, Any]], list[Any]]
 
 
-def _reduce_local(parts: list[Partial]) -> Partial | None:
-    while len(parts) > 1:
-        parts = [parts[i].merge(parts[i + 1]) if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
-    return parts[0] if parts else None
-
-
 def _run_local(tasks: list[Task], ctx_for: Callable[[list[np.ndarray]], _Context], progress: bool | None) -> tuple[_Context, Partial | None]:
+    """The tasks one after another, each partial added to the running total as it is made
+    (one partial held, not one per task: a task's ``[windows, L, P]`` counts are 2.7 MB at
+    DeepSeek-V3 size, per-rank files are a task each)."""
     with progress_bar(progress, 2 * len(tasks), f"analyzing {len(tasks)} row ranges") as advance:
         ids = []
         for task in tasks:
             ids.append(task_pass_ids(task))
             advance(1)
         ctx = ctx_for(ids)
-        parts = []
+        total: Partial | None = None
         for task in tasks:
-            parts.append(task_partial(task, ctx))
+            part = task_partial(task, ctx)
+            total = part if total is None else total.merge(part)
             advance(1)
-    return ctx, _reduce_local(parts)
+    return ctx, total
 
 
 def _run_dask(client: Any, tasks: list[Task], ctx_for: Callable[[list[np.ndarray]], _Context]) -> tuple[_Context, Partial | None]:
@@ -337,6 +335,12 @@ class _Inputs:
     default_window: int
     timing: dict[str, object] | None
     notes: list[str]
+
+    def chunk_rows(self, chunk_tokens: int, chunk_passes: int) -> int:
+        """Rows a task reads at once: ``chunk_tokens``, or ``chunk_passes`` bounded in bytes (:func:`~.source.pass_block_rows`)."""
+        if self.mode == "per_token":
+            return chunk_tokens
+        return pass_block_rows(chunk_passes, int(self.attrs[Attr.NUM_LAYERS]) * self.num_physical)  # type: ignore[call-overload]
 
 
 @dataclasses.dataclass
@@ -606,7 +610,7 @@ def analyze_traces(
         return _analyze_stat_ranks(paths, layers=layers, window=window, top=top, progress=progress)
     inputs = _read_inputs(paths, layers)
     fold = _fold(inputs, make_tasks(inputs.paths, task_rows), lambda _: window or inputs.default_window,
-                 chunk_tokens if inputs.mode == "per_token" else chunk_passes, client, progress)
+                 inputs.chunk_rows(chunk_tokens, chunk_passes), client, progress)
     distinct, total, passes_per_window = fold.distinct, fold.total, fold.per_window
     drift = WindowAccumulator(passes_per_window, inputs.mapping, inputs.ep_size, inputs.layer_ids)
     coactivation = None
@@ -693,7 +697,7 @@ def pass_series(
         return passes
 
     inputs = _read_inputs(paths, layers, timing=False)
-    fold = _fold(inputs, make_tasks(inputs.paths, task_rows), size, chunk_tokens if inputs.mode == "per_token" else chunk_passes,
+    fold = _fold(inputs, make_tasks(inputs.paths, task_rows), size, inputs.chunk_rows(chunk_tokens, chunk_passes),
                  client, progress=False, coactivation=False)
     members = list(fold.windows())
     if fold.total is None or sum(len(m) for m in members) < 2:

@@ -32,11 +32,13 @@ from ..trace.schema import Data, TraceError
 
 __all__ = [
     "MAX_BUCKETS",
+    "PASS_BLOCK_BYTES",
     "PassBlock",
     "count_records",
     "iter_pass_blocks",
     "load_series",
     "pass_block",
+    "pass_block_rows",
     "select_layers",
     "token_pass_block",
 ]
@@ -142,14 +144,27 @@ def _window_blocks(trace: Trace, layer_index: np.ndarray, chunk: int, phase: int
             )
 
 
+#: Bytes of pass counts read at once, as int64 cells (a DeepSeek-V3 ``per_pass`` row is 58 x 288 cells:
+#: 1,024 rows would be 137 MB, and a 72-rank merged ``stat`` trace's window slot holds 72 such rows).
+PASS_BLOCK_BYTES = 32 << 20
+
+
+def pass_block_rows(chunk_passes: int, row_cells: int) -> int:
+    """Rows of ``row_cells`` counts each to read at once: ``chunk_passes``, fewer when they would pass
+    :data:`PASS_BLOCK_BYTES` as int64 (at least one)."""
+    return max(1, min(chunk_passes, PASS_BLOCK_BYTES // (8 * max(1, row_cells))))
+
+
 def iter_pass_blocks(trace: Trace, layer_index: np.ndarray, chunk_passes: int = 1024, phase: int | None = None) -> Iterator[PassBlock]:
     """Per-pass counts of a ``stat`` (window) or ``per_pass`` trace, in blocks of ``chunk_passes`` rows
-    (only the passes of pass phase code ``phase`` when given)."""
+    or :data:`PASS_BLOCK_BYTES`, whichever is fewer (only the passes of pass phase code ``phase`` when given)."""
+    cells = trace.num_layers * trace.num_physical_experts
     if trace.mode == "per_pass":
-        for part in trace.iter_passes(chunk_passes, counted_only=True, phase=phase):
+        for part in trace.iter_passes(pass_block_rows(chunk_passes, cells), counted_only=True, phase=phase):
             yield pass_block(part, layer_index)
     elif trace.mode == "stat":
-        yield from _window_blocks(trace, layer_index, chunk_passes, phase)
+        ranks = trace.shape(Data.WINDOW_PHYSICAL_COUNT)[0] if trace.has(Data.WINDOW_PHYSICAL_COUNT) else 1
+        yield from _window_blocks(trace, layer_index, pass_block_rows(chunk_passes, ranks * cells), phase)
     else:
         raise TraceError(f"{trace.path}: iter_pass_blocks reads stat or per_pass traces; use token_pass_block for per_token")
 

@@ -18,16 +18,28 @@ the result stays valid when the inputs move or are deleted) into one trace:
   non-decreasing), plus a ``rank`` column ``[N]`` (int32) naming the source rank;
 - ``/timing/*`` (phase timing, any mode) the same way, and rank 0's ``timing_*`` root attributes.
 
-Memory is bounded by ``memory_bytes`` (default 256 MiB) of rows in flight over all inputs:
-each input's cursor reads ``memory_bytes / inputs`` bytes of rows at a time (at least one row),
-so the peak stays flat as the number of ranks grows, whatever the size of one row (a
-DeepSeek-V3 ``per_pass`` row is 67 KB). ``chunk_rows`` caps the rows per read further.
+Memory, by design, for ``R`` inputs whose streamed rows are ``b`` bytes each (a DeepSeek-V3
+``per_pass`` row is 67 KB):
+
+- reads: each input reads ``max(1, memory_bytes // (R * b))`` rows at a time (whole HDF5
+  chunks of its widest dataset when that is at least one chunk; ``chunk_rows`` caps it), and
+  holds one read: ``max(memory_bytes, R * b)`` over all inputs (default ``memory_bytes`` 64 MiB);
+- the merged rows of a step are built one column at a time, in place (at most the reads
+  again, for the widest column), and the reads taken whole are let go before the next ones;
+- HDF5 keeps one decoded chunk per streamed dataset and input (a chunk cache of exactly one
+  chunk; the writer's chunks are at most about 1 MiB): ``R * sum(chunk bytes)``, one chunk
+  per rank (about 2 MB a DeepSeek-V3 rank);
+- a rank's pass that goes on past its read (a long pass of ``/tokens`` rows) is written
+  rank after rank through further reads, never joined in memory.
+
+So the peak is about ``2 * memory_bytes + R * sum(chunk bytes)`` above the interpreter's,
+whatever the number of passes, and grows with the ranks only by one chunk a rank.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import h5py
@@ -57,8 +69,8 @@ from .writer import TraceWriter
 
 __all__ = ["DEFAULT_MEMORY_BYTES", "merge_traces", "rank_stops"]
 
-#: Rows in flight over all inputs of one merge, in bytes.
-DEFAULT_MEMORY_BYTES = 256 << 20
+#: Rows in flight over all inputs of one merge, in bytes (the merged column being built is at most as much again).
+DEFAULT_MEMORY_BYTES = 64 << 20
 
 _REQUEST = "request"  # the /tokens column that indexes /request_table/id
 _REQUEST_POSITION = "request_position"  # and the row's position in that request
@@ -112,28 +124,29 @@ class _Cursor:
 
     def __init__(self, file: h5py.File, group: str, names: list[str], rank: int, chunk: int) -> None:
         self.file, self.group, self.names, self.rank, self.chunk = file, group, names, rank, chunk
-        self.rows = file[dataset(group, "pass_id")].shape[0]
+        self.datasets = {n: _one_chunk_cached(file, dataset(group, n)) for n in names}
+        self.rows = self.datasets["pass_id"].shape[0]
         self.next = 0
-        self.buffer: dict[str, np.ndarray] = {n: file[dataset(group, n)][0:0] for n in names}
+        self.buffer: dict[str, np.ndarray] = {n: d[0:0] for n, d in self.datasets.items()}
         self.last_pass = -(1 << 62)
         # /tokens ids added up as they are read and held to the file's /stat with the last row (a zeroed 0xFFFF word)
         self.tally = TokenTally(file.filename, file[Data.STAT_PHYSICAL_COUNT].shape) if group == Data.TOKENS and Data.STAT_PHYSICAL_COUNT in file else None
         if self.tally is not None and self.rows == 0:
             self.tally.check_file(file)
 
-    def refill(self, grow: bool = False) -> None:
-        """Read the next chunk when the buffer is empty (or, with ``grow``, append it)."""
-        if (len(self.buffer["pass_id"]) and not grow) or self.next >= self.rows:
+    def refill(self) -> None:
+        """Read the next ``chunk`` rows when the buffer is empty."""
+        if len(self.buffer["pass_id"]) or self.next >= self.rows:
             return
         stop = min(self.next + self.chunk, self.rows)
         with reading(self.file.filename, f"/{self.group} rows {self.next}..{stop - 1}"):
-            rows = {n: np.asarray(self.file[dataset(self.group, n)][self.next : stop]) for n in self.names}
+            rows = {n: np.asarray(d[self.next : stop]) for n, d in self.datasets.items()}
         pid = rows["pass_id"]
         if len(pid) and (pid[0] < self.last_pass or (np.diff(pid) < 0).any()):
             raise TraceError(f"{self.file.filename}: pass ids in /{self.group} are not in order; cannot merge by time")
         if _REQUEST in rows:  # indices into this file's own table, checked before the merge moves them
             check_rows(self.file, self.next, rows[_REQUEST], rows.get(_REQUEST_POSITION))
-        self.buffer = {n: np.concatenate([self.buffer[n], rows[n]]) for n in self.names}
+        self.buffer = rows
         self.last_pass = int(pid[-1])
         self.next = stop
         if self.tally is not None:
@@ -150,11 +163,34 @@ class _Cursor:
     def done(self) -> bool:
         return self.next >= self.rows and not len(self.buffer["pass_id"])
 
+    def continues(self, bound: int) -> bool:
+        """Pass ``bound`` goes on in the rows not read yet: the buffer (empty or not) ends at it and so does the next row start."""
+        held = self.buffer["pass_id"]
+        return self.more and (not len(held) or int(held[-1]) == bound) and int(self.datasets["pass_id"][self.next]) == bound
+
     def take_until(self, bound: int, inclusive: bool) -> dict[str, np.ndarray]:
+        """The buffered rows up to pass ``bound`` (views); a buffer taken whole lets go of its read."""
         cut = int(np.searchsorted(self.buffer["pass_id"], bound, side="right" if inclusive else "left"))
         out = {n: a[:cut] for n, a in self.buffer.items()}
-        self.buffer = {n: a[cut:] for n, a in self.buffer.items()}
+        self.buffer = {n: a[cut:] if cut < len(a) else np.empty((0, *a.shape[1:]), a.dtype) for n, a in self.buffer.items()}
         return out
+
+
+def _one_chunk_cached(file: h5py.File, name: str) -> h5py.Dataset:
+    """Dataset ``name`` of ``file`` opened with a chunk cache of exactly one decoded chunk.
+
+    The merge reads each dataset front to back in reads that may end inside a chunk (the
+    small columns' chunks hold thousands of rows): with its chunk cached, each chunk is
+    decoded once, not once per read, and the cache costs one chunk a dataset per input,
+    whatever the file's size (HDF5's default, 1 MiB a dataset, keeps no chunk of 1 MiB
+    and decoded such a chunk again for every read).
+    """
+    ds = file[name]
+    if ds.chunks is None:
+        return ds
+    access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+    access.set_chunk_cache(521, int(np.prod(ds.chunks, dtype=np.int64)) * ds.dtype.itemsize + 1, 1.0)
+    return h5py.Dataset(h5py.h5d.open(file.id, name.encode(), dapl=access))
 
 
 def _row_bytes(file: h5py.File, group: str, names: list[str]) -> int:
@@ -172,6 +208,10 @@ def _merge_stream(files: list[h5py.File], ranks: list[int], group: str, writer: 
             raise TraceError(f"{f.filename}: /{group} datasets differ in names or shapes from {files[0].filename}'s; cannot merge")
     memory_bytes, chunk_rows = budget
     chunk = max(1, min(chunk_rows, memory_bytes // len(files) // max(1, _row_bytes(files[0], group, names))))
+    widest = max(names, key=lambda n: _row_bytes(files[0], group, [n]))
+    stored = files[0][dataset(group, widest)].chunks  # reads of whole HDF5 chunks of the widest rows decode each once
+    if stored and chunk >= stored[0]:
+        chunk -= chunk % stored[0]
     cursors = [_Cursor(f, group, names, rank, chunk) for rank, f in zip(ranks, files, strict=True)]
     for name in names:
         ds = files[0][dataset(group, name)]
@@ -183,24 +223,53 @@ def _merge_stream(files: list[h5py.File], ranks: list[int], group: str, writer: 
         live = [c for c in cursors if not c.done]
         if not live:
             return
+        # Every rank has read up to `bound`: the rows before it are all here, and those of `bound`
+        # too unless a rank's pass `bound` goes on in its next read (a long pass of /tokens rows).
         bound = min(int(c.buffer["pass_id"][-1]) for c in live)
-        # A rank whose buffer ends at `bound` may hold more rows of that pass in its next chunk.
-        unfinished = [c for c in live if int(c.buffer["pass_id"][-1]) == bound and c.more]
-        if unfinished and all(int(c.buffer["pass_id"][0]) >= bound for c in live):
-            for c in unfinished:
-                c.refill(grow=True)
-            continue
-        parts = [(c.rank, c.take_until(bound, inclusive=not unfinished)) for c in live]
-        if shift:
-            for rank, part in parts:
-                part[_REQUEST] = shift_requests(part[_REQUEST], shift[rank])
-        pid = np.concatenate([p["pass_id"] for _, p in parts])
-        order = np.argsort(pid, kind="stable")  # ties keep rank order
-        for name in names:
-            writer.append(dataset(group, name), np.concatenate([p[name] for _, p in parts])[order])
-        ranks = np.concatenate([np.full(len(p["pass_id"]), r, dtype=np.int32) for r, p in parts])
-        writer.append(dataset(group, "rank"), ranks[order])
-        advance(len(order))
+        unfinished = any(c.continues(bound) for c in live)
+        _write_rows(writer, group, names, [(c.rank, c.take_until(bound, inclusive=not unfinished)) for c in live], shift, advance)
+        if unfinished:  # pass `bound` rank after rank, each streamed through its reads
+            for c in live:
+                _write_rows(writer, group, names, [(c.rank, c.take_until(bound, inclusive=True))], shift, advance)
+                while c.continues(bound):
+                    c.refill()
+                    _write_rows(writer, group, names, [(c.rank, c.take_until(bound, inclusive=True))], shift, advance)
+
+
+def _write_rows(writer: TraceWriter, group: str, names: list[str], parts: list[tuple[int, dict[str, np.ndarray]]],
+                shift: Mapping[int, int] | None, advance: Callable[[int], None]) -> None:
+    """Append ``parts`` (per rank, rows ordered by pass id) ordered by ``(pass_id, rank)``, with their ``rank`` column."""
+    rows = sum(len(p["pass_id"]) for _, p in parts)
+    if not rows:
+        return
+    if shift:
+        parts = [(rank, {**part, _REQUEST: shift_requests(part[_REQUEST], shift[rank])}) for rank, part in parts]
+    for name, column in _interleave(parts, names):
+        writer.append(dataset(group, name), column)
+        del column  # before the next column is built
+    advance(rows)
+
+
+def _interleave(parts: list[tuple[int, dict[str, np.ndarray]]], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+    """The rows of ``parts`` (per rank, each ordered by pass id) ordered by ``(pass_id, rank)``, one column at a time.
+
+    Each column ``[n, ...]`` is built in place from the parts (one copy of that column,
+    not a join and a reordering: two), so a step holds its inputs' reads plus one column;
+    the last column is ``rank`` ``[n]`` (int32).
+    """
+    pid = np.concatenate([p["pass_id"] for _, p in parts])
+    order = np.argsort(pid, kind="stable")  # ties keep rank order
+    where = np.empty(len(pid), dtype=np.int64)  # the merged position of each part row, in part order
+    where[order] = np.arange(len(pid))
+    bounds = np.cumsum([0, *(len(p["pass_id"]) for _, p in parts)])
+    for name in names:
+        first = parts[0][1][name]
+        column = np.empty((len(pid), *first.shape[1:]), dtype=first.dtype)
+        for (_, part), lo, hi in zip(parts, bounds[:-1], bounds[1:], strict=True):
+            column[where[lo:hi]] = part[name]
+        yield name, column
+        del column
+    yield "rank", np.repeat(np.array([r for r, _ in parts], dtype=np.int32), np.diff(bounds))[order]
 
 
 def _stack_static(files: list[h5py.File], group: str, writer: TraceWriter) -> None:
@@ -228,8 +297,8 @@ def rank_stops(paths: Sequence[Path | str]) -> list[str]:
     """One line per input that ``moetrace recover`` rebuilt: which rank stopped where and what it lost."""
     notes = []
     for path in paths:
-        with open_trace(path) as trace:
-            attrs = trace.attrs
+        with reading(path, "root attributes"), open_hdf5(path) as f:  # the attributes only: merge has validated its inputs
+            attrs = dict(f.attrs)
         if not attrs.get(Attr.RECOVERED):
             continue
         lost = json.loads(str(attrs.get(Attr.RECOVERED_LOST, "{}")) or "{}")
