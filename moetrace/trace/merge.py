@@ -26,9 +26,10 @@ Memory, by design, for ``R`` inputs whose streamed rows are ``b`` bytes each (a 
   holds one read: ``max(memory_bytes, R * b)`` over all inputs (default ``memory_bytes`` 64 MiB);
 - the merged rows of a step are built one column at a time, in place (at most the reads
   again, for the widest column), and the reads taken whole are let go before the next ones;
-- HDF5 keeps one decoded chunk per streamed dataset and input (a chunk cache of exactly one
-  chunk; the writer's chunks are at most about 1 MiB): ``R * sum(chunk bytes)``, one chunk
-  per rank (about 2 MB a DeepSeek-V3 rank);
+- HDF5 keeps the decoded chunk being read of each streamed dataset of each input (inputs are
+  opened with a chunk cache of :data:`INPUT_CHUNK_CACHE_BYTES`, about one of the writer's
+  chunks; HDF5 2.0's default of 8 MiB a dataset kept whole rank files): ``R * sum(chunk bytes)``,
+  one chunk per rank (about 3.5 MB a DeepSeek-V3 rank);
 - a rank's pass that goes on past its read (a long pass of ``/tokens`` rows) is written
   rank after rank through further reads, never joined in memory.
 
@@ -67,10 +68,13 @@ from .schema import (
 )
 from .writer import TraceWriter
 
-__all__ = ["DEFAULT_MEMORY_BYTES", "merge_traces", "rank_stops"]
+__all__ = ["DEFAULT_MEMORY_BYTES", "INPUT_CHUNK_CACHE_BYTES", "merge_traces", "rank_stops"]
 
 #: Rows in flight over all inputs of one merge, in bytes (the merged column being built is at most as much again).
 DEFAULT_MEMORY_BYTES = 64 << 20
+#: HDF5's chunk cache of each streamed dataset of each input: one chunk of the writer's (at most about 1 MiB).
+#: HDF5 2.0 caches 8 MiB a dataset by default: every chunk of a 60-pass DeepSeek-V3 rank file, 72 times over.
+INPUT_CHUNK_CACHE_BYTES = (1 << 20) + 1
 
 _REQUEST = "request"  # the /tokens column that indexes /request_table/id
 _REQUEST_POSITION = "request_position"  # and the row's position in that request
@@ -124,7 +128,7 @@ class _Cursor:
 
     def __init__(self, file: h5py.File, group: str, names: list[str], rank: int, chunk: int) -> None:
         self.file, self.group, self.names, self.rank, self.chunk = file, group, names, rank, chunk
-        self.datasets = {n: _one_chunk_cached(file, dataset(group, n)) for n in names}
+        self.datasets = {n: file[dataset(group, n)] for n in names}  # open for the merge: each chunk decoded once
         self.rows = self.datasets["pass_id"].shape[0]
         self.next = 0
         self.buffer: dict[str, np.ndarray] = {n: d[0:0] for n, d in self.datasets.items()}
@@ -174,23 +178,6 @@ class _Cursor:
         out = {n: a[:cut] for n, a in self.buffer.items()}
         self.buffer = {n: a[cut:] if cut < len(a) else np.empty((0, *a.shape[1:]), a.dtype) for n, a in self.buffer.items()}
         return out
-
-
-def _one_chunk_cached(file: h5py.File, name: str) -> h5py.Dataset:
-    """Dataset ``name`` of ``file`` opened with a chunk cache of exactly one decoded chunk.
-
-    The merge reads each dataset front to back in reads that may end inside a chunk (the
-    small columns' chunks hold thousands of rows): with its chunk cached, each chunk is
-    decoded once, not once per read, and the cache costs one chunk a dataset per input,
-    whatever the file's size (HDF5's default, 1 MiB a dataset, keeps no chunk of 1 MiB
-    and decoded such a chunk again for every read).
-    """
-    ds = file[name]
-    if ds.chunks is None:
-        return ds
-    access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
-    access.set_chunk_cache(521, int(np.prod(ds.chunks, dtype=np.int64)) * ds.dtype.itemsize + 1, 1.0)
-    return h5py.Dataset(h5py.h5d.open(file.id, name.encode(), dapl=access))
 
 
 def _row_bytes(file: h5py.File, group: str, names: list[str]) -> int:
@@ -348,7 +335,7 @@ def _write_merged(ordered: list[Path], ranks: list[int], attrs: dict[str, object
             layouts.extend(read_layouts(f))
     header = TraceHeader.of_attrs(attrs, layers, mapping, rank=-1, world_size=int(attrs[Attr.WORLD_SIZE]),  # type: ignore[call-overload]
                                   layouts=tuple(layouts) if len(layouts) == len(ordered) else ())
-    files = [open_hdf5(p) for p in ordered]
+    files = [open_hdf5(p, rdcc_nbytes=INPUT_CHUNK_CACHE_BYTES, rdcc_w0=1.0) for p in ordered]
     try:
         for f in files:  # request counts the window restack and the pass stream move unchecked otherwise
             check_stored_requests(f)
