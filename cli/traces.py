@@ -55,7 +55,7 @@ def merge(
 ) -> None:
     """Join per-rank traces of one run into one trace (copied, rank axis / rank column; see docs/cli.md).
 
-    Streams: holds at most 256 MiB of rows over all inputs, whatever the number of ranks.
+    Streams: 64 MiB of rows in flight over all inputs (and the merged column being built), plus one HDF5 chunk per dataset of each input.
     """
     for path in traces:
         existing_file(path)
