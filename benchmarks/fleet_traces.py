@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.exporters.
 
 from harness import write_results
 
-from moetrace import ExpertDistributionRecorder
 from tests.exporters import fleet
 
 MOETRACE = [sys.executable, "-m", "moetrace.cli"]
@@ -52,26 +51,8 @@ def shape_of(ranks: int) -> fleet.FleetShape:
 
 def write_fleet(ranks: int, passes: int, out: Path) -> tuple[list[Path], float]:
     """``ranks`` per-rank per_pass traces of one run, written by ``ranks`` recorders fed pass by pass."""
-    shape = shape_of(ranks)
-    run_id = f"fleet-{ranks}-{os.getpid()}"
-    recorders = []
-    for rank in range(ranks):
-        config = fleet.recorder_config(shape, rank, out, mode="per_pass", run_id=run_id, stream_chunk_passes=32)
-        recorders.append(ExpertDistributionRecorder(config))
     start = time.perf_counter()
-    for rec in recorders:
-        rec.start_record()
-    for index in range(passes):
-        ids = torch.from_numpy(fleet.fleet_routing(shape, 0, index))  # [R, L, T, k]
-        for rank, rec in enumerate(recorders):
-            with rec.with_forward_pass():
-                for layer in range(shape.layers):
-                    with rec.with_current_layer(layer):
-                        rec.on_select_experts(ids[rank, layer])
-    paths = []
-    for rec in recorders:
-        rec.stop_record()
-        paths.append(rec.dump_record(out / "fleet.h5"))
+    paths = fleet.write_rank_traces(shape_of(ranks), passes, out, f"fleet-{ranks}-{os.getpid()}", stream_chunk_passes=32)
     return paths, time.perf_counter() - start
 
 

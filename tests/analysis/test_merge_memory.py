@@ -11,9 +11,7 @@ import tracemalloc
 
 import h5py
 import numpy as np
-import torch
 
-from moetrace import ExpertDistributionRecorder
 from moetrace.trace.merge import merge_traces
 from tests.exporters import fleet
 
@@ -24,21 +22,7 @@ ROW = SHAPE.layers * SHAPE.slots * 4  # bytes of one /passes/physical_count row 
 
 def write_ranks(out, ranks: int) -> list:
     shape = fleet.FleetShape(f"wide{ranks}", SHAPE.layers, SHAPE.first_layer, SHAPE.experts, SHAPE.slots, SHAPE.top_k, ranks, SHAPE.tokens)
-    recorders = [ExpertDistributionRecorder(fleet.recorder_config(shape, r, out, run_id=f"mem{ranks}", stream_chunk_passes=16)) for r in range(ranks)]
-    for rec in recorders:
-        rec.start_record()
-    for index in range(PASSES):
-        ids = torch.from_numpy(fleet.fleet_routing(shape, 0, index))
-        for rank, rec in enumerate(recorders):
-            with rec.with_forward_pass():
-                for layer in range(shape.layers):
-                    with rec.with_current_layer(layer):
-                        rec.on_select_experts(ids[rank, layer])
-    paths = []
-    for rec in recorders:
-        rec.stop_record()
-        paths.append(rec.dump_record(out / "fleet.h5"))
-    return paths
+    return fleet.write_rank_traces(shape, PASSES, out, f"mem{ranks}", stream_chunk_passes=16)
 
 
 def traced_peak(paths, out, memory_bytes: int) -> int:

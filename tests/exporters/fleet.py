@@ -117,6 +117,26 @@ def record_pass(recorder: ExpertDistributionRecorder, shape: FleetShape, seed: i
                 recorder.on_dispatch(send[layer], recv[layer])
 
 
+def write_rank_traces(shape: FleetShape, passes: int, out: Path, run_id: str, **fields: object) -> list[Path]:
+    """``shape.ep`` per-rank ``per_pass`` traces of one run, written in this process by one recorder a rank
+    (each with its rank's id and layout and ``run_id``) fed the fleet's routing pass by pass (no dispatch)."""
+    recorders = [ExpertDistributionRecorder(recorder_config(shape, rank, out, run_id=run_id, **fields)) for rank in range(shape.ep)]
+    for rec in recorders:
+        rec.start_record()
+    for index in range(passes):
+        ids = torch.from_numpy(fleet_routing(shape, 0, index))  # [R, L, T, k]
+        for rank, rec in enumerate(recorders):
+            with rec.with_forward_pass():
+                for layer in range(shape.layers):
+                    with rec.with_current_layer(layer):
+                        rec.on_select_experts(ids[rank, layer])
+    paths = []
+    for rec in recorders:
+        rec.stop_record()
+        paths.append(rec.dump_record(out / "fleet.h5"))
+    return paths
+
+
 def _write_json(path: Path, data: object) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
