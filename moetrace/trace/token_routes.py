@@ -8,9 +8,15 @@ back into per-request routes, the shape the engine returns with a response (SGLa
 
 - ``T`` is one past the highest position any pass computed for the request; positions no
   pass computed (a prefix-cache hit, a chunk recorded in another trace) are rows of ``-1``;
-- a position computed more than once (preemption and recomputation, replicated TP ranks, the
-  stages of a pipeline that each route some layers) keeps, per layer, the latest row that
-  routed that layer, in the order given (traces in order, rows in pass order);
+- a position computed more than once (preemption and recomputation, the stages of a pipeline
+  that each route some layers) keeps, per layer, the latest row that routed that layer, in the
+  order given (traces in order, rows in pass order);
+- ranks whose routers see the same tokens (TP attention: every rank of the TP group; SGLang's DP
+  attention with the MoE input gathered) hold replicas of one view: the rows of the counted rank
+  of each token group (its lowest rank present, ``docs/trace-format.md``, "What a rank row means")
+  are read, as every count of the trace counts them, and the replicas' are not (a replica's per-rank
+  file is not opened for rows when its group's counted rank is given too; a merged trace's replica
+  rows are skipped). An engine answers a request from its first TP rank, the counted one;
 - ids are as the trace stores them (its ``id_space``; ``-2`` marks an id outside the expert range).
 
 Memory: the rows of the requests asked for (one request with ``request_id``), read chunk by chunk.
@@ -27,7 +33,7 @@ import numpy as np
 from .reader import Trace, open_trace
 from .schema import Data, TraceError
 
-__all__ = ["has_request_rows", "request_routes"]
+__all__ = ["counted_traces", "has_request_rows", "request_routes"]
 
 
 def has_request_rows(trace: Trace) -> bool:
@@ -41,6 +47,18 @@ def _opened(traces: Trace | Path | str | Iterable[Trace | Path | str], stack: Ex
         raise TraceError("no trace given: request_routes needs one or more per_token traces")
     for item in items:
         yield item if isinstance(item, Trace) else stack.enter_context(open_trace(item))
+
+
+def counted_traces(traces: list[Trace]) -> list[Trace]:
+    """The traces that hold a counted rank (:meth:`Trace.counted`) of the ranks they describe together:
+    the per-rank file of a replica rank (TP attention) is left out when its token group's lowest rank
+    is among ``traces``; traces without a layout are all kept."""
+    lowest: dict[int, int] = {}
+    for trace in traces:
+        for layout in trace.layouts:
+            lowest[layout.token_group] = min(lowest.get(layout.token_group, layout.rank), layout.rank)
+    counted = set(lowest.values())
+    return [t for t in traces if not t.layouts or any(layout.rank in counted for layout in t.layouts)]
 
 
 def request_routes(traces: Trace | Path | str | Iterable[Trace | Path | str], request_id: str | None = None,
@@ -64,12 +82,14 @@ def request_routes(traces: Trace | Path | str | Iterable[Trace | Path | str], re
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (request key, position, ids) per chunk
     shape: tuple[int, int] | None = None
     with ExitStack() as stack:
-        for trace in _opened(traces, stack):
+        opened = list(_opened(traces, stack))
+        for trace in opened:
             if trace.mode != "per_token" or not has_request_rows(trace):
                 raise TraceError(
                     f"{trace.path}: its token rows carry no request ids (mode {trace.mode!r}); record in per_token mode "
                     "through an adapter that gives the engine's batch (recorder.with_forward_pass(batch=...))"
                 )
+        for trace in counted_traces(opened):
             table = trace.request_table()
             if request_ids is not None:
                 wanted = set(request_ids)
@@ -81,7 +101,7 @@ def request_routes(traces: Trace | Path | str | Iterable[Trace | Path | str], re
                 keys = np.where(table == request_id, 0, -1).astype(np.int64)
                 if (keys == 0).any():
                     names.setdefault(request_id, 0)
-            for rows in trace.iter_tokens(chunk):
+            for rows in trace.iter_tokens(chunk, counted_only=True):  # a merged trace's replica rows are skipped
                 assert rows.request is not None and rows.request_position is not None
                 known = rows.request >= 0
                 key = np.full(len(known), -1, dtype=np.int64)

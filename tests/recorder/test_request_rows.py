@@ -215,13 +215,19 @@ def test_rows_carry_requests_across_handoffs_segments_dumps_and_ranks(tmp_path):
         request_routes(first, request_id="nope")
 
 
-def test_merged_replicated_ranks_agree(tmp_path):
+def test_replicated_ranks_are_read_once(tmp_path):
+    """Two TP-attention ranks route the same tokens: their rows carry the same requests and positions,
+    and ``request_routes`` reads the counted rank's (rank 0, the one an engine answers from) from the
+    merged trace and from the per-rank files given together, in either order. Rank 1 here routes every
+    token to the next expert (a replica that disagrees), so reading its rows would show (negative
+    control: rank 1's file alone gives its own routes)."""
     passes, expected = schedule(seed=5, requests=16)
+    other = [dataclasses.replace(p, ids=np.where(p.ids >= 0, (p.ids + 1) % EXPERTS, -1)) for p in passes]
     paths = []
-    for rank in range(2):
+    for rank, ran in enumerate((passes, other)):
         rec = make(tmp_path / f"r{rank}", run_id="rows-merge", layout=_tp_layout(rank))
         rec.start_record()
-        record(rec, passes)
+        record(rec, ran)
         rec.stop_record()
         paths.append(rec.dump_record(tmp_path / "run.h5"))
     merged = merge_traces(paths, tmp_path / "merged.h5")
@@ -233,9 +239,14 @@ def test_merged_replicated_ranks_agree(tmp_path):
         position = trace.read_tokens("request_position")
     by_rank = [{k: (r, p) for k, r, p, rk in zip(key, request, position, rank, strict=True) if rk == which} for which in (0, 1)]
     assert by_rank[0] == by_rank[1] and len(by_rank[0]) == len(expected_rows(passes)["pass_id"])
-    routes = request_routes(merged)
+    for given in (merged, paths, paths[::-1]):
+        routes = request_routes(given)
+        assert sorted(routes) == sorted(expected)
+        for rid, want_routes in expected.items():
+            np.testing.assert_array_equal(routes[rid], want_routes, err_msg=f"{given}: {rid}")
+    alone = request_routes(paths[1])
     for rid, want_routes in expected.items():
-        np.testing.assert_array_equal(routes[rid], want_routes, err_msg=rid)
+        np.testing.assert_array_equal(alone[rid], np.where(want_routes >= 0, (want_routes + 1) % EXPERTS, -1), err_msg=rid)
 
 
 def _tp_layout(rank: int) -> RankLayout:
