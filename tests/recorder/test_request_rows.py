@@ -249,6 +249,41 @@ def test_replicated_ranks_are_read_once(tmp_path):
         np.testing.assert_array_equal(alone[rid], np.where(want_routes >= 0, (want_routes + 1) % EXPERTS, -1), err_msg=rid)
 
 
+def test_gathered_ranks_each_label_their_own_requests(tmp_path):
+    """SGLang's DP attention with the MoE input gathered over the TP group: both ranks route every row
+    (replicas, counted once), each labels only the rows of its own requests. Each request's routes come
+    from the rank that holds its rows, from the per-rank files and from their merge; each rank's file
+    alone gives its own requests only."""
+    passes, expected = schedule(seed=8, requests=12)
+    paths = []
+    for rank in range(2):
+        own = []
+        for p in passes:
+            if p.batch is None or p.batch.num_requests == 0:
+                own.append(p)
+                continue
+            mine = np.array([int(rid.split("-")[1]) % 2 == rank for rid in p.batch.request_ids])
+            b = p.batch
+            batch = PassBatch.of([r for r, m in zip(b.request_ids, mine, strict=True) if m], b.start[mine], b.count[mine],
+                                 prefill=b.prefill[mine], row=b.row[mine], num_rows=b.num_rows)
+            own.append(dataclasses.replace(p, batch=batch))
+        layout = RankLayout(world_size=2, rank=rank, tp_size=2, tp_rank=rank, dp_size=2, dp_rank=rank, attn_tp_size=1,
+                            router_tp_size=2, source="sglang")
+        rec = make(tmp_path / f"r{rank}", run_id="rows-gathered", layout=layout)
+        rec.start_record()
+        record(rec, own)
+        rec.stop_record()
+        paths.append(rec.dump_record(tmp_path / "run.h5"))
+    merged = merge_traces(paths, tmp_path / "merged.h5")
+    for given in (merged, paths, paths[::-1]):
+        routes = request_routes(given)
+        assert sorted(routes) == sorted(expected)
+        for rid, want_routes in expected.items():
+            np.testing.assert_array_equal(routes[rid], want_routes, err_msg=f"{given}: {rid}")
+    for rank, path in enumerate(paths):
+        assert sorted(request_routes(path)) == sorted(rid for rid in expected if int(rid.split("-")[1]) % 2 == rank)
+
+
 def _tp_layout(rank: int) -> RankLayout:
     return RankLayout(world_size=2, rank=rank, tp_size=2, tp_rank=rank, source="reference")
 
