@@ -65,16 +65,13 @@ $(MEGATRON_STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/moetrace demo
 
-# `make test` runs two lanes at once, each a chain of `ci-*` steps (order-only prerequisites):
-#   core lane:   ruff and the core suite, as soon as .venv is built;
-#   engine lane: the Megatron suite (two small gloo ranks) as soon as its virtualenv is built, while
-#                vLLM's still builds; then the vLLM suite, then the SGLang suite, one engine at a time
-#                (each starts engines bound to both cores, so two engine suites never overlap).
-# The core suite is mostly subprocess starts and waits, the engine suites mostly engine start-up: side
-# by side they keep both cores busy where one after another left a third of the CPU idle. A failure
-# stops every step that has not started; each step's output is printed whole when it ends (-Otarget).
+# `make test`: ruff and the core suite start as soon as .venv is built and run while the three engine
+# virtualenvs build beside them (pip mostly waits on the network and the disk); the Megatron suite (two
+# small gloo ranks) runs beside the core suite once its virtualenv is there; the vLLM and SGLang suites
+# then run one after another (each starts engines bound to both cores). A failure stops what has not
+# started; the `ci-*` targets are these steps, chained by order-only prerequisites.
 test:
-	$(MAKE) -j4 -Otarget ci-core ci-sglang
+	$(MAKE) -j4 ci-sglang
 
 ci-core: $(STAMP)
 	$(BIN)/ruff check .
@@ -83,7 +80,7 @@ ci-core: $(STAMP)
 ci-megatron: $(MEGATRON_STAMP)
 	$(MAKE) --no-print-directory test-megatron
 
-ci-vllm: $(VLLM_STAMP) | ci-megatron
+ci-vllm: $(VLLM_STAMP) | ci-core ci-megatron
 	$(MAKE) --no-print-directory test-vllm
 
 ci-sglang: $(SGLANG_STAMP) | ci-vllm
