@@ -94,7 +94,7 @@ def _gathered_ids(ranks: dict[int, tuple[str, list[tuple[int, int, int]]]], size
 
 
 def _record(tmp_path: Path, rank: int, graph_pass: bool) -> Path:
-    layout = sglang_layout(1, 0, SimpleNamespace(tp_size=2, tp_rank=rank, pp_size=1, pp_rank=0, enable_dp_attention=True, attn_tp_size=1),
+    layout = sglang_layout(1, 0, SimpleNamespace(tp_size=2, tp_rank=rank, pp_size=1, pp_rank=0, attn_dp_enabled=True, attn_tp_size=1),
                            all_to_all=False)
     assert layout.router_tp_size == 2 and layout.dp_rank == rank  # the MoE input is gathered over the TP group
     recorder = ExpertDistributionRecorder(RecorderConfig(num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K, mode="per_token",
