@@ -15,7 +15,9 @@ batch's request count, on the host before the pass: the model runner enters
 ``with_forward_pass`` outside any CUDA graph it replays, so a replayed decode
 graph is counted as ``decode``. When the pass's batch can be described from host
 fields (:mod:`.batches`), its own phase (from the requests' prefill flags) wins;
-the mode still names the passes it cannot describe (speculative verify and draft).
+the mode still names the passes it cannot describe (speculative verify and draft). Under DP
+attention with the MoE input gathered over the TP group, the batch is placed at this rank's rows
+of the gathered input at the pass end, once SGLang has sized the gather.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from moetrace.batch import PassBatch
 
-from .batches import sglang_pass_batch
+from .batches import gathered_pass_batch, sglang_pass_batch
 
 __all__ = ["SGLANG_PASS_PHASES", "RecorderBridge", "sglang_pass_phase"]
 
@@ -86,8 +88,9 @@ class RecorderBridge:
         self._broken: str | None = None
         self._batch_warned = False
         layout = getattr(getattr(recorder, "config", None), "layout", None)
-        # DP attention with the MoE input gathered over the TP group: rows of other ranks' requests come first
+        # DP attention with the MoE input gathered over the TP group: this rank's rows sit after the DP ranks before it
         self._gathered = layout is not None and int(layout.router_tp_size or 1) > int(layout.attn_tp_size or 1)
+        self._dp_rank = int(layout.dp_rank) if layout is not None else 0
 
     # -------------------------------------------------------------- context managers
     @contextlib.contextmanager
@@ -96,25 +99,40 @@ class RecorderBridge:
             yield outputs
 
     def _batch(self, forward_batch: Any) -> PassBatch | None:
-        """The pass's requests from the ``ForwardBatch``'s host fields; ``None`` when the MoE input holds
-        other DP-attention ranks' tokens too (gathered), or the batch is not describable (logged once)."""
-        if forward_batch is None or self._gathered:
+        """The pass's requests from the ``ForwardBatch``'s host fields (this rank's own rows); ``None`` when the
+        batch is not describable (logged once)."""
+        if forward_batch is None:
             return None
         try:
             return sglang_pass_batch(forward_batch)
         except Exception as exc:  # never SGLang's problem: its rows are recorded without requests
-            if not self._batch_warned:
-                logger.warning("moetrace: the pass's requests could not be read from SGLang's ForwardBatch (%s); rows are recorded without requests", exc)
-                self._batch_warned = True
+            self._batch_failed(exc)
             return None
+
+    def _batch_failed(self, exc: Exception) -> None:
+        if not self._batch_warned:
+            logger.warning("moetrace: the pass's requests could not be read from SGLang's ForwardBatch (%s); rows are recorded without requests", exc)
+            self._batch_warned = True
+
+    def _place_gathered(self, local: PassBatch | None, forward_batch: Any) -> None:
+        """At the pass end of a gathered MoE input: this rank's batch moved to its rows of the gathered input
+        (SGLang sized the gather inside the pass; host fields, :func:`.batches.gathered_pass_batch`)."""
+        if local is None or self._broken is not None:
+            return
+        try:
+            self.moetrace.set_batch(gathered_pass_batch(local, forward_batch, self._dp_rank))
+        except Exception as exc:
+            self._batch_failed(exc)
 
     @contextlib.contextmanager
     def _moetrace_pass(self, forward_pass_id: int, forward_batch: Any = None) -> Iterator[None]:
         scope = contextlib.ExitStack()
+        local = None
         if self._broken is None:
             try:
                 self.moetrace.set_pass_phase(*sglang_pass_phase(forward_batch))  # a batch, when there is one, names it too (and wins)
-                scope.enter_context(self.moetrace.with_forward_pass(forward_pass_id, batch=self._batch(forward_batch)))
+                local = self._batch(forward_batch)
+                scope.enter_context(self.moetrace.with_forward_pass(forward_pass_id, batch=None if self._gathered else local))
             except Exception as exc:
                 self._disable(exc)
         try:
@@ -122,6 +140,8 @@ class RecorderBridge:
         except BaseException:
             self._end_pass(scope, *sys.exc_info())  # moetrace discards the partial pass
             raise
+        if self._gathered:
+            self._place_gathered(local, forward_batch)
         self._end_pass(scope, None, None, None)
 
     def _end_pass(self, scope: contextlib.ExitStack, *exc_info: Any) -> None:

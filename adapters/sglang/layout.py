@@ -3,8 +3,9 @@
 SGLang (0.5.18+) publishes each process's parallel coordinates in
 ``sglang.srt.runtime_context.get_parallel()``: ``tp_size``/``tp_rank``,
 ``pp_size``/``pp_rank``, ``moe_ep_size``/``moe_ep_rank`` and, for DP attention
-(``--enable-dp-attention``), ``attn_tp_size`` (ranks that run attention, and so
-the router, on the same tokens) and ``attn_dp_rank``. What each means for counting:
+(``--enable-dp-attention``), ``attn_dp_enabled`` and ``attn_tp_size`` (ranks that run
+attention, and so the router, on the same tokens); the server argument
+``enable_dp_attention`` is not a field of that context. What each means for counting:
 
 - TP attention (default): every rank of the TP group routes the same tokens;
   moetrace counts one of them (``attn_tp_size = tp_size``).
@@ -51,7 +52,7 @@ def sglang_layout(ep_size: int, ep_rank: int, parallel: Any = None, all_to_all: 
     p = _parallel() if parallel is None else parallel
     tp_size, tp_rank = int(p.tp_size), int(p.tp_rank)
     pp_size, pp_rank = int(getattr(p, "pp_size", 1)), int(getattr(p, "pp_rank", 0))
-    dp_attention = bool(getattr(p, "enable_dp_attention", False))
+    dp_attention = bool(getattr(p, "attn_dp_enabled", False))  # a width SGLang derives at publish: attn_dp_size > 1
     attn_tp_size = int(p.attn_tp_size) if dp_attention else tp_size
     dp_size = tp_size // attn_tp_size if dp_attention else 1
     dp_rank = tp_rank // attn_tp_size if dp_attention else 0

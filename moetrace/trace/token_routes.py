@@ -8,9 +8,17 @@ back into per-request routes, the shape the engine returns with a response (SGLa
 
 - ``T`` is one past the highest position any pass computed for the request; positions no
   pass computed (a prefix-cache hit, a chunk recorded in another trace) are rows of ``-1``;
-- a position computed more than once (preemption and recomputation, replicated TP ranks, the
-  stages of a pipeline that each route some layers) keeps, per layer, the latest row that
-  routed that layer, in the order given (traces in order, rows in pass order);
+- a position computed more than once (preemption and recomputation, the stages of a pipeline
+  that each route some layers) keeps, per layer, the latest row that routed that layer, in the
+  order given (traces in order, rows in pass order);
+- ranks whose routers see the same tokens (one token group: TP attention's TP group, SGLang's DP
+  attention with the MoE input gathered over it) hold replicas of one view: a request's rows are
+  read from the lowest rank of the group that holds rows of that request. Under TP attention every
+  rank labels every row, so that is the counted rank (``docs/trace-format.md``, "What a rank row
+  means"), the one an engine answers from; with a gathered MoE input each rank labels its own
+  requests' rows only, so each request comes from its own rank. A replica's per-rank file whose
+  requests a lower rank of its group holds is not read for rows; in a merged trace the rows are
+  chosen by their ``rank`` column;
 - ids are as the trace stores them (its ``id_space``; ``-2`` marks an id outside the expert range).
 
 Memory: the rows of the requests asked for (one request with ``request_id``), read chunk by chunk.
@@ -43,6 +51,39 @@ def _opened(traces: Trace | Path | str | Iterable[Trace | Path | str], stack: Ex
         yield item if isinstance(item, Trace) else stack.enter_context(open_trace(item))
 
 
+def _skipped(traces: list[Trace], tables: list[np.ndarray]) -> list[bool]:
+    """Which per-rank traces hold no request that a lower rank of their token group does not hold too:
+    none of their rows would be read (a TP-attention replica's file), so they are not read at all."""
+    lower: dict[int, list[tuple[int, set[str]]]] = {}  # token group -> [(rank, its request ids)]
+    for trace, table in zip(traces, tables, strict=True):
+        if len(trace.layouts) == 1 and not trace.has(Data.TOKENS_RANK):
+            layout = trace.layouts[0]
+            lower.setdefault(layout.token_group, []).append((layout.rank, set(map(str, table))))
+    skip = []
+    for trace, table in zip(traces, tables, strict=True):
+        if len(trace.layouts) != 1 or trace.has(Data.TOKENS_RANK):
+            skip.append(False)
+            continue
+        layout = trace.layouts[0]
+        held = set().union(*(ids for rank, ids in lower[layout.token_group] if rank < layout.rank))
+        skip.append(set(map(str, table)) <= held)
+    return skip
+
+
+def _sources(trace: Trace, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(rank [count], token group [count])`` of rows ``start ..`` of ``trace`` (0, 0 without a layout)."""
+    layouts = trace.layouts
+    if not layouts:
+        return np.zeros(count, dtype=np.int64), np.zeros(count, dtype=np.int64)
+    if not trace.has(Data.TOKENS_RANK):
+        return np.full(count, layouts[0].rank, dtype=np.int64), np.full(count, layouts[0].token_group, dtype=np.int64)
+    rank = trace.read_tokens("rank", start, count).astype(np.int64)
+    ranks = np.array([layout.rank for layout in layouts], dtype=np.int64)
+    groups = np.array([layout.token_group for layout in layouts], dtype=np.int64)
+    order = np.argsort(ranks)
+    return rank, groups[order][np.searchsorted(ranks[order], rank)]
+
+
 def request_routes(traces: Trace | Path | str | Iterable[Trace | Path | str], request_id: str | None = None,
                    chunk: int = 65536, *, request_ids: Collection[str] | None = None) -> dict[str, np.ndarray]:
     """Per-request routes ``{request id: [T, L, k] int64}`` from ``per_token`` traces.
@@ -61,16 +102,20 @@ def request_routes(traces: Trace | Path | str | Iterable[Trace | Path | str], re
             in none of them.
     """
     names: dict[str, int] = {}
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (request key, position, ids) per chunk
+    parts: list[tuple[np.ndarray, ...]] = []  # (request key, position, ids, rank, token group) per chunk
     shape: tuple[int, int] | None = None
     with ExitStack() as stack:
-        for trace in _opened(traces, stack):
+        opened = list(_opened(traces, stack))
+        for trace in opened:
             if trace.mode != "per_token" or not has_request_rows(trace):
                 raise TraceError(
                     f"{trace.path}: its token rows carry no request ids (mode {trace.mode!r}); record in per_token mode "
                     "through an adapter that gives the engine's batch (recorder.with_forward_pass(batch=...))"
                 )
-            table = trace.request_table()
+        tables = [trace.request_table() for trace in opened]
+        for trace, table, skip in zip(opened, tables, _skipped(opened, tables), strict=True):
+            if skip:
+                continue
             if request_ids is not None:
                 wanted = set(request_ids)
                 keys = np.fromiter((names.setdefault(t, len(names)) if t in wanted else -1 for t in map(str, table)),
@@ -81,6 +126,7 @@ def request_routes(traces: Trace | Path | str | Iterable[Trace | Path | str], re
                 keys = np.where(table == request_id, 0, -1).astype(np.int64)
                 if (keys == 0).any():
                     names.setdefault(request_id, 0)
+            start = 0
             for rows in trace.iter_tokens(chunk):
                 assert rows.request is not None and rows.request_position is not None
                 known = rows.request >= 0
@@ -88,33 +134,45 @@ def request_routes(traces: Trace | Path | str | Iterable[Trace | Path | str], re
                 key[known] = keys[rows.request[known]]
                 take = key >= 0
                 if take.any():
-                    parts.append((key[take], rows.request_position[take].astype(np.int64), rows.topk_ids[take]))
+                    rank, group = _sources(trace, start, len(known))
+                    parts.append((key[take], rows.request_position[take].astype(np.int64), rows.topk_ids[take], rank[take], group[take]))
+                start += len(known)
                 shape = tuple(rows.topk_ids.shape[1:])  # type: ignore[assignment]
     if request_id is not None and not names:
         raise TraceError(f"request {request_id!r} has no token rows in the trace(s) given")
     return _assemble(parts, names, shape)
 
 
-def _assemble(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], names: dict[str, int],
-              shape: tuple[int, int] | None) -> dict[str, np.ndarray]:
-    """Group the rows by request, place them by position, latest row per (position, layer) wins."""
+def _assemble(parts: list[tuple[np.ndarray, ...]], names: dict[str, int], shape: tuple[int, int] | None) -> dict[str, np.ndarray]:
+    """Group the rows by request, keep each token group's lowest rank holding the request, place them by
+    position, latest row per (position, layer) wins."""
     out: dict[str, np.ndarray] = {}
     if not parts:
         return {rid: np.full((0, *(shape or (0, 0))), -1, dtype=np.int64) for rid in names}
-    key = np.concatenate([p[0] for p in parts])
-    position = np.concatenate([p[1] for p in parts])
-    ids = np.concatenate([p[2] for p in parts])
+    key, position, ids, rank, group = (np.concatenate([p[i] for p in parts]) for i in range(5))
     order = np.argsort(key, kind="stable")  # rows of one request together, in reading order
-    key, position, ids = key[order], position[order], ids[order]
+    key, position, ids, rank, group = key[order], position[order], ids[order], rank[order], group[order]
     bounds = np.flatnonzero(np.diff(key)) + 1
     starts = np.concatenate([[0], bounds])
     ends = np.concatenate([bounds, [len(key)]])
     by_key = {k: rid for rid, k in names.items()}
     for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-        out[by_key[int(key[a])]] = _place(position[a:b], ids[a:b])
+        keep = _lowest_rank_rows(rank[a:b], group[a:b])
+        out[by_key[int(key[a])]] = _place(position[a:b][keep], ids[a:b][keep])
     for rid in names:
         out.setdefault(rid, np.full((0, *ids.shape[1:]), -1, dtype=np.int64))
     return out
+
+
+def _lowest_rank_rows(rank: np.ndarray, group: np.ndarray) -> slice | np.ndarray:
+    """Rows of one request ``[n]`` that come from the lowest rank of their token group holding it."""
+    if rank.min() == rank.max():
+        return slice(None)
+    keep = np.zeros(len(rank), dtype=bool)
+    for g in np.unique(group):
+        mine = group == g
+        keep |= mine & (rank == rank[mine].min())
+    return keep
 
 
 def _place(position: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ from moetrace.layout import counted_rows
 
 
 def _parallel(tp_rank: int, tp_size: int = 2, dp_attention: bool = False, attn_tp_size: int = 2) -> SimpleNamespace:
-    return SimpleNamespace(tp_size=tp_size, tp_rank=tp_rank, pp_size=1, pp_rank=0, enable_dp_attention=dp_attention, attn_tp_size=attn_tp_size)
+    return SimpleNamespace(tp_size=tp_size, tp_rank=tp_rank, pp_size=1, pp_rank=0, attn_dp_enabled=dp_attention, attn_tp_size=attn_tp_size)
 
 
 def _counted(layouts) -> list[bool]:

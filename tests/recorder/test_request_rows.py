@@ -215,13 +215,19 @@ def test_rows_carry_requests_across_handoffs_segments_dumps_and_ranks(tmp_path):
         request_routes(first, request_id="nope")
 
 
-def test_merged_replicated_ranks_agree(tmp_path):
+def test_replicated_ranks_are_read_once(tmp_path):
+    """Two TP-attention ranks route the same tokens: their rows carry the same requests and positions,
+    and ``request_routes`` reads the counted rank's (rank 0, the one an engine answers from) from the
+    merged trace and from the per-rank files given together, in either order. Rank 1 here routes every
+    token to the next expert (a replica that disagrees), so reading its rows would show (negative
+    control: rank 1's file alone gives its own routes)."""
     passes, expected = schedule(seed=5, requests=16)
+    other = [dataclasses.replace(p, ids=np.where(p.ids >= 0, (p.ids + 1) % EXPERTS, -1)) for p in passes]
     paths = []
-    for rank in range(2):
+    for rank, ran in enumerate((passes, other)):
         rec = make(tmp_path / f"r{rank}", run_id="rows-merge", layout=_tp_layout(rank))
         rec.start_record()
-        record(rec, passes)
+        record(rec, ran)
         rec.stop_record()
         paths.append(rec.dump_record(tmp_path / "run.h5"))
     merged = merge_traces(paths, tmp_path / "merged.h5")
@@ -233,9 +239,49 @@ def test_merged_replicated_ranks_agree(tmp_path):
         position = trace.read_tokens("request_position")
     by_rank = [{k: (r, p) for k, r, p, rk in zip(key, request, position, rank, strict=True) if rk == which} for which in (0, 1)]
     assert by_rank[0] == by_rank[1] and len(by_rank[0]) == len(expected_rows(passes)["pass_id"])
-    routes = request_routes(merged)
+    for given in (merged, paths, paths[::-1]):
+        routes = request_routes(given)
+        assert sorted(routes) == sorted(expected)
+        for rid, want_routes in expected.items():
+            np.testing.assert_array_equal(routes[rid], want_routes, err_msg=f"{given}: {rid}")
+    alone = request_routes(paths[1])
     for rid, want_routes in expected.items():
-        np.testing.assert_array_equal(routes[rid], want_routes, err_msg=rid)
+        np.testing.assert_array_equal(alone[rid], np.where(want_routes >= 0, (want_routes + 1) % EXPERTS, -1), err_msg=rid)
+
+
+def test_gathered_ranks_each_label_their_own_requests(tmp_path):
+    """SGLang's DP attention with the MoE input gathered over the TP group: both ranks route every row
+    (replicas, counted once), each labels only the rows of its own requests. Each request's routes come
+    from the rank that holds its rows, from the per-rank files and from their merge; each rank's file
+    alone gives its own requests only."""
+    passes, expected = schedule(seed=8, requests=12)
+    paths = []
+    for rank in range(2):
+        own = []
+        for p in passes:
+            if p.batch is None or p.batch.num_requests == 0:
+                own.append(p)
+                continue
+            mine = np.array([int(rid.split("-")[1]) % 2 == rank for rid in p.batch.request_ids])
+            b = p.batch
+            batch = PassBatch.of([r for r, m in zip(b.request_ids, mine, strict=True) if m], b.start[mine], b.count[mine],
+                                 prefill=b.prefill[mine], row=b.row[mine], num_rows=b.num_rows)
+            own.append(dataclasses.replace(p, batch=batch))
+        layout = RankLayout(world_size=2, rank=rank, tp_size=2, tp_rank=rank, dp_size=2, dp_rank=rank, attn_tp_size=1,
+                            router_tp_size=2, source="sglang")
+        rec = make(tmp_path / f"r{rank}", run_id="rows-gathered", layout=layout)
+        rec.start_record()
+        record(rec, own)
+        rec.stop_record()
+        paths.append(rec.dump_record(tmp_path / "run.h5"))
+    merged = merge_traces(paths, tmp_path / "merged.h5")
+    for given in (merged, paths, paths[::-1]):
+        routes = request_routes(given)
+        assert sorted(routes) == sorted(expected)
+        for rid, want_routes in expected.items():
+            np.testing.assert_array_equal(routes[rid], want_routes, err_msg=f"{given}: {rid}")
+    for rank, path in enumerate(paths):
+        assert sorted(request_routes(path)) == sorted(rid for rid in expected if int(rid.split("-")[1]) % 2 == rank)
 
 
 def _tp_layout(rank: int) -> RankLayout:

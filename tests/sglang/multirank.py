@@ -16,8 +16,9 @@ import numpy as np
 from .checkpoint import NUM_EXPERTS, NUM_LAYERS
 from .engine import GENERATION, PROMPTS
 from .reference import hf_routes
+from .workload import computed_sequences
 
-__all__ = ["TWO_RANKS", "WORKLOAD_TOKENS", "computed_sequences", "expert_count", "generate_sequentially", "hf_computed_routes",
+__all__ = ["TWO_RANKS", "WORKLOAD_TOKENS", "expert_count", "generate_sequentially", "hf_computed_routes",
            "sglang_recorder_count"]
 
 TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
@@ -33,14 +34,9 @@ def generate_sequentially(llm: Any) -> list[dict[str, Any]]:
     return [llm.generate(input_ids=p, sampling_params=GENERATION) for p in PROMPTS]
 
 
-def computed_sequences(answers: list[dict[str, Any]]) -> list[list[int]]:
-    """Each request's positions that went through a forward pass: prompt + generated tokens but the last."""
-    return [p + a["output_ids"][:-1] for p, a in zip(PROMPTS, answers, strict=True)]
-
-
 def hf_computed_routes(checkpoint: Path, answers: list[dict[str, Any]]) -> list[np.ndarray]:
     """The Hugging Face router's top-k ``[positions, L, k]`` of every computed position, per request."""
-    return hf_routes(checkpoint, computed_sequences(answers))
+    return hf_routes(checkpoint, computed_sequences(answers, PROMPTS))
 
 
 def expert_count(routes: list[np.ndarray]) -> np.ndarray:

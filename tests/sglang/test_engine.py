@@ -28,8 +28,16 @@ from moetrace.trace.reader import Trace, open_trace
 from moetrace.trace.token_routes import request_routes
 
 from .checkpoint import NUM_EXPERTS, NUM_LAYERS, TOP_K, build_checkpoint
-from .engine import ENGINE_ARGS, GENERATION, PROMPTS, engine
+from .engine import GENERATION, PROMPTS, engine
 from .reference import hf_routes
+from .workload import (
+    MANY,
+    MANY_GENERATION,
+    check_audit,
+    check_request_rows,
+    computed_sequences,
+    workload_hf_routes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +50,6 @@ class Run:
     moetrace_files: list[Path]
     sglang_files: list[Path]
     many: list[dict[str, Any]]  # MANY: one generate call of 16 requests sharing a prefix, chunked prefill
-
-
-# 16 requests whose prompts start with PROMPTS[2] (cached by then) or with each other's first tokens,
-# 6-13 tokens each with varied output lengths: 16 x ~14 prompt tokens > chunked_prefill_size=64
-_rng = np.random.default_rng(11)
-MANY = [(PROMPTS[2] if i % 2 else [40, 41, 42, 43]) + _rng.integers(50, 100, size=int(_rng.integers(2, 7))).tolist() for i in range(16)]
-MANY_GENERATION = [dict(GENERATION, max_new_tokens=int(n)) for n in _rng.integers(2, 7, size=16)]
 
 
 def _requests(llm: Any, routed: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -112,11 +113,6 @@ def _per_pass_counts(ids: np.ndarray, pass_ids: np.ndarray) -> dict[int, np.ndar
     return counts
 
 
-def _sequences(answers: list[dict[str, Any]], prompts: list[list[int]]) -> list[list[int]]:
-    """Each request's positions that went through a forward pass: prompt + generated tokens but the last."""
-    return [p + a["output_ids"][:-1] for p, a in zip(prompts, answers, strict=True)]
-
-
 def test_outputs_are_identical_with_and_without_moetrace(run: Run, plain: Any) -> None:
     sequential, batched = plain
     assert [a["output_ids"] for a in run.sequential] == [a["output_ids"] for a in sequential]
@@ -167,11 +163,16 @@ def test_every_pass_carries_the_phase_sglang_ran(trace: Trace, sglang_dump: dict
     assert passes[pass_phase_code("unknown")] == 0 and passes.sum() == len(sglang_dump["records"])
 
 
-def test_counts_equal_an_independent_hugging_face_count(run: Run, trace: Trace) -> None:
+@pytest.fixture(scope="module")
+def independent(run: Run) -> list[np.ndarray]:
+    """The HF forward's routes of every position each of the run's requests computed."""
+    return workload_hf_routes(run.checkpoint, run.sequential + run.batched + run.many)
+
+
+def test_counts_equal_an_independent_hugging_face_count(run: Run, trace: Trace, independent: list[np.ndarray]) -> None:
     """Recorders count the tokens a forward pass computed: prefix-cache hits (``cached_tokens``) are not routed again."""
     answers = run.sequential + run.batched + run.many
-    routes = hf_routes(run.checkpoint, _sequences(answers, PROMPTS + PROMPTS + MANY))
-    computed = [route[a["meta_info"]["cached_tokens"] :] for a, route in zip(answers, routes, strict=True)]
+    computed = [route[a["meta_info"]["cached_tokens"] :] for a, route in zip(answers, independent, strict=True)]
     assert sum(a["meta_info"]["cached_tokens"] for a in run.batched) > 0  # the batch reuses the earlier prompts
     expected = np.zeros((NUM_LAYERS, NUM_EXPERTS), np.int64)
     for route in computed:
@@ -199,7 +200,7 @@ def test_routed_experts_equal_moetrace_tokens(run: Run, trace: Trace) -> None:
 
 def test_routed_experts_of_batched_requests_equal_hugging_face(run: Run) -> None:
     """Routed experts cover every position, prefix-cache hits included (SGLang keeps them by KV slot)."""
-    routes = hf_routes(run.checkpoint, _sequences(run.batched, PROMPTS))
+    routes = hf_routes(run.checkpoint, computed_sequences(run.batched, PROMPTS))
     for answer, route in zip(run.batched, routes, strict=True):
         np.testing.assert_array_equal(np.sort(read_routed_experts(answer, NUM_LAYERS, TOP_K), axis=-1), route)
 
@@ -234,76 +235,15 @@ def test_report_of_the_sglang_trace_in_a_real_browser(run: Run, tmp_path: Path) 
         assert before["z"] != after["z"]
 
 
-def test_per_token_rows_are_each_requests_routes(run: Run, trace: Trace) -> None:
+def test_per_token_rows_are_each_requests_routes(run: Run, trace: Trace, independent: list[np.ndarray]) -> None:
     """Issue 35: the trace alone gives every request's routes, keyed by SGLang's own request id; at every
     computed position they equal SGLang's return_routed_experts answer and the independent HF forward,
     and positions served from the prefix cache are -1 (no pass computed them)."""
-    answers = run.sequential + run.batched + run.many
-    prompts = PROMPTS + PROMPTS + MANY
-    routes = request_routes(trace)
-    assert sorted(routes) == sorted(a["meta_info"]["id"] for a in answers)
-    independent = hf_routes(run.checkpoint, _sequences(answers, prompts))
-    cached = [a["meta_info"]["cached_tokens"] for a in answers]
-    assert len(run.many) == 16 and sum(c > 0 for c in cached[-16:]) >= 4  # prefix-cache hits among the 16
-    assert sum(len(p) for p in MANY) > ENGINE_ARGS["chunked_prefill_size"]  # their prefill is chunked
-    for answer, hit, reference in zip(answers, cached, independent, strict=True):
-        rid = answer["meta_info"]["id"]
-        got = routes[rid]
-        assert got.shape == reference.shape, rid
-        assert (got[:hit] == -1).all() and (got[hit:] >= 0).all(), rid
-        np.testing.assert_array_equal(np.sort(got[hit:], axis=-1), np.sort(read_routed_experts(answer, NUM_LAYERS, TOP_K)[hit:], axis=-1), err_msg=rid)
-        np.testing.assert_array_equal(np.sort(got[hit:], axis=-1), reference[hit:], err_msg=rid)
+    check_request_rows(request_routes(trace), run.sequential + run.batched + run.many, independent)
 
 
 def test_audit_of_sglang_answers_against_the_trace(run: Run, tmp_path: Path) -> None:
     """Issue 35: ``moetrace audit`` of SGLang's returned routes against moetrace's trace of the same run exits 0;
     the same answers with one request's routes shifted by a position and another's bound to a third request's
     fail, naming exactly those requests and faults (exit 1)."""
-    import json
-
-    from moetrace.adapters.sglang import answers_routes
-    from moetrace.cli.app import app
-    from typer.testing import CliRunner
-
-    from moetrace.analysis.route_audit import audit_routes, trace_source
-
-    answers = run.sequential + run.batched + run.many
-    report = audit_routes(answers_routes(answers, NUM_LAYERS, TOP_K), trace_source(run.moetrace_files))
-    figures = report.to_dict()
-    assert report.ok and figures["requests"] == len(answers) and figures["compared_rows"] == figures["matched_rows"] > 0
-    path = tmp_path / "answers.json"
-    path.write_text(json.dumps(answers))
-    files = [str(f) for f in run.moetrace_files]
-    result = CliRunner().invoke(app, ["audit", *files, "--returned", str(path), "--model-layers", str(NUM_LAYERS)])
-    assert result.exit_code == 0, result.output
-    # plant: the longest uncached answer shifted by one position, a second one holding a third's routes (same length)
-    faulty = json.loads(json.dumps(answers))
-    decoded = {a["meta_info"]["id"]: read_routed_experts(a, NUM_LAYERS, TOP_K) for a in answers}
-    fresh = [a for a in faulty if a["meta_info"]["cached_tokens"] == 0]
-    shifted = max(fresh, key=lambda a: len(decoded[a["meta_info"]["id"]]))
-    rows = decoded[shifted["meta_info"]["id"]].copy()
-    rows[1:] = rows[:-1].copy()
-    shifted["meta_info"]["routed_experts"] = routed_experts_payload_b64(rows)
-    def rows_of(answer: dict[str, Any]) -> np.ndarray:
-        return decoded[answer["meta_info"]["id"]]
-
-    pairs = [(a, b) for a in fresh for b in fresh if a is not b and shifted not in (a, b) and len(rows_of(b)) >= len(rows_of(a))
-             and not np.array_equal(rows_of(a), rows_of(b)[: len(rows_of(a))])]
-    bound, donor = pairs[0]
-    bound["meta_info"]["routed_experts"] = routed_experts_payload_b64(rows_of(donor)[: len(rows_of(bound))])
-    path.write_text(json.dumps(faulty))
-    result = CliRunner().invoke(app, ["audit", *files, "--returned", str(path), "--json"])
-    assert result.exit_code == 1, result.output
-    failed = {r["request"]: r for r in json.loads(result.stdout)["per_request"] if not r["ok"]}
-    assert set(failed) == {shifted["meta_info"]["id"], bound["meta_info"]["id"]}
-    assert set(failed[shifted["meta_info"]["id"]]["faults"]) == {"shifted"}
-    assert set(failed[bound["meta_info"]["id"]]["faults"]) == {"foreign"}
-    named = failed[bound["meta_info"]["id"]]["foreign_of"]  # the donor, or a request with the same prompt and routes
-    assert len(named) == 1 and np.array_equal(decoded[named[0]][: len(rows_of(bound))], rows_of(donor)[: len(rows_of(bound))])
-
-
-def routed_experts_payload_b64(rows: np.ndarray) -> str:
-    """``rows`` as SGLang returns them in ``meta_info["routed_experts"]``: base64 of little-endian int32 bytes."""
-    import base64
-
-    return base64.b64encode(rows.astype("<i4").tobytes()).decode("ascii")
+    check_audit(run.sequential + run.batched + run.many, run.moetrace_files, tmp_path)
