@@ -73,9 +73,11 @@ demo: $(STAMP)
 test:
 	$(MAKE) -j4 ci-sglang
 
+# The core suite runs on two pytest-xdist workers, one test module at a time each (module fixtures
+# are built once): alone it kept about one core busy (subprocess starts, servers, waits).
 ci-core: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 ci-megatron: $(MEGATRON_STAMP)
 	$(MAKE) --no-print-directory test-megatron

@@ -1,6 +1,6 @@
 """Shared fixtures.
 
-- Every test leaves the global recorder as it found it.
+- Every test leaves the global recorder as it found it, and renders CLI output 160 columns wide.
 - Tests run with one torch intra-op thread: their tensors are tiny, and two OpenMP
   threads spin-wait on each other on a busy 2-core machine.
 - The session runs in a temporary working directory: recorders default to
@@ -24,6 +24,13 @@ def _work_outside_the_checkout(tmp_path_factory):
     os.chdir(tmp_path_factory.mktemp("cwd"))
     yield
     os.chdir(previous)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_terminal_width(monkeypatch):
+    """Every test reads CLI output rendered 160 columns wide, whatever the caller's ``COLUMNS``
+    (pytest-xdist workers get 80; a long temporary path then wraps a table cell or a message)."""
+    monkeypatch.setenv("COLUMNS", "160")
 
 
 @pytest.fixture(autouse=True)
