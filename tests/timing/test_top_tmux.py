@@ -29,6 +29,9 @@ from ..servers import default_sigint
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (.ci/run installs it)")]
 
 URL_LINE = re.compile(r"rank (\d+): Prometheus (\S+)")
+TOP = f"env -u COLUMNS -u LINES {sys.executable} -m moetrace.cli top"
+"""``moetrace top`` as a pane runs it: sized by the pane, not by a ``COLUMNS`` the test process (or the
+tmux server it started) carries (tests/conftest.py sets 160; the panes are 80 wide)."""
 
 
 def _tmux(*args: str) -> str:
@@ -105,7 +108,7 @@ def test_top_in_tmux_against_the_demo(demo, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     session = f"moetrace-top-{os.getpid()}"
     exit_file = tmp_path / "exit"
-    top = f"{sys.executable} -m moetrace.cli top --url {urls[0]} --url {urls[1]} --url {dead}; echo $? > {exit_file}"
+    top = f"{TOP} --url {urls[0]} --url {urls[1]} --url {dead}; echo $? > {exit_file}"
     _tmux("new-session", "-d", "-s", session, "-x", "80", "-y", "40", top)
     try:
         _wait(_screen_with(session, "slowest rank", "hottest experts"), 120, "a full frame")
@@ -138,10 +141,10 @@ def test_top_in_tmux_against_the_demo(demo, tmp_path):
 def test_top_quits_cleanly_on_ctrl_c(tmp_path):
     session = f"moetrace-top-c-{os.getpid()}"
     exit_file = tmp_path / "exit"
-    top = f"{sys.executable} -m moetrace.cli top --url http://127.0.0.1:{free_port()}; echo $? > {exit_file}"
+    top = f"{TOP} --url http://127.0.0.1:{free_port()}; echo $? > {exit_file}"
     _tmux("new-session", "-d", "-s", session, "-x", "80", "-y", "24", top)
     try:
-        _wait(lambda: "GONE" in _screen(session), 20, "the first frame")
+        _wait(lambda: "GONE" in _screen(session), 120, "the first frame")  # bounds a hang: the CLI's start alone took 38 s at load 12
         _tmux("send-keys", "-t", session, "C-c")
         _wait(lambda: exit_file.exists() and exit_file.read_text().strip(), 10, "top to quit on Ctrl-C")
         assert exit_file.read_text().strip() == "0"
