@@ -89,6 +89,7 @@ class TokenChunk:
     pass_phase: np.ndarray | None = None  # [M] pass phase code of the token's pass (0 unknown)
     request: np.ndarray | None = None  # [M] int32 index into Trace.request_table() (-1: none); None: the trace has no request rows
     request_position: np.ndarray | None = None  # [M] int32 position of the token in its request (-1: none)
+    rank: np.ndarray | None = None  # [M] int32 source rank of each row of a merged trace; None: a per-rank file
 
 
 def _check_filters(file: h5py.File, path: Path) -> None:
@@ -492,9 +493,11 @@ class Trace:
             tally.check(self)
         merged = self.has(Data.TOKENS_RANK)
         for start in range(0, total, chunk):
-            ranks = self._slice(Data.TOKENS_RANK, start, chunk) if merged and (tally is not None or counted_only) else None
+            ranks = self._slice(Data.TOKENS_RANK, start, chunk) if merged else None
             keep = self._counted_mask(ranks) if counted_only else None
             rows = {n: self._slice(dataset(Data.TOKENS, n), start, chunk) for n in names}
+            if ranks is not None:
+                rows["rank"] = ranks
             order.check(rows["pass_id"])
             if tally is not None:
                 tally.add(rows["topk_ids"], ranks)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .reader import Trace, open_trace
+from .reader import TokenChunk, Trace, open_trace
 from .schema import Data, TraceError
 
 __all__ = ["has_request_rows", "request_routes"]
@@ -70,14 +70,14 @@ def _skipped(traces: list[Trace], tables: list[np.ndarray]) -> list[bool]:
     return skip
 
 
-def _sources(trace: Trace, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(rank [count], token group [count])`` of rows ``start ..`` of ``trace`` (0, 0 without a layout)."""
-    layouts = trace.layouts
+def _sources(trace: Trace, rows: TokenChunk) -> tuple[np.ndarray, np.ndarray]:
+    """``(rank [M], token group [M])`` of the rows ``rows`` of ``trace`` (0, 0 without a layout)."""
+    layouts, count = trace.layouts, len(rows.pass_id)
     if not layouts:
         return np.zeros(count, dtype=np.int64), np.zeros(count, dtype=np.int64)
-    if not trace.has(Data.TOKENS_RANK):
+    if rows.rank is None:
         return np.full(count, layouts[0].rank, dtype=np.int64), np.full(count, layouts[0].token_group, dtype=np.int64)
-    rank = trace.read_tokens("rank", start, count).astype(np.int64)
+    rank = rows.rank.astype(np.int64)
     ranks = np.array([layout.rank for layout in layouts], dtype=np.int64)
     groups = np.array([layout.token_group for layout in layouts], dtype=np.int64)
     order = np.argsort(ranks)
@@ -126,7 +126,6 @@ def request_routes(traces: Trace | Path | str | Iterable[Trace | Path | str], re
                 keys = np.where(table == request_id, 0, -1).astype(np.int64)
                 if (keys == 0).any():
                     names.setdefault(request_id, 0)
-            start = 0
             for rows in trace.iter_tokens(chunk):
                 assert rows.request is not None and rows.request_position is not None
                 known = rows.request >= 0
@@ -134,9 +133,8 @@ def request_routes(traces: Trace | Path | str | Iterable[Trace | Path | str], re
                 key[known] = keys[rows.request[known]]
                 take = key >= 0
                 if take.any():
-                    rank, group = _sources(trace, start, len(known))
+                    rank, group = _sources(trace, rows)
                     parts.append((key[take], rows.request_position[take].astype(np.int64), rows.topk_ids[take], rank[take], group[take]))
-                start += len(known)
                 shape = tuple(rows.topk_ids.shape[1:])  # type: ignore[assignment]
     if request_id is not None and not names:
         raise TraceError(f"request {request_id!r} has no token rows in the trace(s) given")
