@@ -217,10 +217,11 @@ def _merge_stream(files: list[h5py.File], ranks: list[int], group: str, writer: 
         _write_rows(writer, group, names, [(c.rank, c.take_until(bound, inclusive=not unfinished)) for c in live], shift, advance)
         if unfinished:  # pass `bound` rank after rank, each streamed through its reads
             for c in live:
-                _write_rows(writer, group, names, [(c.rank, c.take_until(bound, inclusive=True))], shift, advance)
-                while c.continues(bound):
-                    c.refill()
+                while True:
                     _write_rows(writer, group, names, [(c.rank, c.take_until(bound, inclusive=True))], shift, advance)
+                    if not c.continues(bound):
+                        break
+                    c.refill()
 
 
 def _write_rows(writer: TraceWriter, group: str, names: list[str], parts: list[tuple[int, dict[str, np.ndarray]]],
