@@ -54,19 +54,19 @@ def _opened(traces: Trace | Path | str | Iterable[Trace | Path | str], stack: Ex
 def _skipped(traces: list[Trace], tables: list[np.ndarray]) -> list[bool]:
     """Which per-rank traces hold no request that a lower rank of their token group does not hold too:
     none of their rows would be read (a TP-attention replica's file), so they are not read at all."""
-    lower: dict[int, list[tuple[int, set[str]]]] = {}  # token group -> [(rank, its request ids)]
-    for trace, table in zip(traces, tables, strict=True):
-        if len(trace.layouts) == 1 and not trace.has(Data.TOKENS_RANK):
-            layout = trace.layouts[0]
-            lower.setdefault(layout.token_group, []).append((layout.rank, set(map(str, table))))
+    ids = [set(map(str, table)) for table in tables]
+    single = [len(trace.layouts) == 1 and not trace.has(Data.TOKENS_RANK) for trace in traces]  # a per-rank file
+    held: dict[int, list[tuple[int, set[str]]]] = {}  # token group -> [(rank, its request ids)]
+    for trace, mine, one in zip(traces, ids, single, strict=True):
+        if one:
+            held.setdefault(trace.layouts[0].token_group, []).append((trace.layouts[0].rank, mine))
     skip = []
-    for trace, table in zip(traces, tables, strict=True):
-        if len(trace.layouts) != 1 or trace.has(Data.TOKENS_RANK):
+    for trace, mine, one in zip(traces, ids, single, strict=True):
+        if not one:
             skip.append(False)
             continue
         layout = trace.layouts[0]
-        held = set().union(*(ids for rank, ids in lower[layout.token_group] if rank < layout.rank))
-        skip.append(set(map(str, table)) <= held)
+        skip.append(mine <= set().union(*(others for rank, others in held[layout.token_group] if rank < layout.rank)))
     return skip
 
 
