@@ -36,11 +36,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from .. import balance
-from .checks import PlacementConfig, PlacementError, check_placement_args
+from .checks import (
+    EVALUATION_WORK,
+    PLAN_WORK,
+    PlacementConfig,
+    PlacementError,
+    check_placement_args,
+)
 from .eplb import eplb_policy
 from .plan import (
     PlacementPlan,
@@ -84,8 +91,8 @@ def default_planners(every: int | None = None, passes_per_bucket: int = 1) -> di
 
 
 def oracle_plan(load: np.ndarray, config: PlacementConfig) -> np.ndarray:
-    """The plan fitted to the very load it is scored on, ``phy2log [L, N]``: the headroom no forecast can beat."""
-    return plan_experts(load, config.replicas, config.groups, config.nodes, config.gpus).phy2log
+    """The plan fitted to the very load it is scored on, ``phy2log [L, N]``: the headroom no forecast can beat (within ``config.refine_work``)."""
+    return plan_experts(load, config.replicas, config.groups, config.nodes, config.gpus, refine_work=config.refine_work).phy2log
 
 
 def _check(series: PassSeries, config: PlacementConfig) -> None:
@@ -161,8 +168,11 @@ def _spread(values: list[float]) -> dict[str, float] | None:
     return {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max()), "std": float(a.std())}
 
 
-def holdout(series: PassSeries, fraction: float, config: PlacementConfig, num_windows: int = 4) -> HoldoutResult:
+def holdout(series: PassSeries, fraction: float, config: PlacementConfig, num_windows: int = 4, work: int | None = EVALUATION_WORK) -> HoldoutResult:
     """Plan every planner on the first ``1 - fraction`` of the passes, score on the rest.
+
+    ``work``: swap evaluations all its plans may spend, split evenly over them
+    (:meth:`~moetrace.placement.checks.PlacementConfig.sharing`; ``None``: ``config`` as given).
 
     Raises:
         PlacementError: ``fraction`` outside ``(0, 1)``, too few passes to split,
@@ -183,6 +193,8 @@ def holdout(series: PassSeries, fraction: float, config: PlacementConfig, num_wi
     spread: dict[str, list[float]] = {}
     plans: dict[str, np.ndarray] = {}
     planners = default_planners(passes_per_bucket=series.bucket)
+    validating = sum(len(p.candidates) * p.rule.max_folds for p in planners.values() if isinstance(p, ValidatedPlanner))
+    config = config.sharing(work, len(planners) + 1 + len(windows) + validating)
     for name, planner in planners.items():
         phy2log = planner(history, len(history), config, None)
         plans[name] = phy2log
@@ -300,6 +312,8 @@ def backtest(
     config: PlacementConfig,
     planners: dict[str, Planner] | None = None,
     expert_bytes: int | None = None,
+    work: int | None = EVALUATION_WORK,
+    progress: Callable[[int, int], None] | None = None,
 ) -> BacktestResult:
     """Replay: at each rebalance plan on the last ``window`` passes, deploy for the next ``every``.
 
@@ -307,7 +321,11 @@ def backtest(
     ``series.bucket``. The first rebalance happens once ``window`` passes are
     seen; a final deployment shorter than ``every`` is dropped. ``planners``
     defaults to :func:`default_planners` (validated on folds of ``every``);
-    the oracle is scored beside them.
+    the oracle is scored beside them. ``work``: swap evaluations all the
+    replay's plans may spend, split evenly over the most it can make (each
+    rebalance's planners and oracle, and a validated planner's candidates on
+    each fold; ``None``: ``config`` as given). ``progress(rebalances done,
+    rebalances)`` is called after each rebalance.
 
     Raises:
         PlacementError: bad sizes, or a trace too short for one rebalance.
@@ -326,6 +344,8 @@ def backtest(
             "pass a smaller `window`/`every` or record longer"
         )
     planners = default_planners(s, series.bucket) if planners is None else planners
+    validating = sum(len(p.candidates) for p in planners.values() if isinstance(p, ValidatedPlanner))  # each fold end is planned once per candidate
+    config = config.sharing(work, len(starts) * (len(planners) + 1 + validating))
     deployed_start = series.physical_to_logical if series.physical_to_logical.shape[1] == config.replicas else None
     realized: dict[str, list[float]] = {name: [] for name in planners}
     in_sample: dict[str, list[float]] = {name: [] for name in planners}
@@ -359,6 +379,8 @@ def backtest(
         figure = _current_balance(series.physical[t : t + s].sum(axis=0), config.gpus)
         if figure is not None:
             current.append(figure)
+        if progress is not None:
+            progress(len(oracle), len(starts))
     out_realized = {k: np.asarray(v) for k, v in realized.items()}
     out_realized["oracle"] = np.asarray(oracle)
     if len(current) == len(starts):
@@ -384,7 +406,12 @@ ESTIMATE_PARTS = 5
 
 
 def plan_with_selection(
-    weight: np.ndarray, series: PassSeries | None, config: PlacementConfig, current: np.ndarray | None = None
+    weight: np.ndarray,
+    series: PassSeries | None,
+    config: PlacementConfig,
+    current: np.ndarray | None = None,
+    work: int | None = PLAN_WORK,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[PlacementPlan, Selection]:
     """moetrace's plan to deploy now, and why: the candidate that held best on the trace's own past.
 
@@ -393,10 +420,13 @@ def plan_with_selection(
     and the chosen one plans on the whole series. Without one nothing can be
     validated, so the baseline (greedy on ``weight [L, E]``) is deployed. The
     plan's ``gpu_load`` is under the planned-on total; renumbered to keep
-    replicas where ``current`` has them.
+    replicas where ``current`` has them. ``work``: swap evaluations the
+    validation's plans and the deployed one may spend (half each,
+    :class:`~moetrace.placement.select.ValidatedPlanner`; ``None``: ``config``
+    as given); ``progress(folds done, folds)`` after each validation fold.
     """
     if series is not None and len(series) >= 2:
-        planner = ValidatedPlanner(passes_per_bucket=series.bucket)
+        planner = ValidatedPlanner(passes_per_bucket=series.bucket, progress=progress, work=work)
         phy2log = planner(series.logical, len(series), config, current)
         selection = planner.selection
         assert selection is not None
@@ -426,20 +456,27 @@ def baseline_plan(weight: np.ndarray, config: PlacementConfig, current: np.ndarr
     return _as_plan(weight, phy2log, config)
 
 
-def plan_placement(weight: np.ndarray, series: PassSeries | None, config: PlacementConfig, current: np.ndarray | None = None) -> PlacementPlan:
+def plan_placement(
+    weight: np.ndarray, series: PassSeries | None, config: PlacementConfig, current: np.ndarray | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> PlacementPlan:
     """moetrace's plan to deploy now (:func:`plan_with_selection` without the explanation)."""
-    return plan_with_selection(weight, series, config, current)[0]
+    return plan_with_selection(weight, series, config, current, progress=progress)[0]
 
 
-def held_out_estimate(series: PassSeries | None, config: PlacementConfig, parts: int = ESTIMATE_PARTS) -> BacktestResult | None:
+def held_out_estimate(
+    series: PassSeries | None, config: PlacementConfig, parts: int = ESTIMATE_PARTS, work: int | None = EVALUATION_WORK,
+    progress: Callable[[int, int], None] | None = None,
+) -> BacktestResult | None:
     """Held-out estimate of every planner: plan on one of ``parts`` consecutive parts, score on the next.
 
     ``None`` when there is no series or it has fewer than ``parts`` buckets.
+    ``work`` and ``progress`` go to :func:`backtest`.
     """
     if series is None or len(series) < parts:
         return None
     part = (len(series) // parts) * series.bucket
-    return backtest(series, part, part, config)
+    return backtest(series, part, part, config, work=work, progress=progress)
 
 
 def bucket_for(window: int, every: int, parts: int = RobustSettings().subwindows) -> int:

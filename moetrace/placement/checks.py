@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["PlacementConfig", "PlacementError", "check_placement_args"]
+__all__ = ["COMMAND_WORK", "EVALUATION_WORK", "PLAN_WORK", "PlacementConfig", "PlacementError", "check_placement_args"]
 
 
 class PlacementError(ValueError):
@@ -19,14 +19,36 @@ class PlacementError(ValueError):
     """
 
 
+#: Swap evaluations (one candidate swap scored under one scenario) that one command's plans
+#: may spend refining their packings: half on the deployed plan and its validation
+#: (:data:`PLAN_WORK`), half on the evaluation beside it (:data:`EVALUATION_WORK`: the held-out
+#: estimate, ``--holdout`` or ``--backtest``). About 10-20 s of numpy on one core; counted in
+#: work, not seconds, so the plans do not depend on the machine's speed or load.
+COMMAND_WORK = 1_000_000_000
+PLAN_WORK = COMMAND_WORK // 2
+EVALUATION_WORK = COMMAND_WORK - PLAN_WORK
+
+
 @dataclasses.dataclass(frozen=True)
 class PlacementConfig:
-    """Sizes of a placement: ``N`` slots, ``G`` groups, ``M`` nodes, ``K`` GPUs."""
+    """Sizes of a placement: ``N`` slots, ``G`` groups, ``M`` nodes, ``K`` GPUs.
+
+    ``refine_work``: swap evaluations each plan made under this config may
+    spend refining its packing (``plan_experts(refine_work=...)``; ``None``:
+    no bound); :meth:`sharing` splits a command's budget over its plans.
+    """
 
     replicas: int
     groups: int
     nodes: int
     gpus: int
+    refine_work: int | None = None
+
+    def sharing(self, work: int | None, plans: int) -> PlacementConfig:
+        """This config with ``work`` split evenly over ``plans`` plans (``None``: unchanged)."""
+        if work is None:
+            return self
+        return dataclasses.replace(self, refine_work=work // max(plans, 1))
 
 
 def _positive(name: str, value: object) -> int:

@@ -71,8 +71,9 @@ class PlacementPlan:
         logcnt: ``[L, E]`` replicas per logical expert (>= 1).
         gpu_load: ``[L, K]`` predicted tokens per GPU.
         hierarchical: whether groups were packed onto nodes first.
-        within_budget: False when the planner's time budget ran out before
-            every layer's packing was refined (those keep the greedy packing).
+        within_budget: False when the planner's time budget or work bound ran
+            out before every layer's packing search ended (those keep the greedy
+            packing or the swaps made so far).
     """
 
     phy2log: np.ndarray
@@ -225,21 +226,56 @@ def _no_shared_label(pack: np.ndarray, labels: np.ndarray | None, num_packs: int
     return ((into_second < cap[a]) & (into_first < cap[b])) | same
 
 
-def _refine_pack(weight: np.ndarray, pack: np.ndarray, num_packs: int, labels: np.ndarray | None = None, deadline: float | None = None) -> np.ndarray:
+@dataclasses.dataclass
+class _Limits:
+    """What the packing refinement may spend, and whether it ran out.
+
+    Attributes:
+        deadline: a ``time.perf_counter()`` value (``None``: no wall clock).
+        per_slot: swap evaluations (one candidate swap scored under one
+            scenario) a row of ``n`` slots may make: ``per_slot * n``
+            (``None``: no bound). Counted in work, so the plan does not depend
+            on the machine's speed or load.
+        cut: set once either ran out before a row's search ended.
+    """
+
+    deadline: float | None = None
+    per_slot: float | None = None
+    cut: bool = False
+
+    def late(self) -> bool:
+        """Whether the deadline has passed (the plan is then cut)."""
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            self.cut = True
+            return True
+        return False
+
+    def row_work(self, slots: int) -> float:
+        return np.inf if self.per_slot is None else self.per_slot * slots
+
+
+def _refine_pack(weight: np.ndarray, pack: np.ndarray, num_packs: int, labels: np.ndarray | None = None, limits: _Limits | None = None) -> np.ndarray:
     """Swap-based local search on one row: lower the heaviest pack while that helps. Returns a new ``pack [n]``.
 
     With ``labels [n]`` no swap puts more than its share of a label on a pack (:func:`_no_shared_label`).
+    Each step scores ``slots on the heaviest pack x other slots`` swaps against ``limits``.
     """
+    limits = _Limits() if limits is None else limits
     pack = pack.copy()
     loads = np.bincount(pack, weights=weight, minlength=num_packs)
     tolerance = 1e-12 * max(float(loads.max()), 1.0)
+    work = limits.row_work(len(weight))
     for _ in range(4 * len(weight) + 16):
-        if deadline is not None and time.perf_counter() > deadline:
+        if limits.late():
             break
         heavy = int(np.argmax(loads))
         inside = pack == heavy
         mine, others = np.flatnonzero(inside), np.flatnonzero(~inside)
         if len(others) == 0:
+            break
+        work -= len(mine) * len(others)
+        if work < 0:
+            limits.cut = True
             break
         delta = weight[mine][:, None] - weight[others][None, :]
         peak = np.maximum(loads[heavy] - delta, loads[pack[others]][None, :] + delta)
@@ -259,86 +295,93 @@ def _refine_pack(weight: np.ndarray, pack: np.ndarray, num_packs: int, labels: n
     return pack
 
 
-def _peak_without_pairs(loads: np.ndarray) -> np.ndarray:
-    """``[S, K, K]``: per scenario, the heaviest pack other than packs ``a`` and ``b`` (``-inf`` when none is left).
+def _peak_without(loads: np.ndarray, hot: np.ndarray) -> np.ndarray:
+    """``[S, H, K]``: per scenario, the heaviest pack other than pack ``hot[h]`` and pack ``k`` (``-inf`` when none is left).
 
-    ``loads`` is ``[S, K]``; only the three heaviest packs of each scenario can be the answer.
+    ``loads`` is ``[S, K]``, ``hot`` ``[H]`` pack indices; only the three heaviest packs of each scenario can be the answer.
     """
     packs = loads.shape[1]
-    index = np.argsort(-loads, axis=1, kind="stable")[:, : min(3, packs)]  # [S, 3]
-    value = np.take_along_axis(loads, index, axis=1)[:, None, None, :]
-    pack = np.arange(packs)
-    top = index[:, None, None, :]
-    allowed = (top != pack[None, :, None, None]) & (top != pack[None, None, :, None])  # [S, K, K, 3]
+    top = np.argsort(-loads, axis=1, kind="stable")[:, : min(3, packs)]  # [S, 3]
+    value = np.take_along_axis(loads, top, axis=1)[:, None, None, :]
+    slot = top[:, None, None, :]
+    allowed = (slot != hot[None, :, None, None]) & (slot != np.arange(packs)[None, None, :, None])  # [S, H, K, 3]
     return np.where(allowed, value, -np.inf).max(axis=3)
 
 
 def _refine_pack_scenarios(
-    weight: np.ndarray, pack: np.ndarray, num_packs: int, labels: np.ndarray | None = None, deadline: float | None = None
+    weight: np.ndarray, pack: np.ndarray, num_packs: int, labels: np.ndarray | None = None, limits: _Limits | None = None
 ) -> np.ndarray:
     """Swap search on one row minimising the *mean over scenarios* of the heaviest pack.
 
     ``weight [S, n]`` is each replica's load under ``S`` scenarios of the next
-    window's load; ``pack [n]`` the starting packing. Each accepted swap strictly
-    lowers the objective, so the search ends. Returns a new ``pack [n]``.
+    window's load; ``pack [n]`` the starting packing. Each step scores every
+    swap of a slot on a pack that is the heaviest in some scenario with a slot
+    on another pack, under all scenarios at once (``C`` candidate swaps x ``S``
+    evaluations, counted against ``limits``; the heaviest pack left by a swap
+    comes from an ``[S, H, K]`` table over the ``H`` hot packs), and makes the
+    best. Each accepted swap strictly lowers the objective, so the search ends.
+    Returns a new ``pack [n]``.
     """
+    limits = _Limits() if limits is None else limits
     pack = pack.copy()
     num_scenarios, n = weight.shape
     loads = np.stack([np.bincount(pack, weights=weight[s], minlength=num_packs) for s in range(num_scenarios)])  # [S, K]
     tolerance = 1e-9 * max(float(loads.max()), 1.0)
+    work = limits.row_work(n)
     for _ in range(4 * n + 16):
-        if deadline is not None and time.perf_counter() > deadline:
+        if limits.late():
             break
         peak = loads.max(axis=1)  # [S]
         hot = np.unique(loads.argmax(axis=1))
-        mine = np.flatnonzero(np.isin(pack, hot))
-        a, b = np.meshgrid(mine, np.arange(n), indexing="ij")
-        a, b = a.ravel(), b.ravel()
-        keep = pack[a] != pack[b]
-        a, b = a[keep], b[keep]
-        if len(a) == 0:
+        mine = np.flatnonzero(np.isin(pack, hot))  # [M] slots on a hot pack; candidates: each with every slot elsewhere
+        work -= len(mine) * (n - n // num_packs) * num_scenarios
+        if work < 0:
+            limits.cut = True
             break
-        first, second = pack[a], pack[b]
-        delta = weight[:, a] - weight[:, b]  # [S, C]
-        new_peak = np.maximum(
-            np.maximum(np.take(loads, first, axis=1) - delta, np.take(loads, second, axis=1) + delta),
-            _peak_without_pairs(loads)[:, first, second],
-        )
-        gain = (peak[:, None] - new_peak).mean(axis=0)
+        first = pack[mine]
+        delta = weight[:, mine, None] - weight[:, None, :]  # [S, M, n]
+        rest = np.take(_peak_without(loads, hot)[:, np.searchsorted(hot, first)], pack, axis=2)  # [S, M, n]
+        new_peak = np.maximum(np.maximum(loads[:, first, None] - delta, loads[:, None, pack] + delta), rest)
+        gain = (peak[:, None, None] - new_peak).mean(axis=0)  # [M, n]
+        gain[first[:, None] == pack[None, :]] = -np.inf  # a swap inside one pack changes nothing
         if labels is not None:
-            gain[~_no_shared_label(pack, labels, num_packs, a, b)] = -np.inf
+            gain[~_no_shared_label(pack, labels, num_packs, mine[:, None], np.arange(n)[None, :])] = -np.inf
         best = int(np.argmax(gain))
-        if not gain[best] > tolerance:
+        m, j = divmod(best, n)
+        if not gain[m, j] > tolerance:
             break
-        i, j = a[best], b[best]
-        loads[:, pack[i]] -= delta[:, best]
-        loads[:, pack[j]] += delta[:, best]
+        i = mine[m]
+        step = delta[:, m, j]
+        loads[:, pack[i]] -= step
+        loads[:, pack[j]] += step
         pack[i], pack[j] = pack[j], pack[i]
     return pack
 
 
 def _pack(
-    weight: np.ndarray, num_packs: int, scenarios: np.ndarray | None = None, labels: np.ndarray | None = None, deadline: float | None = None
+    weight: np.ndarray, num_packs: int, scenarios: np.ndarray | None = None, labels: np.ndarray | None = None, limits: _Limits | None = None
 ) -> np.ndarray:
     """Greedy packing refined by local search, for every row of ``weight [X, n]``.
 
     With ``scenarios [S, X, n]`` the refinement minimises the mean over scenarios
     of the heaviest pack instead of the heaviest pack under ``weight``; with
     ``labels [X, n]`` no pack gets a label twice unless it cannot be helped.
-    Past ``deadline`` (a ``time.perf_counter()`` value) the refinement stops:
-    the rows not yet refined keep their greedy packing (valid, only less refined).
+    Each row's search spends at most its share of ``limits`` (a row that runs
+    out keeps the swaps made so far; past the deadline the rows not reached keep
+    their greedy packing: valid, only less refined).
     """
+    limits = _Limits() if limits is None else limits
     pack = _greedy_pack(weight, num_packs, labels)
     if num_packs == 1 or weight.shape[1] == num_packs:
         return pack
     for r in range(weight.shape[0]):
-        if deadline is not None and time.perf_counter() > deadline:
+        if limits.late():
             break
         row_labels = None if labels is None else labels[r]
         if scenarios is not None:
-            pack[r] = _refine_pack_scenarios(scenarios[:, r], pack[r], num_packs, row_labels, deadline)
+            pack[r] = _refine_pack_scenarios(scenarios[:, r], pack[r], num_packs, row_labels, limits)
         else:
-            pack[r] = _refine_pack(weight[r], pack[r], num_packs, row_labels, deadline)
+            pack[r] = _refine_pack(weight[r], pack[r], num_packs, row_labels, limits)
     return pack
 
 
@@ -350,7 +393,7 @@ def _place_in_nodes(
     num_nodes: int,
     num_gpus: int,
     scenarios: np.ndarray | None = None,
-    deadline: float | None = None,
+    limits: _Limits | None = None,
 ) -> np.ndarray:
     """``phy2log [L, N]`` for a given group-to-node assignment ``node_of_group [L, G]``.
 
@@ -375,7 +418,7 @@ def _place_in_nodes(
         flat_index = node_experts.reshape(num_layers, -1)
         scenario_weight = np.stack([np.take_along_axis(s, flat_index, axis=1).reshape(-1, experts_per_node) for s in scenarios])
         replica_scenarios = np.take_along_axis(scenario_weight / counts, np.broadcast_to(replica_item, scenario_weight.shape[:1] + replica_item.shape), axis=2)
-    gpu = _pack(replica_weight, gpus_per_node, replica_scenarios, replica_item, deadline)  # local GPU of each replica, no expert twice on one
+    gpu = _pack(replica_weight, gpus_per_node, replica_scenarios, replica_item, limits)  # local GPU of each replica, no expert twice on one
     phy2log = np.empty((num_layers * num_nodes, slots_per_node), dtype=np.int64)
     flat_experts = node_experts.reshape(-1, experts_per_node)
     for row in range(num_layers * num_nodes):
@@ -496,6 +539,7 @@ def plan_experts(
     current: np.ndarray | None = None,
     keep_tolerance: float = 0.0,
     budget_s: float | None = None,
+    refine_work: int | None = None,
 ) -> PlacementPlan:
     """Plan where each (replicated) expert lives so that GPU loads are balanced.
 
@@ -523,6 +567,14 @@ def plan_experts(
             Layers not refined in time keep the greedy packing (never worse
             than EPLB's plan, which is compared per layer in any case);
             :attr:`PlacementPlan.within_budget` says whether it ran out.
+            A wall clock makes the plan depend on the machine's load;
+            ``refine_work`` does not.
+        refine_work: swap evaluations (one candidate swap scored under one
+            scenario) the whole plan's packing refinement may make (``None``:
+            no bound); each row (a layer's node) of ``n`` slots gets its share
+            ``refine_work * n / (L * N)``, so the cost is linear in the plan's
+            cells. A row that runs out keeps the swaps it made;
+            :attr:`PlacementPlan.within_budget` is then False.
 
     Returns:
         A :class:`PlacementPlan` with ``phy2log [L, N]``, ``log2phy [L, E, X]``
@@ -547,7 +599,12 @@ def plan_experts(
         raise PlacementError(f"keep_tolerance must be >= 0, got {keep_tolerance!r}")
     if budget_s is not None and not budget_s > 0:
         raise PlacementError(f"budget_s must be a positive number of seconds or None, got {budget_s!r}")
-    deadline = None if budget_s is None else time.perf_counter() + budget_s
+    if refine_work is not None and (isinstance(refine_work, bool) or not isinstance(refine_work, (int, np.integer)) or refine_work < 0):
+        raise PlacementError(f"refine_work must be a non-negative number of swap evaluations or None, got {refine_work!r}")
+    limits = _Limits(
+        deadline=None if budget_s is None else time.perf_counter() + budget_s,
+        per_slot=None if refine_work is None else refine_work / (num_layers * num_replicas),
+    )
     judged = w[None] if scenarios is None else scenarios
     groups, nodes = eplb_policy(num_experts, num_groups, num_nodes)
     hierarchical = nodes == num_nodes and groups == num_groups
@@ -555,12 +612,12 @@ def plan_experts(
     greedy_nodes = _greedy_pack(group_weight, nodes)
     candidates = [greedy_nodes]
     if 1 < nodes < groups:
-        refined = _pack(group_weight, nodes, deadline=deadline)
+        refined = _pack(group_weight, nodes, limits=limits)
         if (refined != greedy_nodes).any():
             candidates.append(refined)
     best_plan = best_peak = None
     for node_of_group in candidates:
-        phy2log = _place_in_nodes(w, node_of_group, num_replicas, groups, nodes, num_gpus, scenarios, deadline)
+        phy2log = _place_in_nodes(w, node_of_group, num_replicas, groups, nodes, num_gpus, scenarios, limits)
         peak = expected_peak(judged, phy2log, num_gpus)
         if best_plan is None:
             best_plan, best_peak = phy2log, peak
@@ -587,7 +644,7 @@ def plan_experts(
         logcnt=logcnt,
         gpu_load=predicted_gpu_load(w, best_plan, num_gpus),
         hierarchical=hierarchical,
-        within_budget=deadline is None or time.perf_counter() <= deadline,
+        within_budget=not (limits.cut or limits.late()),
     )
 
 

@@ -37,16 +37,12 @@ from .plan import PlacementPlan, plan_experts
 __all__ = [
     "CANDIDATES",
     "HEDGES",
-    "PLAN_BUDGET_S",
     "Planner",
     "RobustSettings",
     "ewma_estimate",
     "robust_inputs",
     "robust_rebalance",
 ]
-
-#: Seconds each candidate's packing refinement may take per plan (issue 34: every planner the default runs has a time budget).
-PLAN_BUDGET_S = 30.0
 
 #: ``planner(history [t, L, E], window buckets, config, deployed phy2log or None) -> phy2log [L, N]``.
 Planner = Callable[[np.ndarray, int, PlacementConfig, "np.ndarray | None"], np.ndarray]
@@ -63,15 +59,14 @@ class RobustSettings:
             window alone); the history is everything before the window.
         keep_tolerance: a layer keeps its deployed placement unless the new
             plan lowers the expected peak by more than this fraction.
-        budget_s: seconds one plan's packing refinement may take
-            (:func:`~moetrace.placement.plan.plan_experts`); the layers not
-            refined in time keep the greedy packing.
+
+    The packing refinement's work bound is the config's
+    (:attr:`~moetrace.placement.checks.PlacementConfig.refine_work`).
     """
 
     subwindows: int = 10
     shrink: float = 0.25
     keep_tolerance: float = 0.02
-    budget_s: float = PLAN_BUDGET_S
 
 
 def robust_inputs(history: np.ndarray, window: int, settings: RobustSettings) -> tuple[np.ndarray, np.ndarray]:
@@ -99,7 +94,7 @@ def robust_rebalance(
     estimate, scenarios = robust_inputs(history, window, settings)
     return plan_experts(
         estimate, config.replicas, config.groups, config.nodes, config.gpus,
-        scenarios=scenarios, current=current, keep_tolerance=settings.keep_tolerance, budget_s=settings.budget_s,
+        scenarios=scenarios, current=current, keep_tolerance=settings.keep_tolerance, refine_work=config.refine_work,
     )
 
 
@@ -120,12 +115,12 @@ def _spread_rebalance(history: np.ndarray, window: int, config: PlacementConfig,
     upper = estimate + scenarios.std(axis=0)
     return plan_experts(
         upper, config.replicas, config.groups, config.nodes, config.gpus,
-        scenarios=scenarios, current=current, keep_tolerance=RobustSettings().keep_tolerance, budget_s=PLAN_BUDGET_S,
+        scenarios=scenarios, current=current, keep_tolerance=RobustSettings().keep_tolerance, refine_work=config.refine_work,
     ).phy2log
 
 
 def _fit(weight: np.ndarray, config: PlacementConfig) -> np.ndarray:
-    return plan_experts(weight, config.replicas, config.groups, config.nodes, config.gpus, budget_s=PLAN_BUDGET_S).phy2log
+    return plan_experts(weight, config.replicas, config.groups, config.nodes, config.gpus, refine_work=config.refine_work).phy2log
 
 
 CANDIDATES: dict[str, Planner] = {

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -102,6 +102,11 @@ class Selection:
         }
 
 
+def _affordable_folds(rule: SelectionRule, num_candidates: int, num_layers: int, config: PlacementConfig) -> int:
+    """Folds the validation's work budget pays for: ``rule.max_cells`` over the plan cells of one fold (candidates x layers x slots)."""
+    return rule.max_cells // max(num_candidates * num_layers * config.replicas, 1)
+
+
 def validation_folds(length: int, window: int, every: int, max_folds: int) -> list[int]:
     """Fold starts ``t`` (oldest first): plan on buckets ``[t - window, t)``, score on ``[t, t + every)``, all inside ``length``.
 
@@ -145,12 +150,14 @@ def select_planner(
     rule: SelectionRule = SelectionRule(),
     cache: PlanCache | None = None,
     passes_per_bucket: int = 1,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Selection:
     """Backtest ``candidates`` on rolling folds of ``history [t, L, E]`` and pick one (see the module docstring).
 
     Candidates are planned without a deployed placement (their forecast is
     what is compared). ``candidates`` must hold :data:`BASELINE`.
-    ``passes_per_bucket`` only words the explanation in passes.
+    ``passes_per_bucket`` only words the explanation in passes;
+    ``progress(folds done, folds)`` is called after each fold.
 
     Raises:
         ValueError: no baseline among the candidates, or non-positive ``window``/``every``.
@@ -162,11 +169,13 @@ def select_planner(
         raise ValueError(f"window and every must be positive bucket counts, got {window} and {every}")
     cache = PlanCache() if cache is None else cache
     planned = validation_folds(len(history), window, every, rule.max_folds)
-    affordable = rule.max_cells // max(len(candidates) * history.shape[1] * config.replicas, 1)
+    replayed = planned[::-1][: _affordable_folds(rule, len(candidates), history.shape[1], config)]  # newest first: what the budget leaves out is the oldest load
     scored: dict[int, dict[str, float]] = {}
-    for t in planned[::-1][:affordable]:  # newest first: what the budget leaves out is the oldest load
+    for done, t in enumerate(replayed):
         nxt = history[t : t + every].sum(axis=0)
         scored[t] = {name: _balance(nxt, cache.plan(name, planner, history[:t], window, config), config.gpus) for name, planner in candidates.items()}
+        if progress is not None:
+            progress(done + 1, len(replayed))
     ends = sorted(scored)
     realized: dict[str, list[float]] = {name: [scored[t][name] for t in ends] for name in candidates}
     spent = f" (the validation budget of {rule.max_cells:,} plan cells covers {len(ends)} of {len(planned)})" if len(ends) < len(planned) else ""
@@ -206,7 +215,11 @@ class ValidatedPlanner:
     interval); ``None`` validates on fifths of the history (plan on one, score
     on the next). The chosen plan is renumbered to keep replicas where the
     deployed placement has them (:func:`~moetrace.placement.plan.align_to`;
-    loads unchanged). :attr:`selection` holds the last decision.
+    loads unchanged). :attr:`selection` holds the last decision; ``progress``
+    goes to :func:`select_planner`. ``work``: swap evaluations the validation's
+    plans (half, split evenly over them) and the deployed plan (half) may spend
+    (:meth:`~moetrace.placement.checks.PlacementConfig.sharing`); ``None``: each
+    plans under the config it is given.
     """
 
     def __init__(
@@ -216,23 +229,33 @@ class ValidatedPlanner:
         rule: SelectionRule = SelectionRule(),
         cache: PlanCache | None = None,
         passes_per_bucket: int = 1,
+        progress: Callable[[int, int], None] | None = None,
+        work: int | None = None,
     ) -> None:
         self.passes_per_bucket = passes_per_bucket
+        self.progress = progress
         self.every = every
         self.candidates = dict(CANDIDATES if candidates is None else candidates)
         self.rule = rule
+        self.work = work
         self.selection: Selection | None = None
         self._cache = PlanCache() if cache is None else cache
 
     def __call__(self, history: np.ndarray, window: int, config: PlacementConfig, current: np.ndarray | None) -> np.ndarray:
-        if self.every is None:
-            fold = max(len(history) // 5, 1)
-            self.selection = select_planner(history, fold, fold, config, self.candidates, self.rule, self._cache, self.passes_per_bucket)
-        else:
-            self.selection = select_planner(history, window, self.every, config, self.candidates, self.rule, self._cache, self.passes_per_bucket)
-        phy2log = self.candidates[self.selection.chosen](history, window, config, current)
+        fold, every = (max(len(history) // 5, 1),) * 2 if self.every is None else (window, self.every)
+        validating, deploying = self._configs(len(history), fold, every, history.shape[1], config)
+        self.selection = select_planner(history, fold, every, validating, self.candidates, self.rule, self._cache, self.passes_per_bucket, self.progress)
+        phy2log = self.candidates[self.selection.chosen](history, window, deploying, current)
         if current is not None and current.shape == phy2log.shape:
             aligned = align_to(current, phy2log, eplb_policy(history.shape[2], config.groups, config.nodes)[1], config.gpus)
             if replicas_moved(current, aligned, config.gpus) < replicas_moved(current, phy2log, config.gpus):
                 phy2log = aligned
         return phy2log
+
+    def _configs(self, length: int, window: int, every: int, num_layers: int, config: PlacementConfig) -> tuple[PlacementConfig, PlacementConfig]:
+        """``(validation's config, deployed plan's config)``: with ``work``, half of it split over the folds' plans, half to the deployed plan."""
+        if self.work is None:
+            return config, config
+        folds = min(len(validation_folds(length, window, every, self.rule.max_folds)), _affordable_folds(self.rule, len(self.candidates), num_layers, config))
+        plans = folds * sum(name != BASELINE for name in self.candidates)
+        return config.sharing(self.work // 2, plans), config.sharing(self.work - self.work // 2, 1)
