@@ -9,11 +9,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+)
 
 from .errors import CommandError
 
-__all__ = ["PHASE_HELP", "existing_file", "output_path", "parse_layers", "pass_phase_option", "progress_meter", "stdout_console"]
+__all__ = ["PHASE_HELP", "existing_file", "output_path", "parse_layers", "pass_phase_option", "progress_meter", "stage_meter", "stdout_console"]
 
 #: ``--phase``: the pass phase (what the engine's batch was), not a timing phase (route, dispatch, ...).
 PHASE_HELP = ("Only the passes of one pass phase: prefill (prefill/extend), decode, mixed, idle or unknown "
@@ -95,3 +102,25 @@ def progress_meter(enabled: bool | None, description: str, unit_bytes: bool = Fa
                   transient=console.is_terminal) as progress:
         task = progress.add_task(description, total=None)
         yield lambda done, total: progress.update(task, completed=done, total=total)
+
+
+@contextlib.contextmanager
+def stage_meter(enabled: bool | None) -> Iterator[Callable[[str, int, int], None]]:
+    """A rich progress bar on stderr for work in stages: ``update(stage, done, total)`` names the stage it counts.
+
+    ``enabled=None`` shows it only when stderr is a terminal.
+    """
+    console = Console(file=sys.stderr)
+    if not (console.is_terminal if enabled is None else enabled):
+        yield lambda stage, done, total: None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,.0f}/{task.total:,.0f}"), TimeRemainingColumn(),
+                  console=console, transient=console.is_terminal) as progress:
+        tasks: dict[str, TaskID] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = progress.add_task(stage, total=total)
+            progress.update(tasks[stage], completed=done, total=total)
+
+        yield update

@@ -63,6 +63,7 @@ from .options import (
     output_path,
     parse_layers,
     pass_phase_option,
+    stage_meter,
     stdout_console,
 )
 from .placement_format import FORMATS, write_plan
@@ -241,15 +242,26 @@ def placement(
     layers: Annotated[str | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
     scheduler: Annotated[str | None, typer.Option("--scheduler", help="Read several traces' passes on Dask (moetrace[dask]): 'local[:N]' or 'tcp://HOST:PORT'.")] = None,
     phase: Annotated[str | None, typer.Option("--phase", help=PHASE_HELP)] = None,
+    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
 ) -> None:
     """Plan expert placement with replication; in-sample and held-out balancedness for current / greedy / moetrace."""
+    with stage_meter(progress) as update:
+        _placement(traces, gpus, replicas, groups, nodes, holdout_fraction, run_backtest, window, every, current, intermediate_size, link_gbps,
+                   pass_ms, plot, as_json, out, fmt, layers, scheduler, phase, update)
+
+
+def _placement(traces: list[Path], gpus: int, replicas: int | None, groups: int | None, nodes: int | None, holdout_fraction: float | None,
+               run_backtest: bool, window: int | None, every: int | None, current: Path | None, intermediate_size: int | None, link_gbps: float,
+               pass_ms: float | None, plot: Path | None, as_json: bool, out: Path | None, fmt: str, layers: str | None, scheduler: str | None,
+               phase: str | None, update: Callable[[str, int, int], None]) -> None:
+    """The command's body; ``update(stage, done, total)`` shows progress."""
     phase = _check_options(gpus, run_backtest, window, every, plot, pass_ms, holdout_fraction, fmt, out, phase, len(traces) > 1 or scheduler is not None)
     deployed = None if current is None else _read_current(current)
     bucket = (lambda: bucket_for(window, every)) if run_backtest else (lambda: None)
     loads = _read_loads(traces, parse_layers(layers), scheduler, bucket, _sizes_of(gpus, replicas, groups, nodes),
                         required=run_backtest or holdout_fraction is not None, phase=phase)
     expert_bytes = _expert_bytes(loads.attrs, intermediate_size)
-    outcome = _plan(traces, loads, deployed, expert_bytes)
+    outcome = _plan(traces, loads, deployed, expert_bytes, functools.partial(update, "validating the planners (folds)"))
     document = outcome.document
     document["pass_phase"] = phase
     if holdout_fraction is not None:
@@ -258,12 +270,12 @@ def placement(
         document["holdout"] = outcome.held.to_dict()
     elif run_backtest:
         assert loads.series is not None and window is not None and every is not None
-        outcome.replay = backtest(loads.series, window, every, loads.config, expert_bytes=expert_bytes)
+        outcome.replay = backtest(loads.series, window, every, loads.config, expert_bytes=expert_bytes, progress=functools.partial(update, "backtest (rebalances)"))
         document["backtest"] = outcome.replay.to_dict()
         outcome.values = rebalance_values(outcome.replay, expert_bytes, link_gbps, pass_ms)
         document["backtest"]["rebalance_value"] = outcome.values
     else:
-        outcome.estimate = held_out_estimate(loads.series, loads.config)
+        outcome.estimate = held_out_estimate(loads.series, loads.config, progress=functools.partial(update, "held-out estimate (rebalances)"))
         document["held_out_estimate"] = _estimate_dict(outcome.estimate)
         _prefer_the_estimates_winner(outcome, loads, expert_bytes)
     plan = outcome.plan
@@ -362,11 +374,11 @@ class _Outcome:
     values: Any = None
 
 
-def _plan(traces: list[Path], loads: _Loads, deployed: np.ndarray | None, expert_bytes: int | None) -> _Outcome:
+def _plan(traces: list[Path], loads: _Loads, deployed: np.ndarray | None, expert_bytes: int | None, progress: Callable[[int, int], None]) -> _Outcome:
     """Plan (the validated planner), greedy beside it, the run's own placement, and the document's head."""
     config, weight, series = loads.config, loads.weight, loads.series
     gpus = config.gpus
-    plan, selection = plan_with_selection(weight, series, config, deployed)
+    plan, selection = plan_with_selection(weight, series, config, deployed, progress=progress)
     greedy = greedy_rebalance(weight, config.replicas, config.groups, config.nodes, config.gpus)
     gpu_loads = {
         "current": balance.rank_load(loads.physical, gpus) if loads.physical.shape[1] % gpus == 0 else None,

@@ -10,7 +10,7 @@ import typer
 from moetrace.routes import RoutesError
 
 from .errors import CommandError, guarded
-from .options import PHASE_HELP, existing_file, output_path, pass_phase_option
+from .options import PHASE_HELP, existing_file, output_path, pass_phase_option, stage_meter
 
 __all__ = ["report"]
 
@@ -22,6 +22,7 @@ def report(
     routes: Annotated[Path | None, typer.Option("--routes", help="Per-request routed experts (a routes file, an API response body or .npy) for the request selector.")] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="Co-activated pairs and transitions per layer.")] = 5,
     phase: Annotated[str | None, typer.Option("--phase", help=PHASE_HELP)] = None,
+    progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
 ) -> None:
     """Write one HTML file (opens offline, plotly embedded) with a figure and a one-line reading per section."""
     from moetrace.report import build_report, require_plotly
@@ -36,7 +37,8 @@ def report(
     if routes is not None:
         existing_file(routes, "routes")
     try:
-        written = build_report(files, out, routes=routes, top=top, phase=phase)
+        with stage_meter(progress) as update:
+            written = build_report(files, out, routes=routes, top=top, phase=phase, progress=update)
     except RoutesError as exc:
         raise CommandError(str(exc)) from None
         raise CommandError(str(exc)) from None

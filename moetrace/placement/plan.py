@@ -74,6 +74,9 @@ class PlacementPlan:
         within_budget: False when the planner's time budget or work bound ran
             out before every layer's packing search ended (those keep the greedy
             packing or the swaps made so far).
+        refine_work: swap evaluations (one candidate swap scored under one
+            scenario) the packing refinement made; at most ``plan_experts``'s
+            ``refine_work`` when that is given.
     """
 
     phy2log: np.ndarray
@@ -82,6 +85,7 @@ class PlacementPlan:
     gpu_load: np.ndarray
     hierarchical: bool
     within_budget: bool = True
+    refine_work: int = 0
 
     @property
     def balancedness(self) -> float:
@@ -237,11 +241,13 @@ class _Limits:
             (``None``: no bound). Counted in work, so the plan does not depend
             on the machine's speed or load.
         cut: set once either ran out before a row's search ended.
+        spent: swap evaluations made so far, over all rows.
     """
 
     deadline: float | None = None
     per_slot: float | None = None
     cut: bool = False
+    spent: int = 0
 
     def late(self) -> bool:
         """Whether the deadline has passed (the plan is then cut)."""
@@ -251,7 +257,16 @@ class _Limits:
         return False
 
     def row_work(self, slots: int) -> float:
+        """Swap evaluations a row of ``slots`` slots may make."""
         return np.inf if self.per_slot is None else self.per_slot * slots
+
+    def spend(self, left: float, cost: int) -> float:
+        """Charge ``cost`` evaluations to a row with ``left`` to spend; returns what is left, negative (and the plan cut) when it is not enough."""
+        if cost > left:
+            self.cut = True
+        else:
+            self.spent += cost
+        return left - cost
 
 
 def _refine_pack(weight: np.ndarray, pack: np.ndarray, num_packs: int, labels: np.ndarray | None = None, limits: _Limits | None = None) -> np.ndarray:
@@ -273,9 +288,8 @@ def _refine_pack(weight: np.ndarray, pack: np.ndarray, num_packs: int, labels: n
         mine, others = np.flatnonzero(inside), np.flatnonzero(~inside)
         if len(others) == 0:
             break
-        work -= len(mine) * len(others)
+        work = limits.spend(work, len(mine) * len(others))
         if work < 0:
-            limits.cut = True
             break
         delta = weight[mine][:, None] - weight[others][None, :]
         peak = np.maximum(loads[heavy] - delta, loads[pack[others]][None, :] + delta)
@@ -334,9 +348,8 @@ def _refine_pack_scenarios(
         peak = loads.max(axis=1)  # [S]
         hot = np.unique(loads.argmax(axis=1))
         mine = np.flatnonzero(np.isin(pack, hot))  # [M] slots on a hot pack; candidates: each with every slot elsewhere
-        work -= len(mine) * (n - n // num_packs) * num_scenarios
+        work = limits.spend(work, len(mine) * (n - n // num_packs) * num_scenarios)
         if work < 0:
-            limits.cut = True
             break
         first = pack[mine]
         delta = weight[:, mine, None] - weight[:, None, :]  # [S, M, n]
@@ -572,9 +585,11 @@ def plan_experts(
         refine_work: swap evaluations (one candidate swap scored under one
             scenario) the whole plan's packing refinement may make (``None``:
             no bound); each row (a layer's node) of ``n`` slots gets its share
-            ``refine_work * n / (L * N)``, so the cost is linear in the plan's
+            ``refine_work * n / (L * N)`` (``L * (G + 2N)`` when two node
+            assignments are refined), so the cost is linear in the plan's
             cells. A row that runs out keeps the swaps it made;
-            :attr:`PlacementPlan.within_budget` is then False.
+            :attr:`PlacementPlan.within_budget` is then False and
+            :attr:`PlacementPlan.refine_work` says what was spent.
 
     Returns:
         A :class:`PlacementPlan` with ``phy2log [L, N]``, ``log2phy [L, E, X]``
@@ -601,12 +616,11 @@ def plan_experts(
         raise PlacementError(f"budget_s must be a positive number of seconds or None, got {budget_s!r}")
     if refine_work is not None and (isinstance(refine_work, bool) or not isinstance(refine_work, (int, np.integer)) or refine_work < 0):
         raise PlacementError(f"refine_work must be a non-negative number of swap evaluations or None, got {refine_work!r}")
-    limits = _Limits(
-        deadline=None if budget_s is None else time.perf_counter() + budget_s,
-        per_slot=None if refine_work is None else refine_work / (num_layers * num_replicas),
-    )
     judged = w[None] if scenarios is None else scenarios
     groups, nodes = eplb_policy(num_experts, num_groups, num_nodes)
+    # the work is shared per slot over what may be refined: the groups over nodes, then the replicas over GPUs once per node assignment
+    cells = num_layers * (groups + 2 * num_replicas) if 1 < nodes < groups else num_layers * num_replicas
+    limits = _Limits(deadline=None if budget_s is None else time.perf_counter() + budget_s, per_slot=None if refine_work is None else refine_work / cells)
     hierarchical = nodes == num_nodes and groups == num_groups
     group_weight = w.reshape(num_layers, groups, -1).sum(axis=2)
     greedy_nodes = _greedy_pack(group_weight, nodes)
@@ -645,6 +659,7 @@ def plan_experts(
         gpu_load=predicted_gpu_load(w, best_plan, num_gpus),
         hierarchical=hierarchical,
         within_budget=not (limits.cut or limits.late()),
+        refine_work=limits.spent,
     )
 
 

@@ -7,7 +7,7 @@ writes one page (:mod:`.page`). Needs the ``report`` extra (``pip install 'moetr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,7 +37,7 @@ def require_plotly() -> None:
 
 
 def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | str | None = None, top: int = 5,
-                 phase: str | None = None) -> Path:
+                 phase: str | None = None, progress: Callable[[str, int, int], None] | None = None) -> Path:
     """Write the HTML report of ``paths`` (expert traces of one run and / or routing traces) to ``out``.
 
     Args:
@@ -46,6 +46,7 @@ def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | st
         routes: a routes file with per-request routed experts (``moetrace.routes.save_routes``).
         top: co-activated pairs and transitions per layer.
         phase: the expert sections of one pass phase only (``prefill``, ``decode``, ...: one expert trace).
+        progress: ``progress(stage, done, total)`` while the placement section plans (:func:`.evidence.gather_evidence`).
 
     Raises:
         TraceError: an input is not a readable trace (the error ``moetrace analyze`` gives).
@@ -54,7 +55,7 @@ def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | st
     """
     from .evidence import gather_evidence
 
-    return write_report(gather_evidence([Path(p) for p in paths], None if routes is None else Path(routes), top=top, phase=phase), out)
+    return write_report(gather_evidence([Path(p) for p in paths], None if routes is None else Path(routes), top=top, phase=phase, progress=progress), out)
 
 
 def write_report(evidence: Evidence, out: Path | str) -> Path:

@@ -19,8 +19,9 @@ Every read failure is the error ``moetrace analyze`` gives for the same file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,14 +75,17 @@ class PlacementView:
         return {k: {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())} for k, v in self.held_out.realized.items()}
 
 
-def placement_view(weight: np.ndarray, physical: np.ndarray, series: PassSeries | None, gpus: int) -> PlacementView:
+def placement_view(weight: np.ndarray, physical: np.ndarray, series: PassSeries | None, gpus: int,
+                   progress: Callable[[str, int, int], None] | None = None) -> PlacementView:
     """Plan ``weight [L, E]`` onto ``gpus`` GPUs with one redundant slot each; score it in-sample and held out.
 
-    ``physical [L, P]`` are the run's counts on its own (contiguous) placement.
+    ``physical [L, P]`` are the run's counts on its own (contiguous) placement;
+    ``progress(stage, done, total)`` follows the validation's folds and the estimate's rebalances.
     """
     num_experts = weight.shape[1]
     config = PlacementConfig(math.ceil(num_experts / gpus) * gpus + gpus, 1, 1, gpus)
-    plan = plan_placement(weight, series, config)
+    staged = (lambda stage: None) if progress is None else (lambda stage: functools.partial(progress, stage))
+    plan = plan_placement(weight, series, config, progress=staged("placement: validating the planners (folds)"))
     current = balance.rank_load(physical, gpus)
     planned = predicted_gpu_load(weight, plan.phy2log, gpus)
     return PlacementView(
@@ -92,7 +96,7 @@ def placement_view(weight: np.ndarray, physical: np.ndarray, series: PassSeries 
         planned_load=planned,
         balancedness_before=balance.balancedness(current),
         balancedness_after=balance.balancedness(planned),
-        held_out=held_out_estimate(series, config),
+        held_out=held_out_estimate(series, config, progress=staged("placement: held-out estimate (rebalances)")),
     )
 
 
@@ -153,7 +157,7 @@ def _series(paths: list[Path], phase: str | None = None) -> PassSeries | None:
         return None
 
 
-def _expert(paths: list[Path], top: int, phase: str | None = None) -> ExpertEvidence:
+def _expert(paths: list[Path], top: int, phase: str | None = None, progress: Callable[[str, int, int], None] | None = None) -> ExpertEvidence:
     if phase is not None and len(paths) != 1:
         raise ValueError(f"a report of pass phase {phase!r} reads one trace (merge per-rank files first: moetrace merge), got {len(paths)}")
     if len(paths) == 1:
@@ -165,11 +169,12 @@ def _expert(paths: list[Path], top: int, phase: str | None = None) -> ExpertEvid
     series = _series(paths, phase)
     placement = None
     if report.ep_size > 1 and report.logical_count.any():
-        placement = placement_view(report.logical_count.astype(np.float64), report.physical_count, series, report.ep_size)
+        placement = placement_view(report.logical_count.astype(np.float64), report.physical_count, series, report.ep_size, progress)
     return ExpertEvidence(paths=paths, report=report, series=series, placement=placement)
 
 
-def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int = 5, phase: str | None = None) -> Evidence:
+def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int = 5, phase: str | None = None,
+                    progress: Callable[[str, int, int], None] | None = None) -> Evidence:
     """Read and analyse the inputs of a report.
 
     Args:
@@ -177,6 +182,7 @@ def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int 
         routes: a routes file (``moetrace.routes.save_routes``, an API response body, ``.npy``).
         top: pairs and transitions per layer.
         phase: the expert evidence of one pass phase only (``prefill``, ``decode``, ...; one expert trace).
+        progress: ``progress(stage, done, total)`` while the placement is planned and estimated (:func:`placement_view`).
 
     Raises:
         TraceError: an input is not a readable trace (the error ``moetrace analyze`` gives).
@@ -193,7 +199,7 @@ def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int 
         table = read_requests(path)
         routing.append(RoutingEvidence(path, table, summarize(table)))
     return Evidence(
-        expert=_expert(expert_files, top, phase) if expert_files else None,
+        expert=_expert(expert_files, top, phase, progress) if expert_files else None,
         routing=routing,
         routes=load_routes(routes).logical() if routes is not None else _trace_routes(expert_files),
         routes_path=routes,

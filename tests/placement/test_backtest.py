@@ -222,8 +222,9 @@ def test_cli_defaults_and_held_out_estimate(drift, tmp_path):
     assert plan["planner"] == ("greedy" if ahead else selection["chosen"]) and ("deployed instead: greedy" in result.stdout) == ahead
     assert f"planner deployed: {selection['chosen']}" in result.stdout and "4 folds of the planning data" in result.stdout
     assert "oracle" in plan["held_out_estimate"]["realized"] and "of the greedy-to-oracle gap" in result.stdout
-    odd = invoke("placement", drift["token"], "--gpus", "6", "--json")
+    odd = invoke("placement", drift["token"], "--gpus", "6", "--json", "--progress")
     assert odd.exit_code == 0, odd.stderr
+    assert "validating the planners (folds)" in odd.stderr and "held-out estimate (rebalances)" in odd.stderr  # progress on stderr, the JSON alone on stdout
     assert json.loads(odd.stdout)["num_replicas"] == 66 and "rounded up" in json.loads(odd.stdout)["defaults_used"][0]
     stat = json.loads(invoke("placement", drift["stat"], "--gpus", "8", "--json").stdout)  # a stat trace's window is time-ordered too
     assert stat["in_sample"]["passes"] == PASSES and stat["held_out_estimate"]["windows"] == 4

@@ -24,8 +24,8 @@ def test_eplbs_plan_is_deployed_when_the_estimate_has_it_ahead(tmp_path, monkeyp
     trace = _trace(tmp_path)
     real = command.held_out_estimate
 
-    def greedy_ahead(series, config):
-        result = real(series, config)
+    def greedy_ahead(series, config, **kwargs):
+        result = real(series, config, **kwargs)
         result.realized["greedy"] = result.realized["moetrace"] + 0.01  # planted: EPLB's plan realised more on this trace
         return result
 

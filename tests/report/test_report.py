@@ -110,9 +110,14 @@ def token_traces():
 
 def test_report_size_does_not_grow_with_the_trace(tmp_path, token_traces):
     sizes = {}
+    stages: dict[str, tuple[int, int]] = {}
     for tokens in (4_000, 40_000):
         token_traces(tmp_path / f"t{tokens}.h5", tokens)  # 16 layers x 64 experts, top-8, 8 EP ranks
-        sizes[tokens] = build_report([tmp_path / f"t{tokens}.h5"], tmp_path / f"t{tokens}.html").stat().st_size
+        shown = (lambda stage, done, total: stages.__setitem__(stage, (done, total))) if tokens == 4_000 else None
+        sizes[tokens] = build_report([tmp_path / f"t{tokens}.h5"], tmp_path / f"t{tokens}.html", progress=shown).stat().st_size
+    # the placement section's progress: every stage counted to its end
+    assert set(stages) == {"placement: validating the planners (folds)", "placement: held-out estimate (rebalances)"}, stages
+    assert all(done == total > 0 for done, total in stages.values()), stages
     assert abs(sizes[40_000] - sizes[4_000]) < 0.02 * sizes[4_000], sizes  # 10x the tokens, the same size
     assert max(sizes.values()) < 5.5e6, sizes
 
