@@ -7,10 +7,11 @@ one process:
 
 1. Plan time: EPLB's contract (``moetrace.placement.rebalance_experts``, torch
    tensors in and out), moetrace's planner (``plan_experts``; then with the
-   deployed plan as ``current``), the robust candidate (scenario refinement, with
-   its time budget), and the default the CLI runs (``plan_with_selection``:
-   validation on the series' own folds, every candidate under its budget).
-   Interleaved rounds, median seconds, ratios to EPLB.
+   deployed plan as ``current``), the robust candidate (scenario refinement, under
+   the work the CLI's deployed plan gets: ``PLAN_WORK / 2`` swap evaluations), and
+   what the CLI runs (``plan_with_selection``: validation on the series' own folds
+   and the deployed plan, ``PLAN_WORK``; then ``held_out_estimate``,
+   ``EVALUATION_WORK``). Interleaved rounds, median seconds, ratios to EPLB.
 2. Replanning under drift: slots kept, weight copies and bytes (DeepSeek-V3's
    expert: 3 x 7168 x 2048 FP8 bytes = 44 MB) of moetrace's replan against
    vLLM-style slot preservation of the same fresh plan (an expert that stays on
@@ -24,6 +25,7 @@ one process:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -42,6 +44,8 @@ from moetrace.placement import (
     plan_with_selection,
     rebalance_experts,
 )
+from moetrace.placement.backtesting import held_out_estimate
+from moetrace.placement.checks import PLAN_WORK
 from moetrace.placement.plan import colocated, keep_slots, predicted_gpu_load, replicas_moved
 from moetrace.placement.planners import robust_rebalance
 
@@ -74,12 +78,16 @@ def main() -> None:
         "eplb": lambda: rebalance_experts(weight, SLOTS, GROUPS, NODES, GPUS),
         "plan_experts": lambda: plan_experts(before, SLOTS, GROUPS, NODES, GPUS),
         "plan_experts_current": lambda: plan_experts(after, SLOTS, GROUPS, NODES, GPUS, current=deployed),
-        "robust": lambda: robust_rebalance(history, 20, config),
+        "robust": lambda: robust_rebalance(history, 20, dataclasses.replace(config, refine_work=PLAN_WORK // 2)),
     }
     seconds = interleaved(variants, rounds=rounds, warmup=0)
     start = time.perf_counter()
     plan, selection = plan_with_selection(before, series, config)
     seconds["default_with_selection"] = time.perf_counter() - start
+    start = time.perf_counter()
+    estimate = held_out_estimate(series, config)
+    seconds["held_out_estimate"] = time.perf_counter() - start
+    assert estimate is not None
     eplb = rebalance_experts(weight, SLOTS, GROUPS, NODES, GPUS)[0].numpy()
     ours = plan_experts(before, SLOTS, GROUPS, NODES, GPUS)
     fresh = plan_experts(after, SLOTS, GROUPS, NODES, GPUS).phy2log
@@ -98,6 +106,7 @@ def main() -> None:
                          "default_with_selection": plan.balancedness},
         "colocated_replicas": {"eplb": int(colocated(eplb, GPUS).sum()), "plan_experts": int(ours.colocated.sum())},
         "selection": selection.reason,
+        "held_out_estimate": {k: float(v.mean()) for k, v in estimate.realized.items()},
         "drift": drift,
         "expert_bytes": EXPERT_BYTES,
     }
