@@ -41,7 +41,7 @@ from .trace.stat import CounterLayout
 from .trace.stream import HostBufferPool, StreamJob
 from .trace.writer import chunk_rows, token_id_dtype
 
-__all__ = ["PassCounter", "PassStream", "StatWindow", "TokenStream"]
+__all__ = ["PassCounter", "PassStream", "StatWindow", "TokenStream", "WindowCut"]
 
 Submit = Callable[[StreamJob], None]
 
@@ -231,6 +231,40 @@ class PassCounter:
         self.phase_host[:] = 0
 
 
+class WindowCut:
+    """A ``stat`` dump's copy of the window ring ``[W, L, P]`` as it was at the cut, taken without
+    holding up the pass ends: copy on write into a host buffer.
+
+    The cut's live slots are copied a batch at a time (:meth:`StatWindow.copy_cut`, recorder lock
+    held for one batch only), and a pass end about to overwrite a live slot not copied yet copies
+    that slot first (:meth:`StatWindow.push`). Copies are ``non_blocking`` (into pinned memory on
+    CUDA, ordered on the stream before the overwrite); :meth:`StatWindow.end_cut` gives the event
+    to wait for.
+
+    Attributes:
+        host: ``[W, L, P]`` int32 host buffer, slot-indexed like the ring.
+        order: the live slots at the cut, oldest first.
+        pending: ``[W]`` bool, live slots not copied yet.
+    """
+
+    def __init__(self, host: torch.Tensor, order: np.ndarray) -> None:
+        self.host = host
+        self.order = order
+        self.pending = np.zeros(len(host), dtype=bool)
+        self.pending[order] = True
+
+    def take(self, counts: torch.Tensor, slots: np.ndarray) -> None:
+        """Copy the pending ``slots`` of ``counts`` (the ring) into :attr:`host`, run by run of consecutive slots."""
+        slots = np.sort(slots[self.pending[slots]])
+        if not len(slots):
+            return
+        self.pending[slots] = False
+        breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+        for run in np.split(slots, breaks):
+            a, b = int(run[0]), int(run[-1]) + 1
+            self.host[a:b].copy_(counts[a:b], non_blocking=True)
+
+
 class StatWindow:
     """Ring of the last ``W`` passes' expert counts ``[W, L, P]`` (int32) and tokens ``[W]`` (int64,
     on the device), plus host metadata (pass id, timestamp, pass phase, requests)."""
@@ -245,10 +279,35 @@ class StatWindow:
         self.requests = np.full(w, -1, dtype=np.int64)
         self.tokens = torch.zeros(w, dtype=torch.int64, device=config.device)
         self.pushed = 0
+        self._cuts: list[WindowCut] = []  # dumps' copies of the ring still being taken
+
+    def host_buffer(self) -> torch.Tensor:
+        """A fresh host buffer for one :class:`WindowCut` (pinned on CUDA): ``[W, L, P]`` int32."""
+        return torch.empty(tuple(self.counts.shape), dtype=torch.int32, pin_memory=self.counts.device.type == "cuda")
+
+    def cut(self, host: torch.Tensor) -> WindowCut:
+        """Begin a dump's copy of the ring into ``host`` (recorder lock held): O(W) host bookkeeping, no copy."""
+        cut = WindowCut(host, self.order())
+        self._cuts.append(cut)
+        return cut
+
+    def copy_cut(self, cut: WindowCut, slots: np.ndarray) -> None:
+        """Copy ``slots`` of the cut (those no pass end copied yet) into its host buffer (recorder lock held)."""
+        cut.take(self.counts, slots)
+
+    def end_cut(self, cut: WindowCut) -> torch.cuda.Event | None:
+        """Stop copying on write for ``cut`` (recorder lock held; after every live slot was taken, or
+        after a failure); the CUDA event after its copies (``None`` on the CPU, where they are done)."""
+        self._cuts.remove(cut)
+        return _event_after_copy(self.counts.device)
 
     def push(self, current: torch.Tensor, pass_tokens: torch.Tensor, pass_id: int, timestamp: float, phase: int, requests: int) -> None:
-        """Store one pass's ``current[:, :P]`` and ``pass_tokens [1]`` in the oldest slot."""
+        """Store one pass's ``current[:, :P]`` and ``pass_tokens [1]`` in the oldest slot (copying it
+        first into a dump's cut that still needs it)."""
         slot = self.pushed % len(self.pass_id)
+        for cut in self._cuts:
+            if cut.pending[slot]:
+                cut.take(self.counts, np.array([slot]))
         self.counts[slot].copy_(current[:, self.experts])
         self.tokens[slot : slot + 1].copy_(pass_tokens)
         self.pass_id[slot], self.timestamp[slot] = pass_id, timestamp

@@ -4,9 +4,10 @@ A dump is a *cut* at a pass boundary and nothing more on the forward thread:
 under the recorder's lock (which a pass end also takes) a streaming mode hands
 its staged rows to the segment writer thread, which closes the open segment,
 and marks the place in that thread's queue (:meth:`RecordingSession.cut`);
-``stat`` mode copies its totals and window ring on the device
-(:meth:`TraceDump.stat_cut`). Everything slow happens afterwards, off the lock:
-the gathers over ranks on the caller's thread (collective), then on the
+``stat`` mode copies its totals on the device and begins a copy on write of
+its window ring (:meth:`TraceDump.stat_cut`). Everything slow happens
+afterwards, off the lock: the window ring's copy to the host a batch per lock
+hold and the gathers over ranks on the caller's thread (collective), then on the
 background :class:`DumpQueue` thread the joining of the closed segments up to
 the cut into one per-rank trace by copying their chunks (:meth:`TraceDump.stream`),
 or the ``stat`` file with a rank axis written by rank 0 (:meth:`TraceDump.stat`),
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .accumulators import PassCounter, StatWindow
+from .accumulators import PassCounter, StatWindow, WindowCut
 from .config import RecorderConfig
 from .layout import RankLayout
 from .pass_phase import PASS_PHASES
@@ -97,12 +98,13 @@ def gather_objects(obj: object, world: int) -> list[object]:
 
 @dataclasses.dataclass(frozen=True)
 class StatCut:
-    """A ``stat`` dump's cut: device copies (``totals [L, C]``, ``token_total [1]``, the window
-    ring ``[W, L, P]`` and its ``tokens [W]``) and host copies of the window's metadata."""
+    """A ``stat`` dump's cut: device copies (``totals [L, C]``, ``token_total [1]`` and the window's
+    ``tokens [W]``), the window ring ``[W, L, P]`` being copied on write to the host
+    (:class:`~moetrace.accumulators.WindowCut`) and host copies of the window's metadata."""
 
     totals: torch.Tensor
     token_total: torch.Tensor
-    ring: torch.Tensor
+    ring: WindowCut
     tokens: torch.Tensor
     order: np.ndarray
     pass_id: np.ndarray
@@ -293,20 +295,23 @@ class TraceDump:
             writer.write(dataset(Data.TIMING, name), array[order])
 
     # ------------------------------------------------------------------ dumps
-    def stat_cut(self, counter: PassCounter, window: StatWindow, num_passes: int) -> StatCut:
-        """``stat`` mode's cut (recorder lock held): device copies of the totals and the window ring,
-        host copies of the window's metadata and of the passes and requests of each pass phase.
-        Nothing is read back to the host here."""
+    def stat_cut(self, counter: PassCounter, window: StatWindow, num_passes: int, ring: torch.Tensor) -> StatCut:
+        """``stat`` mode's cut (recorder lock held): device copies of the totals, the window ring's
+        copy on write into the host buffer ``ring [W, L, P]`` begun (nothing copied yet: the
+        caller takes it a batch at a time, :meth:`StatWindow.copy_cut`), host copies of the
+        window's metadata and of the passes and requests of each pass phase. Nothing is read
+        back to the host here."""
         return StatCut(
-            totals=counter.totals.clone(), token_total=counter.token_total.clone(), ring=window.counts.clone(),
+            totals=counter.totals.clone(), token_total=counter.token_total.clone(), ring=window.cut(ring),
             tokens=window.tokens.clone(), order=window.order(), pass_id=window.pass_id.copy(), timestamp=window.timestamp.copy(),
             num_passes=num_passes, phase_totals=counter.phase_totals.clone(), phase_tokens=counter.phase_tokens.clone(),
             phase_host=counter.phase_host.copy(), window_phase=window.phase.copy(), window_requests=window.requests.copy(),
         )
 
-    def stat_gather(self, cut: StatCut, rank: int, world: int, peers: int) -> StatRows:
+    def stat_gather(self, cut: StatCut, ring: np.ndarray, rank: int, world: int, peers: int) -> StatRows:
         """The ``peers`` ranks' cuts on rank 0 as host arrays (collective when ``peers > 1``; the
-        caller's thread, outside the recorder lock)."""
+        caller's thread, outside the recorder lock); ``ring [W, L, P]``: the cut's window ring,
+        copied to the host (slot-indexed)."""
         device = cut.totals.device
         layouts = tuple(gather_objects(self.config.rank_layout(rank, world), peers))  # every rank row's layout
         rows = gather(cut.totals, peers).cpu().numpy()
@@ -319,12 +324,12 @@ class TraceDump:
         passes = torch.cat([torch.tensor([cut.num_passes], dtype=torch.int64, device=device), cut.token_total])
         if peers == 1:
             # The ring as it is (no reordered copy): the oldest slots first, then the wrapped ones.
-            ring = cut.ring.cpu().numpy()[None]
+            ring = ring[None]
             wrap = min(len(order), slots - int(order[0])) if len(order) else 0
             counts = [ring[:, int(order[0]) : int(order[0]) + wrap], ring[:, : len(order) - wrap]] if len(order) else [ring[:, :0]]
             return StatRows(rows, passes.cpu().numpy()[None], meta[None], counts, layouts, phase_rows, phase_counts)  # type: ignore[arg-type]
-        ordered = torch.zeros_like(cut.ring)
-        ordered[: len(order)] = cut.ring[torch.as_tensor(order, dtype=torch.long, device=device)]
+        ordered = torch.zeros(ring.shape, dtype=torch.int32, device=device)
+        ordered[: len(order)] = torch.as_tensor(ring[order], device=device)
         return StatRows(rows, gather(passes, peers).cpu().numpy(), gather(torch.as_tensor(meta, dtype=torch.float64, device=device), peers).cpu().numpy(),
                         [gather(ordered, peers).cpu().numpy()], layouts, phase_rows, phase_counts)  # type: ignore[arg-type]
 

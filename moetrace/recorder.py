@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import session as sessions
-from .accumulators import PassCounter, PassStream, StatWindow, TokenStream
+from .accumulators import PassCounter, PassStream, StatWindow, TokenStream, WindowCut
 from .batch import PassBatch
 from .config import RecorderConfig
 from .devices import resolve_device
@@ -92,6 +92,8 @@ _log = logging.getLogger("moetrace")
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
 _UNTIMED = contextlib.nullcontext()
+#: What a ``stat`` dump copies of the window per recorder lock hold (the most a pass end waits for it).
+_WINDOW_BATCH_BYTES = 4 << 20
 
 
 class RecorderStateError(RuntimeError):
@@ -587,8 +589,10 @@ class ExpertDistributionRecorder:
 
         The dump is a cut at a pass boundary: under the lock a pass end also takes, it only
         hands the staged rows over (streaming modes: the segment writer closes the open
-        segment) or copies the totals and window on the device (``stat``); recording goes
-        on into a new segment at once. Joining the segments (their chunks copied, not
+        segment) or copies the totals on the device and begins a copy on write of the window
+        (``stat``: the window is then copied to the host a few MiB per lock hold, and a pass end
+        that would overwrite a slot not copied yet copies it first); recording goes on into a
+        new segment at once. Joining the segments (their chunks copied, not
         re-encoded), checksums, fsync and the rename happen on a background thread
         (:class:`~moetrace.dump.DumpQueue`), so the forward thread never waits for them.
 
@@ -606,6 +610,7 @@ class ExpertDistributionRecorder:
         passes), so a long run can be dumped in segments. After a failure the segments are
         kept and the next dump holds their passes too (or ``moetrace recover`` after a crash).
         """
+        ring = self._window.host_buffer() if self._window is not None else None  # stat: allocated before the lock
         with self._lock:
             if not self._started:
                 raise RecorderStateError("nothing recorded yet: call start_record() before dump_record()")
@@ -620,7 +625,7 @@ class ExpertDistributionRecorder:
                     rank = dist_world()[0]  # the collective's rank 0 writes the file
                 elif world > 1:
                     target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
-                outside = self._cut_stat(target, rank, world, world if gathered else 1)
+                outside = self._cut_stat(target, rank, world, world if gathered else 1, ring)  # type: ignore[arg-type]
             else:
                 if world > 1:
                     target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
@@ -638,24 +643,44 @@ class ExpertDistributionRecorder:
         for pending in self._dumps.pending:
             pending.result()
 
-    def _cut_stat(self, target: Path, rank: int, world: int, peers: int) -> Callable[[], Callable[[], Path]]:
-        """``stat`` cut (lock held): device copies of totals and window. Returns what runs next on
-        the caller's thread outside the lock (the gathers to rank 0, collective), which returns the
-        file write for the dump thread."""
+    def _cut_stat(self, target: Path, rank: int, world: int, peers: int, ring: torch.Tensor) -> Callable[[], Callable[[], Path]]:
+        """``stat`` cut (lock held): device copies of the totals, the window's copy on write into
+        ``ring`` begun. Returns what runs next on the caller's thread outside the lock (the window's
+        copy, a batch per lock hold, then the gathers to rank 0, collective), which returns the file
+        write for the dump thread."""
         assert self._window is not None
-        cut = self._dump.stat_cut(self._counter, self._window, self._num_passes)
+        window = self._window
+        cut = self._dump.stat_cut(self._counter, window, self._num_passes, ring)
         timing = self._timing_part(rows=True)
         run_id = self._run_id
         self._dumped_passes = self._num_passes  # stat dumps are cumulative: every pass is in this one
 
         def gather() -> Callable[[], Path]:
-            rows = self._dump.stat_gather(cut, rank, world, peers)
+            rows = self._dump.stat_gather(cut, self._copy_window(window, cut.ring), rank, world, peers)
             parts = gather_objects(timing, peers) if timing is not None else None
             if peers > 1 and rank != 0:
                 return lambda: target  # rank 0 writes the file
             return self._finished(target, lambda: self._dump.stat(target, run_id, rank, world, peers, rows, parts), undo=None)  # type: ignore[arg-type]
 
         return gather
+
+    def _copy_window(self, window: StatWindow, cut: WindowCut) -> np.ndarray:
+        """A ``stat`` cut's window ring ``[W, L, P]`` on the host: copied :data:`_WINDOW_BATCH_BYTES` at
+        a time, each batch under the lock a pass end takes (so a pass end waits for one batch at
+        most, never the whole window), oldest slots first (those the next passes overwrite; a pass
+        end copies a slot itself when it gets there first)."""
+        slot_bytes = max(1, cut.host[0].numel() * cut.host.element_size())
+        step = max(1, _WINDOW_BATCH_BYTES // slot_bytes)
+        try:
+            for at in range(0, len(cut.order), step):
+                with self._lock:
+                    window.copy_cut(cut, cut.order[at : at + step])
+        finally:
+            with self._lock:
+                event = window.end_cut(cut)
+        if event is not None:
+            event.synchronize()  # the caller's thread (a dump), not a pass end
+        return cut.host.numpy()
 
     def _cut_stream(self, target: Path, rank: int, world: int) -> Callable[[], Callable[[], Path]]:
         """Streaming cut (lock held): hand the staged rows over and mark the cut. Returns what runs

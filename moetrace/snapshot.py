@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from . import balance as metrics
+from . import balance
 from .config import RecorderConfig
 from .dispatch import ep_ideal_bytes, exchanged_bytes, remote_copies
 from .ids import to_logical
@@ -25,7 +25,7 @@ __all__ = ["RecorderSnapshot", "SnapshotChannel"]
 
 
 @dataclasses.dataclass(frozen=True)
-class RecorderSnapshot(metrics.LoadMetrics):
+class RecorderSnapshot(balance.LoadMetrics):
     """Totals since ``start_record`` as seen by one rank.
 
     Attributes:
@@ -95,12 +95,12 @@ class RecorderSnapshot(metrics.LoadMetrics):
     @property
     def pass_phase_balancedness(self) -> np.ndarray:
         """``[Q]`` balancedness over EP ranks of each pass phase's load, all layers (1 = perfect; 1 with no load)."""
-        return np.array([metrics.balancedness(metrics.rank_load(c, self.ep_size)) for c in self.pass_phase_physical_count])
+        return np.array([balance.balancedness(balance.rank_load(c, self.ep_size)) for c in self.pass_phase_physical_count])
 
     @property
     def pass_phase_expert_imbalance(self) -> np.ndarray:
         """``[Q]`` expert imbalance of each pass phase's logical load, all layers (1 = even)."""
-        return np.array([metrics.overall_expert_imbalance(c) for c in self.pass_phase_logical_count])
+        return np.array([balance.overall_expert_imbalance(c) for c in self.pass_phase_logical_count])
 
     @property
     def replicates_tokens(self) -> bool:

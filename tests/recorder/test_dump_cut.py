@@ -189,3 +189,63 @@ def test_dumps_join_chunks_without_decoding_where_segments_line_up(tmp_path):
         counts = np.concatenate([c.physical_count for c in trace.iter_passes()])
     expected = np.stack([np.bincount(ids[i].numpy().ravel(), minlength=slots) for i in range(40)])
     np.testing.assert_array_equal(counts, np.repeat(expected[:, None], layers, axis=1))
+
+
+def test_stat_window_is_copied_on_write_while_passes_overwrite_it(tmp_path, monkeypatch):
+    """A stat dump copies the window a batch per lock hold (so a pass end waits for one batch, not
+    the whole ring); passes that end meanwhile overwrite slots it has not copied yet, and each such
+    pass end copies its slot first: the dump's window is the one at the cut, pass by pass."""
+    import moetrace.recorder as recorder_module
+    from moetrace.accumulators import StatWindow
+
+    window = 16
+    rec = recorder(tmp_path, "stat", window=window)
+    monkeypatch.setattr(recorder_module, "_WINDOW_BATCH_BYTES", 1)  # one slot per batch
+    first_batch, release = threading.Event(), threading.Event()
+    copy_cut = StatWindow.copy_cut
+    batches: list[np.ndarray] = []
+
+    def counted(self: StatWindow, cut: object, slots: np.ndarray) -> None:
+        copy_cut(self, cut, slots)
+        batches.append(slots.copy())
+
+    class HeldLock:
+        """The recorder's lock; the dump's thread waits before taking it again after its first batch (outside the lock)."""
+
+        def __init__(self, lock: threading.RLock) -> None:
+            self._lock = lock
+
+        def __enter__(self) -> None:
+            if threading.current_thread().name == "test-dump" and len(batches) == 1 and not release.is_set():
+                first_batch.set()
+                assert release.wait(WAIT_S), "the test never released the copy"
+            self._lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self._lock.release()
+
+    monkeypatch.setattr(StatWindow, "copy_cut", counted)
+    rec._lock = HeldLock(rec._lock)  # type: ignore[assignment]
+    rec.start_record()
+    feed(rec, range(0, 40))  # the ring wrapped: its slots hold passes 24..39
+    done: dict[str, Path] = {}
+    thread = threading.Thread(target=lambda: done.setdefault("path", rec.dump_record(tmp_path / "cut.h5")), name="test-dump")
+    thread.start()
+    try:
+        assert first_batch.wait(WAIT_S)
+        with assert_no_host_sync():
+            feed(rec, range(40, 40 + window - 2))  # overwrite every slot but the two newest, all but one not copied yet
+    finally:
+        release.set()
+        thread.join(WAIT_S)
+    assert len(batches) == window  # every slot was offered to the copy, one batch each
+    with open_trace(done["path"]) as trace:
+        got = trace.window()
+        np.testing.assert_array_equal(got.pass_id[0], np.arange(24, 40))
+        for row, pass_id in enumerate(range(24, 40)):
+            np.testing.assert_array_equal(got.physical_count[0, row], expected_totals(range(pass_id, pass_id + 1)))
+        assert int(trace.num_passes().sum()) == 40  # the totals at the cut
+        np.testing.assert_array_equal(trace.physical_count(), expected_totals(range(0, 40)))
+    assert rec._window._cuts == []  # the copy on write ended with the dump
+    rec.stop_record()
+    check_dump(rec.dump_record(tmp_path / "after.h5"), "stat", range(0, 40 + window - 2))
