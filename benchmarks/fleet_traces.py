@@ -15,7 +15,8 @@ as its own ``moetrace`` subprocess, timed, its peak RSS read from ``wait4``:
 ``merge`` (per-rank -> merged), ``verify`` (the merged file), ``analyze`` of the per-rank
 files and of the merged file (their ``--json`` answers must be equal), ``report`` of the
 per-rank files, ``placement --gpus R --json`` of the per-rank files and of the merged file
-(their plans must be equal). A tool that runs past ``--limit`` seconds is stopped and
+(their plans must be equal), and beside ``placement`` DeepSeek EPLB's plan time on the same
+loads in this process. A tool that runs past ``--limit`` seconds is stopped and
 reported as such. Peak memory (GNU ``time``'s maximum RSS) does not depend on the machine's
 load; the seconds do, so the 1-minute load average is recorded before and after each tool.
 """
@@ -107,6 +108,24 @@ TOOLS = {
 }
 
 
+EPLB = "EPLB's plan of the same loads (rebalance_experts, in-process)"
+
+
+def eplb_beside(paths: list[Path], ranks: int) -> dict[str, object]:
+    """DeepSeek EPLB's plan time (moetrace's drop-in ``rebalance_experts``) on the loads ``placement --gpus R`` plans on, in this run."""
+    from moetrace.analysis.distributed import pass_series
+    from moetrace.placement import rebalance_experts
+
+    load_before = os.getloadavg()[0]
+    weight = torch.from_numpy(pass_series(paths).logical.sum(axis=0))
+    replicas = -(-weight.shape[1] // ranks) * ranks  # what `placement --gpus R` defaults to: the experts rounded up to a multiple of R
+    start = time.perf_counter()
+    rebalance_experts(weight, replicas, 1, 1, ranks)
+    row = {"tool": EPLB, "seconds": time.perf_counter() - start, "peak_rss_mib": None, "rc": 0, "load": [load_before, os.getloadavg()[0]]}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def _same(a: dict[str, object], b: dict[str, object]) -> object:
     return a == b or {"differ": sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))}
 
@@ -124,13 +143,21 @@ def measure(ranks: int, passes: int, work: Path, limit: float, tools: list[str],
         for arg in template:
             args += files if arg == "{files}" else [arg.format(merged=merged, out=out, ranks=ranks)]
         rows.append(run_tool(tool, args, limit, out / output))
+    if "placement (per-rank files)" in tools:
+        rows.append(eplb_beside(paths, ranks))
     done = {r["tool"] for r in rows if r["rc"] == 0}
     same: dict[str, object] = {}
     if {"analyze (per-rank files)", "analyze (merged file)"} <= done:
         same["analyze"] = _same(_answer(out / "analyze-ranks.json"), _answer(out / "analyze-merged.json"))
     if {"placement (per-rank files)", "placement (merged file)"} <= done:
         same["placement"] = _same(json.loads((out / "placement-ranks.json").read_text()), json.loads((out / "placement-merged.json").read_text()))
-    result = {"ranks": ranks, "passes_per_rank": passes, "write_seconds": write_s,
+    answer = None
+    if "placement (per-rank files)" in done:  # what was deployed and how it held out, beside EPLB's plan
+        document = json.loads((out / "placement-ranks.json").read_text())
+        estimate = document.get("held_out_estimate") or {}
+        answer = {"planner": document["planner"], "reason": document["selection"]["reason"], "in_sample": document["in_sample"]["balancedness"],
+                  "held_out_estimate": estimate.get("summary"), "gap_closed": estimate.get("gap_closed")}
+    result = {"ranks": ranks, "passes_per_rank": passes, "write_seconds": write_s, "placement": answer,
               "per_rank_bytes": sum(p.stat().st_size for p in paths), "merged_bytes": merged.stat().st_size if merged.exists() else None,
               "tools": rows, "merged_equals_per_rank": same,
               "failures": {r["tool"]: (out / TOOLS[str(r["tool"])][0]).read_text()[-2000:] for r in rows if r["rc"] != 0}}

@@ -213,16 +213,17 @@ def _greedy_pack(weight: np.ndarray, num_packs: int, labels: np.ndarray | None =
     return pack
 
 
-def _no_shared_label(pack: np.ndarray, labels: np.ndarray | None, num_packs: int, first: np.ndarray, second: np.ndarray) -> np.ndarray | None:
+def _no_shared_label(pack: np.ndarray, labels: np.ndarray | None, num_packs: int, first: np.ndarray, second: np.ndarray,
+                     cap: np.ndarray | None = None) -> np.ndarray | None:
     """Whether swapping items ``first`` and ``second`` (index arrays, broadcast together) keeps every pack within its share of each label.
 
-    The share is :func:`_label_cap`; ``None`` without labels.
+    The share is :func:`_label_cap` (``cap``: already computed for these labels); ``None`` without labels.
     """
     if labels is None:
         return None
-    held = np.zeros((num_packs, int(labels.max()) + 1), dtype=np.int64)
-    np.add.at(held, (pack, labels), 1)
-    cap = _label_cap(labels, num_packs)
+    width = int(labels.max()) + 1
+    held = np.bincount(pack * width + labels, minlength=num_packs * width).reshape(num_packs, width)
+    cap = _label_cap(labels, num_packs) if cap is None else cap
     a, b = labels[first], labels[second]
     same = a == b
     into_second = held[pack[second], a] - same  # copies of first's label on second's pack once second has left
@@ -280,6 +281,7 @@ def _refine_pack(weight: np.ndarray, pack: np.ndarray, num_packs: int, labels: n
     loads = np.bincount(pack, weights=weight, minlength=num_packs)
     tolerance = 1e-12 * max(float(loads.max()), 1.0)
     work = limits.row_work(len(weight))
+    cap = None if labels is None else _label_cap(labels, num_packs)
     for _ in range(4 * len(weight) + 16):
         if limits.late():
             break
@@ -294,7 +296,7 @@ def _refine_pack(weight: np.ndarray, pack: np.ndarray, num_packs: int, labels: n
         delta = weight[mine][:, None] - weight[others][None, :]
         peak = np.maximum(loads[heavy] - delta, loads[pack[others]][None, :] + delta)
         peak[delta <= 0] = np.inf
-        allowed = _no_shared_label(pack, labels, num_packs, mine[:, None], others[None, :])
+        allowed = _no_shared_label(pack, labels, num_packs, mine[:, None], others[None, :], cap)
         if allowed is not None:
             peak[~allowed] = np.inf
         best = int(np.argmin(peak))
@@ -342,6 +344,7 @@ def _refine_pack_scenarios(
     loads = np.stack([np.bincount(pack, weights=weight[s], minlength=num_packs) for s in range(num_scenarios)])  # [S, K]
     tolerance = 1e-9 * max(float(loads.max()), 1.0)
     work = limits.row_work(n)
+    cap = None if labels is None else _label_cap(labels, num_packs)
     for _ in range(4 * n + 16):
         if limits.late():
             break
@@ -358,7 +361,7 @@ def _refine_pack_scenarios(
         gain = (peak[:, None, None] - new_peak).mean(axis=0)  # [M, n]
         gain[first[:, None] == pack[None, :]] = -np.inf  # a swap inside one pack changes nothing
         if labels is not None:
-            gain[~_no_shared_label(pack, labels, num_packs, mine[:, None], np.arange(n)[None, :])] = -np.inf
+            gain[~_no_shared_label(pack, labels, num_packs, mine[:, None], np.arange(n)[None, :], cap)] = -np.inf
         best = int(np.argmax(gain))
         m, j = divmod(best, n)
         if not gain[m, j] > tolerance:
