@@ -46,6 +46,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -323,11 +324,97 @@ def capturer_sync_check(device: torch.device, sabotage: Sabotage | None = None) 
     return f"{SYNC_PASSES} passes, staging ring reused {SYNC_PASSES - 2}x"
 
 
+class _HeldDumpLock:
+    """The recorder's lock, through which the dump's thread (``gpu-check-dump``) waits, before
+    taking it again, once ``copied`` holds its first window batch: the copy is held outside the lock."""
+
+    def __init__(self, lock: Any, copied: list[object], held: threading.Event, release: threading.Event) -> None:
+        self._lock, self._copied, self._held, self._release = lock, copied, held, release
+
+    def __enter__(self) -> None:
+        if threading.current_thread().name == "gpu-check-dump" and len(self._copied) == 1 and not self._release.is_set():
+            self._held.set()
+            if not self._release.wait(60):
+                raise TimeoutError("the window copy was never released")
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+class _BlindCuts(list):  # type: ignore[type-arg]
+    """Control: a window whose pass ends see no dump's copy in progress (they overwrite uncopied slots)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+
+def window_cut_check(device: torch.device, out_dir: Path, blind_pass_ends: bool = False) -> str:
+    """A ``stat`` dump while recording copies the window on write: its copy is held after the first
+    slot (outside the recorder lock) while ``window - 2`` passes overwrite the ring under
+    :func:`host_sync_guard` (each pass end first copies its slot, ``non_blocking`` into pinned
+    memory on CUDA); the dumped window must equal the routing of the passes at the cut, slot by
+    slot. ``blind_pass_ends``: the control, pass ends that do not copy."""
+    import moetrace.recorder as recorder_module
+
+    sizes, tokens, window = SIZES["tiny"], 32, SHRUNK["window"]
+    before = 2 * window + 4
+    ids = [_random_ids(tokens, sizes, str(device), seed) for seed in range(before + window)]
+    copied: list[object] = []
+    held, release = threading.Event(), threading.Event()
+    batch_bytes = recorder_module._WINDOW_BATCH_BYTES
+    with recorder("stat", sizes, str(device), out_dir, tokens, **SHRUNK) as rec:
+        def one_pass(i: int) -> None:
+            with rec.with_forward_pass(), rec.with_current_layer(0):
+                rec.on_select_experts(ids[i])
+
+        for i in range(before):
+            one_pass(i)
+        win = rec._window
+        assert win is not None
+        if blind_pass_ends:
+            win._cuts = _BlindCuts(win._cuts)
+        copy_cut, lock, done = win.copy_cut, rec._lock, {}
+
+        def counted(cut: Any, slots: np.ndarray) -> None:
+            copy_cut(cut, slots)
+            copied.append(slots)
+
+        win.copy_cut = counted  # type: ignore[method-assign]
+        rec._lock = _HeldDumpLock(lock, copied, held, release)  # type: ignore[assignment]
+        recorder_module._WINDOW_BATCH_BYTES = 1  # one slot per batch
+        dump = threading.Thread(target=lambda: done.setdefault("path", rec.dump_record(out_dir / "window-cut.h5")), name="gpu-check-dump")
+        try:
+            dump.start()
+            if not held.wait(60):
+                raise TimeoutError("the dump never began copying the window")
+            with host_sync_guard(device):
+                for i in range(before, before + window - 2):
+                    one_pass(i)
+        finally:
+            release.set()
+            dump.join(60)
+            recorder_module._WINDOW_BATCH_BYTES = batch_bytes
+            rec._lock = lock  # type: ignore[assignment]
+        with open_trace(done["path"]) as trace:
+            got = trace.window()
+        cut = range(before - window, before)
+        if not np.array_equal(got.pass_id[0], np.arange(before - window, before)):
+            raise AssertionError(f"window pass ids {got.pass_id[0].tolist()} != {list(cut)}")
+        for row, pass_id in enumerate(cut):
+            flat = ids[pass_id].cpu().numpy().reshape(-1)
+            if not np.array_equal(got.physical_count[0, row, 0], np.bincount(flat[flat >= 0], minlength=sizes.experts)):
+                raise AssertionError(f"window row {row} (pass {pass_id}) is not that pass's routing: overwritten before it was copied")
+    return f"{window}-slot window, {window - 2} passes overwrote it during the copy: equal to the cut, sync-free"
+
+
 def check_sync_debug(device: torch.device, out_dir: Path) -> list[CheckResult]:
     results = []
     for mode, timing in [(m, False) for m in MODES] + [("stat", True), ("per_token", True)]:
         results.append(_guarded("sync-debug", f"{mode}{' + timing' if timing else ''} hooks", lambda mode=mode, timing=timing: sync_check(device, out_dir, mode, timing)))
     results.append(_guarded("sync-debug", "capturer capture + on_forward_end", lambda: capturer_sync_check(device)))
+    results.append(_guarded("sync-debug", "stat dump's window copy on write", lambda: window_cut_check(device, out_dir)))
+    results.append(_control("sync-debug", "stat pass ends blind to the dump's copy", lambda: window_cut_check(device, out_dir, blind_pass_ends=True)))
     results.append(_control("sync-debug", "stat hook + injected .item()", lambda: sync_check(device, out_dir, "stat", sabotage=inject_item)))
     results.append(_control("sync-debug", "per_token + injected event.synchronize", lambda: sync_check(device, out_dir, "per_token", sabotage=inject_event_synchronize)))
     results.append(_control("sync-debug", "capturer + injected event.synchronize", lambda: capturer_sync_check(device, sabotage=inject_event_synchronize)))

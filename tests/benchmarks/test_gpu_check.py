@@ -169,3 +169,10 @@ def test_table_and_json_are_written_when_a_check_raises(gpu_check, monkeypatch, 
     out = capsys.readouterr().out
     assert "the script itself" in out and "FAIL" in out
     assert written["results"][0]["detail"] == "RuntimeError: set-up failed" and written["device"] == "stand-in GPU"
+
+
+def test_window_cut_check_and_its_control(gpu_check, tmp_path):
+    assert gpu_check.window_cut_check(CPU, tmp_path).startswith("8-slot window, 6 passes overwrote it")
+    row = gpu_check._control("sync-debug", "blind", lambda: gpu_check.window_cut_check(CPU, tmp_path / "blind", blind_pass_ends=True))
+    assert row.ok, row.detail
+    assert "overwritten before it was copied" in row.detail
