@@ -50,7 +50,7 @@ from moetrace.placement.backtesting import (
 )
 from moetrace.placement.checks import PlacementConfig, PlacementError
 from moetrace.placement.eplb import greedy_rebalance
-from moetrace.placement.plan import PlacementPlan, predicted_gpu_load, replicas_moved
+from moetrace.placement.plan import PlacementPlan, predicted_gpu_load
 from moetrace.placement.series import PassSeries
 from moetrace.trace.pass_phases import pass_phase_physical_count, phase_of
 from moetrace.trace.reader import open_trace
@@ -67,6 +67,7 @@ from .options import (
     stdout_console,
 )
 from .placement_format import FORMATS, write_plan
+from .placement_replan import moved_from_current, print_replan, weigh_replan
 from .placement_report import print_rebalance_value, print_selection, rebalance_values
 
 __all__ = ["placement"]
@@ -230,11 +231,12 @@ def placement(
     holdout_fraction: Annotated[float | None, typer.Option("--holdout", help="Plan on the first part of the passes, score on the last FRACTION (e.g. 0.25).")] = None,
     run_backtest: Annotated[bool, typer.Option("--backtest", help="Replay a rebalancing schedule: plan on --window passes, deploy for --every.")] = False,
     window: Annotated[int | None, typer.Option("--window", min=1, help="Passes each backtest plan is made on.")] = None,
-    every: Annotated[int | None, typer.Option("--every", min=1, help="Passes each backtest plan is deployed for.")] = None,
+    every: Annotated[int | None, typer.Option("--every", min=1, help="Passes each backtest plan is deployed for; with --current, the passes a replan is weighed over.")] = None,
     current: Annotated[Path | None, typer.Option("--current", help="The deployed plan (JSON from --out): moves away from it must pay off.")] = None,
+    replan_anyway: Annotated[bool, typer.Option("--replan-anyway", help="With --current: write the new plan even when its weight copies cost more than it saves.")] = False,
     intermediate_size: Annotated[int | None, typer.Option("--intermediate-size", min=1, help="Expert FFN width I: bytes moved = 3·H·I·b per replica (H, b from the trace).")] = None,
-    link_gbps: Annotated[float, typer.Option("--link-gbps", min=0.001, help="With --backtest: GB/s a GPU receives expert weights at (sets the rebalance stall).")] = 25.0,
-    pass_ms: Annotated[float | None, typer.Option("--pass-ms", min=0.0, help="With --backtest: MoE time per pass now (ms); says whether rebalancing every --every passes pays.")] = None,
+    link_gbps: Annotated[float, typer.Option("--link-gbps", min=0.001, help="With --backtest or --current: GB/s a GPU receives expert weights at (sets the rebalance stall).")] = 25.0,
+    pass_ms: Annotated[float | None, typer.Option("--pass-ms", min=0.0, help="With --backtest or --current: MoE time per pass now (ms); says whether rebalancing (replanning) pays.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="With --backtest: PNG of realised balancedness over time per planner.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON document (plan and figures) instead of tables.")] = False,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the plan (phy2log, log2phy, logcnt, figures) as JSON.")] = None,
@@ -247,15 +249,16 @@ def placement(
     """Plan expert placement with replication; in-sample and held-out balancedness for current / greedy / moetrace."""
     with stage_meter(progress) as update:
         _placement(traces, gpus, replicas, groups, nodes, holdout_fraction, run_backtest, window, every, current, intermediate_size, link_gbps,
-                   pass_ms, plot, as_json, out, fmt, layers, scheduler, phase, update)
+                   pass_ms, plot, as_json, out, fmt, layers, scheduler, phase, update, replan_anyway)
 
 
 def _placement(traces: list[Path], gpus: int, replicas: int | None, groups: int | None, nodes: int | None, holdout_fraction: float | None,
                run_backtest: bool, window: int | None, every: int | None, current: Path | None, intermediate_size: int | None, link_gbps: float,
                pass_ms: float | None, plot: Path | None, as_json: bool, out: Path | None, fmt: str, layers: str | None, scheduler: str | None,
-               phase: str | None, update: Callable[[str, int, int], None]) -> None:
+               phase: str | None, update: Callable[[str, int, int], None], replan_anyway: bool = False) -> None:
     """The command's body; ``update(stage, done, total)`` shows progress."""
-    phase = _check_options(gpus, run_backtest, window, every, plot, pass_ms, holdout_fraction, fmt, out, phase, len(traces) > 1 or scheduler is not None)
+    phase = _check_options(gpus, run_backtest, window, every, plot, pass_ms, holdout_fraction, fmt, out, phase, len(traces) > 1 or scheduler is not None,
+                           current is not None, replan_anyway)
     deployed = None if current is None else _read_current(current)
     bucket = (lambda: bucket_for(window, every)) if run_backtest else (lambda: None)
     loads = _read_loads(traces, parse_layers(layers), scheduler, bucket, _sizes_of(gpus, replicas, groups, nodes),
@@ -278,8 +281,13 @@ def _placement(traces: list[Path], gpus: int, replicas: int | None, groups: int 
         outcome.estimate = held_out_estimate(loads.series, loads.config, progress=functools.partial(update, "held-out estimate (rebalances)"))
         document["held_out_estimate"] = _estimate_dict(outcome.estimate)
         _prefer_the_estimates_winner(outcome, loads, expert_bytes)
-    plan = outcome.plan
-    document.update(phy2log=plan.phy2log.tolist(), log2phy=plan.log2phy.tolist(), logcnt=plan.logcnt.tolist(), gpu_load=outcome.loads["moetrace"].tolist())
+    written = weigh_replan(outcome, loads, expert_bytes, link_gbps, pass_ms, every, replan_anyway)
+    if written is not None:  # the replan does not pay: keep the deployed plan
+        outcome.written = written
+        moved_from_current(document, outcome.deployed, written, loads.config.gpus, expert_bytes)
+    plan = outcome.written or outcome.plan
+    document.update(phy2log=plan.phy2log.tolist(), log2phy=plan.log2phy.tolist(), logcnt=plan.logcnt.tolist(),
+                    gpu_load=predicted_gpu_load(loads.weight, plan.phy2log, loads.config.gpus).tolist())
     if outcome.replay is not None and plot is not None:
         from moetrace.placement.plot import plot_backtest
 
@@ -293,14 +301,19 @@ def _placement(traces: list[Path], gpus: int, replicas: int | None, groups: int 
 
 
 def _check_options(gpus: int, run_backtest: bool, window: int | None, every: int | None, plot: Path | None, pass_ms: float | None,
-                   holdout_fraction: float | None, fmt: str, out: Path | None, phase: str | None = None, many: bool = False) -> str | None:
+                   holdout_fraction: float | None, fmt: str, out: Path | None, phase: str | None = None, many: bool = False,
+                   current: bool = False, replan_anyway: bool = False) -> str | None:
     """Refuse inconsistent options before anything is read (each error names the flags); returns the checked ``--phase``."""
     if gpus <= 0:
         raise CommandError(f"--gpus must be a positive integer, got {gpus}")
     if run_backtest and (window is None or every is None):
         raise CommandError("--backtest needs --window W and --every S (passes planned on, passes deployed for)")
-    if (window is not None or every is not None or plot is not None or pass_ms is not None) and not run_backtest:
-        raise CommandError("--window, --every, --plot and --pass-ms belong to --backtest; add --backtest")
+    if (window is not None or plot is not None) and not run_backtest:
+        raise CommandError("--window and --plot belong to --backtest; add --backtest")
+    if (every is not None or pass_ms is not None) and not (run_backtest or current):
+        raise CommandError("--every and --pass-ms belong to --backtest or --current; add --backtest or --current PLAN")
+    if replan_anyway and not current:
+        raise CommandError("--replan-anyway overrides the weighing of a replan against --current; add --current PLAN")
     if run_backtest and holdout_fraction is not None:
         raise CommandError("--holdout and --backtest are two evaluations; pass one of them")
     if fmt not in FORMATS:
@@ -372,6 +385,7 @@ class _Outcome:
     held: Any = None
     replay: Any = None
     values: Any = None
+    written: PlacementPlan | None = None  # the deployed plan, kept when the replan does not pay
 
 
 def _plan(traces: list[Path], loads: _Loads, deployed: np.ndarray | None, expert_bytes: int | None, progress: Callable[[int, int], None]) -> _Outcome:
@@ -405,7 +419,7 @@ def _plan(traces: list[Path], loads: _Loads, deployed: np.ndarray | None, expert
         "in_sample": {"passes": int(series.passes.sum()) if series is not None else None, "balancedness": in_sample,
                       "layer_balancedness": {k: None if v is None else balance.layer_balancedness(v).tolist() for k, v in gpu_loads.items()}},
     }
-    _moved_from_current(document, deployed, plan, gpus, expert_bytes)
+    moved_from_current(document, deployed, plan, gpus, expert_bytes)
     return _Outcome(plan, selection, gpu_loads, in_sample, document, deployed)
 
 
@@ -433,16 +447,7 @@ def _prefer_the_estimates_winner(outcome: _Outcome, loads: _Loads, expert_bytes:
                                     f"({eplb:.4f} vs {ours:.4f} mean next-window balancedness), so EPLB's plan is deployed")
     document["in_sample"]["balancedness"]["moetrace"] = outcome.in_sample["moetrace"]
     document["in_sample"]["layer_balancedness"]["moetrace"] = balance.layer_balancedness(outcome.loads["moetrace"]).tolist()
-    _moved_from_current(document, outcome.deployed, outcome.plan, loads.config.gpus, expert_bytes)
-
-
-def _moved_from_current(document: dict[str, Any], deployed: np.ndarray | None, plan: PlacementPlan, gpus: int, expert_bytes: int | None) -> None:
-    """Weight copies (and bytes) from ``--current`` to ``plan``, into ``document``."""
-    if deployed is None:
-        return
-    document["replicas_moved_from_current"] = replicas_moved(deployed, plan.phy2log, gpus) if deployed.shape == plan.phy2log.shape else None
-    if expert_bytes and document["replicas_moved_from_current"] is not None:
-        document["bytes_moved_from_current"] = document["replicas_moved_from_current"] * expert_bytes
+    moved_from_current(document, outcome.deployed, outcome.plan, loads.config.gpus, expert_bytes)
 
 
 def _estimate_dict(estimate: Any) -> dict[str, Any] | None:
@@ -489,5 +494,6 @@ def _print_text(console: Console, loads: _Loads, outcome: _Outcome, plot: Path |
         moved = document["replicas_moved_from_current"]
         extra = f" ({document['bytes_moved_from_current']:,} bytes)" if "bytes_moved_from_current" in document else ""
         console.print(f"replicas moved from --current: {moved}{extra}")
+    print_replan(console, document.get("recommendation"))
     if out is not None:
         console.print(f"wrote {out}")

@@ -261,6 +261,7 @@ def test_cli_holdout_and_backtest(drift, tmp_path):
         (["--backtest"], "needs --window"),
         (["--window", "10"], "add --backtest"),
         (["--pass-ms", "3"], "add --backtest"),
+        (["--replan-anyway"], "add --current"),
         (["--holdout", "0.5", "--backtest", "--window", "10", "--every", "10"], "pass one of them"),
         (["--holdout", "1.5"], "fraction in (0, 1)"),
         (["--backtest", "--window", "400", "--every", "10"], "at least"),
