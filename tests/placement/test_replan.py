@@ -98,3 +98,13 @@ def test_without_the_pass_time_the_replan_is_not_weighed(drifted):
     assert advice["recommended"] is None and advice["gain_s"] is None and advice["plan_written"] == "new"
     assert "the MoE time per pass is unknown (give --pass-ms)" in advice["reason"] and "replan: not weighed" in stdout
     assert advice["break_even_pass_s"] == pytest.approx(advice["stall_s"] / (advice["every"] * advice["saved_share"]))
+
+
+def test_without_an_estimate_both_plans_are_weighed_in_sample_over_the_trace(drifted):
+    plan, _ = replan(drifted, "--holdout", "0.25", "--pass-ms", "50")
+    advice = plan["recommendation"]
+    deployed = np.asarray([list(range(EXPERTS))] * 3)
+    keep = balancedness(drifted["counts"].sum(axis=0), deployed)
+    new = plan["in_sample"]["balancedness"]["moetrace"]
+    assert advice["balance_source"] == "in-sample" and advice["every"] == len(drifted["counts"])  # the trace's passes
+    assert advice["b_keep"] == pytest.approx(keep) and advice["b_new"] == pytest.approx(new) and advice["saved_share"] == pytest.approx(1 - keep / new)
