@@ -450,8 +450,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--tmp", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.repeats = args.repeats or (1 if args.quick else 3)
-    args.rounds = args.rounds or (3 if args.quick else 8)
+    args.repeats = (1 if args.quick else 3) if args.repeats is None else args.repeats
+    args.rounds = (3 if args.quick else 8) if args.rounds is None else args.rounds
     args.workload = args.workload or list(QUICK_WORKLOADS if args.quick else WORKLOADS)
     if args.repeats < 1 or args.rounds < 1:
         parser.error("--repeats and --rounds must be >= 1")
@@ -475,10 +475,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     before = _git("rev-parse", "--short", args.before)
     now = _git("rev-parse", "--short", args.now or "HEAD")
     modified = not args.now and bool(_git("status", "--porcelain", "--", "moetrace"))
+    runtime = _git("log", "-1", "--format=%h", args.now or "HEAD", "--", "moetrace")  # the last commit that changed what "now" runs
     shm = Path("/dev/shm")
     load = [_loadavg()]
     started = time.perf_counter()
-    print(f"request rows overhead: before {before} vs now {now}{' (moetrace/ modified)' if modified else ''}; "
+    print(f"request rows overhead: before {before} vs now {now} (moetrace/ last changed in {runtime}{', modified since' if modified else ''}); "
           f"{args.repeats} repeat(s) of {args.rounds} rounds; workloads: {'; '.join(args.workload)}; /proc/loadavg {load[0]}", flush=True)
     with tempfile.TemporaryDirectory(prefix="moetrace-rr-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None) as tmp:
         trees = {"before": extract(before, Path(tmp) / "before"), "now": extract(now, Path(tmp) / "now") if args.now else ROOT}
@@ -493,14 +494,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print_table(table[clock], clock)
     rows = {name: [rep["workloads"][name]["finish"]["now"]["rows_checked"] for rep in repeats] for name in args.workload}
     print(f"\nboth trees counted the same tokens: {totals}; request rows checked against the batches given: {rows}")
-    print(f"before {before}, now {now}; {seconds:.0f} s; /proc/loadavg: {' | '.join(load)}")
+    print(f"before {before}, now {now} (moetrace/ of {runtime}); {seconds:.0f} s; /proc/loadavg: {' | '.join(load)}")
     sys.path.insert(0, str(HERE))
     from harness import machine
 
     result = {
         "benchmark": "request_rows_overhead", "machine": machine(),
         "command": " ".join(["python benchmarks/request_rows_overhead.py", *(sys.argv[1:] if argv is None else argv)]),
-        "before": before, "now": now, "now_modified": modified, "repeats": args.repeats, "rounds": args.rounds,
+        "before": before, "now": now, "now_moetrace_commit": runtime, "now_modified": modified, "repeats": args.repeats, "rounds": args.rounds,
         "shape": {"layers": LAYERS, "slots": SLOTS, "top_k": TOP_K, "ep": EP},
         "workloads": {name: {k: WORKLOADS[name][k] for k in ("tokens", "prefill", "skew")}
                       | {"passes_per_timing": repeats[0]["workloads"][name]["passes_per_timing"]} for name in args.workload},
