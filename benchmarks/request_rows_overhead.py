@@ -440,7 +440,7 @@ def check_counts(repeats: list[dict[str, Any]], workloads: list[str]) -> dict[st
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke test: decode, skewed only, 1 repeat of 3 rounds, a quarter of the passes")
-    parser.add_argument("--repeats", type=int, help="fresh pairs of processes (default 3; --quick 1)")
+    parser.add_argument("--repeats", type=int, help="fresh pairs of processes (default 4; --quick 1)")
     parser.add_argument("--rounds", type=int, help="rounds per repeat, trees taking turns (default 8; --quick 3)")
     parser.add_argument("--before", default=BEFORE, help=f"the commit before request rows (default {BEFORE})")
     parser.add_argument("--now", help="measure this commit as 'now' instead of the checkout (to locate a change between two commits)")
@@ -450,7 +450,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--tmp", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.repeats = (1 if args.quick else 3) if args.repeats is None else args.repeats
+    args.repeats = (1 if args.quick else 4) if args.repeats is None else args.repeats
     args.rounds = (3 if args.quick else 8) if args.rounds is None else args.rounds
     args.workload = args.workload or list(QUICK_WORKLOADS if args.quick else WORKLOADS)
     if args.repeats < 1 or args.rounds < 1:

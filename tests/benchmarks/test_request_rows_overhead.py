@@ -30,7 +30,7 @@ def bench():
 
 def test_arguments(bench):
     args = bench.parse_args([])
-    assert (args.repeats, args.rounds, args.before, args.workload) == (3, 8, "734a1f5", list(bench.WORKLOADS))
+    assert (args.repeats, args.rounds, args.before, args.workload) == (4, 8, "734a1f5", list(bench.WORKLOADS))
     quick = bench.parse_args(["--quick"])
     assert (quick.repeats, quick.rounds, quick.workload) == (1, 3, ["decode, skewed"])
     with pytest.raises(SystemExit):
