@@ -36,6 +36,18 @@ def _recorder(d: dict) -> list[Row]:
     return rows
 
 
+def _request_rows(d: dict) -> list[Row]:
+    rows = []
+    for workload, r in d["results"]["cpu"].items():
+        on = r["ratios"]["per_token+requests overhead (now, over off) / per_token overhead (before)"]
+        off = r["ratios"]["per_token overhead: now / before"]
+        over = r["overhead_ms_per_pass"]
+        rows.append(("request rows overhead", f"DeepSeek-V3 rank, {workload}: per_token overhead with request rows (now) / before {d['before']} (forward-thread CPU)",
+                     f"{on['median']:.3f} [{on['min']:.3f}, {on['max']:.3f}] ({over['before: per_token - off']:.2f} -> {over['now: per_token+requests - off']:.2f} ms/pass); "
+                     f"no batch {off['median']:.3f}"))
+    return rows
+
+
 def _adapter(d: dict) -> list[Row]:
     r = d["results"]
     return [("adapter overhead (HF Mixtral)", f"{w}, {v} / plain", f"{r[w][v]['ratio_to_plain']:.3f} (hooks {r[w][v]['hook_us_per_forward']:.0f} us/forward)")
@@ -178,6 +190,7 @@ def _report(d: dict) -> list[Row]:
 #: name -> (script arguments in full / quick runs, headline extractor)
 BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] = {
     "recorder_overhead": ([], ["--quick"], _recorder),
+    "request_rows_overhead": ([], ["--quick"], _request_rows),
     "adapter_overhead": ([], ["--rounds", "4"], _adapter),
     "capture_overhead": ([], ["--rounds", "4"], _capture),
     "ep_bench": (["--compare"], ["--compare", "--workload", "seed"], _ep),
