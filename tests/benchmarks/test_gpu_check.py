@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,16 +10,13 @@ import torch
 from moetrace.reference.moe import MoELayer
 from moetrace.testing import assert_no_host_sync
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from . import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("gpu_check")
-    finally:
-        sys.path.remove(str(BENCH))
+    with benchmark_module("gpu_check") as m:
+        yield m
 
 
 def test_without_cuda_it_skips_and_exits_zero(gpu_check, capsys, monkeypatch):

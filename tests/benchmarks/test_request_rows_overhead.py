@@ -9,23 +9,18 @@ to the batch given. No timing is asserted.
 
 from __future__ import annotations
 
-import importlib
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from . import BENCH, benchmark_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("request_rows_overhead")
-    finally:
-        sys.path.remove(str(BENCH))
+    with benchmark_module("request_rows_overhead") as m:
+        yield m
 
 
 def test_arguments(bench):

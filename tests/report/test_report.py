@@ -7,10 +7,8 @@ tests/demo/test_demo.py, where the demo already runs.
 
 from __future__ import annotations
 
-import importlib
 import io
 import os
-import sys
 from pathlib import Path
 
 import h5py
@@ -30,10 +28,10 @@ from moetrace.routes import save_routes
 
 from ..adapters.hf_models import FAMILIES, VOCAB
 from ..analysis.helpers import write_stat_trace
+from ..benchmarks import benchmark_module
 from .browser import check_page, choose_request, open_report, pixel_stats
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _hf_run(tmp_path: Path) -> tuple[Path, Path]:
@@ -101,11 +99,8 @@ def test_sections_only_where_the_trace_holds_the_data(tmp_path):
 
 @pytest.fixture(scope="module")
 def token_traces():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("analysis_throughput").make_token_trace
-    finally:
-        sys.path.remove(str(BENCH))
+    with benchmark_module("analysis_throughput") as m:
+        yield m.make_token_trace
 
 
 def test_report_size_does_not_grow_with_the_trace(tmp_path, token_traces):
