@@ -424,7 +424,12 @@ class TokenStream:
     """``per_token`` mode: every token's ``[L, k]`` ids, staged per pass then per chunk.
 
     ``pass_stage [L, max_tokens, k]`` (layer-major, so each layer writes one
-    contiguous block) collects one pass layer by layer; at pass end its first
+    contiguous block) collects one pass layer by layer. A layer may be given in
+    several calls (the micro-batches of SGLang's two-batch overlap): each call's
+    rows follow the layer's earlier ones, so a token's position in the pass is
+    its row in call order (``layer_rows [L]``, host ints, says how many rows each
+    layer holds; it starts over at every pass and at every graph capture, whose
+    offsets a replay repeats). At pass end its first
     ``rows`` rows move into ``chunk [chunk_tokens, L, k]`` and are set back to
     -1, so a layer (or a replayed CUDA graph) that writes fewer rows leaves -1
     there. ``rows`` is a host bound on what the pass wrote (the recorder passes
@@ -469,23 +474,42 @@ class TokenStream:
         self.request = np.full(config.stream_chunk_tokens, -1, dtype=np.int32)
         self.request_position = np.full(config.stream_chunk_tokens, -1, dtype=np.int32)
         self.request_table: dict[str, int] = {}  # request id -> index, this hand-off's requests
+        self.max_rows = config.max_tokens_per_pass
+        self.layer_rows = [0] * config.num_layers  # rows each layer has staged in this pass (or graph capture)
+        self._no_rows = [0] * config.num_layers
         self.filled = 0
         self.passes = 0  # passes (with or without tokens) since the last hand-off
         self.first_pass = self.last_pass = -1
         self.submit = submit
 
-    def add_layer(self, layer: int, index: torch.Tensor) -> None:
-        """Stage one layer from the counter's column index ``[T*k]`` (``clamp(id + 2, 0, P + 2)``).
+    def check_room(self, layer: int, tokens: int) -> None:
+        """Refuse ``tokens`` more rows of ``layer`` when the pass would outgrow ``max_tokens_per_pass``."""
+        staged = self.layer_rows[layer]
+        if staged + tokens > self.max_rows:
+            before = f" after {staged} rows already given for layer {layer} in this pass (micro-batches)" if staged else ""
+            raise ValueError(f"pass of {staged + tokens} tokens{before} exceeds max_tokens_per_pass={self.max_rows}; raise it in RecorderConfig")
+
+    def add_layer(self, layer: int, index: torch.Tensor) -> int:
+        """Stage one layer's rows from the counter's column index ``[T*k]`` (``clamp(id + 2, 0, P + 2)``)
+        after the rows this layer already holds in the pass; returns the rows it holds now.
 
         Stored ids: the expert id, -1 for padding, -2 for an invalid id.
         """
-        tokens = index.shape[0] // self.pass_stage.shape[2]
-        torch.index_select(self.lut, 0, index, out=self.pass_stage[layer, :tokens].view(-1))
+        start = self.layer_rows[layer]
+        end = start + index.shape[0] // self.pass_stage.shape[2]
+        torch.index_select(self.lut, 0, index, out=self.pass_stage[layer, start:end].view(-1))
+        self.layer_rows[layer] = end
+        return end
+
+    def restart_rows(self) -> None:
+        """A pass or a graph capture begins: each layer's rows start again at row 0."""
+        self.layer_rows[:] = self._no_rows
 
     def end_pass(self, pass_id: int, current: torch.Tensor, rows: int, phase: int, requests: int, batch: PassBatch | None = None) -> None:
         """Move the pass's first ``rows`` staged rows into the chunk; ``current [L, C]`` are its counter
         rows, ``phase`` its pass phase, ``requests`` its request count (-1: unknown) and ``batch``
         the engine's batch of the pass (``None``: rows of no known request)."""
+        self.restart_rows()
         if self.filled + rows > len(self.pass_id):
             self.flush()
         self.totals.add(current, phase)
@@ -579,10 +603,12 @@ class TokenStream:
 
     def discard_pass(self, rows: int) -> None:
         """Forget the current pass: set its first ``rows`` staged rows back to -1."""
+        self.restart_rows()
         self.pass_stage[:, :rows].fill_(-1)
 
     def reset(self) -> None:
         self.pass_stage.fill_(-1)  # also what graph replays wrote while nothing was recorded
+        self.restart_rows()
         self.filled = 0
         self.passes = 0
         self.phase_passes[:] = self.phase_requests[:] = 0

@@ -157,6 +157,7 @@ class ExpertDistributionRecorder:
         self._pass_rows = 0  # per_token: most rows a hook wrote in this pass (host bound, not a token count)
         self._batch: PassBatch | None = None  # the engine's batch of the pass being run (host arrays), if it gave one
         self._captured_rows = 0  # per_token: most rows a hook wrote while being captured into a CUDA graph
+        self._capture_open = False  # a hook ran under graph capture since the last hook that did not (or pass start)
         self._next_pass_id = 0
         self._pass_phase = UNKNOWN  # the pass phase set_pass_phase named for the pass in progress (or the next one)
         self._pass_requests = -1
@@ -232,6 +233,9 @@ class ExpertDistributionRecorder:
         self._in_pass = True
         self._pass_active = self._recording
         self._pass_rows = 0
+        self._capture_open = False
+        if self._token_stream is not None:
+            self._token_stream.restart_rows()  # also a graph captured inside this pass starts at row 0
         ok = False
         try:
             if self._clock is not None and (self._pass_active or is_capturing(self._device)):
@@ -337,7 +341,12 @@ class ExpertDistributionRecorder:
         # Being captured into a CUDA graph (engines capture at start-up, before any start_record):
         # queue the gated counting ops whether recording or not; the gate decides at each replay.
         if not is_capturing(self._device):
+            self._capture_open = False
             return False
+        if not self._capture_open:  # the first hook of a capture (engines warm up each graph eagerly before capturing it)
+            self._capture_open = True
+            if self._token_stream is not None:
+                self._token_stream.restart_rows()
         if self._clock is not None:
             self._begin_timing()  # raises: timed events cannot be captured
         return True
@@ -380,16 +389,15 @@ class ExpertDistributionRecorder:
         ids = self._check_tensor("topk_ids", topk_ids, 2)
         if ids.shape[1] != self.config.top_k:
             raise ValueError(f"topk_ids has {ids.shape[1]} columns but the recorder was configured with top_k={self.config.top_k}")
-        tokens = ids.shape[0]
-        if self._token_stream is not None and tokens > self.config.max_tokens_per_pass:
-            raise ValueError(f"pass of {tokens} tokens exceeds max_tokens_per_pass={self.config.max_tokens_per_pass}; raise it in RecorderConfig")
+        if self._token_stream is not None:
+            self._token_stream.check_room(layer, ids.shape[0])
         index = self._counter.add_select(layer, ids)
         if self._token_stream is not None:
-            self._token_stream.add_layer(layer, index)
-            if tokens > self._pass_rows:
-                self._pass_rows = tokens
-            if tokens > self._captured_rows and is_capturing(self._device):
-                self._captured_rows = tokens  # a replay of this graph writes this many rows, no hook telling
+            rows = self._token_stream.add_layer(layer, index)
+            if rows > self._pass_rows:
+                self._pass_rows = rows
+            if rows > self._captured_rows and is_capturing(self._device):
+                self._captured_rows = rows  # a replay of this graph writes this many rows, no hook telling
 
     def on_dispatch(
         self,
