@@ -19,8 +19,9 @@ the longest forward pass while the dump ran (its 99th percentile and the passes 
 the longest time the dump's threads held the recorder lock that every pass end takes (the
 bound on what a pass end can wait for the dump itself), the forward thread's longest wait for
 a free host buffer (the segment writer behind), the dump's wall time and its time per dumped
-pass, the segments it joined and its seconds in each step (validate, copy, seal, fsync:
-:class:`DumpBreakdown`), the 1-minute load average; beside them ``numpy.save`` of the same
+pass, the segments it joined and its seconds in each step (validate, copy, seal, fsync, seen on
+this process's threads, and the whole join, which since issue 37's child-process join runs in
+a child for segments of this size: :class:`DumpBreakdown`), the 1-minute load average; beside them ``numpy.save`` of the same
 rows (per pass and per token), measured in the same process. The API used (``dump_record(path)`` from a thread) is
 the same in every moetrace version, so ``PYTHONPATH=<older checkout>`` measures the code
 before a change with this very script (``--label before``).
@@ -47,6 +48,7 @@ from harness import write_results
 
 import moetrace
 from moetrace import ExpertDistributionRecorder, RecorderConfig
+from moetrace import dump as dump_module
 from moetrace.trace import integrity, join, open_trace
 from moetrace.trace.stream import HostBufferPool
 from moetrace.trace.writer import TraceWriter
@@ -111,9 +113,11 @@ class DumpBreakdown:
     THREADS = ("bench-dump", "moetrace-dump")  # the caller's thread (it did every step before issue 37) and the background one
 
     def __init__(self) -> None:
-        self.seconds = {"validate": 0.0, "copy": 0.0, "seal": 0.0, "fsync": 0.0}
+        self.seconds = {"validate": 0.0, "copy": 0.0, "seal": 0.0, "fsync": 0.0, "join": 0.0}
         self.calls = {name: 0 for name in self.seconds}
-        self._patches = [(join, "open_trace", "validate"), (TraceWriter, "append_from", "copy"), (integrity, "seal", "seal"), (os, "fsync", "fsync")]
+        self.segments = 0  # segments handed to join_segments (in a child, its steps are not seen here)
+        self._patches = [(join, "open_trace", "validate"), (TraceWriter, "append_from", "copy"), (integrity, "seal", "seal"), (os, "fsync", "fsync"),
+                         (dump_module, "join_segments", "join")]
         self.buffer_wait = 0.0  # the longest wait of the forward (main) thread for a free host buffer (writer behind)
         self._saved: list[tuple[object, str, object]] = []
 
@@ -122,6 +126,8 @@ class DumpBreakdown:
             if threading.current_thread().name not in self.THREADS:
                 return original(*args, **kwargs)
             start = time.perf_counter()
+            if step == "join":
+                self.segments += len(args[0])  # type: ignore[arg-type]
             try:
                 return original(*args, **kwargs)
             finally:
@@ -194,7 +200,7 @@ def dump_under_load(rec: ExpertDistributionRecorder, ids: list[torch.Tensor], pa
         "dump_seconds": seconds, "dumped_passes": passes, "dumped_token_rows": rows, "file_mb": size / 1e6,
         "dump_ms_per_pass": 1e3 * seconds / max(passes, 1), "passes_during_dump": len(during),
         "longest_pass_ms": 1e3 * max(during), "p99_pass_ms": 1e3 * float(np.percentile(during, 99)),
-        "longest_lock_hold_ms": 1e3 * timed.longest, "segments_joined": breakdown.calls["validate"],
+        "longest_lock_hold_ms": 1e3 * timed.longest, "segments_joined": breakdown.segments or breakdown.calls["validate"],
         "passes_over_50ms": sum(t > 0.05 for t in during), "longest_buffer_wait_ms": 1e3 * breakdown.buffer_wait,
         **{f"dump_{step}_seconds": seconds for step, seconds in breakdown.seconds.items()},
     }
@@ -219,7 +225,7 @@ def case(tmp: Path, mode: str, passes: int, ids: list[torch.Tensor]) -> dict[str
               f"  longest during dump {figures['longest_pass_ms']:8.1f} ms (p99 {figures['p99_pass_ms']:6.1f})"
               f"  lock held {figures['longest_lock_hold_ms']:8.1f} ms  dump {figures['dump_seconds']:6.2f} s = {figures['dump_ms_per_pass']:.3f} ms/pass ({figures['dumped_passes']} passes,"
               f" {figures['segments_joined']} segments: validate {figures['dump_validate_seconds']:.2f} s, copy {figures['dump_copy_seconds']:.2f} s,"
-              f" seal {figures['dump_seal_seconds']:.2f} s, fsync {figures['dump_fsync_seconds']:.2f} s)  buffer wait {figures['longest_buffer_wait_ms']:.0f} ms  load {os.getloadavg()[0]:.2f}", flush=True)
+              f" seal {figures['dump_seal_seconds']:.2f} s, fsync {figures['dump_fsync_seconds']:.2f} s; join {figures['dump_join_seconds']:.2f} s)  buffer wait {figures['longest_buffer_wait_ms']:.0f} ms  load {os.getloadavg()[0]:.2f}", flush=True)
     rec.reset()
     return out
 

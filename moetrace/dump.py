@@ -9,7 +9,9 @@ its window ring (:meth:`TraceDump.stat_cut`). Everything slow happens
 afterwards, off the lock: the window ring's copy to the host a batch per lock
 hold and the gathers over ranks on the caller's thread (collective), then on the
 background :class:`DumpQueue` thread the joining of the closed segments up to
-the cut into one per-rank trace by copying their chunks (:meth:`TraceDump.stream`),
+the cut into one per-rank trace by copying their chunks (:meth:`TraceDump.stream`; the
+join runs in a child process, :mod:`moetrace.trace.join_process`, so its work never holds
+this interpreter's GIL: the dump thread waits for it and renames its file into place),
 or the ``stat`` file with a rank axis written by rank 0 (:meth:`TraceDump.stat`),
 checksums, fsync and rename. Every file is written through
 :class:`~moetrace.trace.writer.TraceWriter` (atomic: a failure leaves nothing
@@ -38,7 +40,7 @@ from .layout import RankLayout
 from .pass_phase import PASS_PHASES
 from .session import Cut, RecordingSession
 from .timing import HISTOGRAM_EDGES, PHASES
-from .trace.join import concat_segments
+from .trace.join_process import join_segments
 from .trace.schema import PHASE_COUNTS, STRING_DTYPE, Attr, Data, TraceHeader, dataset
 from .trace.stat import CounterLayout, write_stat
 from .trace.writer import TraceWriter
@@ -279,20 +281,24 @@ class TraceDump:
 
     def write_timing(self, writer: TraceWriter, parts: TimingParts | None) -> None:
         """Root ``timing_*`` attributes, ``/stat`` timing aggregates ``[R, ...]`` and (gathered window) ``/timing`` rows."""
+        attrs, datasets = self.timing_contents(parts)
+        for key, value in attrs.items():
+            writer.set_attr(key, value)
+        for name, array in datasets.items():
+            writer.write(name, array)
+
+    def timing_contents(self, parts: TimingParts | None) -> tuple[dict[str, object], dict[str, np.ndarray]]:
+        """What :meth:`write_timing` writes, as ``(root attributes, {dataset: array})`` (empty without timing)."""
         if parts is None:
-            return
-        writer.set_attr(Attr.TIMING_PHASES, json.dumps(list(PHASES)))
-        writer.set_attr(Attr.TIMING_CLOCK, self.clock_kind)
-        writer.set_attr(Attr.TIMING_HISTOGRAM_EDGES, HISTOGRAM_EDGES)
-        for name in parts[0][0]:
-            writer.write(dataset(Data.STAT, name), np.stack([np.asarray(stats[name]) for stats, _ in parts]))
-        if parts[0][1] is None:
-            return
-        rows = {name: np.concatenate([r[name] for _, r in parts]) for name in parts[0][1]}  # type: ignore[index]
-        rows["rank"] = np.concatenate([np.full(len(r["pass_id"]), i, dtype=np.int32) for i, (_, r) in enumerate(parts)])  # type: ignore[index]
-        order = np.lexsort((rows["rank"], rows["pass_id"]))
-        for name, array in rows.items():
-            writer.write(dataset(Data.TIMING, name), array[order])
+            return {}, {}
+        attrs = {Attr.TIMING_PHASES: json.dumps(list(PHASES)), Attr.TIMING_CLOCK: self.clock_kind, Attr.TIMING_HISTOGRAM_EDGES: HISTOGRAM_EDGES}
+        datasets = {dataset(Data.STAT, name): np.stack([np.asarray(stats[name]) for stats, _ in parts]) for name in parts[0][0]}
+        if parts[0][1] is not None:
+            rows = {name: np.concatenate([r[name] for _, r in parts]) for name in parts[0][1]}  # type: ignore[index]
+            rows["rank"] = np.concatenate([np.full(len(r["pass_id"]), i, dtype=np.int32) for i, (_, r) in enumerate(parts)])  # type: ignore[index]
+            order = np.lexsort((rows["rank"], rows["pass_id"]))
+            datasets.update({dataset(Data.TIMING, name): array[order] for name, array in rows.items()})
+        return attrs, datasets
 
     # ------------------------------------------------------------------ dumps
     def stat_cut(self, counter: PassCounter, window: StatWindow, num_passes: int, ring: torch.Tensor) -> StatCut:
@@ -349,8 +355,9 @@ class TraceDump:
         taken = session.take_segments(cut)
         if len(taken) == 1 and self.clock_kind is None and _rename(taken[0].path, target):
             written = target  # one closed segment is already a complete trace of these passes
-        elif taken:
-            written = concat_segments([info.path for info in taken], target, extra=lambda w: self.write_timing(w, timing), compression=self.compression)
+        elif taken:  # joined in a child process: this process's GIL stays with the forward thread
+            attrs, datasets = self.timing_contents(timing)
+            written = join_segments([info.path for info in taken], target, attrs=attrs, datasets=datasets, compression=self.compression)
         else:
             written = self._empty_stream(target, run_id, rank, world, timing)
         session.consumed(taken, written)  # the segments' rows are now in a complete trace

@@ -439,6 +439,10 @@ class TraceDamageError(TraceError):
         super().__init__(message)
         self.path = path
 
+    def __reduce__(self) -> tuple[type, tuple[object, str]]:
+        """Pickled with both arguments (a dump's join in a child process hands it to the recorder)."""
+        return type(self), (self.path, str(self))
+
 
 class TraceWriteError(OSError):
     """A trace could not be written; nothing that looks complete was left behind."""

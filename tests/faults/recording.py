@@ -67,21 +67,23 @@ def two_rank_worker(rank: int, world_size: int, output_dir: str, passes: int, ki
 
 
 def hold_background_dumps(marker: Path) -> None:
-    """Make every dump stop on its background thread just before its rename (the joined rows are
-    in its temporary): write ``marker`` then, and never go on (the parent kills the process)."""
+    """Make every dump stop on its background thread just before its rename (the child process
+    that joined the rows has written them to the temporary and exited): write ``marker`` then,
+    and never go on (the parent kills the process)."""
     import threading
 
-    from moetrace.trace.writer import TraceWriter
+    from moetrace.trace import join_process
 
-    commit = TraceWriter.commit
+    join_process.CHILD_MIN_BYTES = 0  # the tiny segments are joined in a child, as a DeepSeek-V3 dump's are
+    promote = join_process.promote
 
-    def held(writer: TraceWriter) -> Path:
+    def held(staging: Path, target: Path) -> Path:
         if threading.current_thread().name == "moetrace-dump":
             marker.write_text("joined\n")
             threading.Event().wait()
-        return commit(writer)
+        return promote(staging, target)
 
-    TraceWriter.commit = held  # type: ignore[method-assign]
+    join_process.promote = held  # type: ignore[assignment]
 
 
 def main() -> None:
