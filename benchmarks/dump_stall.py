@@ -15,7 +15,9 @@ passes by default), one process:
    passes go on, not recorded): **after stop**.
 
 Figures per case: a normal forward pass (median and max of the 300 passes before the dump),
-the longest forward pass while the dump ran (its 99th percentile and the passes over 50 ms),
+the longest forward pass while the dump ran (its 99th percentile and the passes over 50 ms)
+beside the same figures for as many passes run right after it without a dump (the control:
+what the recording's own hand-offs and segment rotations cost over that many passes),
 the longest time the dump's threads held the recorder lock that every pass end takes (the
 bound on what a pass end can wait for the dump itself), the forward thread's longest wait for
 a free host buffer (the segment writer behind), the dump's wall time and its time per dumped
@@ -219,10 +221,14 @@ def case(tmp: Path, mode: str, passes: int, ids: list[torch.Tensor]) -> dict[str
         if label == "after_stop":
             rec.stop_record()
         figures = dump_under_load(rec, ids, tmp / f"{mode}-{label}.h5")
-        figures.update({"normal_pass_ms": 1e3 * statistics.median(normal), "normal_max_pass_ms": 1e3 * max(normal), "load_average": os.getloadavg()[0]})
+        control = [forward(rec, ids) for _ in range(figures["passes_during_dump"])]  # as many passes again, no dump
+        figures.update({"normal_pass_ms": 1e3 * statistics.median(normal), "normal_max_pass_ms": 1e3 * max(normal), "load_average": os.getloadavg()[0],
+                        "control_longest_pass_ms": 1e3 * max(control), "control_p99_pass_ms": 1e3 * float(np.percentile(control, 99)),
+                        "control_passes_over_50ms": sum(t > 0.05 for t in control)})
         out[label] = figures
         print(f"{mode:<10}{passes:>7} {label:<16} normal {figures['normal_pass_ms']:6.1f} ms (max {figures['normal_max_pass_ms']:6.1f})"
-              f"  longest during dump {figures['longest_pass_ms']:8.1f} ms (p99 {figures['p99_pass_ms']:6.1f})"
+              f"  longest during dump {figures['longest_pass_ms']:8.1f} ms (p99 {figures['p99_pass_ms']:6.1f}; {figures['passes_over_50ms']} over 50 ms)"
+              f"  same passes without a dump {figures['control_longest_pass_ms']:8.1f} ms (p99 {figures['control_p99_pass_ms']:6.1f}; {figures['control_passes_over_50ms']} over 50 ms)"
               f"  lock held {figures['longest_lock_hold_ms']:8.1f} ms  dump {figures['dump_seconds']:6.2f} s = {figures['dump_ms_per_pass']:.3f} ms/pass ({figures['dumped_passes']} passes,"
               f" {figures['segments_joined']} segments: validate {figures['dump_validate_seconds']:.2f} s, copy {figures['dump_copy_seconds']:.2f} s,"
               f" seal {figures['dump_seal_seconds']:.2f} s, fsync {figures['dump_fsync_seconds']:.2f} s; join {figures['dump_join_seconds']:.2f} s)  buffer wait {figures['longest_buffer_wait_ms']:.0f} ms  load {os.getloadavg()[0]:.2f}", flush=True)

@@ -12,7 +12,8 @@ segments noted consumed in the journal, by the recording process alone.
 
 Crash safety: the child writes ``.<target>.tmp-<host>-<parent pid>-<hex>`` (a
 :func:`~moetrace.trace.files.temporary_path` named after the recording process), and the
-child dies with the thread that started it (``PR_SET_PDEATHSIG`` on Linux). A recording
+child dies with the thread that started it (``PR_SET_PDEATHSIG`` on Linux) and runs at a
+lower priority (``nice`` +10), so where cores are short the engine's threads go first. A recording
 process killed during a dump leaves its segments and journal as they were (``moetrace
 recover`` brings every pass back) and at most that temporary, which
 :func:`~moetrace.trace.files.sweep_dead_temporaries` removes once its process is gone.
@@ -57,6 +58,7 @@ _BOOTSTRAP = (
 )
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
 _PR_SET_PDEATHSIG = 1
+_NICE = 10  # the child's niceness increment: about a tenth of a core's share against the engine's threads
 
 
 def join_segments(
@@ -153,6 +155,8 @@ def main() -> None:
     os.dup2(2, 1)  # anything a library prints goes to stderr, never into the result
     job = pickle.load(sys.stdin.buffer)
     _die_with_parent(int(job["parent"]))
+    with contextlib.suppress(OSError):
+        os.nice(_NICE)  # a background job: where cores are short, the engine's threads (and its segment writer) go first
     try:
         result: dict[str, object] = {"path": str(_run(job))}
     except BaseException as exc:  # handed to the parent, which raises it
