@@ -602,7 +602,10 @@ class ExpertDistributionRecorder:
         that would overwrite a slot not copied yet copies it first); recording goes on into a
         new segment at once. Joining the segments (their chunks copied, not
         re-encoded), checksums, fsync and the rename happen on a background thread
-        (:class:`~moetrace.dump.DumpQueue`), so the forward thread never waits for them.
+        (:class:`~moetrace.dump.DumpQueue`), so the forward thread never waits for them; the
+        join of large segments runs in a child process
+        (:func:`~moetrace.trace.join_process.join_segments`), so it never holds this
+        interpreter's GIL either.
 
         ``wait=True`` (the default) returns once the file is in place and raises if the
         dump failed; ``wait=False`` returns the path at once (the file appears there,
