@@ -474,7 +474,6 @@ class TokenStream:
         self.request = np.full(config.stream_chunk_tokens, -1, dtype=np.int32)
         self.request_position = np.full(config.stream_chunk_tokens, -1, dtype=np.int32)
         self.request_table: dict[str, int] = {}  # request id -> index, this hand-off's requests
-        self.max_rows = config.max_tokens_per_pass
         self.layer_rows = [0] * config.num_layers  # rows each layer has staged in this pass (or graph capture)
         self._no_rows = [0] * config.num_layers
         self.filled = 0
@@ -484,10 +483,10 @@ class TokenStream:
 
     def check_room(self, layer: int, tokens: int) -> None:
         """Refuse ``tokens`` more rows of ``layer`` when the pass would outgrow ``max_tokens_per_pass``."""
-        staged = self.layer_rows[layer]
-        if staged + tokens > self.max_rows:
+        staged, room = self.layer_rows[layer], self.pass_stage.shape[1]
+        if staged + tokens > room:
             before = f" after {staged} rows already given for layer {layer} in this pass (micro-batches)" if staged else ""
-            raise ValueError(f"pass of {staged + tokens} tokens{before} exceeds max_tokens_per_pass={self.max_rows}; raise it in RecorderConfig")
+            raise ValueError(f"pass of {staged + tokens} tokens{before} exceeds max_tokens_per_pass={room}; raise it in RecorderConfig")
 
     def add_layer(self, layer: int, index: torch.Tensor) -> int:
         """Stage one layer's rows from the counter's column index ``[T*k]`` (``clamp(id + 2, 0, P + 2)``)
@@ -502,14 +501,14 @@ class TokenStream:
         return end
 
     def restart_rows(self) -> None:
-        """A pass or a graph capture begins: each layer's rows start again at row 0."""
+        """A pass or a graph capture begins: each layer's rows start again at row 0 (rows are staged
+        only inside one or the other, so their beginnings are the only places this is needed)."""
         self.layer_rows[:] = self._no_rows
 
     def end_pass(self, pass_id: int, current: torch.Tensor, rows: int, phase: int, requests: int, batch: PassBatch | None = None) -> None:
         """Move the pass's first ``rows`` staged rows into the chunk; ``current [L, C]`` are its counter
         rows, ``phase`` its pass phase, ``requests`` its request count (-1: unknown) and ``batch``
         the engine's batch of the pass (``None``: rows of no known request)."""
-        self.restart_rows()
         if self.filled + rows > len(self.pass_id):
             self.flush()
         self.totals.add(current, phase)
@@ -603,12 +602,10 @@ class TokenStream:
 
     def discard_pass(self, rows: int) -> None:
         """Forget the current pass: set its first ``rows`` staged rows back to -1."""
-        self.restart_rows()
         self.pass_stage[:, :rows].fill_(-1)
 
     def reset(self) -> None:
         self.pass_stage.fill_(-1)  # also what graph replays wrote while nothing was recorded
-        self.restart_rows()
         self.filled = 0
         self.passes = 0
         self.phase_passes[:] = self.phase_requests[:] = 0

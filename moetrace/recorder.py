@@ -157,7 +157,7 @@ class ExpertDistributionRecorder:
         self._pass_rows = 0  # per_token: most rows a hook wrote in this pass (host bound, not a token count)
         self._batch: PassBatch | None = None  # the engine's batch of the pass being run (host arrays), if it gave one
         self._captured_rows = 0  # per_token: most rows a hook wrote while being captured into a CUDA graph
-        self._capture_open = False  # a hook ran under graph capture since the last hook that did not (or pass start)
+        self._capture_open = False  # a hook ran under graph capture since the last hook that did not
         self._next_pass_id = 0
         self._pass_phase = UNKNOWN  # the pass phase set_pass_phase named for the pass in progress (or the next one)
         self._pass_requests = -1
@@ -233,7 +233,6 @@ class ExpertDistributionRecorder:
         self._in_pass = True
         self._pass_active = self._recording
         self._pass_rows = 0
-        self._capture_open = False
         if self._token_stream is not None:
             self._token_stream.restart_rows()  # also a graph captured inside this pass starts at row 0
         ok = False

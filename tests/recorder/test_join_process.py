@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.trace import TraceWriteError, join_process, open_trace
+from moetrace.trace.files import process_alive
 from moetrace.trace.join import concat_segments
 from moetrace.trace.schema import TraceDamageError
 
@@ -134,14 +136,15 @@ def test_the_child_imports_no_torch():
     assert done.stdout.strip() == "False"
 
 
-def test_the_child_dies_with_the_recording_process(tmp_path):
-    """A parent that starts a child set up as the join's child is (``_die_with_parent``), then is SIGKILLed:
-    the child is killed with it, so no join outlives a dead engine."""
+def orphan(tmp_path: Path, die_with_parent: bool) -> int:
+    """Start a parent that starts a child as the join's is started (the bootstrap; with
+    ``die_with_parent``, ``_die_with_parent`` as ``main`` calls it), SIGKILL the parent once the
+    child runs; the child's pid."""
     pid_file = tmp_path / "child.pid"
+    setup = "from moetrace.trace.join_process import _die_with_parent; _die_with_parent({parent}); " if die_with_parent else ""
     child_source = join_process._BOOTSTRAP.replace(
         "from moetrace.trace.join_process import main; main()",
-        f"import os, time; from moetrace.trace.join_process import _die_with_parent; _die_with_parent({{parent}}); "
-        f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep({WAIT_S})",
+        f"import os, time; {setup}open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep({WAIT_S})",
     )
     parent_source = (
         "import os, subprocess, sys, time; "
@@ -154,39 +157,25 @@ def test_the_child_dies_with_the_recording_process(tmp_path):
         while not pid_file.exists() or not pid_file.read_text():
             assert parent.poll() is None and time.monotonic() < deadline, "the child never started"
             time.sleep(0.05)
-        child = int(pid_file.read_text())
+        return int(pid_file.read_text())
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
+
+
+def test_the_child_dies_with_the_recording_process(tmp_path):
+    """The join's child is killed with its SIGKILLed parent, so no join outlives a dead engine."""
+    child = orphan(tmp_path, die_with_parent=True)
     deadline = time.monotonic() + WAIT_S
-    while _alive(child):
+    while process_alive(child, socket.gethostname()):
         assert time.monotonic() < deadline, "the child outlived its killed parent"
         time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_negative_control_a_child_without_the_death_signal_outlives_its_parent(tmp_path):
-    """The check above can fail: a child that skips ``_die_with_parent`` is still alive after its parent is killed."""
-    pid_file = tmp_path / "child.pid"
-    child_source = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(30)"
-    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child_source!r}]); time.sleep({WAIT_S})"])
+    """The check above can fail: the same child without ``_die_with_parent`` is still alive after its parent is killed."""
+    child = orphan(tmp_path, die_with_parent=False)
     try:
-        deadline = time.monotonic() + WAIT_S
-        while not pid_file.exists() or not pid_file.read_text():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        child = int(pid_file.read_text())
-    finally:
-        parent.send_signal(signal.SIGKILL)
-        parent.wait()
-    try:
-        assert _alive(child)
+        assert process_alive(child, socket.gethostname())
     finally:
         os.kill(child, signal.SIGKILL)
