@@ -24,7 +24,10 @@ a free host buffer (the segment writer behind), the dump's wall time and its tim
 pass, the segments it joined and its seconds in each step (validate, copy, seal, fsync, seen on
 this process's threads, and the whole join, which since issue 37's child-process join runs in
 a child for segments of this size: :class:`DumpBreakdown`), the 1-minute load average; beside them ``numpy.save`` of the same
-rows (per pass and per token), measured in the same process. The API used (``dump_record(path)`` from a thread) is
+rows (per pass and per token), measured in the same process. ``--writers child in-process``
+measures each case twice in one run: as shipped (a dump's file written in a child process once it
+is 8 MiB or more: :mod:`moetrace.trace.offload`) and with every file written on the dump thread of
+this process, as before that child (``CHILD_MIN_BYTES`` out of reach). The API used (``dump_record(path)`` from a thread) is
 the same in every moetrace version, so ``PYTHONPATH=<older checkout>`` measures the code
 before a change with this very script (``--label before``).
 """
@@ -51,11 +54,13 @@ from harness import write_results
 import moetrace
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace import dump as dump_module
-from moetrace.trace import integrity, join, open_trace
+from moetrace.trace import integrity, join, offload, open_trace
 from moetrace.trace.stream import HostBufferPool
 from moetrace.trace.writer import TraceWriter
 
 LAYERS, SLOTS, TOP_K, TOKENS = 58, 288, 8, 256
+#: ``--writers``: the smallest dump file sent to a child process (``offload.CHILD_MIN_BYTES``).
+WRITERS = {"child": offload.CHILD_MIN_BYTES, "in-process": 1 << 62}
 NORMAL = 300  # passes before each dump that give "a normal forward pass"
 
 
@@ -257,6 +262,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="300 and 1,000 passes")
     parser.add_argument("--passes", type=int, nargs="*", help="sizes (default 3000 10000)")
     parser.add_argument("--modes", nargs="*", default=["stat", "per_pass", "per_token"])
+    parser.add_argument("--writers", nargs="*", default=["child"], choices=list(WRITERS),
+                        help="where a dump's file is written: child (as shipped), in-process (on the dump thread, as before the child)")
     parser.add_argument("--label", default="now", help="results go to benchmarks/results/dump_stall[-LABEL].json ('now': dump_stall.json)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -268,7 +275,10 @@ def main() -> None:
         tmp = Path(name)
         for passes in sizes:
             for mode in args.modes:
-                results["cases"][f"{mode}/{passes}"] = case(tmp, mode, passes, ids)  # type: ignore[index]
+                for writer in args.writers:
+                    offload.CHILD_MIN_BYTES = WRITERS[writer]
+                    print(f"-- {writer}", flush=True)
+                    results["cases"][f"{mode}/{passes}" + ("" if writer == "child" else f"/{writer}")] = case(tmp, mode, passes, ids)  # type: ignore[index]
             results[f"numpy_save/{passes}"] = base = numpy_baseline(tmp, passes)
             print(f"numpy.save {passes} passes: per_pass counts {base['per_pass_ms_per_pass']:.3f} ms/pass, "
                   f"per_token ids {base['per_token_ms_per_pass']:.3f} ms/pass = {base['per_token_us_per_token']:.3f} us/token", flush=True)

@@ -10,7 +10,7 @@ afterwards, off the lock: the window ring's copy to the host a batch per lock
 hold and the gathers over ranks on the caller's thread (collective), then on the
 background :class:`DumpQueue` thread the joining of the closed segments up to
 the cut into one per-rank trace by copying their chunks (:meth:`TraceDump.stream`; the
-join runs in a child process, :mod:`moetrace.trace.join_process`, so its work never holds
+join runs in a child process, :mod:`moetrace.trace.offload`, so its work never holds
 this interpreter's GIL: the dump thread waits for it and renames its file into place),
 or the ``stat`` file with a rank axis written by rank 0 (:meth:`TraceDump.stat`),
 checksums, fsync and rename. Every file is written through
@@ -40,12 +40,12 @@ from .layout import RankLayout
 from .pass_phase import PASS_PHASES
 from .session import Cut, RecordingSession
 from .timing import HISTOGRAM_EDGES, PHASES
-from .trace.join_process import join_segments
+from .trace.offload import join_segments, write_stat_trace
 from .trace.schema import PHASE_COUNTS, STRING_DTYPE, Attr, Data, TraceHeader, dataset
-from .trace.stat import CounterLayout, write_stat
+from .trace.stat import CounterLayout, StatRows, write_stat, write_stat_window
 from .trace.writer import TraceWriter
 
-__all__ = ["DumpQueue", "PendingDump", "StatCut", "StatRows", "TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "rank_world", "stat_gathers", "streamed_schema"]
+__all__ = ["DumpQueue", "PendingDump", "StatCut", "TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "rank_world", "stat_gathers", "streamed_schema"]
 
 #: Per rank, in rank order: timing aggregates ``{field: array}`` and (``stat`` dumps) the window's ``/timing`` rows.
 TimingParts = list[tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]]
@@ -117,19 +117,6 @@ class StatCut:
     phase_host: np.ndarray  # [2, Q] passes, requests of each pass phase
     window_phase: np.ndarray  # [W] pass phase of each window slot
     window_requests: np.ndarray  # [W]
-
-
-@dataclasses.dataclass(frozen=True)
-class StatRows:
-    """A ``stat`` dump's gathered host arrays (see :meth:`TraceDump.write_stat_file`) and every rank row's layout."""
-
-    rows: np.ndarray
-    passes: np.ndarray
-    meta: np.ndarray
-    counts: list[np.ndarray]
-    layouts: tuple[RankLayout, ...]
-    phase_rows: np.ndarray | None = None  # [R, Q, L, C]
-    phase_counts: np.ndarray | None = None  # [R, 3, Q]
 
 
 class PendingDump:
@@ -263,21 +250,9 @@ class TraceDump:
         """Write ``/stat`` from counter rows ``[R, L, C]`` (and, split by pass phase, ``[R, Q, L, C]`` with ``[R, 3, Q]`` counts)."""
         write_stat(writer, self.layout, self.config.physical_to_logical, rows, num_passes, num_tokens, phase_rows, phase_counts)  # type: ignore[arg-type]
 
-    def write_stat_file(self, writer: TraceWriter, rows: np.ndarray, passes: np.ndarray, meta: np.ndarray, counts: list[np.ndarray],
-                        phase_rows: np.ndarray | None = None, phase_counts: np.ndarray | None = None) -> None:
-        """``/stat`` and ``/window`` of a stat dump or checkpoint from host arrays: counter rows
-        ``[R, L, C]``, ``(passes, tokens) [R, 2]``, window ``(pass_id, timestamp, tokens, pass phase,
-        requests) [R, W, 5]`` (pass id -1 = empty slot) and window counts as consecutive pieces
-        ``[R, w_i, L, P]`` along the window axis, oldest first (their lengths add up to at least the
-        filled slots); the totals split by pass phase ``[R, Q, L, C]`` and their ``[R, 3, Q]`` counts."""
-        filled = int((meta[:, :, 0] >= 0).sum(axis=1).max()) if meta.size else 0
-        self.write_totals(writer, rows, passes[:, 0], passes[:, 1], phase_rows, phase_counts)
-        writer.write(Data.WINDOW_PASS_ID, meta[:, :filled, 0].astype(np.int64))
-        writer.write(Data.WINDOW_TIMESTAMP, meta[:, :filled, 1])
-        writer.write(Data.WINDOW_NUM_TOKENS, meta[:, :filled, 2].astype(np.int64))
-        writer.write(Data.WINDOW_PASS_PHASE, np.maximum(meta[:, :filled, 3], 0).astype(np.int8))
-        writer.write(Data.WINDOW_NUM_REQUESTS, meta[:, :filled, 4].astype(np.int32))
-        writer.write_pieces(Data.WINDOW_PHYSICAL_COUNT, counts, axis=1, length=filled, compress=True)
+    def write_stat_file(self, writer: TraceWriter, stat: StatRows) -> None:
+        """``/stat`` and ``/window`` of a ``stat`` checkpoint (:func:`~moetrace.trace.stat.write_stat_window` with this recorder's layout)."""
+        write_stat_window(writer, self.layout, self.config.physical_to_logical, stat)  # type: ignore[arg-type]
 
     def write_timing(self, writer: TraceWriter, parts: TimingParts | None) -> None:
         """Root ``timing_*`` attributes, ``/stat`` timing aggregates ``[R, ...]`` and (gathered window) ``/timing`` rows."""
@@ -343,10 +318,8 @@ class TraceDump:
         """Write a ``stat`` dump of ``rows`` (``peers`` ranks' rows: one file with a rank axis when > 1,
         written by rank 0) to ``target`` (any thread)."""
         header = self.header(run_id, rank=-1 if peers > 1 else rank, world_size=world, layouts=rows.layouts)
-        with TraceWriter(target, header, compression=self.compression) as writer:
-            self.write_stat_file(writer, rows.rows, rows.passes, rows.meta, rows.counts, rows.phase_rows, rows.phase_counts)
-            self.write_timing(writer, timing)
-            return writer.commit()
+        attrs, datasets = self.timing_contents(timing)  # written in a child process: this process's GIL stays with the forward thread
+        return write_stat_trace(target, header, self.layout, rows, attrs=attrs, datasets=datasets, compression=self.compression)
 
     def stream(self, target: Path, run_id: str, rank: int, world: int, session: RecordingSession, cut: Cut, timing: TimingParts | None) -> Path:
         """Join the closed segments up to ``cut`` (and those of an earlier dump that failed) into

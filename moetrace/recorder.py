@@ -94,6 +94,11 @@ _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
 _UNTIMED = contextlib.nullcontext()
 #: What a ``stat`` dump copies of the window per recorder lock hold (the most a pass end waits for it).
 _WINDOW_BATCH_BYTES = 4 << 20
+#: The pause after each batch, outside the lock. Python's locks are not fair: without it the dump
+#: thread takes the lock back before a waiting pass end wakes, and at DeepSeek-V3 size the first
+#: pass after a cut waited 50-70 ms for the whole 67 MB window (``docs/benchmarks.md``). About
+#: 17 ms per dump at that size.
+_WINDOW_BATCH_PAUSE_S = 1e-3
 
 
 class RecorderStateError(RuntimeError):
@@ -603,7 +608,7 @@ class ExpertDistributionRecorder:
         re-encoded), checksums, fsync and the rename happen on a background thread
         (:class:`~moetrace.dump.DumpQueue`), so the forward thread never waits for them; the
         join of large segments runs in a child process
-        (:func:`~moetrace.trace.join_process.join_segments`), so it never holds this
+        (:func:`~moetrace.trace.offload.join_segments`), so it never holds this
         interpreter's GIL either.
 
         ``wait=True`` (the default) returns once the file is in place and raises if the
@@ -676,15 +681,16 @@ class ExpertDistributionRecorder:
 
     def _copy_window(self, window: StatWindow, cut: WindowCut) -> np.ndarray:
         """A ``stat`` cut's window ring ``[W, L, P]`` on the host: copied :data:`_WINDOW_BATCH_BYTES` at
-        a time, each batch under the lock a pass end takes (so a pass end waits for one batch at
-        most, never the whole window), oldest slots first (those the next passes overwrite; a pass
-        end copies a slot itself when it gets there first)."""
+        a time, each batch under the lock a pass end takes, then a pause that lets a waiting pass end
+        take it (so a pass end waits for about one batch, never the whole window), oldest slots first
+        (those the next passes overwrite; a pass end copies a slot itself when it gets there first)."""
         slot_bytes = max(1, cut.host[0].numel() * cut.host.element_size())
         step = max(1, _WINDOW_BATCH_BYTES // slot_bytes)
         try:
             for at in range(0, len(cut.order), step):
                 with self._lock:
                     window.copy_cut(cut, cut.order[at : at + step])
+                time.sleep(_WINDOW_BATCH_PAUSE_S)
         finally:
             with self._lock:
                 event = window.end_cut(cut)

@@ -34,15 +34,14 @@ from .trace.files import checkpoint_path, journal_path, sweep_dead_temporaries
 from .trace.journal import Journal
 from .trace.schema import TraceHeader, TraceWriteError
 from .trace.segments import CheckpointWriter, SegmentInfo, SegmentWriter
-from .trace.stat import CounterLayout
+from .trace.stat import CounterLayout, StatRows
 from .trace.stream import BackgroundTraceWriter, HostBufferPool, StreamJob
 from .trace.writer import TraceWriter, check_writable_dir
 
 __all__ = ["Cut", "RecordingSession", "Staged", "close_at_exit", "closed", "opened", "wanted"]
 
-#: ``fill(writer, rows [1, L, C], passes [1, 2], meta [1, W, 5], counts [[1, W, L, P]], phase_rows [1, Q, L, C],
-#: phase_counts [1, 3, Q])``: a checkpoint's ``/stat`` and ``/window``.
-FillStat = Callable[[TraceWriter, np.ndarray, np.ndarray, np.ndarray, list[np.ndarray], np.ndarray, np.ndarray], None]
+#: ``fill(writer, stat)``: a checkpoint's ``/stat`` and ``/window`` from its host arrays (one rank row).
+FillStat = Callable[[TraceWriter, StatRows], None]
 
 
 def wanted(config: RecorderConfig) -> bool:
@@ -185,7 +184,8 @@ class RecordingSession:
             full = np.concatenate([meta, host_tokens[order][:, None].astype(np.float64), window_phase], axis=1)
             phase_rows = phase_totals.numpy()[None].copy()
             phase_counts = np.stack([phase_host[0], host_tokens[slots + 1 :], phase_host[1]])[None]
-            return (lambda writer: fill(writer, rows, np.array([[passes, int(host_tokens[slots])]]), full[None], counts, phase_rows, phase_counts)), pass_id, passes
+            stat = StatRows(rows, np.array([[passes, int(host_tokens[slots])]]), full[None], counts, phase_rows=phase_rows, phase_counts=phase_counts)
+            return (lambda writer: fill(writer, stat)), pass_id, passes
 
         def done() -> None:
             phase_pool.release(phase_totals)

@@ -9,13 +9,16 @@ recorder but the rows themselves.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ..ids import to_logical
+from ..layout import RankLayout
 from .schema import PADDING_IDS, PHASE_COUNTS, Data
 from .writer import TraceWriter
 
-__all__ = ["CounterLayout", "write_stat"]
+__all__ = ["CounterLayout", "StatRows", "write_stat", "write_stat_window"]
 
 
 class CounterLayout:
@@ -78,3 +81,41 @@ def write_stat(
         writer.write(Data.STAT_PASS_PHASE_PHYSICAL_COUNT, np.ascontiguousarray(phase_rows[..., layout.experts]), compress=True)
         for i, name in enumerate(PHASE_COUNTS):
             writer.write(name, np.asarray(phase_counts[:, i], dtype=np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class StatRows:
+    """The host arrays of a ``stat`` dump or checkpoint (:func:`write_stat_window`) of ``R`` rank rows.
+
+    Attributes:
+        rows: counter rows ``[R, L, C]``.
+        passes: ``(passes, tokens) [R, 2]``.
+        meta: the window ``(pass_id, timestamp, tokens, pass phase, requests) [R, W, 5]`` (pass id -1: an empty slot).
+        counts: the window's counts as consecutive pieces ``[R, w_i, L, P]`` along the window axis,
+            oldest first (their lengths add up to at least the filled slots).
+        layouts: every rank row's layout (the header's; ``()`` where the header has its own).
+        phase_rows: the totals split by pass phase ``[R, Q, L, C]``, or ``None``.
+        phase_counts: their passes, tokens and requests ``[R, 3, Q]``, or ``None``.
+    """
+
+    rows: np.ndarray
+    passes: np.ndarray
+    meta: np.ndarray
+    counts: list[np.ndarray]
+    layouts: tuple[RankLayout, ...] = ()
+    phase_rows: np.ndarray | None = None
+    phase_counts: np.ndarray | None = None
+
+
+def write_stat_window(writer: TraceWriter, layout: CounterLayout, physical_to_logical: np.ndarray, stat: StatRows) -> None:
+    """Write ``/stat`` and ``/window`` of a ``stat`` dump or checkpoint from ``stat``'s host arrays
+    (the window cut to its filled slots)."""
+    meta = stat.meta
+    filled = int((meta[:, :, 0] >= 0).sum(axis=1).max()) if meta.size else 0
+    write_stat(writer, layout, physical_to_logical, stat.rows, stat.passes[:, 0], stat.passes[:, 1], stat.phase_rows, stat.phase_counts)
+    writer.write(Data.WINDOW_PASS_ID, meta[:, :filled, 0].astype(np.int64))
+    writer.write(Data.WINDOW_TIMESTAMP, meta[:, :filled, 1])
+    writer.write(Data.WINDOW_NUM_TOKENS, meta[:, :filled, 2].astype(np.int64))
+    writer.write(Data.WINDOW_PASS_PHASE, np.maximum(meta[:, :filled, 3], 0).astype(np.int8))
+    writer.write(Data.WINDOW_NUM_REQUESTS, meta[:, :filled, 4].astype(np.int32))
+    writer.write_pieces(Data.WINDOW_PHYSICAL_COUNT, stat.counts, axis=1, length=filled, compress=True)

@@ -72,10 +72,10 @@ def hold_background_dumps(marker: Path) -> None:
     and never go on (the parent kills the process)."""
     import threading
 
-    from moetrace.trace import join_process
+    from moetrace.trace import offload
 
-    join_process.CHILD_MIN_BYTES = 0  # the tiny segments are joined in a child, as a DeepSeek-V3 dump's are
-    promote = join_process.promote
+    offload.CHILD_MIN_BYTES = 0  # the tiny segments are joined in a child, as a DeepSeek-V3 dump's are
+    promote = offload.promote
 
     def held(staging: Path, target: Path) -> Path:
         if threading.current_thread().name == "moetrace-dump":
@@ -83,7 +83,7 @@ def hold_background_dumps(marker: Path) -> None:
             threading.Event().wait()
         return promote(staging, target)
 
-    join_process.promote = held  # type: ignore[assignment]
+    offload.promote = held  # type: ignore[assignment]
 
 
 def main() -> None:

@@ -12,8 +12,7 @@ import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.testing import assert_no_host_sync
-from moetrace.trace import join_process, open_trace
-from moetrace.trace.writer import TraceWriter
+from moetrace.trace import offload, open_trace
 
 LAYERS, EXPERTS, TOP_K, TOKENS = 3, 16, 2, 8
 WAIT_S = 60  # bound on every wait (never reached when the code is right)
@@ -79,11 +78,13 @@ def check_dump(path: Path, mode: str, passes: range) -> None:
             np.testing.assert_array_equal(pid, np.concatenate([np.full(int((f[:, 0, 0] >= 0).sum()), i) for i, f in zip(passes, fed, strict=True)]))
 
 
-@pytest.mark.parametrize(("mode", "child"), [("per_token", False), ("per_pass", False), ("stat", False), ("per_token", True), ("per_pass", True)])
+@pytest.mark.parametrize("child", [False, True])
+@pytest.mark.parametrize("mode", ["per_token", "per_pass", "stat"])
 def test_cut_while_recording_holds_what_came_before_and_the_next_dump_what_followed(tmp_path, mode, child, monkeypatch):
-    """``child``: the join runs in a child process, as a dump of DeepSeek-V3-size segments does."""
+    """``child``: the dump's file is written in a child process (a streaming dump's join, a ``stat``
+    dump's arrays), as a dump at DeepSeek-V3 size is."""
     if child:
-        monkeypatch.setattr(join_process, "CHILD_MIN_BYTES", 0)
+        monkeypatch.setattr(offload, "CHILD_MIN_BYTES", 0)
     rec = recorder(tmp_path, mode)
     rec.start_record()
     feed(rec, range(0, 37))
@@ -102,27 +103,20 @@ def test_cut_while_recording_holds_what_came_before_and_the_next_dump_what_follo
 
 class BlockedCommits:
     """Holds every dump's last step on the background dump thread until ``release`` (bounded): the
-    commit of a ``stat`` file, the rename of a streaming dump's join (done in a child process)."""
+    rename into place of its file (a streaming dump's join or a ``stat`` file, written here or
+    in a child process)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.started, self.release = threading.Event(), threading.Event()
-        commit, promote = TraceWriter.commit, join_process.promote
+        promote = offload.promote
 
-        def hold() -> None:
+        def blocked_rename(staging: Path, target: Path) -> Path:
             if threading.current_thread().name == "moetrace-dump":
                 self.started.set()
                 assert self.release.wait(WAIT_S), "the test never released the dump"
-
-        def blocked(writer: TraceWriter) -> Path:
-            hold()
-            return commit(writer)
-
-        def blocked_rename(staging: Path, target: Path) -> Path:
-            hold()
             return promote(staging, target)
 
-        monkeypatch.setattr(TraceWriter, "commit", blocked)
-        monkeypatch.setattr(join_process, "promote", blocked_rename)
+        monkeypatch.setattr(offload, "promote", blocked_rename)
 
 
 @pytest.mark.parametrize("mode", ["per_token", "per_pass", "stat"])
@@ -151,20 +145,20 @@ def test_a_failed_background_dump_loses_nothing_and_says_so(tmp_path, monkeypatc
     rec = recorder(tmp_path, "per_token", segment_bytes=1024)  # several segments: the dump joins them (a commit)
     rec.start_record()
     feed(rec, range(0, 25))
-    promote = join_process.promote
+    promote = offload.promote
 
     def failing(staging: Path, target: Path) -> Path:  # the join (in a child) succeeded; its rename fails
         staging.unlink()
         raise OSError("disk full (test)")
 
-    monkeypatch.setattr(join_process, "promote", failing)
+    monkeypatch.setattr(offload, "promote", failing)
     target = rec.dump_record(tmp_path / "lost.h5", wait=False)
     with pytest.raises(OSError, match="disk full"):
         rec.wait_dumps()
     assert not target.exists() and any("lost.h5 failed" in e for e in rec.status()["errors"])
     assert rec.undumped_passes == 25
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # neither the child's temporary nor the joined file is left
-    monkeypatch.setattr(join_process, "promote", promote)
+    monkeypatch.setattr(offload, "promote", promote)
     feed(rec, range(25, 40))
     rec.stop_record()
     check_dump(rec.dump_record(tmp_path / "retry.h5"), "per_token", range(0, 40))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
-from moetrace.trace import SCHEMA_VERSION, TraceError, TraceWriteError, join_process, open_trace
+from moetrace.trace import SCHEMA_VERSION, TraceError, TraceWriteError, offload, open_trace
 from moetrace.trace.writer import TraceWriter, write_json_atomic
 from tests.recorder.helpers import random_passes, replay
 
@@ -41,7 +41,7 @@ def test_failure_mid_dump_leaves_nothing_and_retry_succeeds(tmp_path, monkeypatc
             raise TraceWriteError(f"finishing trace {self.path} failed: {os.strerror(errno.ENOSPC)}")
         return original(self)
 
-    promote = join_process.promote
+    promote = offload.promote
 
     def disk_full_at_rename(staging, target):  # a streaming dump's join ran in a child: the full disk hits its last step here
         if target.name == "out.h5":
@@ -50,13 +50,13 @@ def test_failure_mid_dump_leaves_nothing_and_retry_succeeds(tmp_path, monkeypatc
         return promote(staging, target)
 
     monkeypatch.setattr(TraceWriter, "commit", disk_full)
-    monkeypatch.setattr(join_process, "promote", disk_full_at_rename)
+    monkeypatch.setattr(offload, "promote", disk_full_at_rename)
     with pytest.raises(TraceWriteError, match="No space left"):
         rec.dump_record(tmp_path / "out.h5")
     assert visible(tmp_path) == []
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".out.h5")]  # temp removed
     monkeypatch.setattr(TraceWriter, "commit", original)
-    monkeypatch.setattr(join_process, "promote", promote)
+    monkeypatch.setattr(offload, "promote", promote)
     path = rec.dump_record(tmp_path / "out.h5")
     with open_trace(path) as trace:
         np.testing.assert_array_equal(trace.physical_count(), before)
