@@ -4,7 +4,9 @@ Run: ``.venv/bin/python benchmarks/dump_stall.py [--quick] [--passes 3000 10000]
 
 The workload is DeepSeek-V3's decode shape: 58 MoE layers, 288 physical slots, top-8,
 256-token passes, recorded through the hooks on this machine's CPU (each pass is the 58
-``on_select_experts`` calls and the pass end), with 2 s segments (``segment_seconds=2``).
+``on_select_experts`` calls and the pass end), with 2 s segments (``segment_seconds=2``;
+``--segment-seconds 0``: no time rotations, and in ``stat`` mode no checkpoints, so that what is
+left is the dump's own cost).
 For every mode (``stat``, ``per_pass``, ``per_token``) and every size (3,000 and 10,000
 passes by default), one process:
 
@@ -213,10 +215,10 @@ def dump_under_load(rec: ExpertDistributionRecorder, ids: list[torch.Tensor], pa
     }
 
 
-def case(tmp: Path, mode: str, passes: int, ids: list[torch.Tensor]) -> dict[str, dict[str, float]]:
+def case(tmp: Path, mode: str, passes: int, ids: list[torch.Tensor], segment_seconds: float) -> dict[str, dict[str, float]]:
     rec = ExpertDistributionRecorder(RecorderConfig(
         num_layers=LAYERS, num_physical_experts=SLOTS, top_k=TOP_K, mode=mode, output_dir=tmp,
-        max_tokens_per_pass=TOKENS, segment_seconds=2.0,
+        max_tokens_per_pass=TOKENS, segment_seconds=segment_seconds,
     ))
     out: dict[str, dict[str, float]] = {}
     rec.start_record()
@@ -264,13 +266,14 @@ def main() -> None:
     parser.add_argument("--modes", nargs="*", default=["stat", "per_pass", "per_token"])
     parser.add_argument("--writers", nargs="*", default=["child"], choices=list(WRITERS),
                         help="where a dump's file is written: child (as shipped), in-process (on the dump thread, as before the child)")
+    parser.add_argument("--segment-seconds", type=float, default=2.0, help="RecorderConfig.segment_seconds (0: no time rotations, no stat checkpoints)")
     parser.add_argument("--label", default="now", help="results go to benchmarks/results/dump_stall[-LABEL].json ('now': dump_stall.json)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     sizes = args.passes or ([300, 1000] if args.quick else [3000, 10000])
     ids = routes()
     results: dict[str, object] = {"moetrace": str(Path(moetrace.__file__).parent), "load_average_before": os.getloadavg(), "workload": {
-        "layers": LAYERS, "slots": SLOTS, "top_k": TOP_K, "tokens_per_pass": TOKENS, "segment_seconds": 2.0}, "cases": {}}
+        "layers": LAYERS, "slots": SLOTS, "top_k": TOP_K, "tokens_per_pass": TOKENS, "segment_seconds": args.segment_seconds}, "cases": {}}
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         for passes in sizes:
@@ -278,7 +281,7 @@ def main() -> None:
                 for writer in args.writers:
                     offload.CHILD_MIN_BYTES = WRITERS[writer]
                     print(f"-- {writer}", flush=True)
-                    results["cases"][f"{mode}/{passes}" + ("" if writer == "child" else f"/{writer}")] = case(tmp, mode, passes, ids)  # type: ignore[index]
+                    results["cases"][f"{mode}/{passes}" + ("" if writer == "child" else f"/{writer}")] = case(tmp, mode, passes, ids, args.segment_seconds)  # type: ignore[index]
             results[f"numpy_save/{passes}"] = base = numpy_baseline(tmp, passes)
             print(f"numpy.save {passes} passes: per_pass counts {base['per_pass_ms_per_pass']:.3f} ms/pass, "
                   f"per_token ids {base['per_token_ms_per_pass']:.3f} ms/pass = {base['per_token_us_per_token']:.3f} us/token", flush=True)
