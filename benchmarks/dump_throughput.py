@@ -158,7 +158,7 @@ def stat_dump(tmp: Path, window: int, compression: str, rounds: int) -> dict[str
         with rec.with_forward_pass():
             for layer in range(layers):
                 rec.on_select_experts(ids, layer=layer)
-    array = rec._window.counts.numpy()
+    array = rec._sink.counts.numpy()
 
     def save(sync: bool) -> None:
         with open(tmp / "stat.npy", "wb") as fh:

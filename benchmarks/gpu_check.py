@@ -281,7 +281,7 @@ def sync_check(device: torch.device, out_dir: Path, mode: str, timing: bool = Fa
         if mode == "stat":
             _count_calls(rec._session, "_checkpoint", reached, "checkpoints")
         else:
-            _count_calls(rec._pass_stream or rec._token_stream, "flush", reached, "flushes")
+            _count_calls(rec._sink, "flush", reached, "flushes")
         if timing and mode != "stat":
             _count_calls(rec._timing_rows, "ordered", reached, "timing flushes")  # each hand-off of /timing rows reads them
 
@@ -302,7 +302,7 @@ def sync_check(device: torch.device, out_dir: Path, mode: str, timing: bool = Fa
                 time.sleep(PASS_GAP_S)  # a host sleep, not a sync: rotations fall due
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if mode == "stat" and rec._window is not None and rec._window.pushed <= len(rec._window.pass_id):
+        if mode == "stat" and rec._sink.pushed <= len(rec._sink.pass_id):
             raise AssertionError("the stat window never wrapped")
         missing = [name for name, n in reached.items() if n == 0]
         if missing:
@@ -370,7 +370,7 @@ def window_cut_check(device: torch.device, out_dir: Path, blind_pass_ends: bool 
 
         for i in range(before):
             one_pass(i)
-        win = rec._window
+        win = rec._sink
         assert win is not None
         if blind_pass_ends:
             win._cuts = _BlindCuts(win._cuts)

@@ -1,4 +1,10 @@
-"""Device-side buffers behind each recorder mode.
+"""Device-side buffers behind each recorder mode: the pass counter, and one sink per mode.
+
+:class:`PassCounter` counts every pass into per-layer counter rows. What a mode keeps of each
+pass besides is its :class:`ModeSink` (:func:`mode_sink`): ``stat``'s :class:`StatWindow`, a
+ring of the last passes; ``per_pass``'s :class:`PassStream` and ``per_token``'s
+:class:`TokenStream`, which stage rows and hand them to the segment writer through their shared
+base's ``flush``. The recorder calls the sink's one interface and never asks for its mode.
 
 All buffers are allocated once, at construction, and sized from the
 :class:`~moetrace.config.RecorderConfig`. Hook methods (``add_select``,
@@ -20,9 +26,10 @@ Pass phases (:mod:`moetrace.pass_phase`) are host state the adapter sets per pas
 end (host code that runs for every pass, a CUDA-graph replay included) the pass's rows are
 added into that phase's row of ``[Q, L, C]`` device totals. No hook reads the phase.
 
-Over 500 lines: the four mode buffers share the hand-off machinery (chunk totals by pass phase,
-the overflow policy, the host buffer pool) and each pass end touches several of them together;
-split apart they would import each other's private helpers.
+Over 500 lines: the counter and the three sinks share the hand-off machinery (chunk totals by
+pass phase, the overflow policy, the host buffer pool, the copy's CUDA event) and each pass end
+touches the counter and one sink together; split apart they would import each other's private
+helpers.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from .trace.stat import CounterLayout
 from .trace.stream import HostBufferPool, StreamJob
 from .trace.writer import chunk_rows, token_id_dtype
 
-__all__ = ["PassCounter", "PassStream", "StatWindow", "TokenStream", "WindowCut"]
+__all__ = ["ModeSink", "PassCounter", "PassStream", "StatWindow", "TokenStream", "WindowCut", "mode_sink"]
 
 Submit = Callable[[StreamJob], None]
 
@@ -231,6 +238,66 @@ class PassCounter:
         self.phase_host[:] = 0
 
 
+class ModeSink:
+    """What a recording keeps of each pass besides the counter's totals: one sink per mode
+    (``stat``: :class:`StatWindow`, ``per_pass``: :class:`PassStream`, ``per_token``:
+    :class:`TokenStream`, built by :func:`mode_sink`), behind this one interface, so that the
+    recorder's hooks and pass end never ask which mode they run in.
+
+    The defaults are those of a sink that keeps no token rows and hands nothing to a writer.
+    Every method runs on the forward thread with fixed-shape device ops only.
+    """
+
+    #: Whether the sink hands its rows to the segment writer (streaming modes) rather than keeping a window.
+    streamed = False
+    #: The dtype of stored token ids (``per_token``), else ``None``.
+    token_dtype: np.dtype | None = None
+
+    def restart_rows(self) -> None:
+        """A pass or a CUDA-graph capture begins (``per_token``: each layer's rows start at row 0)."""
+
+    def check_room(self, layer: int, tokens: int) -> None:
+        """Refuse ``tokens`` more rows of ``layer`` in this pass if they do not fit (before anything is counted)."""
+
+    def add_layer(self, layer: int, index: torch.Tensor) -> int:
+        """Keep one layer's rows from the counter's column index ``[T*k]``; the rows the layer now
+        holds in the pass (0: the sink keeps no rows)."""
+        return 0
+
+    def end_pass(self, counter: PassCounter, pass_id: int, timestamp: float, phase: int, requests: int, rows: int, batch: PassBatch | None) -> None:
+        """Keep the ended pass: its counter rows ``counter.current [L, C]`` and tokens, its id, time,
+        pass phase and request count (-1: unknown), ``rows`` (a host bound on the token rows its
+        hooks wrote) and the engine's ``batch`` (``None``: not given)."""
+        raise NotImplementedError
+
+    def discard_pass(self, rows: int) -> None:
+        """Forget the pass in progress, whose hooks wrote at most ``rows`` token rows."""
+
+    def at_boundary(self) -> bool:
+        """Whether what is staged ends on a chunk boundary of the segment (a time rotation waits for it)."""
+        return True
+
+    def flush(self, rotate: bool = False, wait: bool = False) -> None:
+        """Hand what is staged to the writer; ``rotate`` closes the segment after it (nothing here)."""
+
+    @property
+    def dropped_passes(self) -> int:
+        """Passes dropped whole since ``start_record`` because the writer was behind."""
+        return 0
+
+    def reset(self) -> None:
+        """Start empty (a new recording)."""
+        raise NotImplementedError
+
+
+def mode_sink(config: RecorderConfig, layout: CounterLayout, submit: Submit, settle: Callable[[], None]) -> ModeSink:
+    """The sink of ``config.mode``; ``submit`` hands a job to the segment writer, ``settle`` waits for the copies in flight."""
+    if config.mode == "stat":
+        return StatWindow(config, layout)
+    stream = PassStream if config.mode == "per_pass" else TokenStream
+    return stream(config, layout, submit, settle)
+
+
 class WindowCut:
     """A ``stat`` dump's copy of the window ring ``[W, L, P]`` as it was at the cut, taken without
     holding up the pass ends: copy on write into a host buffer.
@@ -265,8 +332,8 @@ class WindowCut:
             self.host[a:b].copy_(counts[a:b], non_blocking=True)
 
 
-class StatWindow:
-    """Ring of the last ``W`` passes' expert counts ``[W, L, P]`` (int32) and tokens ``[W]`` (int64,
+class StatWindow(ModeSink):
+    """``stat`` mode: a ring of the last ``W`` passes' expert counts ``[W, L, P]`` (int32) and tokens ``[W]`` (int64,
     on the device), plus host metadata (pass id, timestamp, pass phase, requests)."""
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout) -> None:
@@ -301,15 +368,15 @@ class StatWindow:
         self._cuts.remove(cut)
         return _event_after_copy(self.counts.device)
 
-    def push(self, current: torch.Tensor, pass_tokens: torch.Tensor, pass_id: int, timestamp: float, phase: int, requests: int) -> None:
-        """Store one pass's ``current[:, :P]`` and ``pass_tokens [1]`` in the oldest slot (copying it
-        first into a dump's cut that still needs it)."""
+    def end_pass(self, counter: PassCounter, pass_id: int, timestamp: float, phase: int, requests: int, rows: int, batch: PassBatch | None) -> None:
+        """Store the pass's expert counts ``counter.current[:, P columns]`` and tokens in the oldest
+        slot (copying it first into a dump's cut that still needs it)."""
         slot = self.pushed % len(self.pass_id)
         for cut in self._cuts:
             if cut.pending[slot]:
                 cut.take(self.counts, np.array([slot]))
-        self.counts[slot].copy_(current[:, self.experts])
-        self.tokens[slot : slot + 1].copy_(pass_tokens)
+        self.counts[slot].copy_(counter.current[:, self.experts])
+        self.tokens[slot : slot + 1].copy_(counter.pass_tokens)
         self.pass_id[slot], self.timestamp[slot] = pass_id, timestamp
         self.phase[slot], self.requests[slot] = phase, requests
         self.pushed += 1
@@ -327,31 +394,97 @@ class StatWindow:
         self.pushed = 0
 
 
-class PassStream:
+class _RowStream(ModeSink):
+    """The hand-off the streaming sinks share: their staged rows go to the segment writer in one
+    of two host buffers (an asynchronous copy, a CUDA event, a job), with the chunk's totals by
+    pass phase and the passes dropped since the last hand-off; ``on_overflow="drop"`` drops the
+    whole hand-off when the writer is behind. Subclasses say what is staged."""
+
+    streamed = True
+
+    def __init__(self, config: RecorderConfig, layout: CounterLayout, submit: Submit, settle: Callable[[], None], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.device = config.device
+        self.pool = HostBufferPool(shape, dtype, count=2, pin=config.device.type == "cuda")
+        self.totals = _ChunkTotals(config, layout)
+        self.overflow = _Overflow(config, settle)
+        self.submit = submit
+
+    @property
+    def dropped_passes(self) -> int:
+        return self.overflow.dropped_passes
+
+    def flush(self, rotate: bool = False, wait: bool = False) -> None:
+        """Hand the staged passes to the writer; ``rotate`` closes the segment after them; ``wait``
+        waits for a free buffer even with ``on_overflow="drop"``."""
+        passes = self._staged_passes()
+        if passes == 0:
+            _submit_empty(self.submit, self.overflow, rotate)
+            return
+        host = self.overflow.acquire(self.pool, wait)
+        if host is None:  # on_overflow="drop": the writer is behind, these whole passes are dropped
+            self.overflow.dropped(passes, *self._pass_span())
+            self.totals.reset()
+            self._forget()
+            _submit_empty(self.submit, None, rotate)
+            return
+        dropped = self.overflow.take_pending()
+        rows_of = self._copy_out(host)
+        totals, release_totals = self.totals.take()
+        event = _event_after_copy(self.device)
+        self._forget()
+
+        def done() -> None:
+            release_totals()
+            self.pool.release(host)
+
+        self.submit(StreamJob(event=event, build=lambda: rows_of(totals.numpy(), dropped), done=done, rotate=rotate))
+
+    def reset(self) -> None:
+        self._forget()
+        self.totals.reset()
+        self.overflow.reset()
+
+    def _staged_passes(self) -> int:
+        """Passes staged since the last hand-off."""
+        raise NotImplementedError
+
+    def _pass_span(self) -> tuple[int, int]:
+        """The first and last staged pass ids."""
+        raise NotImplementedError
+
+    def _copy_out(self, host: torch.Tensor) -> Callable[[np.ndarray, int], StreamRows]:
+        """Begin the staged rows' copy into ``host`` (asynchronous) and take copies of their host
+        metadata; returns what builds the hand-off's rows on the writer thread from the chunk's
+        totals by pass phase ``[Q, L, C]`` and the passes dropped before it."""
+        raise NotImplementedError
+
+    def _forget(self) -> None:
+        """Start the next hand-off empty."""
+        raise NotImplementedError
+
+
+class PassStream(_RowStream):
     """``per_pass`` mode: stage ``S`` passes' rows on the device, then hand them to the writer."""
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout, submit: Submit, settle: Callable[[], None]) -> None:
         s = config.stream_chunk_passes
         shape = (s, config.num_layers, layout.width)
+        super().__init__(config, layout, submit, settle, shape, torch.int32)
         self.layout = layout
-        self.device = config.device
         self.staging = torch.zeros(shape, dtype=torch.int32, device=config.device)
-        self.pool = HostBufferPool(shape, torch.int32, count=2, pin=config.device.type == "cuda")
-        self.totals = _ChunkTotals(config, layout)
-        self.overflow = _Overflow(config, settle)
         self.meta = np.zeros((s, 4), dtype=np.float64)  # pass_id, timestamp, pass phase, requests (tokens are in the rows)
         self.filled = 0
-        self.submit = submit
         # Hand-offs of a multiple of the counts' chunk rows keep segments on the chunk grid, so a dump
         # joins them by copying chunks (when the full hand-off is such a multiple itself).
         align = chunk_rows((config.num_layers, config.num_physical_experts), np.int32)
         self.align = align if s % align == 0 else 1
 
     def at_boundary(self) -> bool:
-        """Whether the staged passes end on a chunk boundary of the segment (a time rotation waits for it)."""
         return self.filled % self.align == 0
 
-    def push(self, current: torch.Tensor, pass_id: int, timestamp: float, phase: int, requests: int) -> None:
+    def end_pass(self, counter: PassCounter, pass_id: int, timestamp: float, phase: int, requests: int, rows: int, batch: PassBatch | None) -> None:
+        """Stage the pass's counter rows and metadata; a full staging buffer is handed over."""
+        current = counter.current
         self.staging[self.filled].copy_(current)
         self.totals.add(current, phase)
         self.meta[self.filled] = (pass_id, timestamp, phase, requests)
@@ -359,32 +492,22 @@ class PassStream:
         if self.filled == len(self.meta):
             self.flush()
 
-    def flush(self, rotate: bool = False, wait: bool = False) -> None:
-        """Hand the staged passes to the writer (asynchronous copy, event, job); ``rotate`` closes
-        the segment after them; ``wait`` waits for a free buffer even with ``on_overflow="drop"``."""
+    def _staged_passes(self) -> int:
+        return self.filled
+
+    def _pass_span(self) -> tuple[int, int]:
+        return int(self.meta[0, 0]), int(self.meta[self.filled - 1, 0])
+
+    def _copy_out(self, host: torch.Tensor) -> Callable[[np.ndarray, int], StreamRows]:
         n = self.filled
-        if n == 0:
-            _submit_empty(self.submit, self.overflow, rotate)
-            return
-        host = self.overflow.acquire(self.pool, wait)
-        if host is None:  # on_overflow="drop": the writer is behind, these whole passes are dropped
-            self.overflow.dropped(n, int(self.meta[0, 0]), int(self.meta[n - 1, 0]))
-            self.totals.reset()
-            self.filled = 0
-            _submit_empty(self.submit, None, rotate)
-            return
-        dropped = self.overflow.take_pending()
         host[:n].copy_(self.staging[:n], non_blocking=True)
-        totals, release_totals = self.totals.take()
-        event = _event_after_copy(self.device)
         meta = self.meta[:n].copy()
         layout = self.layout
 
-        def build() -> StreamRows:
+        def build(by_phase: np.ndarray, dropped: int) -> StreamRows:
             rows = host[:n].numpy()
             tokens = rows[:, :, layout.tokens].max(axis=1).astype(np.int64)
             phase, requests = meta[:, 2].astype(np.int8), meta[:, 3].astype(np.int64)
-            by_phase = totals.numpy()
             return StreamRows(
                 rows={
                     Data.PASSES_PASS_ID: meta[:, 0].astype(np.int64),
@@ -407,20 +530,13 @@ class PassStream:
                 dropped_passes=dropped,
             )
 
-        def done() -> None:
-            release_totals()
-            self.pool.release(host)
+        return build
 
-        self.submit(StreamJob(event=event, build=build, done=done, rotate=rotate))
+    def _forget(self) -> None:
         self.filled = 0
 
-    def reset(self) -> None:
-        self.filled = 0
-        self.totals.reset()
-        self.overflow.reset()
 
-
-class TokenStream:
+class TokenStream(_RowStream):
     """``per_token`` mode: every token's ``[L, k]`` ids, staged per pass then per chunk.
 
     ``pass_stage [L, max_tokens, k]`` (layer-major, so each layer writes one
@@ -449,10 +565,10 @@ class TokenStream:
     """
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout, submit: Submit, settle: Callable[[], None]) -> None:
-        self.np_dtype = token_id_dtype(config.num_physical_experts)
-        dtype = {np.int8: torch.int8, np.int16: torch.int16}.get(self.np_dtype.type, torch.int32)
+        self.token_dtype = token_id_dtype(config.num_physical_experts)
+        dtype = {np.int8: torch.int8, np.int16: torch.int16}.get(self.token_dtype.type, torch.int32)
         row = (config.num_layers, config.top_k)
-        self.device = config.device
+        super().__init__(config, layout, submit, settle, (config.stream_chunk_tokens, *row), dtype)
         p = config.num_physical_experts
         # Stored id of counter column c = clamp(id + 2, 0, P + 2): c - 2, except both invalid columns -> -2.
         self.lut = torch.arange(-2, p + 1, dtype=dtype, device=config.device)
@@ -463,9 +579,6 @@ class TokenStream:
         row_bytes = config.top_k * self.pass_stage.element_size()
         self.word = next((w for n, w in ((8, torch.int64), (4, torch.int32), (2, torch.int16)) if row_bytes % n == 0), dtype)
         self.chunk = torch.full((config.stream_chunk_tokens, *row), -1, dtype=dtype, device=config.device)
-        self.pool = HostBufferPool(tuple(self.chunk.shape), dtype, count=2, pin=config.device.type == "cuda")
-        self.totals = _ChunkTotals(config, layout)
-        self.overflow = _Overflow(config, settle)
         self.pass_id = np.zeros(config.stream_chunk_tokens, dtype=np.int64)
         self.position = np.zeros(config.stream_chunk_tokens, dtype=np.int32)
         self.pass_phase = np.zeros(config.stream_chunk_tokens, dtype=np.int8)
@@ -479,7 +592,6 @@ class TokenStream:
         self.filled = 0
         self.passes = 0  # passes (with or without tokens) since the last hand-off
         self.first_pass = self.last_pass = -1
-        self.submit = submit
 
     def check_room(self, layer: int, tokens: int) -> None:
         """Refuse ``tokens`` more rows of ``layer`` when the pass would outgrow ``max_tokens_per_pass``."""
@@ -505,13 +617,12 @@ class TokenStream:
         only inside one or the other, so their beginnings are the only places this is needed)."""
         self.layer_rows[:] = self._no_rows
 
-    def end_pass(self, pass_id: int, current: torch.Tensor, rows: int, phase: int, requests: int, batch: PassBatch | None = None) -> None:
-        """Move the pass's first ``rows`` staged rows into the chunk; ``current [L, C]`` are its counter
-        rows, ``phase`` its pass phase, ``requests`` its request count (-1: unknown) and ``batch``
-        the engine's batch of the pass (``None``: rows of no known request)."""
+    def end_pass(self, counter: PassCounter, pass_id: int, timestamp: float, phase: int, requests: int, rows: int, batch: PassBatch | None) -> None:
+        """Move the pass's first ``rows`` staged rows into the chunk (each row's request from
+        ``batch``; ``None``: rows of no known request)."""
         if self.filled + rows > len(self.pass_id):
             self.flush()
-        self.totals.add(current, phase)
+        self.totals.add(counter.current, phase)
         if self.passes == 0:
             self.first_pass = pass_id
         self.passes += 1
@@ -536,36 +647,23 @@ class TokenStream:
             self.request[span], self.request_position[span] = batch.row_requests(index, rows)
         self.filled += rows
 
-    def flush(self, rotate: bool = False, wait: bool = False) -> None:
-        """Hand the staged tokens to the writer; ``rotate`` closes the segment after them;
-        ``wait`` waits for a free buffer even with ``on_overflow="drop"``."""
+    def _staged_passes(self) -> int:
+        return self.passes
+
+    def _pass_span(self) -> tuple[int, int]:
+        return self.first_pass, self.last_pass
+
+    def _copy_out(self, host: torch.Tensor) -> Callable[[np.ndarray, int], StreamRows]:
         n, passes = self.filled, self.passes
-        if passes == 0:
-            _submit_empty(self.submit, self.overflow, rotate)
-            return
-        host = self.overflow.acquire(self.pool, wait)
-        if host is None:  # on_overflow="drop": the writer is behind, these whole passes are dropped
-            self.overflow.dropped(passes, self.first_pass, self.last_pass)
-            self.totals.reset()
-            self.filled = self.passes = 0
-            self.phase_passes[:] = self.phase_requests[:] = 0
-            self.request_table = {}
-            _submit_empty(self.submit, None, rotate)
-            return
-        dropped = self.overflow.take_pending()
         host[:n].copy_(self.chunk[:n], non_blocking=True)
-        totals, release_totals = self.totals.take()
-        event = _event_after_copy(self.device)
         pass_phase = self.pass_phase[:n].copy()
         phase_passes, phase_requests = self.phase_passes.copy(), self.phase_requests.copy()
-        self.phase_passes[:] = self.phase_requests[:] = 0
         pass_id, position = self.pass_id[:n].copy(), self.position[:n].copy()
         request, request_position = self.request[:n].copy(), self.request_position[:n].copy()
         request_ids = tuple(self.request_table)
-        self.request_table = {}
         first, last = self.first_pass, self.last_pass
 
-        def build() -> StreamRows:
+        def build(by_phase: np.ndarray, dropped: int) -> StreamRows:
             ids = host[:n].numpy()
             real = (ids != -1).reshape(n, ids[0].size if n else 1).any(axis=1)
             # Views of the host buffer when every row is a token: the writer is done with them before ``done`` releases it.
@@ -573,7 +671,6 @@ class TokenStream:
                     Data.TOKENS_PASS_PHASE: pass_phase, Data.TOKENS_REQUEST: request, Data.TOKENS_REQUEST_POSITION: request_position}
             if not real.all():
                 rows = {name: array[real] for name, array in rows.items()}
-            by_phase = totals.numpy()
             counts = np.stack([phase_passes, np.bincount(rows[Data.TOKENS_PASS_PHASE], minlength=len(PASS_PHASES)), phase_requests])
             return StreamRows(
                 rows=rows,
@@ -588,17 +685,12 @@ class TokenStream:
                 request_ids=request_ids,
             )
 
-        def done() -> None:
-            release_totals()
-            self.pool.release(host)
+        return build
 
-        self.submit(StreamJob(event=event, build=build, done=done, rotate=rotate))
-        self.filled = 0
-        self.passes = 0
-
-    def at_boundary(self) -> bool:
-        """Token rows (padding rows left out) never line up with passes: always."""
-        return True
+    def _forget(self) -> None:
+        self.filled = self.passes = 0
+        self.phase_passes[:] = self.phase_requests[:] = 0
+        self.request_table = {}
 
     def discard_pass(self, rows: int) -> None:
         """Forget the current pass: set its first ``rows`` staged rows back to -1."""
@@ -606,9 +698,4 @@ class TokenStream:
 
     def reset(self) -> None:
         self.pass_stage.fill_(-1)  # also what graph replays wrote while nothing was recorded
-        self.filled = 0
-        self.passes = 0
-        self.phase_passes[:] = self.phase_requests[:] = 0
-        self.request_table = {}
-        self.totals.reset()
-        self.overflow.reset()
+        super().reset()

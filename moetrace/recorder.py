@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import session as sessions
-from .accumulators import PassCounter, PassStream, StatWindow, TokenStream, WindowCut
+from .accumulators import PassCounter, StatWindow, WindowCut, mode_sink
 from .batch import PassBatch
 from .config import RecorderConfig
 from .devices import resolve_device
@@ -144,15 +144,13 @@ class ExpertDistributionRecorder:
         with torch.inference_mode(False):
             self._counter = PassCounter(cfg, self._layout)
             self._counter.set_gate(False)
-            self._window = StatWindow(cfg, self._layout) if cfg.mode == "stat" else None
-            self._pass_stream = PassStream(cfg, self._layout, self._submit, self._settle_writer) if cfg.mode == "per_pass" else None
-            self._token_stream = TokenStream(cfg, self._layout, self._submit, self._settle_writer) if cfg.mode == "per_token" else None
+            self._sink = mode_sink(cfg, self._layout, self._submit, self._settle_writer)  # what the mode keeps of each pass
             self._snapshots = SnapshotChannel(tuple(self._counter.phase_totals.shape), self._device)  # type: ignore[arg-type]
         # Phase timing (host-side): the clock, aggregates over all passes and per-pass rows.
         self._clock = make_clock(cfg.num_layers, self._device, cfg.timing_ring) if cfg.timing else None
         self._live_clock = None  # the clock while a timed pass runs, else None
         self._timing_stats = TimingStats(cfg.num_layers)
-        self._timing_rows = TimingRows(cfg.num_layers, cfg.window if cfg.mode == "stat" else cfg.stream_chunk_passes)
+        self._timing_rows = TimingRows(cfg.num_layers, cfg.stream_chunk_passes if self._sink.streamed else cfg.window)
         self._dumped_timing: dict[str, np.ndarray] | None = None
         self._lock = threading.RLock()
         self._recording = False
@@ -171,10 +169,8 @@ class ExpertDistributionRecorder:
         self._num_passes = 0
         self._dumped_passes = 0
         self._run_id = uuid.uuid4().hex
-        streams = tuple(s for s in (self._pass_stream, self._token_stream) if s is not None)
-        self._staged = Staged(self._counter, self._window, streams, self._flush_timing_rows)
-        token_dtype = self._token_stream.np_dtype if self._token_stream is not None else None
-        streamed = streamed_schema(cfg, self._layout, token_dtype, row_fields(cfg.num_layers) if self._clock is not None else None)
+        self._staged = Staged(self._counter, self._sink, self._flush_timing_rows)
+        streamed = streamed_schema(cfg, self._layout, self._sink.token_dtype, row_fields(cfg.num_layers) if self._clock is not None else None)
         self._dump = TraceDump(cfg, self._layout, streamed, self._clock.kind if self._clock is not None else None,
                                compression_options(cfg.resolved_compression))
         # Crash safety: the files of the recording while it runs (moetrace.session).
@@ -207,8 +203,7 @@ class ExpertDistributionRecorder:
     @property
     def dropped_passes(self) -> int:
         """Passes dropped whole since ``start_record`` because the writer was behind (``on_overflow="drop"``)."""
-        stream = self._pass_stream or self._token_stream
-        return stream.overflow.dropped_passes if stream is not None else 0
+        return self._sink.dropped_passes
 
     @property
     def undumped_passes(self) -> int:
@@ -238,8 +233,7 @@ class ExpertDistributionRecorder:
         self._in_pass = True
         self._pass_active = self._recording
         self._pass_rows = 0
-        if self._token_stream is not None:
-            self._token_stream.restart_rows()  # also a graph captured inside this pass starts at row 0
+        self._sink.restart_rows()  # also a graph captured inside this pass starts at row 0
         ok = False
         try:
             if self._clock is not None and (self._pass_active or is_capturing(self._device)):
@@ -349,8 +343,7 @@ class ExpertDistributionRecorder:
             return False
         if not self._capture_open:  # the first hook of a capture (engines warm up each graph eagerly before capturing it)
             self._capture_open = True
-            if self._token_stream is not None:
-                self._token_stream.restart_rows()
+            self._sink.restart_rows()
         if self._clock is not None:
             self._begin_timing()  # raises: timed events cannot be captured
         return True
@@ -393,15 +386,13 @@ class ExpertDistributionRecorder:
         ids = self._check_tensor("topk_ids", topk_ids, 2)
         if ids.shape[1] != self.config.top_k:
             raise ValueError(f"topk_ids has {ids.shape[1]} columns but the recorder was configured with top_k={self.config.top_k}")
-        if self._token_stream is not None:
-            self._token_stream.check_room(layer, ids.shape[0])
+        self._sink.check_room(layer, ids.shape[0])
         index = self._counter.add_select(layer, ids)
-        if self._token_stream is not None:
-            rows = self._token_stream.add_layer(layer, index)
-            if rows > self._pass_rows:
-                self._pass_rows = rows
-            if rows > self._captured_rows and is_capturing(self._device):
-                self._captured_rows = rows  # a replay of this graph writes this many rows, no hook telling
+        rows = self._sink.add_layer(layer, index)
+        if rows > self._pass_rows:
+            self._pass_rows = rows
+        if rows > self._captured_rows and is_capturing(self._device):
+            self._captured_rows = rows  # a replay of this graph writes this many rows, no hook telling
 
     def on_dispatch(
         self,
@@ -443,12 +434,7 @@ class ExpertDistributionRecorder:
             if self._batch is not None:  # the engine's batch names its phase and requests (it wins over set_pass_phase)
                 phase, requests = pass_phase_code(self._batch.phase), self._batch.num_requests
             counter.fold(phase, requests)
-            if self._window is not None:
-                self._window.push(counter.current, counter.pass_tokens, pass_id, timestamp, phase, requests)
-            if self._pass_stream is not None:
-                self._pass_stream.push(counter.current, pass_id, timestamp, phase, requests)
-            if self._token_stream is not None:
-                self._token_stream.end_pass(pass_id, counter.current, max(self._pass_rows, self._captured_rows), phase, requests, self._batch)
+            self._sink.end_pass(counter, pass_id, timestamp, phase, requests, max(self._pass_rows, self._captured_rows), self._batch)
             counter.clear()
             self._num_passes += 1
             self._snapshots.publish(counter.phase_totals, counter.phase_tokens, self._num_passes, timestamp, counter.phase_host)
@@ -468,7 +454,7 @@ class ExpertDistributionRecorder:
         self._timing_stats.add(timing)
         self._timing_stats.dropped_passes = self._clock.dropped_passes if self._clock is not None else 0
         self._timing_rows.push(timing)
-        if self.config.mode != "stat" and self._timing_rows.pushed == self._timing_rows.capacity:
+        if self._sink.streamed and self._timing_rows.pushed == self._timing_rows.capacity:
             self._flush_timing_rows()
 
     def _flush_timing_rows(self) -> None:
@@ -491,8 +477,7 @@ class ExpertDistributionRecorder:
             self._clock.discard_pass()
         with self._lock:
             self._counter.clear()
-            if self._token_stream is not None:
-                self._token_stream.discard_pass(max(self._pass_rows, self._captured_rows))
+            self._sink.discard_pass(max(self._pass_rows, self._captured_rows))
 
     def _submit(self, job: StreamJob) -> None:
         if self._session is None:
@@ -541,9 +526,7 @@ class ExpertDistributionRecorder:
     def _clear(self) -> None:
         self._close_session(keep=False)
         self._counter.reset()
-        for part in (self._window, self._pass_stream, self._token_stream):
-            if part is not None:
-                part.reset()
+        self._sink.reset()
         self._snapshots.clear()
         if self._clock is not None:
             self._clock.reset()
@@ -625,7 +608,8 @@ class ExpertDistributionRecorder:
         passes), so a long run can be dumped in segments. After a failure the segments are
         kept and the next dump holds their passes too (or ``moetrace recover`` after a crash).
         """
-        ring = self._window.host_buffer() if self._window is not None else None  # stat: allocated before the lock
+        window = self._sink if isinstance(self._sink, StatWindow) else None
+        ring = window.host_buffer() if window is not None else None  # stat: allocated before the lock
         with self._lock:
             if not self._started:
                 raise RecorderStateError("nothing recorded yet: call start_record() before dump_record()")
@@ -634,13 +618,13 @@ class ExpertDistributionRecorder:
             if target.suffix != ".h5":
                 target = target.with_name(target.name + ".h5")
             rank, world = rank_world(self.config)
-            if self.config.mode == "stat":
+            if window is not None:
                 gathered = stat_gathers(self.config)
                 if gathered:
                     rank = dist_world()[0]  # the collective's rank 0 writes the file
                 elif world > 1:
                     target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
-                outside = self._cut_stat(target, rank, world, world if gathered else 1, ring)  # type: ignore[arg-type]
+                outside = self._cut_stat(target, rank, world, world if gathered else 1, window, ring)  # type: ignore[arg-type]
             else:
                 if world > 1:
                     target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
@@ -658,13 +642,11 @@ class ExpertDistributionRecorder:
         for pending in self._dumps.pending:
             pending.result()
 
-    def _cut_stat(self, target: Path, rank: int, world: int, peers: int, ring: torch.Tensor) -> Callable[[], Callable[[], Path]]:
+    def _cut_stat(self, target: Path, rank: int, world: int, peers: int, window: StatWindow, ring: torch.Tensor) -> Callable[[], Callable[[], Path]]:
         """``stat`` cut (lock held): device copies of the totals, the window's copy on write into
         ``ring`` begun. Returns what runs next on the caller's thread outside the lock (the window's
         copy, a batch per lock hold, then the gathers to rank 0, collective), which returns the file
         write for the dump thread."""
-        assert self._window is not None
-        window = self._window
         cut = self._dump.stat_cut(self._counter, window, self._num_passes, ring)
         timing = self._timing_part(rows=True)
         run_id = self._run_id

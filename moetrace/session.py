@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .accumulators import PassCounter, PassStream, StatWindow, TokenStream
+from .accumulators import ModeSink, PassCounter, StatWindow
 from .config import RecorderConfig
 from .trace.files import checkpoint_path, journal_path, sweep_dead_temporaries
 from .trace.journal import Journal
@@ -55,14 +55,13 @@ class Staged:
 
     Attributes:
         counter: the pass counter; its ``totals [L, C]`` go into each checkpoint.
-        window: ``stat`` mode's window of the last passes (``None`` in streaming modes).
-        streams: the streaming mode's row stream (empty in ``stat`` mode).
+        sink: the mode's sink: ``stat`` mode's window of the last passes (a checkpoint copies it),
+            a streaming mode's row stream (a rotation flushes it).
         flush_timing: submits the staged ``/timing`` rows (streaming modes).
     """
 
     counter: PassCounter
-    window: StatWindow | None
-    streams: tuple[PassStream | TokenStream, ...]
+    sink: ModeSink
     flush_timing: Callable[[], None]
 
 
@@ -126,26 +125,25 @@ class RecordingSession:
     def due(self) -> bool:
         """Whether ``segment_seconds`` have passed since the last rotation and every stream's staged
         rows end on a chunk boundary (so that segments join by copying chunks; a few passes later)."""
-        return time.monotonic() >= self._rotate_at and all(stream.at_boundary() for stream in self._staged.streams)
+        return time.monotonic() >= self._rotate_at and self._staged.sink.at_boundary()
 
     def rotate(self, pass_id: int, passes: int, wait: bool = False) -> None:
         """Hand what is staged to the writer thread, which closes the segment (streaming) or writes a
         checkpoint (``stat``: totals of ``passes`` passes up to ``pass_id``; tokens from the device).
         Only enqueues (``wait``: block for a free checkpoint buffer instead of skipping)."""
         self._rotate_at = time.monotonic() + (self.config.segment_seconds or float("inf"))  # 0: no time bound
-        if self._staged.window is not None:
+        if not self._staged.sink.streamed:
             self._checkpoint(pass_id, passes, wait)
             return
         self._staged.flush_timing()
-        for stream in self._staged.streams:
-            stream.flush(rotate=True, wait=wait)
+        self._staged.sink.flush(rotate=True, wait=wait)
 
     def _checkpoint(self, pass_id: int, passes: int, wait: bool) -> None:
         """Stat mode: copy totals and window to host buffers (asynchronously) and let the
         writer thread write the checkpoint; skipped when the previous one is still being
         written, unless ``wait``."""
-        counter, w = self._staged.counter, self._staged.window
-        assert w is not None
+        counter, w = self._staged.counter, self._staged.sink
+        assert isinstance(w, StatWindow)
         slots = len(w.pass_id)
         if self._checkpoint_buffers is None:
             with torch.inference_mode(False):  # normal tensors, even when the first checkpoint runs under it

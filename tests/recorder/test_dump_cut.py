@@ -251,6 +251,6 @@ def test_stat_window_is_copied_on_write_while_passes_overwrite_it(tmp_path, monk
             np.testing.assert_array_equal(got.physical_count[0, row], expected_totals(range(pass_id, pass_id + 1)))
         assert int(trace.num_passes().sum()) == 40  # the totals at the cut
         np.testing.assert_array_equal(trace.physical_count(), expected_totals(range(0, 40)))
-    assert rec._window._cuts == []  # the copy on write ended with the dump
+    assert rec._sink._cuts == []  # the copy on write ended with the dump
     rec.stop_record()
     check_dump(rec.dump_record(tmp_path / "after.h5"), "stat", range(0, 40 + window - 2))

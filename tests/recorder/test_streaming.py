@@ -74,7 +74,7 @@ def test_drop_policy_drops_whole_passes_counts_them_and_never_waits(tmp_path, th
     pid, ids, counts, dropped_in_trace, passes_in_trace = token_rows(rec.dump_record(tmp_path / "t.h5"))
     present = np.unique(pid)
     missing = sorted(set(range(passes)) - set(present.tolist()))
-    ranges = rec._token_stream.overflow.dropped_ranges
+    ranges = rec._sink.overflow.dropped_ranges
     assert dropped > 0 and len(missing) == dropped == dropped_in_trace == snapshot.dropped_passes
     assert missing == [p for first, last in ranges for p in range(first, last + 1)]
     assert passes_in_trace == passes - dropped
