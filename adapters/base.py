@@ -31,13 +31,8 @@ import torch
 
 from moetrace.batch import PassBatch
 from moetrace.config import RecorderConfig
-from moetrace.recorder import (
-    ExpertDistributionRecorder,
-    NoOpRecorder,
-    Recorder,
-    get_recorder,
-    set_recorder,
-)
+from moetrace.process_recorder import NoOpRecorder, Recorder, get_recorder, set_recorder
+from moetrace.recorder import ExpertDistributionRecorder
 
 __all__ = [
     "AdapterError",

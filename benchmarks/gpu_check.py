@@ -283,7 +283,7 @@ def sync_check(device: torch.device, out_dir: Path, mode: str, timing: bool = Fa
         else:
             _count_calls(rec._sink, "flush", reached, "flushes")
         if timing and mode != "stat":
-            _count_calls(rec._timing_rows, "ordered", reached, "timing flushes")  # each hand-off of /timing rows reads them
+            _count_calls(rec._timing._rows, "ordered", reached, "timing flushes")  # each hand-off of /timing rows reads them
 
         def one_pass(i: int, warm_up: bool = False) -> None:
             with rec.with_forward_pass(), rec.with_current_layer(0):

@@ -37,7 +37,8 @@ from opentelemetry.metrics import CallbackOptions, Instrument, MeterProvider, Ob
 from opentelemetry.trace import Span, TracerProvider
 
 from moetrace._version import __version__
-from moetrace.recorder import Recorder, RecorderStateError, get_recorder
+from moetrace.process_recorder import Recorder, get_recorder
+from moetrace.recorder import RecorderStateError
 from moetrace.snapshot import RecorderSnapshot
 
 from .catalog import HISTOGRAMS, INFO, histogram_samples, info_labels, samples, selected

@@ -40,7 +40,8 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from moetrace.http import GuardedServerMixin, ServerHandle, ServerLimits
-from moetrace.recorder import Recorder, RecorderStateError, get_recorder
+from moetrace.process_recorder import Recorder, get_recorder
+from moetrace.recorder import RecorderStateError
 from moetrace.snapshot import RecorderSnapshot
 
 from .catalog import HISTOGRAMS, INFO, histogram_samples, info_labels, samples, selected

@@ -16,13 +16,8 @@ from typing import TYPE_CHECKING
 
 from ._version import __version__
 from .config import CaptureConfig, RecorderConfig
-from .recorder import (
-    ExpertDistributionRecorder,
-    NoOpRecorder,
-    RecorderStateError,
-    get_recorder,
-    set_recorder,
-)
+from .process_recorder import NoOpRecorder, get_recorder, set_recorder
+from .recorder import ExpertDistributionRecorder, RecorderStateError
 from .snapshot import RecorderSnapshot
 from .timing import PHASES
 

@@ -60,7 +60,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from moetrace.exporters import otel, prometheus
 
 from .http import GuardedServerMixin, ServerHandle, ServerLimits
-from .recorder import NoOpRecorder, Recorder, RecorderStateError, get_recorder
+from .process_recorder import NoOpRecorder, Recorder, get_recorder
+from .recorder import RecorderStateError
 from .trace.schema import TraceWriteError
 
 __all__ = ["ControlServer", "serve_control"]

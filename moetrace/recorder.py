@@ -21,16 +21,19 @@ retried), ``reset()`` discards everything. ``start`` while recording and
 ``stop`` while stopped raise :class:`RecorderStateError`, as does ``dump``
 before any ``start``.
 
-This module holds the hooks and the recording state machine. The recording's
-files while it runs (segments, rotation, checkpoints, journal) are
+This module holds the hooks and the recording state machine. What each mode keeps
+of a pass is its sink (:class:`~moetrace.accumulators.ModeSink`), so nothing here
+asks for the mode; the phase timing is :mod:`moetrace.recording_timing`; the
+recording's files while it runs (segments, rotation, checkpoints, journal) are
 :mod:`moetrace.session`; writing dumps, with the gathers over ranks,
 :mod:`moetrace.dump`; the asynchronous host copy that ``snapshot()`` reads,
-:mod:`moetrace.snapshot`.
+:mod:`moetrace.snapshot`; the process-wide recorder and its no-op default,
+:mod:`moetrace.process_recorder`.
 
-Over 500 lines: the hooks and the recording state machine share every field under one lock
-(pass, layer, gate, counters, timing, the open session); the session, the dumps and the
-snapshot channel are their own modules already, and the no-op recorder that mirrors the
-interface sits beside it.
+Over 500 lines: the hooks, the pass end and the dump's cut share every field under one lock
+(pass, layer, gate, counter, sink, the open session, what was dumped), and the cut must
+run under that lock between two pass ends; the sinks, the timing, the session, the dump's
+files and the snapshot channel are their own modules already.
 """
 
 from __future__ import annotations
@@ -63,35 +66,20 @@ from .dump import (
 )
 from .graphs import is_capturing
 from .pass_phase import UNKNOWN, pass_phase_code, pass_requests
+from .recording_timing import recording_timing
 from .session import RecordingSession, Staged
 from .snapshot import RecorderSnapshot, SnapshotChannel
-from .timing import (
-    PHASES,
-    PassTiming,
-    TimingCaptureError,
-    TimingRows,
-    TimingStats,
-    make_clock,
-    row_fields,
-)
+from .timing import PHASES, UNTIMED
 from .trace.retention import Retention
-from .trace.schema import Data, dataset
 from .trace.stat import CounterLayout
 from .trace.stream import StreamJob
 from .trace.writer import compression_options
 
-__all__ = [
-    "ExpertDistributionRecorder",
-    "NoOpRecorder",
-    "RecorderStateError",
-    "get_recorder",
-    "set_recorder",
-]
+__all__ = ["ExpertDistributionRecorder", "RecorderStateError"]
 
 _log = logging.getLogger("moetrace")
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
-_UNTIMED = contextlib.nullcontext()
 #: What a ``stat`` dump copies of the window per recorder lock hold (the most a pass end waits for it).
 _WINDOW_BATCH_BYTES = 4 << 20
 #: The pause after each batch, outside the lock. Python's locks are not fair: without it the dump
@@ -114,14 +102,14 @@ class _LayerScope:
     def __enter__(self) -> int:
         self._previous = self._recorder._layer
         self._recorder._layer = self._layer
-        clock = self._recorder._live_clock
+        clock = self._recorder._timing.live
         if clock is not None:
             clock.layer_scopes[self._layer].__enter__()
         return self._layer
 
     def __exit__(self, *exc: object) -> None:
         self._recorder._layer = self._previous
-        clock = self._recorder._live_clock
+        clock = self._recorder._timing.live
         if clock is not None:
             clock.layer_scopes[self._layer].__exit__()
 
@@ -147,11 +135,8 @@ class ExpertDistributionRecorder:
             self._sink = mode_sink(cfg, self._layout, self._submit, self._settle_writer)  # what the mode keeps of each pass
             self._snapshots = SnapshotChannel(tuple(self._counter.phase_totals.shape), self._device)  # type: ignore[arg-type]
         # Phase timing (host-side): the clock, aggregates over all passes and per-pass rows.
-        self._clock = make_clock(cfg.num_layers, self._device, cfg.timing_ring) if cfg.timing else None
-        self._live_clock = None  # the clock while a timed pass runs, else None
-        self._timing_stats = TimingStats(cfg.num_layers)
-        self._timing_rows = TimingRows(cfg.num_layers, cfg.stream_chunk_passes if self._sink.streamed else cfg.window)
-        self._dumped_timing: dict[str, np.ndarray] | None = None
+        rows, hand_off = (cfg.stream_chunk_passes, self._submit_timing_rows) if self._sink.streamed else (cfg.window, None)
+        self._timing = recording_timing(cfg.timing, cfg.num_layers, self._device, cfg.timing_ring, rows, hand_off)
         self._lock = threading.RLock()
         self._recording = False
         self._started = False
@@ -169,10 +154,9 @@ class ExpertDistributionRecorder:
         self._num_passes = 0
         self._dumped_passes = 0
         self._run_id = uuid.uuid4().hex
-        self._staged = Staged(self._counter, self._sink, self._flush_timing_rows)
-        streamed = streamed_schema(cfg, self._layout, self._sink.token_dtype, row_fields(cfg.num_layers) if self._clock is not None else None)
-        self._dump = TraceDump(cfg, self._layout, streamed, self._clock.kind if self._clock is not None else None,
-                               compression_options(cfg.resolved_compression))
+        self._staged = Staged(self._counter, self._sink, self._timing.flush_rows)
+        streamed = streamed_schema(cfg, self._layout, self._sink.token_dtype, self._timing.row_schema())
+        self._dump = TraceDump(cfg, self._layout, streamed, self._timing.kind, compression_options(cfg.resolved_compression))
         # Crash safety: the files of the recording while it runs (moetrace.session).
         self._session: RecordingSession | None = None
         self.last_dump_path: Path | None = None
@@ -236,8 +220,7 @@ class ExpertDistributionRecorder:
         self._sink.restart_rows()  # also a graph captured inside this pass starts at row 0
         ok = False
         try:
-            if self._clock is not None and (self._pass_active or is_capturing(self._device)):
-                self._begin_timing()  # refuses a CUDA-graph capture: the finally below still ends the pass
+            self._timing.begin_pass(self._pass_active, self._device)  # refuses a CUDA-graph capture: the finally below still ends the pass
             yield pass_id
             ok = True
         finally:
@@ -248,7 +231,7 @@ class ExpertDistributionRecorder:
                     self._discard_pass()
             self._in_pass = False
             self._pass_active = False
-            self._live_clock = None
+            self._timing.close_pass()
             self._batch = None
 
     def set_batch(self, batch: PassBatch | None) -> None:
@@ -265,16 +248,6 @@ class ExpertDistributionRecorder:
     def current_batch(self) -> PassBatch | None:
         """The batch of the pass being run, as the engine gave it (``None``: none given, or no pass)."""
         return self._batch
-
-    def _begin_timing(self) -> None:
-        if is_capturing(self._device):
-            raise TimingCaptureError(
-                "phase timing cannot run inside CUDA-graph capture (timed CUDA events are not capturable); "
-                "build the recorder with RecorderConfig(timing=False) for a model run as CUDA graphs (its hooks are captured whether recording or not)"
-            )
-        assert self._clock is not None
-        self._clock.begin_pass()
-        self._live_clock = self._clock
 
     def set_pass_phase(self, phase: str | int, num_requests: int = -1) -> None:
         """Name the pass phase of the pass in progress (or, outside ``with_forward_pass``, of the next pass).
@@ -309,13 +282,13 @@ class ExpertDistributionRecorder:
         pass is being recorded. Phases are timed with ``perf_counter_ns`` on
         CPU and CUDA events on a GPU (see :mod:`moetrace.timing`).
         """
-        clock = self._live_clock
+        clock = self._timing.live
         try:
             phase = _PHASE_INDEX[name]
         except (KeyError, TypeError):
             raise ValueError(f"unknown phase {name!r}; use one of {PHASES}") from None
         if clock is None or self._disabled:
-            return _UNTIMED
+            return UNTIMED
         layer = self._layer
         if layer is None:
             raise RecorderStateError(f"with_phase({name!r}) called outside with_current_layer(); wrap the MoE layer in recorder.with_current_layer(i)")
@@ -344,8 +317,7 @@ class ExpertDistributionRecorder:
         if not self._capture_open:  # the first hook of a capture (engines warm up each graph eagerly before capturing it)
             self._capture_open = True
             self._sink.restart_rows()
-        if self._clock is not None:
-            self._begin_timing()  # raises: timed events cannot be captured
+        self._timing.begin_capture(self._device)  # raises with timing: timed events cannot be captured
         return True
 
     def _resolve_layer(self, layer: int | None, hook: str) -> int:
@@ -424,10 +396,9 @@ class ExpertDistributionRecorder:
 
     # ------------------------------------------------------------------ pass end
     def _end_pass(self, pass_id: int) -> None:
-        timings = self._clock.end_pass(pass_id) if self._live_clock is not None else ()  # type: ignore[union-attr]
+        timings = self._timing.end_pass(pass_id)
         with self._lock:
-            for timing in timings:
-                self._add_timing(timing)
+            self._timing.add(timings)
             counter, timestamp = self._counter, time.time()
             phase, requests = self._pass_phase, self._pass_requests
             self._pass_phase, self._pass_requests = UNKNOWN, -1
@@ -449,32 +420,13 @@ class ExpertDistributionRecorder:
         assert self._session is not None
         self._session.rotate(pass_id, self._num_passes, wait)
 
-    def _add_timing(self, timing: PassTiming) -> None:
-        """Fold one resolved pass's timing into the aggregates and rows (streaming: hand full blocks over)."""
-        self._timing_stats.add(timing)
-        self._timing_stats.dropped_passes = self._clock.dropped_passes if self._clock is not None else 0
-        self._timing_rows.push(timing)
-        if self._sink.streamed and self._timing_rows.pushed == self._timing_rows.capacity:
-            self._flush_timing_rows()
-
-    def _flush_timing_rows(self) -> None:
-        """Streaming modes: submit the staged ``/timing`` rows to the segment writer."""
-        if not self._timing_rows.pushed:
-            return
-        rows = {dataset(Data.TIMING, name): array for name, array in self._timing_rows.ordered().items()}
-        self._timing_rows.reset()
+    def _submit_timing_rows(self, rows: dict[str, np.ndarray]) -> None:
+        """Streaming modes: a block of ``/timing`` rows ``{dataset: [n, ...]}`` for the segment writer."""
         self._submit(StreamJob(event=None, build=lambda: rows, done=lambda: None))
-
-    def _resolve_timing(self) -> None:
-        """Dump time: fold the passes whose CUDA events were still in flight (waits for them)."""
-        if self._clock is not None:
-            for timing in self._clock.flush():
-                self._add_timing(timing)
 
     def _discard_pass(self) -> None:
         self._pass_phase, self._pass_requests = UNKNOWN, -1
-        if self._clock is not None:
-            self._clock.discard_pass()
+        self._timing.discard_pass()
         with self._lock:
             self._counter.clear()
             self._sink.discard_pass(max(self._pass_rows, self._captured_rows))
@@ -528,11 +480,7 @@ class ExpertDistributionRecorder:
         self._counter.reset()
         self._sink.reset()
         self._snapshots.clear()
-        if self._clock is not None:
-            self._clock.reset()
-        self._timing_stats.reset()
-        self._timing_rows.reset()
-        self._dumped_timing = None
+        self._timing.reset()
         self._num_passes = 0
         self._dumped_passes = 0
         self._errors = []
@@ -648,7 +596,7 @@ class ExpertDistributionRecorder:
         copy, a batch per lock hold, then the gathers to rank 0, collective), which returns the file
         write for the dump thread."""
         cut = self._dump.stat_cut(self._counter, window, self._num_passes, ring)
-        timing = self._timing_part(rows=True)
+        timing = self._timing.part(rows=True, resolve=not self._recording)
         run_id = self._run_id
         self._dumped_passes = self._num_passes  # stat dumps are cumulative: every pass is in this one
 
@@ -687,11 +635,11 @@ class ExpertDistributionRecorder:
         session = self._session
         if session is None:
             raise RecorderStateError("no streaming segment is open (it was already dumped after stop_record); call start_record() to record again")
-        timing = self._timing_part(rows=False)
+        timing = self._timing.part(rows=False, resolve=not self._recording)
         cut = session.cut(self._next_pass_id - 1, self._num_passes)
-        passes, previous_timing = self._num_passes - self._dumped_passes, self._dumped_timing
+        passes = self._num_passes - self._dumped_passes
         self._dumped_passes = self._num_passes
-        self._dumped_timing = cut_timing = self._timing_stats.arrays() if self._clock is not None else None
+        undo_timing = self._timing.cut()
         detach = not self._recording  # the last dump after stop_record: the session closes after it
         if detach:
             self._session = None
@@ -700,8 +648,7 @@ class ExpertDistributionRecorder:
 
         def undo() -> None:  # lock held: the dump failed, its passes count as not dumped again
             self._dumped_passes -= passes
-            if self._dumped_timing is cut_timing:  # no later cut: the next dump's aggregates cover these passes too
-                self._dumped_timing = previous_timing
+            undo_timing()
             if detach and self._session is None and not self._recording and self._run_id == run_id:
                 self._session = session  # dump again to retry
                 sessions.opened(self)
@@ -738,33 +685,13 @@ class ExpertDistributionRecorder:
 
         return run
 
-    def _timing_part(self, rows: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None] | None:
-        """This rank's timing aggregates since the previous dump (and ``stat``'s window rows), copied
-        at the cut; ``None`` without timing. Passes whose CUDA events are still in flight are folded
-        first only when not recording (a dump while recording never waits for the device: they go
-        into the next dump)."""
-        if self._clock is None:
-            return None
-        if not self._recording:
-            self._resolve_timing()
-        return self._timing_since_dump(), ({k: v.copy() for k, v in self._timing_rows.ordered().items()} if rows else None)
-
-    def _timing_since_dump(self) -> dict[str, np.ndarray]:
-        """Aggregates since the previous streaming dump (additive fields; maxima are since start_record)."""
-        current = self._timing_stats.arrays()
-        if self._dumped_timing is None:
-            return current
-        for name in ("phase_seconds_sum", "phase_count", "phase_histogram", "step_seconds_sum", "step_count", "step_histogram"):
-            current[name] = current[name] - self._dumped_timing[name]
-        return current
-
     # ------------------------------------------------------------------ snapshot / status
     def snapshot(self) -> RecorderSnapshot:
         """The latest completed host copy of the totals; never waits for the device."""
         with self._lock:
             rows, (passes, tokens, stamp), host = self._snapshots.latest_phases()
             recording, last, errors = self._recording, self.last_dump_path, tuple(self._errors)
-            timing = self._timing_stats.arrays() if self._clock is not None else None
+            timing = self._timing.stats()
         return RecorderSnapshot.of_rows(
             self.config, self._layout, rows, (passes, int(tokens.sum()), stamp), recording=recording, id_space=self.id_space,
             pass_phase_num_passes=host[0], pass_phase_num_tokens=tokens, pass_phase_num_requests=host[1],
@@ -795,85 +722,7 @@ class ExpertDistributionRecorder:
             }
 
 
-class NoOpRecorder:
-    """The global default: every hook and context manager does nothing.
-
-    Lifecycle calls raise :class:`RecorderStateError` telling the user to
-    configure a real recorder first.
-    """
-
-    recording = False
-    mode = "none"
-    num_passes = 0
-    last_dump_path: Path | None = None
-
-    current_batch: PassBatch | None = None
-
-    def with_forward_pass(self, forward_pass_id: int | None = None, batch: PassBatch | None = None) -> contextlib.nullcontext[int]:
-        return contextlib.nullcontext(-1 if forward_pass_id is None else forward_pass_id)
-
-    def set_batch(self, batch: PassBatch | None) -> None:
-        return None
-
-    def with_current_layer(self, layer_idx: int) -> contextlib.nullcontext[int]:
-        return contextlib.nullcontext(layer_idx)
-
-    def disable_this_region(self) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
-    def with_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
-        return _UNTIMED
-
-    def set_pass_phase(self, phase: str | int, num_requests: int = -1) -> None:
-        pass_requests(pass_phase_code(phase), num_requests)  # refuses what a configured recorder would
-
-    def on_select_experts(self, topk_ids: torch.Tensor, layer: int | None = None) -> None:
-        return None
-
-    def on_dispatch(self, send_counts: torch.Tensor, recv_counts: torch.Tensor | None = None, dropped: torch.Tensor | None = None, layer: int | None = None) -> None:
-        return None
-
-    def _unconfigured(self, what: str) -> RecorderStateError:
-        return RecorderStateError(f"{what}: no recorder is configured; call moetrace.configure(...) or set_recorder(...) first")
-
-    def start_record(self) -> None:
-        raise self._unconfigured("start_record")
-
-    def stop_record(self) -> None:
-        raise self._unconfigured("stop_record")
-
-    def dump_record(self, path: Path | str | None = None, wait: bool = True) -> Path:
-        raise self._unconfigured("dump_record")
-
-    def reset(self) -> None:
-        return None
-
-    def snapshot(self) -> RecorderSnapshot:
-        raise self._unconfigured("snapshot")
-
-    def status(self) -> dict[str, object]:
-        return {"configured": False, "recording": False, "mode": "none", "passes": 0, "tokens": 0, "last_dump_path": None, "output_dir": None, "errors": []}
-
-
 def _checked_batch(batch: object) -> PassBatch | None:
     if batch is not None and not isinstance(batch, PassBatch):
         raise TypeError(f"batch must be a moetrace.batch.PassBatch (PassBatch.of(...)) or None, got {type(batch).__name__}")
     return batch
-
-
-Recorder = ExpertDistributionRecorder | NoOpRecorder
-_global_recorder: Recorder = NoOpRecorder()
-
-
-def get_recorder() -> Recorder:
-    """The process-wide recorder (a :class:`NoOpRecorder` until one is set)."""
-    return _global_recorder
-
-
-def set_recorder(recorder: Recorder | None) -> Recorder:
-    """Install ``recorder`` as the process-wide recorder (``None`` restores the no-op); returns the previous one."""
-    global _global_recorder
-    previous = _global_recorder
-    _global_recorder = recorder if recorder is not None else NoOpRecorder()
-    return previous
-

@@ -28,6 +28,7 @@ the ranks of one run share a clock.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -40,6 +41,7 @@ __all__ = [
     "EXPORT_EDGES",
     "HISTOGRAM_EDGES",
     "PHASES",
+    "UNTIMED",
     "CudaClock",
     "HostClock",
     "PassTiming",
@@ -55,6 +57,8 @@ __all__ = [
 
 #: Phase names, in the column order of every ``[..., phases]`` array.
 PHASES: tuple[str, ...] = ("route", "dispatch", "expert", "combine")
+#: What ``with_phase`` returns when nothing is timed: one shared null context (nothing allocated per call).
+UNTIMED = contextlib.nullcontext()
 _NAN = float("nan")
 
 #: Upper edges (seconds) of the fixed histogram buckets: 16 per decade from 100 ns to 1000 s.

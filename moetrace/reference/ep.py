@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..dispatch import build_dispatch_layout, expert_capacity, slot_in_group
-from ..recorder import get_recorder
+from ..process_recorder import get_recorder
 from .experts import SwiGLUExperts
 from .gate import TopKRouter
 from .moe import check_input, check_parts

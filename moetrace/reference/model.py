@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..batch import PassBatch
 from ..config import RecorderConfig
-from ..recorder import get_recorder
+from ..process_recorder import get_recorder
 from .ep import EXCHANGE_MODES, EPMoELayer
 from .experts import SwiGLUExperts
 from .gate import TopKRouter

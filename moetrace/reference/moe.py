@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..dispatch import capacity_keep_mask, expert_capacity
-from ..recorder import get_recorder
+from ..process_recorder import get_recorder
 from .experts import SwiGLUExperts
 from .gate import TopKRouter
 

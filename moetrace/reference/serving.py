@@ -46,8 +46,8 @@ import torch.distributed as dist
 from ..batch import PassBatch
 from ..capturer import RoutedExpertsCapturer
 from ..labels import LabelLoad, check_labels
+from ..process_recorder import get_recorder
 from ..provenance import RouteProvenance
-from ..recorder import get_recorder
 from ..replicas.prefix_cache import PrefixCache, chain_hashes
 from .kv import KVSlotAllocator, ReqToTokenPool
 from .model import ForwardBatch, ReferenceMoEModel, Segment

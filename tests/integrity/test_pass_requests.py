@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.batch import BatchError, PassBatch
-from moetrace.recorder import NoOpRecorder
+from moetrace.process_recorder import NoOpRecorder
 from moetrace.trace import invariants, open_trace, pass_requests
 from moetrace.trace.integrity import reseal
 from moetrace.trace.join import concat_segments

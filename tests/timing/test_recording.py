@@ -206,10 +206,10 @@ def test_a_refused_timed_pass_leaves_the_recorder_usable(tmp_path, monkeypatch):
     recorder = ExpertDistributionRecorder(_config(tmp_path))
     recorder.start_record()
 
-    def refuse() -> None:
+    def refuse(recorded: bool, device: object) -> None:
         raise TimingCaptureError("phase timing cannot run inside CUDA-graph capture")
 
-    monkeypatch.setattr(recorder, "_begin_timing", refuse)
+    monkeypatch.setattr(recorder._timing, "begin_pass", refuse)
     with pytest.raises(TimingCaptureError), recorder.with_forward_pass():
         pass
     monkeypatch.undo()
