@@ -1,18 +1,29 @@
 """Engine adapters (Hugging Face transformers, vLLM, SGLang, Megatron-Core).
 
-Each engine module offers ``instrument(...) -> Instrumentation``; the shared handle
-and hook bookkeeping live in :mod:`moetrace.adapters.base`. The signatures do not
-agree yet (one contract for all four is still to be made):
+Every engine module offers one contract::
 
-- ``hf.instrument(model, recorder=None, capturer=None, *, top_k, mark_passes, capture_seq_len, **recorder_options)``
-- ``vllm.instrument(target, recorder=None, capturer=None, *, mark_passes, **recorder_options)``
-- ``megatron.instrument(model, recorder=None, *, mark_passes, **recorder_options)``: no capturer
-- ``sglang.instrument(recorder=None, capturer=None, **recorder_options)``: no target (SGLang in
-  this process); a capturer is refused (SGLang captures routed experts itself)
+    instrument(target, recorder=None, capturer=None, *, <typed options>, **recorder_options) -> Instrumentation
 
-``**recorder_options`` are :class:`~moetrace.config.RecorderConfig` fields for the recorder
-the adapter builds when ``recorder`` is ``None``. Engine modules are imported on demand so
-that ``import moetrace.adapters`` needs no engine installed.
+- ``target``: what to hook. ``hf``: a transformers model; ``vllm``: a ``vllm.LLM`` (in-process
+  engine) or a vLLM model module; ``megatron``: a ``GPTModel``, any module holding ``MoELayer``
+  s, or one ``MoELayer``; ``sglang``: ``None``, SGLang in this process (its recorder hooks are
+  module-level, so there is nothing to hand over).
+- ``recorder``: the recorder to count into; ``None`` builds one from the model and
+  ``recorder_options`` (:class:`~moetrace.config.RecorderConfig` fields: ``mode``,
+  ``output_dir``, ...) and installs it globally.
+- ``capturer``: a routed-experts capturer, fed by ``hf``. ``vllm``, ``sglang`` and ``megatron``
+  refuse one with the engine's own way to the same routes (vLLM's and SGLang's per-request
+  capture, Megatron's ``record_routes``).
+- Typed options, keyword-only with defaults: ``mark_passes: bool = True`` (``hf``, ``vllm``,
+  ``megatron``: wrap the forward in ``with_forward_pass``; turn off when you mark passes
+  yourself); ``hf`` also ``top_k: int | None`` (experts per token when the config does not say)
+  and ``capture_seq_len: int | None`` (KV slots per batch row for the capturer).
+
+Instrumenting again with the same (or no) recorder returns the live handle; another recorder
+raises :class:`AlreadyInstrumentedError`. ``tests/adapters/test_contract.py`` checks the four
+signatures from the source. The shared handle and hook bookkeeping live in
+:mod:`moetrace.adapters.base`. Engine modules are imported on demand so that
+``import moetrace.adapters`` needs no engine installed.
 """
 
 from __future__ import annotations

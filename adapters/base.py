@@ -47,6 +47,7 @@ __all__ = [
     "existing_instrumentation",
     "forward_pass_wrapper",
     "live_instrumentation",
+    "refuse_capturer",
     "resolve_recorder",
     "unwinding",
 ]
@@ -391,6 +392,12 @@ class Instrumentation:
     def __repr__(self) -> str:
         state = "active" if self._active else "removed"
         return f"<Instrumentation {self.engine} {state}: {len(self.layer_ids)} MoE layers {list(self.layer_ids)}, {self.num_hooks} hooks>"
+
+
+def refuse_capturer(capturer: Any, engine: str, instead: str) -> None:
+    """Refuse a capturer given to an adapter that feeds none (``engine``'s name), saying what to use ``instead``."""
+    if capturer is not None:
+        raise AdapterError(f"the {engine} adapter does not feed a moetrace capturer: {instead}; pass capturer=None")
 
 
 def existing_instrumentation(target: Any, recorder: object | None = None, capturer: Any = None) -> Instrumentation | None:

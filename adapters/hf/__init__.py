@@ -203,7 +203,7 @@ def _check_capturer(capturer: Any, layer_ids: list[int], top_k: int) -> None:
 
 
 def instrument(
-    model: torch.nn.Module,
+    target: torch.nn.Module,
     recorder: Any = None,
     capturer: Any = None,
     *,
@@ -212,10 +212,10 @@ def instrument(
     capture_seq_len: int | None = None,
     **recorder_options: Any,
 ) -> HFInstrumentation:
-    """Hook every MoE layer of a transformers ``model``.
+    """Hook every MoE layer of a transformers model ``target``.
 
     Args:
-        model: a transformers model (``*ForCausalLM``, a base model, or any
+        target: a transformers model (``*ForCausalLM``, a base model, or any
             module holding MoE layers).
         recorder: the recorder to count into. ``None``: one is built from the
             model's config (MoE layers, experts, top-k, layer ids, hidden
@@ -224,7 +224,7 @@ def instrument(
         capturer: optional routed-experts capturer (``capture(layer, ids)``,
             ``on_forward_end(out_cache_loc)``).
         top_k: experts per token when the config does not say.
-        mark_passes: wrap ``model.forward`` in ``with_forward_pass`` (turn off
+        mark_passes: wrap ``target.forward`` in ``with_forward_pass`` (turn off
             when you mark passes yourself).
         capture_seq_len: KV slots per batch row for the capturer (default:
             the config's ``max_position_embeddings``).
@@ -241,16 +241,16 @@ def instrument(
         UnsupportedVersionError: transformers is too old.
     """
     check_transformers(installed_version())  # installed_version looked up here: tests patch it
-    live = existing_instrumentation(model, recorder, capturer)
+    live = existing_instrumentation(target, recorder, capturer)
     if live is not None:
         return live  # type: ignore[return-value]
-    sites = find_moe_sites(model)
-    k = top_k if top_k is not None else model_top_k(model, sites)
+    sites = find_moe_sites(target)
+    k = top_k if top_k is not None else model_top_k(target, sites)
     num_experts = max(site.num_experts for site in sites)
     layer_ids = [site.layer_id for site in sites]
-    config = getattr(model, "config", None)
+    config = getattr(target, "config", None)
     text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-    defaults: dict[str, Any] = {"engine": "hf", "model": getattr(config, "name_or_path", "") or type(model).__name__}
+    defaults: dict[str, Any] = {"engine": "hf", "model": getattr(config, "name_or_path", "") or type(target).__name__}
     if isinstance(getattr(text_config, "hidden_size", None), int):
         defaults["hidden_size"] = text_config.hidden_size
     binding = resolve_recorder(recorder, len(sites), num_experts, k, layer_ids, defaults=defaults, **recorder_options)
@@ -275,11 +275,11 @@ def instrument(
                 if getattr(getattr(rec, "config", None), "timing", False):
                     hooks.wrap_forward(site.module, _timed_experts(rec, site.index))
         if capturer is not None:
-            hooks.wrap_forward(model, _capture_wrapper(rec, capturer, seq_len, mark_passes, names))
+            hooks.wrap_forward(target, _capture_wrapper(rec, capturer, seq_len, mark_passes, names))
         elif mark_passes:
-            hooks.wrap_forward(model, forward_pass_wrapper(rec, batch_of=names.batch_of))
+            hooks.wrap_forward(target, forward_pass_wrapper(rec, batch_of=names.batch_of))
         handle = HFInstrumentation(
-            model, rec, layer_ids, hooks, engine="hf", capturer=capturer,
+            target, rec, layer_ids, hooks, engine="hf", capturer=capturer,
             details={"sites": {site.name: site.kind for site in sites}, "top_k": k, "num_experts": num_experts},
         )
     handle.sites = tuple(sites)

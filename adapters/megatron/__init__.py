@@ -43,6 +43,7 @@ from ..base import (
     Instrumentation,
     existing_instrumentation,
     forward_pass_wrapper,
+    refuse_capturer,
     resolve_recorder,
     unwinding,
 )
@@ -149,20 +150,23 @@ def _in_layer(recorder: Any, index: int) -> Any:
 
 
 def instrument(
-    model: torch.nn.Module,
+    target: torch.nn.Module,
     recorder: Any = None,
+    capturer: Any = None,
     *,
     mark_passes: bool = True,
     **recorder_options: Any,
 ) -> MegatronInstrumentation:
-    """Hook every MoE layer of a Megatron-Core ``model``.
+    """Hook every MoE layer of a Megatron-Core model ``target``.
 
     Args:
-        model: a ``GPTModel``, any module holding ``MoELayer`` s, or one ``MoELayer``.
+        target: a ``GPTModel``, any module holding ``MoELayer`` s, or one ``MoELayer``.
         recorder: the recorder to count into; ``None`` builds one from the layers
             (experts, top-k, layer numbers, EP size and rank, hidden size) and
             ``recorder_options`` and installs it globally.
-        mark_passes: wrap ``model.forward`` in ``with_forward_pass`` (one pass per
+        capturer: not supported by this adapter: keep a forward's routes with
+            :func:`record_routes` instead.
+        mark_passes: wrap ``target.forward`` in ``with_forward_pass`` (one pass per
             micro-batch); turn off when you mark passes yourself.
         **recorder_options: other :class:`~moetrace.config.RecorderConfig` fields.
 
@@ -171,25 +175,27 @@ def instrument(
         (or no) recorder returns it.
 
     Raises:
+        AdapterError: a capturer given.
         NoMoELayersError: no MoE layer, or one whose routing/dispatcher cannot be observed.
         UnsupportedVersionError: a Megatron-Core whose MoE layer lacks what is read.
         AlreadyInstrumentedError: instrumented already with another recorder.
     """
-    live = existing_instrumentation(model, recorder, None)
+    refuse_capturer(capturer, "Megatron-Core", "keep a forward's routes with moetrace.adapters.megatron.record_routes(model)")
+    live = existing_instrumentation(target, recorder, None)
     if live is not None:
         return live  # type: ignore[return-value]
-    layers = find_moe_layers(model)
+    layers = find_moe_layers(target)
     first = layers[0]
     config = first.module.config
     defaults: dict[str, Any] = {
         "engine": "megatron",
-        "model": type(model).__name__,
+        "model": type(target).__name__,
         "hidden_size": int(config.hidden_size),
         "ep_size": first.ep_size,
         "ep_rank": first.ep_rank,
         "dtype_bytes": torch.finfo(config.params_dtype).bits // 8,
     }
-    param = next(model.parameters(), None)
+    param = next(target.parameters(), None)
     if param is not None:
         defaults["device"] = param.device
     binding = resolve_recorder(recorder, len(layers), first.num_experts, first.top_k, [layer.layer_id for layer in layers], defaults=defaults, **recorder_options)
@@ -211,9 +217,9 @@ def instrument(
                     hooks.patch(layer.module, method, phase_wrapper(rec, phase)(getattr(layer.module, method)))
                 hooks.wrap_forward(layer.module, _in_layer(rec, layer.index))
         if mark_passes:
-            hooks.wrap_forward(model, forward_pass_wrapper(rec))
+            hooks.wrap_forward(target, forward_pass_wrapper(rec))
         handle = MegatronInstrumentation(
-            model, rec, [layer.layer_id for layer in layers], hooks, engine="megatron",
+            target, rec, [layer.layer_id for layer in layers], hooks, engine="megatron",
             details={
                 "megatron_core": installed_version(),
                 "dispatcher": first.dispatcher,

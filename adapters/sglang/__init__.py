@@ -43,6 +43,7 @@ from ..base import (
     UnsupportedVersionError,
     check_recorder,
     existing_instrumentation,
+    refuse_capturer,
     resolve_recorder,
     unwinding,
 )
@@ -177,6 +178,7 @@ class SGLangInstrumentation(Instrumentation):
 
 
 def instrument(
+    target: Any = None,
     recorder: Any = None,
     capturer: Any = None,
     **recorder_options: Any,
@@ -184,6 +186,8 @@ def instrument(
     """Attach moetrace to SGLang in this process.
 
     Args:
+        target: ``None``: the adapter attaches to SGLang in this process (its
+            expert-distribution recorder is module-level; there is no model to hand over).
         recorder: a moetrace recorder to count into; ``None`` builds one from
             SGLang's expert location metadata when SGLang builds its own, and
             installs it as moetrace's global recorder.
@@ -194,15 +198,17 @@ def instrument(
             ``output_dir``, ``window``, ...).
 
     Raises:
+        AdapterError: a target or a capturer given.
         UnsupportedVersionError: SGLang missing or without the recorder API used here.
         AlreadyInstrumentedError: instrumented already with another recorder.
     """
-    if capturer is not None:
+    if target is not None:
         raise AdapterError(
-            "the SGLang adapter does not feed a moetrace capturer: SGLang captures routed experts per request "
-            "itself (--enable-return-routed-experts; read them with moetrace.adapters.sglang.read_routed_experts); "
-            "pass capturer=None"
+            f"moetrace.adapters.sglang.instrument() attaches to SGLang in this process and takes no target (got {type(target).__name__}); "
+            "pass the recorder as recorder=..."
         )
+    refuse_capturer(capturer, "SGLang", "SGLang captures routed experts per request itself (--enable-return-routed-experts; "
+                    "read them with moetrace.adapters.sglang.read_routed_experts)")
     module, takes_server_args = _recorder_module()
     live = existing_instrumentation(module, recorder)
     if live is not None:

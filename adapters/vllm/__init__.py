@@ -36,6 +36,7 @@ from ..base import (
     Instrumentation,
     existing_instrumentation,
     forward_pass_wrapper,
+    refuse_capturer,
     resolve_recorder,
     unwinding,
 )
@@ -165,12 +166,8 @@ def instrument(
         NoMoELayersError: the model has no MoE layer.
         AlreadyInstrumentedError: instrumented already with another recorder.
     """
+    refuse_capturer(capturer, "vLLM", "for per-request routed experts use vLLM's own capture (enable_return_routed_experts), which moetrace's tap leaves working")
     check_vllm_version()
-    if capturer is not None:
-        raise AdapterError(
-            "the vLLM adapter does not feed a moetrace capturer; for per-request routed experts use "
-            "vLLM's own capture (enable_return_routed_experts), which moetrace's tap leaves working"
-        )
     model, vllm_config = resolve_model(target)
     handle = instrument_model(model, vllm_config, recorder, mark_passes=mark_passes, **recorder_options)
     batches = handle.details.get("batches")
