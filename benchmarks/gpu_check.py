@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import write_results
 
 from moetrace import ExpertDistributionRecorder, NoOpRecorder, RecorderConfig
+from moetrace.accumulators import StatWindow
 from moetrace.capturer import RoutedExpertsCapturer
 from moetrace.reference.ep import EPMoELayer
 from moetrace.reference.experts import SwiGLUExperts
@@ -371,7 +372,7 @@ def window_cut_check(device: torch.device, out_dir: Path, blind_pass_ends: bool 
         for i in range(before):
             one_pass(i)
         win = rec._sink
-        assert win is not None
+        assert isinstance(win, StatWindow)
         if blind_pass_ends:
             win._cuts = _BlindCuts(win._cuts)
         copy_cut, lock, done = win.copy_cut, rec._lock, {}

@@ -9,11 +9,11 @@ its window ring (:meth:`TraceDump.stat_cut`). Everything slow happens
 afterwards, off the lock: the window ring's copy to the host a batch per lock
 hold and the gathers over ranks on the caller's thread (collective), then on the
 background :class:`DumpQueue` thread the joining of the closed segments up to
-the cut into one per-rank trace by copying their chunks (:meth:`TraceDump.stream`; the
-join runs in a child process, :mod:`moetrace.trace.offload`, so its work never holds
-this interpreter's GIL: the dump thread waits for it and renames its file into place),
+the cut into one per-rank trace by copying their chunks (:meth:`TraceDump.stream`),
 or the ``stat`` file with a rank axis written by rank 0 (:meth:`TraceDump.stat`),
-checksums, fsync and rename. Every file is written through
+checksums, fsync and rename. Both files are written in a child process once they are
+large (:mod:`moetrace.trace.offload`), so that work never holds this interpreter's
+GIL: the dump thread waits for it and renames the file into place. Every file is written through
 :class:`~moetrace.trace.writer.TraceWriter` (atomic: a failure leaves nothing
 under the target name, and the segments stay for a retry or ``moetrace recover``:
 the journal notes them consumed only once the dump is renamed into place).
