@@ -38,6 +38,7 @@ from .accumulators import PassCounter, StatWindow, WindowCut
 from .config import RecorderConfig
 from .layout import RankLayout
 from .pass_phase import PASS_PHASES
+from .recording_timing import TimingPart
 from .session import Cut, RecordingSession
 from .timing import HISTOGRAM_EDGES, PHASES
 from .trace.offload import join_segments, write_stat_trace
@@ -48,7 +49,7 @@ from .trace.writer import TraceWriter
 __all__ = ["DumpQueue", "PendingDump", "StatCut", "TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "rank_world", "stat_gathers", "streamed_schema"]
 
 #: Per rank, in rank order: timing aggregates ``{field: array}`` and (``stat`` dumps) the window's ``/timing`` rows.
-TimingParts = list[tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]]
+TimingParts = list[TimingPart]
 
 
 def dist_world() -> tuple[int, int]:
