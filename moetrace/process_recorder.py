@@ -22,7 +22,6 @@ from .timing import UNTIMED
 __all__ = ["NoOpRecorder", "Recorder", "get_recorder", "set_recorder"]
 
 
-
 class NoOpRecorder:
     """The global default: every hook and context manager does nothing.
 
