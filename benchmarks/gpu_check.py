@@ -280,7 +280,7 @@ def sync_check(device: torch.device, out_dir: Path, mode: str, timing: bool = Fa
         reached: dict[str, int] = {}
         _count_calls(rec, "_rotate", reached, "rotations")
         if mode == "stat":
-            _count_calls(rec._session, "_checkpoint", reached, "checkpoints")
+            _count_calls(rec._files.session, "_checkpoint", reached, "checkpoints")
         else:
             _count_calls(rec._sink, "flush", reached, "flushes")
         if timing and mode != "stat":
@@ -356,14 +356,14 @@ def window_cut_check(device: torch.device, out_dir: Path, blind_pass_ends: bool 
     :func:`host_sync_guard` (each pass end first copies its slot, ``non_blocking`` into pinned
     memory on CUDA); the dumped window must equal the routing of the passes at the cut, slot by
     slot. ``blind_pass_ends``: the control, pass ends that do not copy."""
-    import moetrace.recorder as recorder_module
+    import moetrace.dumper as dumper_module
 
     sizes, tokens, window = SIZES["tiny"], 32, SHRUNK["window"]
     before = 2 * window + 4
     ids = [_random_ids(tokens, sizes, str(device), seed) for seed in range(before + window)]
     copied: list[object] = []
     held, release = threading.Event(), threading.Event()
-    batch_bytes = recorder_module._WINDOW_BATCH_BYTES
+    batch_bytes = dumper_module.WINDOW_BATCH_BYTES
     with recorder("stat", sizes, str(device), out_dir, tokens, **SHRUNK) as rec:
         def one_pass(i: int) -> None:
             with rec.with_forward_pass(), rec.with_current_layer(0):
@@ -375,15 +375,16 @@ def window_cut_check(device: torch.device, out_dir: Path, blind_pass_ends: bool 
         assert isinstance(win, StatWindow)
         if blind_pass_ends:
             win._cuts = _BlindCuts(win._cuts)
-        copy_cut, lock, done = win.copy_cut, rec._lock, {}
+        copy_cut, dumper, done = win.copy_cut, rec._dumper, {}
+        lock = dumper._lock  # type: ignore[attr-defined]
 
         def counted(cut: Any, slots: np.ndarray) -> None:
             copy_cut(cut, slots)
             copied.append(slots)
 
         win.copy_cut = counted  # type: ignore[method-assign]
-        rec._lock = _HeldDumpLock(lock, copied, held, release)  # type: ignore[assignment]
-        recorder_module._WINDOW_BATCH_BYTES = 1  # one slot per batch
+        dumper._lock = _HeldDumpLock(lock, copied, held, release)  # type: ignore[attr-defined]
+        dumper_module.WINDOW_BATCH_BYTES = 1  # one slot per batch
         dump = threading.Thread(target=lambda: done.setdefault("path", rec.dump_record(out_dir / "window-cut.h5")), name="gpu-check-dump")
         try:
             dump.start()
@@ -395,8 +396,8 @@ def window_cut_check(device: torch.device, out_dir: Path, blind_pass_ends: bool 
         finally:
             release.set()
             dump.join(60)
-            recorder_module._WINDOW_BATCH_BYTES = batch_bytes
-            rec._lock = lock  # type: ignore[assignment]
+            dumper_module.WINDOW_BATCH_BYTES = batch_bytes
+            dumper._lock = lock  # type: ignore[attr-defined]
         with open_trace(done["path"]) as trace:
             got = trace.window()
         cut = range(before - window, before)

@@ -26,6 +26,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -46,7 +47,7 @@ from .trace.schema import PHASE_COUNTS, STRING_DTYPE, Attr, Data, TraceHeader, d
 from .trace.stat import CounterLayout, StatRows, write_stat, write_stat_window
 from .trace.writer import TraceWriter
 
-__all__ = ["DumpQueue", "PendingDump", "StatCut", "TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "rank_world", "stat_gathers", "streamed_schema"]
+__all__ = ["DumpQueue", "PendingDump", "StatCut", "TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "rank_world", "shared_run_id", "stat_gathers", "streamed_schema"]
 
 #: Per rank, in rank order: timing aggregates ``{field: array}`` and (``stat`` dumps) the window's ``/timing`` rows.
 TimingParts = list[TimingPart]
@@ -57,6 +58,16 @@ def dist_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def shared_run_id(config: RecorderConfig) -> str:
+    """A new recording's run id: ``config.run_id``, else a fresh one from rank 0 (collective under a process group)."""
+    if config.run_id is not None:
+        return config.run_id
+    run_id = [uuid.uuid4().hex]
+    if dist_world()[1] > 1:
+        dist.broadcast_object_list(run_id, src=0)
+    return run_id[0]
 
 
 def rank_world(config: RecorderConfig) -> tuple[int, int]:

@@ -21,19 +21,19 @@ retried), ``reset()`` discards everything. ``start`` while recording and
 ``stop`` while stopped raise :class:`RecorderStateError`, as does ``dump``
 before any ``start``.
 
-This module holds the hooks and the recording state machine. What each mode keeps
-of a pass is its sink (:class:`~moetrace.accumulators.ModeSink`), so nothing here
-asks for the mode; the phase timing is :mod:`moetrace.recording_timing`; the
-recording's files while it runs (segments, rotation, checkpoints, journal) are
-:mod:`moetrace.session`; writing dumps, with the gathers over ranks,
+This module holds the hooks and the recording state machine; nothing in it asks for the mode.
+What each mode keeps of a pass is its sink (:class:`~moetrace.accumulators.ModeSink`) and how it
+is dumped its dumper (:mod:`moetrace.dumper`), both chosen once at construction; the hooks'
+argument checks are :mod:`moetrace.hook_args`; the phase timing :mod:`moetrace.recording_timing`;
+the recording's files while it runs (segments, rotation, checkpoints, journal)
+:mod:`moetrace.session`; writing the dumps' files, with the gathers over ranks,
 :mod:`moetrace.dump`; the asynchronous host copy that ``snapshot()`` reads,
 :mod:`moetrace.snapshot`; the process-wide recorder and its no-op default,
 :mod:`moetrace.process_recorder`.
 
-Over 500 lines: the hooks, the pass end and the dump's cut share every field under one lock
-(pass, layer, gate, counter, sink, the open session, what was dumped), and the cut must
-run under that lock between two pass ends; the sinks, the timing, the session, the dump's
-files and the snapshot channel are their own modules already.
+Over 500 lines: the hooks, the pass end, the lifecycle calls and the dump's cut share every field
+under one lock (pass, layer, gate, counter, sink, the open session, the passes recorded), and the
+public surface (hooks, context managers, lifecycle, dump, snapshot, status) is documented here.
 """
 
 from __future__ import annotations
@@ -43,34 +43,26 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from . import session as sessions
-from .accumulators import PassCounter, StatWindow, WindowCut, mode_sink
+from .accumulators import PassCounter, mode_sink
 from .batch import PassBatch
 from .config import RecorderConfig
 from .devices import resolve_device
-from .dump import (
-    DumpQueue,
-    TraceDump,
-    dist_world,
-    gather_objects,
-    rank_world,
-    stat_gathers,
-    streamed_schema,
-)
+from .dump import TraceDump, rank_world, shared_run_id, streamed_schema
+from .dumper import CutPoint, DumpLedger, mode_dumper
 from .graphs import is_capturing
+from .hook_args import checked_batch, checked_dispatch, checked_ids, checked_layer
 from .pass_phase import UNKNOWN, pass_phase_code, pass_requests
 from .recording_timing import recording_timing
 from .session import RecordingSession, Staged
 from .snapshot import RecorderSnapshot, SnapshotChannel
 from .timing import PHASES, UNTIMED
-from .trace.retention import Retention
 from .trace.stat import CounterLayout
 from .trace.stream import StreamJob
 from .trace.writer import compression_options
@@ -78,15 +70,7 @@ from .trace.writer import compression_options
 __all__ = ["ExpertDistributionRecorder", "RecorderStateError"]
 
 _log = logging.getLogger("moetrace")
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
-#: What a ``stat`` dump copies of the window per recorder lock hold (the most a pass end waits for it).
-_WINDOW_BATCH_BYTES = 4 << 20
-#: The pause after each batch, outside the lock. Python's locks are not fair: without it the dump
-#: thread takes the lock back before a waiting pass end wakes, and at DeepSeek-V3 size the first
-#: pass after a cut waited 50-70 ms for the whole 67 MB window (``docs/benchmarks.md``). About
-#: 17 ms per dump at that size.
-_WINDOW_BATCH_PAUSE_S = 1e-3
 
 
 class RecorderStateError(RuntimeError):
@@ -125,14 +109,14 @@ class ExpertDistributionRecorder:
         self.config = config.replace(device=resolve_device(config.device))  # type: ignore[arg-type]
         cfg = self.config
         self._device: torch.device = cfg.device  # type: ignore[assignment]
-        self._cuda = self._device.type == "cuda"
         self._layout = CounterLayout(cfg.num_physical_experts, cfg.ep_size)
+        self._files = sessions.SessionSlot(self)  # crash safety: the recording's files while it runs
         # Buffers are normal tensors even when built under torch.inference_mode() (as engines
         # often do), so lifecycle calls outside it can update them in place.
         with torch.inference_mode(False):
             self._counter = PassCounter(cfg, self._layout)
             self._counter.set_gate(False)
-            self._sink = mode_sink(cfg, self._layout, self._submit, self._settle_writer)  # what the mode keeps of each pass
+            self._sink = mode_sink(cfg, self._layout, self._files.submit, self._files.settle)  # what the mode keeps of each pass
             self._snapshots = SnapshotChannel(tuple(self._counter.phase_totals.shape), self._device)  # type: ignore[arg-type]
         # Phase timing (host-side): the clock, aggregates over all passes and per-pass rows.
         rows, hand_off = (cfg.stream_chunk_passes, self._submit_timing_rows) if self._sink.streamed else (cfg.window, None)
@@ -152,17 +136,12 @@ class ExpertDistributionRecorder:
         self._layer: int | None = None
         self._disabled = 0
         self._num_passes = 0
-        self._dumped_passes = 0
         self._run_id = uuid.uuid4().hex
         self._staged = Staged(self._counter, self._sink, self._timing.flush_rows)
         streamed = streamed_schema(cfg, self._layout, self._sink.token_dtype, self._timing.row_schema())
         self._dump = TraceDump(cfg, self._layout, streamed, self._timing.kind, compression_options(cfg.resolved_compression))
-        # Crash safety: the files of the recording while it runs (moetrace.session).
-        self._session: RecordingSession | None = None
-        self.last_dump_path: Path | None = None
-        self._errors: list[str] = []
-        self._retention = Retention(cfg.retention, cfg.output_dir) if cfg.retention is not None else None
-        self._dumps = DumpQueue()  # dumps' files are written on its thread, never the forward thread
+        self._ledger = DumpLedger(cfg, self._lock)  # dumps' files are written on its thread, never the forward thread
+        self._dumper = mode_dumper(cfg, self._sink, self._dump, self._counter, self._timing, self._ledger, self._lock, self._hand_session)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -192,7 +171,7 @@ class ExpertDistributionRecorder:
     @property
     def undumped_passes(self) -> int:
         """Passes recorded since the last dump (since ``start_record`` before any dump)."""
-        return self._num_passes - self._dumped_passes
+        return self._num_passes - self._ledger.dumped_passes
 
     @property
     def id_space(self) -> str:
@@ -213,7 +192,7 @@ class ExpertDistributionRecorder:
             raise RecorderStateError("with_forward_pass is already active: forward passes do not nest")
         pass_id = self._next_pass_id if forward_pass_id is None else int(forward_pass_id)
         self._next_pass_id = pass_id + 1
-        self._batch = _checked_batch(batch)
+        self._batch = checked_batch(batch)
         self._in_pass = True
         self._pass_active = self._recording
         self._pass_rows = 0
@@ -242,7 +221,7 @@ class ExpertDistributionRecorder:
         """
         if not self._in_pass:
             raise RecorderStateError("set_batch() called outside with_forward_pass(); give the batch of a pass while it runs")
-        self._batch = _checked_batch(batch)
+        self._batch = checked_batch(batch)
 
     @property
     def current_batch(self) -> PassBatch | None:
@@ -270,9 +249,7 @@ class ExpertDistributionRecorder:
 
     def with_current_layer(self, layer_idx: int) -> _LayerScope:
         """Set the MoE layer (compact index ``0..L-1``) that hooks in the block count into."""
-        if not 0 <= layer_idx < self.config.num_layers:
-            raise ValueError(f"layer index {layer_idx} is outside [0, num_layers={self.config.num_layers})")
-        return _LayerScope(self, layer_idx)
+        return _LayerScope(self, checked_layer(layer_idx, self.config.num_layers, "with_current_layer"))
 
     def with_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Time phase ``name`` (one of :data:`moetrace.PHASES`) of the current layer.
@@ -321,28 +298,11 @@ class ExpertDistributionRecorder:
         return True
 
     def _resolve_layer(self, layer: int | None, hook: str) -> int:
-        if layer is None:
-            layer = self._layer
-            if layer is None:
-                raise RecorderStateError(
-                    f"{hook} called outside with_current_layer(); wrap the MoE layer in "
-                    "recorder.with_current_layer(i) or pass layer=i"
-                )
-            return layer
-        if not 0 <= layer < self.config.num_layers:
-            raise ValueError(f"{hook}: layer {layer} is outside [0, num_layers={self.config.num_layers})")
-        return layer
-
-    def _check_tensor(self, name: str, tensor: object, ndim: int) -> torch.Tensor:
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in _INT_DTYPES:
-            raise ValueError(f"{name} must be an integer tensor, got dtype {tensor.dtype}")
-        if tensor.dim() != ndim:
-            raise ValueError(f"{name} must have {ndim} dimension(s), got shape {list(tensor.shape)}")
-        if tensor.device != self._device:
-            raise ValueError(f"{name} is on {tensor.device} but the recorder counts on {self._device}; configure device={tensor.device}")
-        return tensor
+        if layer is not None:
+            return checked_layer(layer, self.config.num_layers, hook)
+        if self._layer is None:
+            raise RecorderStateError(f"{hook} called outside with_current_layer(); wrap the MoE layer in recorder.with_current_layer(i) or pass layer=i")
+        return self._layer
 
     def on_select_experts(self, topk_ids: torch.Tensor, layer: int | None = None) -> None:
         """Count the experts selected for each token.
@@ -355,9 +315,7 @@ class ExpertDistributionRecorder:
         if not self._active():
             return
         layer = self._resolve_layer(layer, "on_select_experts")
-        ids = self._check_tensor("topk_ids", topk_ids, 2)
-        if ids.shape[1] != self.config.top_k:
-            raise ValueError(f"topk_ids has {ids.shape[1]} columns but the recorder was configured with top_k={self.config.top_k}")
+        ids = checked_ids(topk_ids, self.config.top_k, self._device)
         self._sink.check_room(layer, ids.shape[0])
         index = self._counter.add_select(layer, ids)
         rows = self._sink.add_layer(layer, index)
@@ -384,14 +342,7 @@ class ExpertDistributionRecorder:
         if not self._active():
             return
         layer = self._resolve_layer(layer, "on_dispatch")
-        ep = self.config.ep_size
-        for name, tensor in (("send_counts", send_counts), ("recv_counts", recv_counts)):
-            if tensor is not None and self._check_tensor(name, tensor, 1).shape[0] != ep:
-                raise ValueError(f"{name} must have shape [ep_size={ep}], got {list(tensor.shape)}")
-        if dropped is not None:
-            self._check_tensor("dropped", dropped, dropped.dim() if isinstance(dropped, torch.Tensor) else 0)
-            if dropped.numel() != 1:
-                raise ValueError(f"dropped must hold one count, got shape {list(dropped.shape)}")
+        checked_dispatch(send_counts, recv_counts, dropped, self.config.ep_size, self._device)
         self._counter.add_dispatch(layer, send_counts, recv_counts, dropped)
 
     # ------------------------------------------------------------------ pass end
@@ -409,20 +360,11 @@ class ExpertDistributionRecorder:
             counter.clear()
             self._num_passes += 1
             self._snapshots.publish(counter.phase_totals, counter.phase_tokens, self._num_passes, timestamp, counter.phase_host)
-            if self._session is not None:
-                self._session.poll()
-                if self._session.due():
-                    self._rotate(pass_id)
-
-    def _rotate(self, pass_id: int, wait: bool = False) -> None:
-        """Segment due (``segment_seconds``): the session hands what is staged to its writer thread.
-        Only enqueues: never waits (``wait``: for a free checkpoint buffer)."""
-        assert self._session is not None
-        self._session.rotate(pass_id, self._num_passes, wait)
+            self._files.after_pass(pass_id, self._num_passes)
 
     def _submit_timing_rows(self, rows: dict[str, np.ndarray]) -> None:
         """Streaming modes: a block of ``/timing`` rows ``{dataset: [n, ...]}`` for the segment writer."""
-        self._submit(StreamJob(event=None, build=lambda: rows, done=lambda: None))
+        self._files.submit(StreamJob(event=None, build=lambda: rows, done=lambda: None))
 
     def _discard_pass(self) -> None:
         self._pass_phase, self._pass_requests = UNKNOWN, -1
@@ -431,26 +373,15 @@ class ExpertDistributionRecorder:
             self._counter.clear()
             self._sink.discard_pass(max(self._pass_rows, self._captured_rows))
 
-    def _submit(self, job: StreamJob) -> None:
-        if self._session is None:
-            job.done()
-            return
-        self._session.submit(job)
-
-    def _settle_writer(self) -> None:
-        """Hand the writer thread every copy still in flight (waits for their events on this thread)."""
-        if self._session is not None:
-            self._session.settle()
-
     # ------------------------------------------------------------------ lifecycle
     def start_record(self) -> None:
         """Begin a fresh recording (counts, window and streams start empty; waits for dumps still being written)."""
-        self._dumps.wait()  # their segments belong to the recording that _clear closes
+        self._ledger.queue.wait()  # their segments belong to the recording that _clear closes
         with self._lock:
             if self._recording:
                 raise RecorderStateError("already recording; call stop_record() first")
             self._clear()
-            self._run_id = self._shared_run_id()
+            self._run_id = shared_run_id(self.config)
             self._open_session()
             self._started = True
             self._recording = True
@@ -464,12 +395,11 @@ class ExpertDistributionRecorder:
             self._recording = False
             self._counter.set_gate(False)
             self._snapshots.settle()
-            if self._session is not None:  # everything recorded so far goes into closed segments / a checkpoint
-                self._rotate(self._next_pass_id - 1, wait=True)
+            self._files.rotate(self._next_pass_id - 1, self._num_passes)  # everything so far into closed segments / a checkpoint
 
     def reset(self) -> None:
         """Discard everything recorded (after the dumps still being written); keeps recording if it was."""
-        self._dumps.wait()
+        self._ledger.queue.wait()
         with self._lock:
             self._clear()
             if self._recording:
@@ -482,16 +412,7 @@ class ExpertDistributionRecorder:
         self._snapshots.clear()
         self._timing.reset()
         self._num_passes = 0
-        self._dumped_passes = 0
-        self._errors = []
-
-    def _shared_run_id(self) -> str:
-        if self.config.run_id is not None:
-            return self.config.run_id
-        run_id = [uuid.uuid4().hex]
-        if dist_world()[1] > 1:
-            dist.broadcast_object_list(run_id, src=0)
-        return run_id[0]
+        self._ledger.clear()
 
     def _open_session(self) -> None:
         """Start the recording's files: rotating segments (streaming modes) or checkpoints (stat)."""
@@ -499,21 +420,13 @@ class ExpertDistributionRecorder:
             return
         rank, world = rank_world(self.config)
         header = self._dump.header(self._run_id, rank, world)
-        self._session = RecordingSession(self.config, header, self._layout, self._dump.streamed, self._staged,
-                                         self._dump.write_stat_file, self._dump.compression)
-        sessions.opened(self)
+        self._files.open(RecordingSession(self.config, header, self._layout, self._dump.streamed, self._staged,
+                                          self._dump.write_stat_file, self._dump.compression))
 
     def _close_session(self, keep: bool) -> None:
         """Stop the writer thread. ``keep``: close the open segment (or write a last checkpoint) and
         leave the files for ``moetrace recover``; else delete every file of the run not dumped yet."""
-        session = self._session
-        if session is None:
-            return
-        if keep:
-            self._rotate(self._next_pass_id - 1, wait=True)
-        self._session = None
-        sessions.closed(self)
-        session.close(keep, self.undumped_passes)
+        self._files.close(keep, self._next_pass_id - 1, self._num_passes, self.undumped_passes)
 
     def _close_at_exit(self) -> None:
         """Interpreter exit (:func:`moetrace.session.close_at_exit`): keep undumped passes on disk."""
@@ -530,17 +443,11 @@ class ExpertDistributionRecorder:
     def dump_record(self, path: Path | str | None = None, wait: bool = True) -> Path:
         """Write what was recorded to an HDF5 trace (atomically) and return its path.
 
-        The dump is a cut at a pass boundary: under the lock a pass end also takes, it only
-        hands the staged rows over (streaming modes: the segment writer closes the open
-        segment) or copies the totals on the device and begins a copy on write of the window
-        (``stat``: the window is then copied to the host a few MiB per lock hold, and a pass end
-        that would overwrite a slot not copied yet copies it first); recording goes on into a
-        new segment at once. Joining the segments (their chunks copied, not
-        re-encoded), checksums, fsync and the rename happen on a background thread
-        (:class:`~moetrace.dump.DumpQueue`), so the forward thread never waits for them; the
-        join of large segments runs in a child process
-        (:func:`~moetrace.trace.offload.join_segments`), so it never holds this
-        interpreter's GIL either.
+        The dump is a cut at a pass boundary: under the lock a pass end also takes, the mode's
+        dumper (:mod:`moetrace.dumper`) only hands the staged rows over (streaming modes) or
+        copies the totals and begins a copy on write of the window (``stat``); recording goes on
+        at once. The rest runs off the lock, and the file is joined or written on a background
+        thread (in a child process when large), so the forward thread never waits for it.
 
         ``wait=True`` (the default) returns once the file is in place and raises if the
         dump failed; ``wait=False`` returns the path at once (the file appears there,
@@ -556,156 +463,65 @@ class ExpertDistributionRecorder:
         passes), so a long run can be dumped in segments. After a failure the segments are
         kept and the next dump holds their passes too (or ``moetrace recover`` after a crash).
         """
-        window = self._sink if isinstance(self._sink, StatWindow) else None
-        ring = window.host_buffer() if window is not None else None  # stat: allocated before the lock
+        prepared = self._dumper.prepare()  # stat: the host ring, allocated before the lock
         with self._lock:
             if not self._started:
                 raise RecorderStateError("nothing recorded yet: call start_record() before dump_record()")
+            if self._dumper.needs_session and self._files.session is None:
+                raise RecorderStateError("no streaming segment is open (it was already dumped after stop_record); call start_record() to record again")
             self._snapshots.settle()
             target = Path(path) if path is not None else self._dump.default_path()
             if target.suffix != ".h5":
                 target = target.with_name(target.name + ".h5")
-            rank, world = rank_world(self.config)
-            if window is not None:
-                gathered = stat_gathers(self.config)
-                if gathered:
-                    rank = dist_world()[0]  # the collective's rank 0 writes the file
-                elif world > 1:
-                    target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
-                outside = self._cut_stat(target, rank, world, world if gathered else 1, window, ring)  # type: ignore[arg-type]
-            else:
-                if world > 1:
-                    target = target.with_name(f"{target.stem}-rank{rank}{target.suffix}")
-                outside = self._cut_stream(target, rank, world)
-        pending = self._dumps.submit(target, outside())  # outside the lock: gathers, copies in flight
+            at = CutPoint(self._num_passes, self._next_pass_id - 1, self._recording, self._run_id, self._files.session)
+            target, outside = self._dumper.cut(target, at, prepared)
+        pending = self._ledger.queue.submit(target, outside())  # outside the lock: gathers, copies in flight
         return pending.result() if wait else target
+
+    def _hand_session(self, session: RecordingSession | None, run_id: str) -> None:
+        """A streaming dump after ``stop_record`` takes the open session (``None``), and a failed
+        one gives it back (lock held) unless a new recording began meanwhile."""
+        if session is None:
+            self._files.take()
+        elif self._files.session is None and not self._recording and self._run_id == run_id:
+            self._files.open(session)
 
     @property
     def pending_dumps(self) -> int:
         """Dumps whose file is still being written on the background dump thread."""
-        return len(self._dumps.pending)
+        return len(self._ledger.pending)
 
     def wait_dumps(self) -> None:
         """Wait for every dump started so far; raises the first one's error if any failed."""
-        for pending in self._dumps.pending:
+        for pending in self._ledger.pending:
             pending.result()
 
-    def _cut_stat(self, target: Path, rank: int, world: int, peers: int, window: StatWindow, ring: torch.Tensor) -> Callable[[], Callable[[], Path]]:
-        """``stat`` cut (lock held): device copies of the totals, the window's copy on write into
-        ``ring`` begun. Returns what runs next on the caller's thread outside the lock (the window's
-        copy, a batch per lock hold, then the gathers to rank 0, collective), which returns the file
-        write for the dump thread."""
-        cut = self._dump.stat_cut(self._counter, window, self._num_passes, ring)
-        timing = self._timing.part(rows=True, resolve=not self._recording)
-        run_id = self._run_id
-        self._dumped_passes = self._num_passes  # stat dumps are cumulative: every pass is in this one
-
-        def gather() -> Callable[[], Path]:
-            rows = self._dump.stat_gather(cut, self._copy_window(window, cut.ring), rank, world, peers)
-            parts = gather_objects(timing, peers) if timing is not None else None
-            if peers > 1 and rank != 0:
-                return lambda: target  # rank 0 writes the file
-            return self._finished(target, lambda: self._dump.stat(target, run_id, rank, world, peers, rows, parts), undo=None)  # type: ignore[arg-type]
-
-        return gather
-
-    def _copy_window(self, window: StatWindow, cut: WindowCut) -> np.ndarray:
-        """A ``stat`` cut's window ring ``[W, L, P]`` on the host: copied :data:`_WINDOW_BATCH_BYTES` at
-        a time, each batch under the lock a pass end takes, then a pause that lets a waiting pass end
-        take it (so a pass end waits for about one batch, never the whole window), oldest slots first
-        (those the next passes overwrite; a pass end copies a slot itself when it gets there first)."""
-        slot_bytes = max(1, cut.host[0].numel() * cut.host.element_size())
-        step = max(1, _WINDOW_BATCH_BYTES // slot_bytes)
-        try:
-            for at in range(0, len(cut.order), step):
-                with self._lock:
-                    window.copy_cut(cut, cut.order[at : at + step])
-                time.sleep(_WINDOW_BATCH_PAUSE_S)
-        finally:
-            with self._lock:
-                event = window.end_cut(cut)
-        if event is not None:
-            event.synchronize()  # the caller's thread (a dump), not a pass end
-        return cut.host.numpy()
-
-    def _cut_stream(self, target: Path, rank: int, world: int) -> Callable[[], Callable[[], Path]]:
-        """Streaming cut (lock held): hand the staged rows over and mark the cut. Returns what runs
-        next on the caller's thread outside the lock (waiting for the copies just handed over),
-        which returns the join for the dump thread."""
-        session = self._session
-        if session is None:
-            raise RecorderStateError("no streaming segment is open (it was already dumped after stop_record); call start_record() to record again")
-        timing = self._timing.part(rows=False, resolve=not self._recording)
-        cut = session.cut(self._next_pass_id - 1, self._num_passes)
-        passes = self._num_passes - self._dumped_passes
-        self._dumped_passes = self._num_passes
-        undo_timing = self._timing.cut()
-        detach = not self._recording  # the last dump after stop_record: the session closes after it
-        if detach:
-            self._session = None
-            sessions.closed(self)
-        run_id, parts = self._run_id, [timing] if timing is not None else None
-
-        def undo() -> None:  # lock held: the dump failed, its passes count as not dumped again
-            self._dumped_passes -= passes
-            undo_timing()
-            if detach and self._session is None and not self._recording and self._run_id == run_id:
-                self._session = session  # dump again to retry
-                sessions.opened(self)
-
-        def join() -> Path:
-            written = self._dump.stream(target, run_id, rank, world, session, cut, parts)  # type: ignore[arg-type]
-            if detach:
-                session.close(keep=False, undumped_passes=0)
-            return written
-
-        def settle() -> Callable[[], Path]:
-            session.settle()  # the writer thread waits for these copies; no CUDA call on other threads
-            return self._finished(target, join, undo)
-
-        return settle
-
-    def _finished(self, target: Path, write: Callable[[], Path], undo: Callable[[], None] | None) -> Callable[[], Path]:
-        """``write`` on the dump thread, then the bookkeeping: last path and retention, or the error."""
-
-        def run() -> Path:
-            try:
-                written = write()
-            except BaseException as exc:
-                with self._lock:
-                    self._errors.append(f"dump to {target} failed: {exc}")
-                    if undo is not None:
-                        undo()
-                raise
-            with self._lock:
-                self.last_dump_path = written
-            if self._retention is not None:  # bounded disk: after the dump, file I/O only
-                self._retention.apply()
-            return written
-
-        return run
+    @property
+    def last_dump_path(self) -> Path | None:
+        """The last file a dump put in place."""
+        return self._ledger.last_path
 
     # ------------------------------------------------------------------ snapshot / status
     def snapshot(self) -> RecorderSnapshot:
         """The latest completed host copy of the totals; never waits for the device."""
         with self._lock:
             rows, (passes, tokens, stamp), host = self._snapshots.latest_phases()
-            recording, last, errors = self._recording, self.last_dump_path, tuple(self._errors)
+            recording, last, errors = self._recording, self._ledger.last_path, tuple(self._ledger.errors)
             timing = self._timing.stats()
         return RecorderSnapshot.of_rows(
             self.config, self._layout, rows, (passes, int(tokens.sum()), stamp), recording=recording, id_space=self.id_space,
             pass_phase_num_passes=host[0], pass_phase_num_tokens=tokens, pass_phase_num_requests=host[1],
             last_dump_path=str(last) if last else None, errors=errors, dropped_passes=self.dropped_passes, timing=timing,
             rank_layout=self.config.rank_layout(*rank_world(self.config)),
-            retention=self._retention.stats.to_dict() if self._retention is not None else None,
+            retention=self._ledger.retention_stats(),
         )
 
     def status(self) -> dict[str, object]:
         """A JSON-ready summary for control endpoints."""
         with self._lock:
             tokens = self._snapshots.latest()[1][1]
-            segment_error = self._session.error if self._session is not None else None
-            errors = [*self._errors, *([f"streaming write failed: {segment_error}"] if segment_error else [])]
+            segment_error = self._files.error
+            errors = [*self._ledger.errors, *([f"streaming write failed: {segment_error}"] if segment_error else [])]
             return {
                 "configured": True,
                 "recording": self._recording,
@@ -714,15 +530,10 @@ class ExpertDistributionRecorder:
                 "tokens": tokens,
                 "dropped_passes": self.dropped_passes,
                 "last_dump_path": str(self.last_dump_path) if self.last_dump_path else None,
-                "pending_dumps": [str(p.target) for p in self._dumps.pending],
+                "pending_dumps": [str(p.target) for p in self._ledger.pending],
                 "output_dir": str(self.config.output_dir),
                 "errors": errors,
-                "retention": self._retention.stats.to_dict() if self._retention is not None else None,
+                "retention": self._ledger.retention_stats(),
                 "layout": self.config.rank_layout(*rank_world(self.config)).as_dict(),
             }
 
-
-def _checked_batch(batch: object) -> PassBatch | None:
-    if batch is not None and not isinstance(batch, PassBatch):
-        raise TypeError(f"batch must be a moetrace.batch.PassBatch (PassBatch.of(...)) or None, got {type(batch).__name__}")
-    return batch

@@ -38,7 +38,7 @@ from .trace.stat import CounterLayout, StatRows
 from .trace.stream import BackgroundTraceWriter, HostBufferPool, StreamJob
 from .trace.writer import TraceWriter, check_writable_dir
 
-__all__ = ["Cut", "RecordingSession", "Staged", "close_at_exit", "closed", "opened", "wanted"]
+__all__ = ["Cut", "RecordingSession", "SessionSlot", "Staged", "close_at_exit", "wanted"]
 
 #: ``fill(writer, stat)``: a checkpoint's ``/stat`` and ``/window`` from its host arrays (one rank row).
 FillStat = Callable[[TraceWriter, StatRows], None]
@@ -272,13 +272,64 @@ class _Owner(Protocol):
 _OPEN: weakref.WeakSet[_Owner] = weakref.WeakSet()
 
 
-def opened(owner: _Owner) -> None:
-    """``owner`` holds an open session: close it at interpreter exit unless it closes first."""
-    _OPEN.add(owner)
+class SessionSlot:
+    """A recorder's open :class:`RecordingSession`, if any, and what the recorder asks of it; each
+    call is a no-op while none is open (a ``stat`` recording without checkpoints never opens one).
+    While one is open, the owner's ``_close_at_exit`` runs at interpreter exit (:func:`close_at_exit`)."""
 
+    def __init__(self, owner: _Owner) -> None:
+        self._owner = owner
+        self.session: RecordingSession | None = None
 
-def closed(owner: _Owner) -> None:
-    _OPEN.discard(owner)
+    def open(self, session: RecordingSession) -> None:
+        self.session = session
+        _OPEN.add(self._owner)
+
+    def take(self) -> RecordingSession | None:
+        """The open session, which the slot no longer holds (the caller closes it)."""
+        session, self.session = self.session, None
+        _OPEN.discard(self._owner)
+        return session
+
+    @property
+    def error(self) -> str | None:
+        """The open session's writer failure, if any."""
+        return self.session.error if self.session is not None else None
+
+    def submit(self, job: StreamJob) -> None:
+        """Hand ``job`` to the writer thread (with none open: the job's staging is released at once)."""
+        if self.session is None:
+            job.done()
+        else:
+            self.session.submit(job)
+
+    def settle(self) -> None:
+        """Hand the writer thread every copy still in flight (waits for their events on this thread)."""
+        if self.session is not None:
+            self.session.settle()
+
+    def after_pass(self, pass_id: int, passes: int) -> None:
+        """A pass ended (lock held): note what the writer finished; rotate when a segment is due
+        (``segment_seconds``). Only enqueues: never waits."""
+        if self.session is not None:
+            self.session.poll()
+            if self.session.due():
+                self.session.rotate(pass_id, passes, False)
+
+    def rotate(self, pass_id: int, passes: int) -> None:
+        """Everything recorded up to ``pass_id`` into closed segments or a checkpoint (waits for a
+        free checkpoint buffer)."""
+        if self.session is not None:
+            self.session.rotate(pass_id, passes, True)
+
+    def close(self, keep: bool, pass_id: int, passes: int, undumped_passes: int) -> None:
+        """Stop the writer thread. ``keep``: rotate up to ``pass_id`` first and leave the files for
+        ``moetrace recover``; else delete every file of the run not dumped yet."""
+        if keep:
+            self.rotate(pass_id, passes)
+        session = self.take()
+        if session is not None:
+            session.close(keep, undumped_passes)
 
 
 @atexit.register

@@ -144,7 +144,7 @@ def test_sweep_spares_live_writers(tmp_path):
     rec.start_record()
     for pass_id in range(CHUNK_TOKENS // TOKENS + 1):  # one hand-off: the open segment exists
         feed(rec, pass_id)
-    rec._session.writer.drain()
+    rec._files.session.writer.drain()
     live = [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
     assert live, "the open segment's temporary should exist"
     dead = tmp_path / f".x.h5.tmp-{socket.gethostname()}-999999999-0123abcd"
@@ -202,8 +202,8 @@ def test_recover_skips_segments_already_dumped_and_refuses_live_runs(tmp_path):
     dumped = rec.dump_record(tmp_path / "first.h5")
     for pass_id in range(20, 45):
         feed(rec, pass_id)
-    rec._rotate(44, wait=True)  # the passes after the dump sit in closed segments, as at a crash
-    rec._session.writer.drain()
+    rec._files.rotate(44, rec.num_passes)  # the passes after the dump sit in closed segments, as at a crash
+    rec._files.session.writer.drain()
     with pytest.raises(TraceError, match="still being recorded by process"):
         recover(tmp_path, tmp_path / "rec.h5")
     [rank] = recover(tmp_path, tmp_path / "rec.h5", force=True)

@@ -53,7 +53,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "versions, id spaces, vendored data, dispatch formulas, balance metric definitions, rank layouts, lazy package attributes"),
     ("trace", ("moetrace.trace",), "the HDF5 trace: schema (every name), writers, readers, segments, merge"),
     ("core", ("moetrace.config", "moetrace.accumulators", "moetrace.timing", "moetrace.snapshot",
-              "moetrace.recorder", "moetrace.recording_timing", "moetrace.process_recorder", "moetrace.session", "moetrace.dump", "moetrace.capturer", "moetrace.routes",
+              "moetrace.recorder", "moetrace.hook_args", "moetrace.recording_timing", "moetrace.process_recorder", "moetrace.session", "moetrace.dump", "moetrace.dumper", "moetrace.capturer", "moetrace.routes",
               "moetrace.replay", "moetrace.replay_audit", "moetrace.testing", "moetrace.graphs",
               "moetrace.devices", "moetrace.labels", "moetrace.provenance", "moetrace.route_checks", "moetrace.batch"),
      "what runs inside an engine's forward: config, hooks, recorder, session, dump, capturer, replay"),

@@ -30,6 +30,8 @@ CORE = {
     "moetrace.batch",
     "moetrace.process_recorder",
     "moetrace.recorder",
+    "moetrace.hook_args",
+    "moetrace.dumper",
     "moetrace.recording_timing",
     "moetrace.session",
     "moetrace.snapshot",

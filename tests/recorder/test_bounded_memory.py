@@ -30,7 +30,7 @@ def test_streaming_memory_does_not_grow(tmp_path, mode, tokens):
     gc.collect()
     warm = process.memory_info().rss
     run(rec, 2400, ids)
-    rec._session.writer.drain()
+    rec._files.session.writer.drain()
     gc.collect()
     grown = process.memory_info().rss - warm
     streamed = 2400 * (tokens * 4 * 8 * 2 + tokens * 12) if mode == "per_token" else 2400 * 4 * (64 + 5) * 4

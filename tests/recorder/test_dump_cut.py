@@ -101,7 +101,7 @@ def test_cut_while_recording_holds_what_came_before_and_the_next_dump_what_follo
         assert sorted(p.name for p in tmp_path.iterdir()) == ["first.h5", "second.h5"]  # segments and journal consumed
 
 
-class BlockedCommits:
+class BlockedRenames:
     """Holds every dump's last step on the background dump thread until ``release`` (bounded): the
     rename into place of its file (a streaming dump's join or a ``stat`` file, written here or
     in a child process)."""
@@ -121,15 +121,15 @@ class BlockedCommits:
 
 @pytest.mark.parametrize("mode", ["per_token", "per_pass", "stat"])
 def test_passes_keep_ending_while_the_dump_is_blocked(tmp_path, mode, monkeypatch):
-    blocked = BlockedCommits(monkeypatch)
-    rec = recorder(tmp_path, mode, segment_bytes=1024)  # several segments before the cut: the dump joins them (a commit)
+    blocked = BlockedRenames(monkeypatch)
+    rec = recorder(tmp_path, mode, segment_bytes=1024)  # several segments before the cut: the dump joins them
     rec.start_record()
     feed(rec, range(0, 30))
     target = rec.dump_record(tmp_path / "cut.h5", wait=False)  # from the forward thread itself
     assert blocked.started.wait(WAIT_S)
     with assert_no_host_sync():  # every hook and pass end, while a dump is in flight
         feed(rec, range(30, 70))
-    # 40 passes ended while the dump's commit was held: the forward thread never waited for it.
+    # 40 passes ended while the dump's rename was held: the forward thread never waited for it.
     assert rec.pending_dumps == 1 and not target.exists() and rec.num_passes == 70
     assert rec.status()["pending_dumps"] == [str(target)]
     blocked.release.set()
@@ -142,7 +142,7 @@ def test_passes_keep_ending_while_the_dump_is_blocked(tmp_path, mode, monkeypatc
 
 
 def test_a_failed_background_dump_loses_nothing_and_says_so(tmp_path, monkeypatch):
-    rec = recorder(tmp_path, "per_token", segment_bytes=1024)  # several segments: the dump joins them (a commit)
+    rec = recorder(tmp_path, "per_token", segment_bytes=1024)  # several segments: the dump joins them
     rec.start_record()
     feed(rec, range(0, 25))
     promote = offload.promote
@@ -176,7 +176,7 @@ def test_dumps_join_chunks_without_decoding_where_segments_line_up(tmp_path):
         with rec.with_forward_pass(pass_id):
             for layer in range(layers):
                 rec.on_select_experts(ids[pass_id], layer=layer)
-    rec._session.writer.drain()
+    rec._files.session.writer.drain()
     segments = sorted(tmp_path.glob(".moetrace-*-seg*.h5"))
     assert len(segments) == 5
 
@@ -200,12 +200,12 @@ def test_stat_window_is_copied_on_write_while_passes_overwrite_it(tmp_path, monk
     """A stat dump copies the window a batch per lock hold (so a pass end waits for one batch, not
     the whole ring); passes that end meanwhile overwrite slots it has not copied yet, and each such
     pass end copies its slot first: the dump's window is the one at the cut, pass by pass."""
-    import moetrace.recorder as recorder_module
+    import moetrace.dumper as dumper_module
     from moetrace.accumulators import StatWindow
 
     window = 16
     rec = recorder(tmp_path, "stat", window=window)
-    monkeypatch.setattr(recorder_module, "_WINDOW_BATCH_BYTES", 1)  # one slot per batch
+    monkeypatch.setattr(dumper_module, "WINDOW_BATCH_BYTES", 1)  # one slot per batch
     first_batch, release = threading.Event(), threading.Event()
     copy_cut = StatWindow.copy_cut
     batches: list[np.ndarray] = []
@@ -215,7 +215,7 @@ def test_stat_window_is_copied_on_write_while_passes_overwrite_it(tmp_path, monk
         batches.append(slots.copy())
 
     class HeldLock:
-        """The recorder's lock; the dump's thread waits before taking it again after its first batch (outside the lock)."""
+        """The recorder's lock as its dumper takes it; the dump's thread waits before taking it again after its first batch (outside the lock)."""
 
         def __init__(self, lock: threading.RLock) -> None:
             self._lock = lock
@@ -230,7 +230,7 @@ def test_stat_window_is_copied_on_write_while_passes_overwrite_it(tmp_path, monk
             self._lock.release()
 
     monkeypatch.setattr(StatWindow, "copy_cut", counted)
-    rec._lock = HeldLock(rec._lock)  # type: ignore[assignment]
+    rec._dumper._lock = HeldLock(rec._dumper._lock)  # type: ignore[attr-defined]
     rec.start_record()
     feed(rec, range(0, 40))  # the ring wrapped: its slots hold passes 24..39
     done: dict[str, Path] = {}

@@ -30,7 +30,7 @@ PASSES = 12  # window 4, chunks of 3 passes / 64 tokens: the window wraps and ch
 HOT_PATH = ("with_forward_pass", "set_batch", "current_batch", "set_pass_phase", "with_current_layer", "with_phase",
             "disable_this_region", "on_select_experts", "on_dispatch")
 #: the rest of the public surface: lifecycle, dumps, reads (never inside a forward pass)
-OFF_PATH = ("start_record", "stop_record", "reset", "dump_record", "wait_dumps", "pending_dumps", "snapshot", "status",
+OFF_PATH = ("start_record", "stop_record", "reset", "dump_record", "wait_dumps", "pending_dumps", "last_dump_path", "snapshot", "status",
             "recording", "mode", "run_id", "num_passes", "dropped_passes", "undumped_passes", "id_space")
 
 

@@ -55,7 +55,7 @@ def segments(tmp_path: Path, mode: str) -> tuple[ExpertDistributionRecorder, lis
         with rec.with_forward_pass(pass_id):
             for layer in range(LAYERS):
                 rec.on_select_experts(torch.as_tensor(rng.integers(-1, EXPERTS, (TOKENS, TOP_K))), layer=layer)
-    rec._session.writer.drain()
+    rec._files.session.writer.drain()
     found = sorted(tmp_path.glob(".moetrace-*-seg*.h5"))
     assert len(found) >= 4
     return rec, found

@@ -75,7 +75,7 @@ def test_streaming_writer_failure_is_reported(tmp_path, monkeypatch):
 
     monkeypatch.setattr(TraceWriter, "append", broken)
     replay(rec, [[np.array([[1]])]] * 4)
-    rec._session.writer.drain()
+    rec._files.session.writer.drain()
     assert any("No space left" in e for e in rec.status()["errors"])
     with pytest.raises(TraceWriteError, match="background trace writer failed"):
         rec.dump_record()
