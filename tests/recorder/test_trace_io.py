@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from moetrace import ExpertDistributionRecorder, RecorderConfig
+from moetrace import ExpertDistributionRecorder, RecorderConfig, RecorderStateError
 from moetrace.trace import SCHEMA_VERSION, TraceError, TraceWriteError, offload, open_trace
 from moetrace.trace.writer import TraceWriter, write_json_atomic
 from tests.recorder.helpers import random_passes, replay
@@ -64,6 +64,54 @@ def test_failure_mid_dump_leaves_nothing_and_retry_succeeds(tmp_path, monkeypatc
             assert trace.num_rows("passes/pass_id") == 9
         if mode == "per_token":
             assert trace.num_rows("tokens/topk_ids") == rec.snapshot().num_tokens
+
+
+@pytest.mark.parametrize("mode", ["per_pass", "per_token"])
+def test_a_failed_last_dump_after_stop_keeps_the_session_for_a_retry(tmp_path, monkeypatch, mode):
+    """The last streaming dump after stop_record takes the recording's session; when it fails, the
+    session comes back, so the retry holds every pass, and once it succeeds there is nothing to dump."""
+    rec = recorded(tmp_path, mode)
+    rec.stop_record()
+    before = rec.snapshot().physical_count.copy()
+    promote = offload.promote
+
+    def disk_full_at_rename(staging, target):
+        if target.name == "last.h5":
+            staging.unlink()
+            raise TraceWriteError(f"finishing trace {target} failed: {os.strerror(errno.ENOSPC)}")
+        return promote(staging, target)
+
+    monkeypatch.setattr(offload, "promote", disk_full_at_rename)
+    with pytest.raises(TraceWriteError, match="No space left"):
+        rec.dump_record(tmp_path / "last.h5")
+    assert rec.undumped_passes == 9 and rec._files.session is not None  # given back
+    monkeypatch.setattr(offload, "promote", promote)
+    with open_trace(rec.dump_record(tmp_path / "retry.h5")) as trace:
+        np.testing.assert_array_equal(trace.physical_count(), before)
+        assert int(trace.num_passes().sum()) == 9
+    assert rec.undumped_passes == 0 and rec._files.session is None
+    with pytest.raises(RecorderStateError, match="call start_record"):
+        rec.dump_record(tmp_path / "again.h5")
+
+
+def test_a_failed_last_dump_does_not_take_back_a_session_a_new_recording_opened(tmp_path, monkeypatch):
+    """The failed dump's session stays closed when a new recording began before it failed."""
+    rec = recorded(tmp_path, "per_pass")
+    rec.stop_record()
+    promote, started = offload.promote, []
+
+    def new_recording_then_fail(staging, target):
+        if target.name == "last.h5":
+            rec._run_id = "a-new-recording"  # what start_record on another thread would have set
+            started.append(True)
+            staging.unlink()
+            raise TraceWriteError(f"finishing trace {target} failed: {os.strerror(errno.ENOSPC)}")
+        return promote(staging, target)
+
+    monkeypatch.setattr(offload, "promote", new_recording_then_fail)
+    with pytest.raises(TraceWriteError):
+        rec.dump_record(tmp_path / "last.h5")
+    assert started and rec._files.session is None
 
 
 def test_streaming_writer_failure_is_reported(tmp_path, monkeypatch):
