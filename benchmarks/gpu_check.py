@@ -278,7 +278,7 @@ def sync_check(device: torch.device, out_dir: Path, mode: str, timing: bool = Fa
     dropped = torch.zeros((), dtype=torch.int64, device=device)
     with recorder(mode, sizes, str(device), out_dir, tokens, timing=timing, **SHRUNK) as rec:
         reached: dict[str, int] = {}
-        _count_calls(rec, "_rotate", reached, "rotations")
+        _count_calls(rec._files.session, "rotate", reached, "rotations")
         if mode == "stat":
             _count_calls(rec._files.session, "_checkpoint", reached, "checkpoints")
         else:
