@@ -33,7 +33,7 @@ from moetrace.replicas import LATENCY_BUCKETS, POLICIES, REASONS, RoutingRecorde
 
 from .spec import MetricSpec, otel_instrument, prom_family
 
-__all__ = ["HISTOGRAMS", "ROUTING_METRICS", "RoutingCollector", "instrument", "register", "samples"]
+__all__ = ["ROUTING_HISTOGRAMS", "ROUTING_METRICS", "RoutingCollector", "instrument", "register", "routing_samples"]
 
 
 ROUTING_METRICS: tuple[MetricSpec, ...] = (
@@ -56,7 +56,7 @@ ROUTING_METRICS: tuple[MetricSpec, ...] = (
 )
 """Counters and gauges."""
 
-HISTOGRAMS: tuple[MetricSpec, ...] = (
+ROUTING_HISTOGRAMS: tuple[MetricSpec, ...] = (
     MetricSpec("moetrace_replica_queue_wait_seconds", "moetrace.replica.queue_wait", "histogram", "s", ("replica",),
                       "Arrival at the router to prefill start, per replica.", "", lambda s: (s.wait_buckets, s.wait_sum)),
     MetricSpec("moetrace_replica_ttft_seconds", "moetrace.replica.ttft", "histogram", "s", ("replica",),
@@ -67,7 +67,7 @@ HISTOGRAMS: tuple[MetricSpec, ...] = (
 _NAMES = {"policy": POLICIES, "reason": REASONS}
 
 
-def samples(spec: MetricSpec, snap: RoutingSnapshot) -> Iterator[tuple[dict[str, str], int | float]]:
+def routing_samples(spec: MetricSpec, snap: RoutingSnapshot) -> Iterator[tuple[dict[str, str], int | float]]:
     """``(labels, value)`` of each series of a counter/gauge ``spec``; decision series only where non-zero."""
     value = spec.value(snap)
     if not spec.dims:
@@ -104,10 +104,10 @@ class RoutingCollector(Collector):
         for spec in ROUTING_METRICS:
             family = prom_family(spec, spec.dims)
             if snap is not None:
-                for labels, value in samples(spec, snap):
+                for labels, value in routing_samples(spec, snap):
                     family.add_metric(list(labels.values()), value)
             yield family
-        for spec in HISTOGRAMS:
+        for spec in ROUTING_HISTOGRAMS:
             hist = prom_family(spec, spec.dims)
             assert isinstance(hist, HistogramMetricFamily)
             if snap is not None:
@@ -151,9 +151,9 @@ def instrument(recorder: RoutingRecorder, meter_provider: object | None = None) 
         return callback
 
     for spec in ROUTING_METRICS:
-        cb = observe(lambda snap, spec=spec: (Observation(v, labels) for labels, v in samples(spec, snap)))
+        cb = observe(lambda snap, spec=spec: (Observation(v, labels) for labels, v in routing_samples(spec, snap)))
         _, handle.instruments[spec.otel_name] = otel_instrument(meter, spec, cb)
-    for spec in HISTOGRAMS:
+    for spec in ROUTING_HISTOGRAMS:
         def parts(snap: RoutingSnapshot, spec: MetricSpec = spec) -> Iterator[tuple[str, Observation]]:
             for replica, pairs, total in _histogram(spec, snap):
                 for le, count in pairs:

@@ -32,6 +32,7 @@ import importlib
 import inspect
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -167,6 +168,52 @@ def _rank_of(recorder: Any) -> int:
     return 0
 
 
+def _moetrace_recorder(recorder: Any, server_args: Any, metadata: Any, rank: int, recorder_options: dict[str, Any]) -> Any:
+    """The recorder SGLang's bridge counts into: ``recorder`` checked against the metadata's sizes,
+    else one built from the metadata (``[L, P]`` physical-to-logical map, EP size and rank, layout),
+    the plugin settings and ``recorder_options``, and installed globally."""
+    num_layers, num_physical = int(metadata.num_layers), int(metadata.num_physical_experts)
+    top_k = _model_top_k(server_args)
+    if recorder is not None:
+        return check_recorder(recorder, num_layers, num_physical, top_k)
+    settings = PluginSettings.from_env(force=True)
+    options = {"mode": settings.mode, "output_dir": settings.output_dir, "window": settings.window, "timing": settings.timing,
+               **recorder_options}
+    ep_size = int(getattr(metadata, "ep_size", 1))
+    defaults = {
+        "engine": "sglang",
+        "model": str(getattr(server_args, "model_path", "")),
+        "physical_to_logical": _physical_to_logical(metadata),
+        "ep_size": ep_size,
+        "ep_rank": int(rank) % ep_size,
+        "layout": _layout(ep_size, int(rank) % ep_size),
+        "device": torch.device(getattr(server_args, "device", None) or "cpu"),
+    }
+    return resolve_recorder(None, num_layers, num_physical, top_k, range(num_layers), defaults=defaults, **options).recorder
+
+
+def _init_new_wrapper(original: Callable[..., Any], takes_server_args: bool, attach: Callable[[Any, Any, Any, int], Any]) -> Callable[..., Any]:
+    """``ExpertDistributionRecorder.init_new`` that builds SGLang's recorder with ``original``
+    and hands it to ``attach(built, server_args, metadata, rank)``, in either of SGLang's
+    signatures (with ``server_args`` first, or without: older SGLang)."""
+    # functools.wraps: inspect.signature (and a second instrument()) sees SGLang's own signature
+    if takes_server_args:
+
+        @functools.wraps(original)
+        def init_new(server_args: Any, expert_location_metadata: Any, rank: int, *args: Any, **kwargs: Any) -> Any:
+            built = original(server_args, expert_location_metadata, rank, *args, **kwargs)
+            return attach(built, server_args, expert_location_metadata, rank)
+
+        return init_new
+
+    @functools.wraps(original)
+    def init_new_without_server_args(expert_location_metadata: Any, rank: int, *args: Any, **kwargs: Any) -> Any:
+        built = original(expert_location_metadata, rank, *args, **kwargs)
+        return attach(built, None, expert_location_metadata, rank)
+
+    return init_new_without_server_args
+
+
 class SGLangInstrumentation(Instrumentation):
     """The live SGLang instrumentation.
 
@@ -225,29 +272,10 @@ def instrument(
         if metadata is None:
             logger.warning("moetrace: SGLang gave no expert location metadata (not an MoE model?); not recording")
             return sglang_recorder
-        args = _server_args(server_args)
-        num_layers, num_physical = int(metadata.num_layers), int(metadata.num_physical_experts)
-        ep_size = int(getattr(metadata, "ep_size", 1))
-        top_k = _model_top_k(args)
-        if recorder is not None:
-            rec = check_recorder(recorder, num_layers, num_physical, top_k)
-        else:
-            settings = PluginSettings.from_env(force=True)
-            options = {"mode": settings.mode, "output_dir": settings.output_dir, "window": settings.window, "timing": settings.timing,
-                       **recorder_options}
-            defaults = {
-                "engine": "sglang",
-                "model": str(getattr(args, "model_path", "")),
-                "physical_to_logical": _physical_to_logical(metadata),
-                "ep_size": ep_size,
-                "ep_rank": int(rank) % ep_size,
-                "layout": _layout(ep_size, int(rank) % ep_size),
-                "device": torch.device(getattr(args, "device", None) or "cpu"),
-            }
-            rec = resolve_recorder(None, num_layers, num_physical, top_k, range(num_layers), defaults=defaults, **options).recorder
+        rec = _moetrace_recorder(recorder, _server_args(server_args), metadata, rank, recorder_options)
         real = noop_cls is None or not isinstance(sglang_recorder, noop_cls)
         bridge = RecorderBridge(sglang_recorder, rec, sglang_is_real=real, metadata=metadata)
-        handle.recorder, handle.layer_ids, handle.bridge = rec, tuple(range(num_layers)), bridge
+        handle.recorder, handle.layer_ids, handle.bridge = rec, tuple(range(int(metadata.num_layers))), bridge
         bridges.append(bridge)
 
         def restore_global() -> str | None:
@@ -267,23 +295,8 @@ def instrument(
             logger.exception("moetrace: could not attach to SGLang's recorder; SGLang runs without moetrace")
             return built
 
-    # functools.wraps: inspect.signature (and a second instrument()) sees SGLang's own signature
-    if takes_server_args:
-
-        @functools.wraps(original_init_new)
-        def init_new(server_args: Any, expert_location_metadata: Any, rank: int, *args: Any, **kwargs: Any) -> Any:
-            built = original_init_new(server_args, expert_location_metadata, rank, *args, **kwargs)
-            return attach(built, server_args, expert_location_metadata, rank)
-
-    else:
-
-        @functools.wraps(original_init_new)
-        def init_new(expert_location_metadata: Any, rank: int, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
-            built = original_init_new(expert_location_metadata, rank, *args, **kwargs)
-            return attach(built, None, expert_location_metadata, rank)
-
     with unwinding(hooks):
-        hooks.patch(factory_cls, "init_new", staticmethod(init_new))
+        hooks.patch(factory_cls, "init_new", staticmethod(_init_new_wrapper(original_init_new, takes_server_args, attach)))
         _watch_rebalances(hooks, bridges)
         timing = recorder.config.timing if recorder is not None else recorder_options.get("timing", PluginSettings.from_env(force=True).timing)
         if timing:

@@ -29,7 +29,7 @@ def test_metric_names_follow_conventions():
 
 def test_one_spec_type_for_every_exported_metric():
     """Recorder, routing, label, replay-audit and route-check metrics are all declared as one MetricSpec type, names unique."""
-    specs = (*catalog.ALL, *catalog.HISTOGRAMS, catalog.INFO, *routing.ROUTING_METRICS, *routing.HISTOGRAMS,
+    specs = (*catalog.ALL, *catalog.HISTOGRAMS, catalog.INFO, *routing.ROUTING_METRICS, *routing.ROUTING_HISTOGRAMS,
              *labels.LABEL_METRICS, *replay_audit.REPLAY_METRICS, *route_checks.ROUTE_CHECK_METRICS)
     assert all(type(spec) is MetricSpec for spec in specs)
     for names in ([s.prom_name for s in specs], [s.otel_name for s in specs]):

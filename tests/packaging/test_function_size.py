@@ -16,10 +16,11 @@ LIMIT = 60
 
 #: ``path:qualified name`` -> why it is longer than :data:`LIMIT` lines.
 LONG: dict[str, str] = {
-    # Split when the adapters get one instrument contract (issue 33, step 4).
-    "adapters/sglang/__init__.py:instrument": "install, under one rollback, every hook SGLang needs (pending: one instrument contract)",
-    "adapters/hf/__init__.py:instrument": "checks of the model and options, then install under one rollback (pending: one instrument contract)",
-    "adapters/megatron/__init__.py:instrument": "checks of the model and options, then install under one rollback (pending: one instrument contract)",
+    # The instrument contract (moetrace.adapters): a docstring of every argument and option is a third
+    # of each; the rest checks the target, then installs every hook under one rollback (unwinding).
+    "adapters/sglang/__init__.py:instrument": "the contract's docstring, then SGLang's init_new patched, rebalances and phases watched, a recorder SGLang built already bridged: one rollback",
+    "adapters/hf/__init__.py:instrument": "the contract's docstring and its typed options, checks of the model, then every layer's hooks installed under one rollback",
+    "adapters/megatron/__init__.py:instrument": "the contract's docstring and its typed options, checks of the model, then every layer's hooks installed under one rollback",
     # Rewritten by the placement package (issue 36).
     "moetrace/placement/plan.py:plan_experts": "argument checks, node candidates, EPLB's plan per layer, current/keep: one planner's steps over shared arrays; half of it is the docstring",
     "moetrace/placement/backtesting.py:backtest": "the replay loop over rebalances, collecting six per-planner series at once",

@@ -39,16 +39,9 @@ SHARED: dict[str, str] = {
     "stop_record": "the facade's call on the global recorder and exporters.otel's spanned version of the same call",
     "dump_record": "the facade's call on the global recorder and exporters.otel's spanned version of the same call",
     "serve_control": "the facade's serve_control imports moetrace.control on first use so that `import moetrace` loads the core only",
-    # Owned by helpers rewriting these modules now (issue 34: exporters; issue 33 step 4: adapters).
-    "HISTOGRAMS": "exporters.catalog and exporters.routing: one metric-spec type for every exported metric is issue 34's",
-    "samples": "exporters.catalog and exporters.routing: one metric-spec type for every exported metric is issue 34's",
     "PHASE_METHODS": "per-engine tables of the methods timed as phases (Megatron-Core, SGLang)",
     "Record": "per-engine records of one MoE layer's routing (Hugging Face, vLLM)",
 }
-
-
-#: Modules whose re-exports another change removes, and which.
-RE_EXPORTS_PENDING: dict[str, str] = {}
 
 
 def _defined(tree: ast.Module) -> set[str]:
@@ -104,9 +97,7 @@ def defined_twice(root: Path) -> dict[str, list[str]]:
 
 
 def test_no_module_re_exports() -> None:
-    found = {m: names for m, names in re_exports(ROOT).items() if m not in RE_EXPORTS_PENDING}
-    assert found == {}, "import each name from the module that defines it (one name, one home)"
-    assert set(RE_EXPORTS_PENDING) <= set(re_exports(ROOT)), "a pending module no longer re-exports: drop it from RE_EXPORTS_PENDING"
+    assert re_exports(ROOT) == {}, "import each name from the module that defines it (one name, one home)"
 
 
 def test_no_public_name_is_defined_in_two_modules() -> None:
