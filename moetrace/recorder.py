@@ -46,7 +46,6 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import session as sessions
@@ -64,7 +63,6 @@ from .session import RecordingSession, Staged
 from .snapshot import RecorderSnapshot, SnapshotChannel
 from .timing import PHASES, UNTIMED
 from .trace.stat import CounterLayout
-from .trace.stream import StreamJob
 from .trace.writer import compression_options
 
 __all__ = ["ExpertDistributionRecorder", "RecorderStateError"]
@@ -119,8 +117,7 @@ class ExpertDistributionRecorder:
             self._sink = mode_sink(cfg, self._layout, self._files.submit, self._files.settle)  # what the mode keeps of each pass
             self._snapshots = SnapshotChannel(tuple(self._counter.phase_totals.shape), self._device)  # type: ignore[arg-type]
         # Phase timing (host-side): the clock, aggregates over all passes and per-pass rows.
-        rows, hand_off = (cfg.stream_chunk_passes, self._submit_timing_rows) if self._sink.streamed else (cfg.window, None)
-        self._timing = recording_timing(cfg.timing, cfg.num_layers, self._device, cfg.timing_ring, rows, hand_off)
+        self._timing = recording_timing(cfg, self._device, self._sink.streamed, self._files.submit)
         self._lock = threading.RLock()
         self._recording = False
         self._started = False
@@ -361,10 +358,6 @@ class ExpertDistributionRecorder:
             self._num_passes += 1
             self._snapshots.publish(counter.phase_totals, counter.phase_tokens, self._num_passes, timestamp, counter.phase_host)
             self._files.after_pass(pass_id, self._num_passes)
-
-    def _submit_timing_rows(self, rows: dict[str, np.ndarray]) -> None:
-        """Streaming modes: a block of ``/timing`` rows ``{dataset: [n, ...]}`` for the segment writer."""
-        self._files.submit(StreamJob(event=None, build=lambda: rows, done=lambda: None))
 
     def _discard_pass(self) -> None:
         self._pass_phase, self._pass_requests = UNKNOWN, -1

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from .config import RecorderConfig
 from .graphs import is_capturing
 from .timing import (
     PassTiming,
@@ -31,6 +32,7 @@ from .timing import (
     row_fields,
 )
 from .trace.schema import Data, dataset
+from .trace.stream import StreamJob
 
 __all__ = ["NoTiming", "RecordingTiming", "TimingPart", "recording_timing"]
 
@@ -187,10 +189,21 @@ class RecordingTiming(NoTiming):
         self._dumped = None
 
 
-def recording_timing(enabled: bool, num_layers: int, device: torch.device, ring_depth: int, row_capacity: int,
-                     hand_off: Callable[[dict[str, np.ndarray]], None] | None) -> NoTiming:
-    """A :class:`RecordingTiming` when ``enabled`` (``RecorderConfig.timing``), else :class:`NoTiming`
-    (arguments as for :class:`RecordingTiming`; ``ring_depth``: the CUDA clock's events in flight)."""
-    if not enabled:
+def recording_timing(config: RecorderConfig, device: torch.device, streamed: bool,
+                     submit: Callable[[StreamJob], None]) -> NoTiming:
+    """A :class:`RecordingTiming` when ``config.timing``, else :class:`NoTiming`.
+
+    ``streamed`` (the mode's sink streams, ``per_pass`` / ``per_token``): ``/timing`` rows are kept in
+    blocks of ``config.stream_chunk_passes`` and each full block goes to ``submit`` (the segment
+    writer) as a :class:`~moetrace.trace.stream.StreamJob`; ``stat``: a ring of the last
+    ``config.window`` passes' rows. The CUDA clock keeps ``config.timing_ring`` events in flight."""
+    if not config.timing:
         return NoTiming()
-    return RecordingTiming(make_clock(num_layers, device, ring_depth), num_layers, row_capacity, hand_off)
+    clock = make_clock(config.num_layers, device, config.timing_ring)
+    if not streamed:
+        return RecordingTiming(clock, config.num_layers, config.window, None)
+
+    def hand_off(rows: dict[str, np.ndarray]) -> None:
+        submit(StreamJob(event=None, build=lambda: rows, done=lambda: None))
+
+    return RecordingTiming(clock, config.num_layers, config.stream_chunk_passes, hand_off)
