@@ -55,9 +55,10 @@ WINDOW_BATCH_PAUSE_S = 1e-3
 
 #: What a cut leaves for the caller's thread, outside the lock; it returns the file write for the dump thread.
 Outside = Callable[[], Callable[[], Path]]
-#: ``hand_session(session, run_id)``: a streaming dump after ``stop_record`` takes the recorder's open
-#: session (``None``: it closes after that dump); a failed one gives it back unless ``run_id`` has ended.
-HandSession = Callable[[RecordingSession | None, str], None]
+#: ``hand_session(session, run_id) -> taken``: a streaming dump after ``stop_record`` takes the recorder's
+#: open session (``None``: it closes after that dump); a failed one gives it back, which the recorder
+#: refuses (``False``) when ``run_id`` has ended.
+HandSession = Callable[[RecordingSession | None, str], bool]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,8 +240,8 @@ class StreamDumper:
         def undo() -> None:  # lock held: the dump failed, its passes count as not dumped again
             self._ledger.dumped_passes -= passes
             undo_timing()
-            if detach:
-                self._hand_session(session, at.run_id)  # dump again to retry
+            if detach and not self._hand_session(session, at.run_id):  # taken back: dump again to retry
+                session.close(keep=True, undumped_passes=passes)  # a new recording began: left for `moetrace recover`
 
         def join() -> Path:
             written = self._dump.stream(target, at.run_id, rank, world, session, cut, parts)  # type: ignore[arg-type]

@@ -471,13 +471,16 @@ class ExpertDistributionRecorder:
         pending = self._ledger.queue.submit(target, outside())  # outside the lock: gathers, copies in flight
         return pending.result() if wait else target
 
-    def _hand_session(self, session: RecordingSession | None, run_id: str) -> None:
+    def _hand_session(self, session: RecordingSession | None, run_id: str) -> bool:
         """A streaming dump after ``stop_record`` takes the open session (``None``), and a failed
-        one gives it back (lock held) unless a new recording began meanwhile."""
+        one gives it back (lock held); ``False``: refused, a new recording began meanwhile."""
         if session is None:
             self._files.take()
-        elif self._files.session is None and not self._recording and self._run_id == run_id:
+            return True
+        if self._files.session is None and not self._recording and self._run_id == run_id:
             self._files.open(session)
+            return True
+        return False
 
     @property
     def pending_dumps(self) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig, RecorderStateError
 from moetrace.trace import SCHEMA_VERSION, TraceError, TraceWriteError, offload, open_trace
+from moetrace.trace.recover import recover
 from moetrace.trace.writer import TraceWriter, write_json_atomic
 from tests.recorder.helpers import random_passes, replay
 
@@ -95,9 +96,11 @@ def test_a_failed_last_dump_after_stop_keeps_the_session_for_a_retry(tmp_path, m
 
 
 def test_a_failed_last_dump_does_not_take_back_a_session_a_new_recording_opened(tmp_path, monkeypatch):
-    """The failed dump's session stays closed when a new recording began before it failed."""
+    """The failed dump's session is not given back when a new recording began before it failed: it
+    is closed (its writer thread stopped) and its segments are left for ``moetrace recover``."""
     rec = recorded(tmp_path, "per_pass")
     rec.stop_record()
+    before, run_id, session = rec.snapshot().physical_count.copy(), rec.run_id, rec._files.session
     promote, started = offload.promote, []
 
     def new_recording_then_fail(staging, target):
@@ -112,6 +115,12 @@ def test_a_failed_last_dump_does_not_take_back_a_session_a_new_recording_opened(
     with pytest.raises(TraceWriteError):
         rec.dump_record(tmp_path / "last.h5")
     assert started and rec._files.session is None
+    assert not session.writer._thread.is_alive()
+    monkeypatch.setattr(offload, "promote", promote)
+    [rank] = recover(tmp_path, tmp_path / "recovered.h5", run_id=run_id, force=True)  # force: this process still runs
+    with open_trace(rank.path) as trace:
+        np.testing.assert_array_equal(trace.physical_count(), before)
+        assert int(trace.num_passes().sum()) == 9
 
 
 def test_streaming_writer_failure_is_reported(tmp_path, monkeypatch):
