@@ -61,17 +61,13 @@ def _event_after_copy(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
-def _no_rows() -> None:
-    return None
-
-
 def _submit_empty(submit: Submit, overflow: _Overflow | None, rotate: bool) -> None:
     """Nothing staged: still pass on a rotation request and the passes dropped since the last hand-off."""
     dropped = overflow.take_pending() if overflow is not None else 0
     if not (rotate or dropped):
         return
     part = StreamRows(rows={}, totals=None, passes=0, tokens=0, first_pass=-1, last_pass=-1, dropped_passes=dropped) if dropped else None
-    submit(StreamJob(event=None, build=lambda: part, done=_no_rows, rotate=rotate))
+    submit(StreamJob(event=None, build=lambda: part, rotate=rotate))
 
 
 class _ChunkTotals:

@@ -240,8 +240,9 @@ class StreamDumper:
         def undo() -> None:  # lock held: the dump failed, its passes count as not dumped again
             self._ledger.dumped_passes -= passes
             undo_timing()
-            if detach and not self._hand_session(session, at.run_id):  # taken back: dump again to retry
-                session.close(keep=True, undumped_passes=passes)  # a new recording began: left for `moetrace recover`
+            # given back, a dump again retries; refused (a new recording began), its files stay for `moetrace recover`
+            if detach and not self._hand_session(session, at.run_id):
+                session.close(keep=True, undumped_passes=passes)
 
         def join() -> Path:
             written = self._dump.stream(target, at.run_id, rank, world, session, cut, parts)  # type: ignore[arg-type]

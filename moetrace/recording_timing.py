@@ -204,6 +204,6 @@ def recording_timing(config: RecorderConfig, device: torch.device, streamed: boo
         return RecordingTiming(clock, config.num_layers, config.window, None)
 
     def hand_off(rows: dict[str, np.ndarray]) -> None:
-        submit(StreamJob(event=None, build=lambda: rows, done=lambda: None))
+        submit(StreamJob(event=None, build=lambda: rows))
 
     return RecordingTiming(clock, config.num_layers, config.stream_chunk_passes, hand_off)

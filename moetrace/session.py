@@ -202,7 +202,7 @@ class RecordingSession:
         cut = Cut()
         sink = self.writer.sink
         assert isinstance(sink, SegmentWriter)
-        self.writer.submit(StreamJob(event=None, build=_nothing, done=lambda: cut.reached(sink.next_index)))
+        self.writer.submit(StreamJob(event=None, done=lambda: cut.reached(sink.next_index)))
         return cut
 
     def take_segments(self, cut: Cut) -> list[SegmentInfo]:
@@ -259,10 +259,6 @@ class Cut:
 
     def wait(self) -> None:
         self._done.wait()
-
-
-def _nothing() -> None:
-    return None
 
 
 class _Owner(Protocol):

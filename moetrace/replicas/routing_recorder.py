@@ -154,17 +154,13 @@ class _Segment:
         """Never asked for: ``dump_record`` replaces the whole segment."""
 
     def submit(self, build: Callable[[], dict[str, np.ndarray]]) -> None:
-        self._background.submit(StreamJob(event=None, build=build, done=_no_buffer))
+        self._background.submit(StreamJob(event=None, build=build))  # no pooled buffer to release
 
     def drain(self) -> None:
         self._background.drain()
 
     def close(self) -> None:
         self._background.close()
-
-
-def _no_buffer() -> None:
-    """``StreamJob.done`` of a routing chunk: no pooled buffer to release."""
 
 
 # Index of each field in a pending record (a list: cheaper than an object).

@@ -64,25 +64,26 @@ class StreamSink(Protocol):
     def rotate(self) -> None: ...
 
 
+def _nothing() -> None:
+    return None
+
+
 @dataclass
 class StreamJob:
     """Work for the writer thread.
 
     ``build()`` runs once ``event`` completed (``ready`` set) and returns what
-    the sink's ``write`` takes (or ``None``); ``done()`` runs afterwards in
-    every case (it releases the host buffer). With ``rotate`` the sink closes
-    its open segment after the write.
+    the sink's ``write`` takes (or ``None``; default: nothing to write, a
+    rotation or a barrier); ``done()`` runs afterwards in every case (it
+    releases the host buffer; default: none to release). With ``rotate`` the
+    sink closes its open segment after the write.
     """
 
     event: torch.cuda.Event | None
-    build: Callable[[], Any]
-    done: Callable[[], None]
+    build: Callable[[], Any] = _nothing
+    done: Callable[[], None] = _nothing
     rotate: bool = False
     ready: threading.Event = field(default_factory=threading.Event)
-
-
-def _nothing() -> None:
-    return None
 
 
 class BackgroundTraceWriter:
@@ -157,13 +158,13 @@ class BackgroundTraceWriter:
 
     def rotate(self) -> None:
         """Ask the sink to close its open segment after the jobs already submitted."""
-        self.submit(StreamJob(event=None, build=_nothing, done=_nothing, rotate=True))
+        self.submit(StreamJob(event=None, rotate=True))
 
     def drain(self) -> None:
         """Wait until every submitted job is written (the thread keeps running)."""
         barrier = threading.Event()
         self.settle()
-        self.submit(StreamJob(event=None, build=_nothing, done=barrier.set))
+        self.submit(StreamJob(event=None, done=barrier.set))
         barrier.wait()
 
     def close(self) -> None:
