@@ -45,7 +45,7 @@ from ..base import (
     resolve_recorder,
     unwinding,
 )
-from .families import moe_family_coverage
+from .families import SiteSpec, moe_family_coverage
 from .layers import MoESite, find_moe_sites, model_top_k
 from .replay import HFReplay, replay
 from .requests import RequestNames, cache_length
@@ -144,13 +144,16 @@ def _timed_experts(recorder: Any, layer: int) -> Callable[[Callable[..., Any]], 
     return wrap
 
 
-def _router_topk_hook(record: Record, top_k: int, logits_index: int, wanted: Callable[[], bool]) -> Callable[..., None]:
-    """Forward hook on a router returning a tuple with logits ``[T, E]`` at ``logits_index``."""
+def _router_hook(record: Record, spec: SiteSpec, top_k: int, wanted: Callable[[], bool]) -> Callable[..., None]:
+    """Forward hook on a router whose output tuple holds, at ``spec.output_index``, the logits
+    ``[T, E]`` (``router-topk``: their top-k is taken again) or the selected ids ``[T, k]`` (``router-ids``)."""
+    index, rerun_topk = spec.output_index, spec.kind == "router-topk"
 
     def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if wanted():
-            logits = output[logits_index]
-            record(torch.topk(logits.reshape(-1, logits.shape[-1]), top_k, dim=-1).indices)
+            chosen = output[index]
+            chosen = chosen.reshape(-1, chosen.shape[-1])
+            record(torch.topk(chosen, top_k, dim=-1).indices if rerun_topk else chosen)
 
     return hook
 
@@ -266,10 +269,10 @@ def instrument(
         capture = capturer.capture if capturer is not None else None
         for site in sites:
             record = _recorder_hook(rec.on_select_experts, capture, site.index, site.layer_id)
-            if site.kind == "router-topk":
+            if site.on_router:
                 assert site.spec is not None
                 wanted = (lambda: True) if capturer is not None else (lambda: rec.recording)
-                hooks.forward_hook(site.module, _router_topk_hook(record, k, site.spec.logits_index, wanted))
+                hooks.forward_hook(site.module, _router_hook(record, site.spec, k, wanted))
             else:
                 hooks.forward_pre_hook(site.module, _experts_pre_hook(record), with_kwargs=True)
                 if getattr(getattr(rec, "config", None), "timing", False):

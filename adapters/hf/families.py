@@ -10,12 +10,17 @@ class name.
 The few families outside it are listed here explicitly (:data:`EXPLICIT_SITES`):
 
 - ``experts-call``: an experts module with the same call convention but not
-  built by the decorator (DBRX, LongCat-Flash, Step-3.7): a forward pre-hook
-  reads ``top_k_index``.
+  built by the decorator (DBRX, Step-3.7): a forward pre-hook reads
+  ``top_k_index``.
 - ``router-topk``: the experts module never sees expert ids (Llama 4 passes
   dense scores, JetMoE sorted token groups): a forward hook on the router
   re-runs the router's own ``torch.topk`` on the logits it returns, which
   gives the very ids the router selected.
+- ``router-ids``: the experts module sees other ids than the router chose
+  (LongCat-Flash from transformers 5.25 maps its zero-compute experts onto
+  real ones, with weight 0, before calling the decorated experts module): a
+  forward hook on the router reads the ids it returns. The spec's ``shadows``
+  names the experts class that is then not hooked.
 
 :func:`moe_family_coverage` scans the installed transformers and classifies
 every MoE family; :data:`UNSUPPORTED` and :data:`VIA_OTHER_FAMILY` name the
@@ -44,6 +49,7 @@ __all__ = [
     "coverage_markdown",
     "explicit_spec",
     "is_experts_machinery",
+    "is_shadowed",
     "machinery_forward_code",
     "moe_family_coverage",
     "replay_coverage",
@@ -57,35 +63,49 @@ class SiteSpec:
     Attributes:
         family: transformers model directory (``"llama4"``).
         class_name: the module class hooked.
-        kind: ``"experts-call"`` (pre-hook reads ``top_k_index``) or
-            ``"router-topk"`` (forward hook re-runs ``topk`` on the router logits).
+        kind: ``"experts-call"`` (pre-hook reads ``top_k_index``),
+            ``"router-topk"`` (forward hook re-runs ``topk`` on the router logits)
+            or ``"router-ids"`` (forward hook reads the ids the router returns).
         num_experts: expert ids the module can see, from the module.
-        logits_index: for ``router-topk``, position of the logits ``[T, E]``
-            in the router's output tuple.
-        parent_class: for ``router-topk``, only routers that are the
+        output_index: for the router kinds, the position in the router's output
+            tuple of the logits ``[T, E]`` (``router-topk``) or of the selected
+            ids ``[T, k]`` (``router-ids``).
+        parent_class: for the router kinds, only routers that are the
             ``.router`` child of a module of this class count (JetMoE's
             attention experts use the same router class and are not MLP experts).
+        shadows: the experts class of the same family that this site observes
+            in its stead: built by the decorator, but called with other ids than
+            the router chose, so it is not hooked.
     """
 
     family: str
     class_name: str
     kind: str
     num_experts: Callable[[torch.nn.Module], int]
-    logits_index: int = 0
+    output_index: int = 0
     parent_class: str | None = None
+    shadows: str | None = None
 
     @property
     def module_name(self) -> str:
         return f"transformers.models.{self.family}.modeling_{self.family}"
 
+    @property
+    def on_router(self) -> bool:
+        """Whether the hook sits on the router (the experts module is not observed)."""
+        return self.kind in ("router-topk", "router-ids")
+
 
 EXPLICIT_SITES: tuple[SiteSpec, ...] = (
     SiteSpec("dbrx", "DbrxExperts", "experts-call", lambda m: m.num_experts),
-    # LongCat-Flash routes to n_routed_experts real experts plus zero-compute (identity) experts.
-    SiteSpec("longcat_flash", "LongcatFlashExperts", "experts-call", lambda m: m.total_experts),
+    # LongCat-Flash routes to n_routed_experts real experts plus zero-compute (identity) experts; the
+    # router's n_routed_experts counts both. From transformers 5.25 its block maps a zero-compute pick onto
+    # a real expert (weight 0) before the experts module, so the router's own ids are read instead.
+    SiteSpec("longcat_flash", "LongcatFlashTopkRouter", "router-ids", lambda m: m.n_routed_experts, output_index=2,
+             shadows="LongcatFlashExperts"),
     SiteSpec("step3p7", "Step3p7Experts", "experts-call", lambda m: m.num_experts),
-    SiteSpec("llama4", "Llama4Router", "router-topk", lambda m: m.num_experts, logits_index=1),
-    SiteSpec("jetmoe", "JetMoeTopKGating", "router-topk", lambda m: m.num_experts, logits_index=4, parent_class="JetMoeMoE"),
+    SiteSpec("llama4", "Llama4Router", "router-topk", lambda m: m.num_experts, output_index=1),
+    SiteSpec("jetmoe", "JetMoeTopKGating", "router-topk", lambda m: m.num_experts, output_index=4, parent_class="JetMoeMoE"),
 )
 
 UNSUPPORTED: dict[str, str] = {
@@ -98,6 +118,7 @@ UNSUPPORTED: dict[str, str] = {
 VIA_OTHER_FAMILY: dict[str, str] = {
     "sarvam_moe": "configuration only; the model is built from glm4_moe modeling (experts machinery)",
     "sarvam_mla": "configuration only; the model is built from deepseek_v3 modeling (experts machinery)",
+    "param2moe": "configuration only; the model is built from glm4_moe modeling (experts machinery)",
 }
 
 
@@ -112,7 +133,7 @@ REPLAY_TESTED: tuple[str, ...] = (
     "ernie4_5_moe", "exaone_moe", "flex_olmo", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
     "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling", "inkling2", "jamba", "jetmoe", "kimi_linear",
     "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4", "longcat_flash", "mellum", "mimo_v2_flash", "minimax", "minimax_m2",
-    "mistral4", "mixtral", "nemotron_h", "olmoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "solar_open",
+    "mistral4", "mixtral", "nemotron_h", "olmoe", "param2moe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "solar_open",
 )
 """Families whose replay tests/divergence/test_replay_hf.py checks on tiny models (logits, routes, gradients)."""
 
@@ -124,6 +145,12 @@ def explicit_spec(module: torch.nn.Module) -> SiteSpec | None:
         if cls.__name__ == spec.class_name and cls.__module__ == spec.module_name:
             return spec
     return None
+
+
+def is_shadowed(module: torch.nn.Module) -> bool:
+    """True when an :data:`EXPLICIT_SITES` entry observes ``module``'s family in its stead (``shadows``)."""
+    cls = type(module)
+    return any(cls.__name__ == spec.shadows and cls.__module__ == spec.module_name for spec in EXPLICIT_SITES)
 
 
 @functools.cache
@@ -175,7 +202,7 @@ def moe_family_coverage() -> dict[str, str]:
     configuration declares an expert count or per-token expert number. Each
     gets one of: ``"experts"`` (a class decorated with
     ``@use_experts_implementation`` in its modeling file), ``"experts-call"``
-    or ``"router-topk"`` (:data:`EXPLICIT_SITES`), ``"via-other-family"``,
+    ``"router-topk"`` or ``"router-ids"`` (:data:`EXPLICIT_SITES`), ``"via-other-family"``,
     ``"unsupported"``, or ``"unknown"`` (none of these: a family this adapter
     has not been taught about).
     """
@@ -183,13 +210,16 @@ def moe_family_coverage() -> dict[str, str]:
 
     root = Path(transformers.models.__file__).parent
     explicit = {spec.family: spec.kind for spec in EXPLICIT_SITES}
+    shadowing = {spec.family for spec in EXPLICIT_SITES if spec.shadows is not None}
     coverage: dict[str, str] = {}
     for family_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("_")):
         family = family_dir.name
         configs = list(family_dir.glob("configuration_*.py"))
         if not any(_EXPERT_COUNT_FIELDS.search(c.read_text(encoding="utf-8")) for c in configs):
             continue
-        if any(_decorated_with_machinery(m) for m in family_dir.glob("modeling_*.py")):
+        if family in shadowing:
+            coverage[family] = explicit[family]
+        elif any(_decorated_with_machinery(m) for m in family_dir.glob("modeling_*.py")):
             coverage[family] = "experts"
         elif family in explicit:
             coverage[family] = explicit[family]
@@ -206,6 +236,7 @@ _HOW = {
     "experts": "pre-hook on the experts module (`@use_experts_implementation`)",
     "experts-call": "pre-hook on its experts module (same call convention, listed explicitly)",
     "router-topk": "forward hook on the router, re-running its top-k on the returned logits",
+    "router-ids": "forward hook on the router, reading the ids it returns",
     "via-other-family": "built from another family's modeling (see that family)",
     "unsupported": "not observed",
     "unknown": "not classified yet",
@@ -223,7 +254,7 @@ def replay_coverage() -> dict[str, str]:
         if how == "unsupported":
             out[family] = "refused: not observed by the adapter"
         elif how == "via-other-family":
-            out[family] = "as the family it is built from"
+            out[family] = "tested" if family in REPLAY_TESTED else "as the family it is built from"
         elif family in REPLAY_REFUSED:
             out[family] = f"refused: {REPLAY_REFUSED[family]}"
         elif not any(re.search(r"\btopk\(", p.read_text(encoding="utf-8")) for p in (root / family).glob("modeling_*.py")):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import AdapterError, NoMoELayersError
-from .families import UNSUPPORTED, SiteSpec, explicit_spec, is_experts_machinery
+from .families import UNSUPPORTED, SiteSpec, explicit_spec, is_experts_machinery, is_shadowed
 
 __all__ = ["MoESite", "config_top_k", "find_moe_sites", "model_top_k"]
 
@@ -30,7 +30,7 @@ class MoESite:
     Attributes:
         name: qualified module name in the model (``"model.layers.3.mlp.experts"``).
         module: the module hooked.
-        kind: ``"experts"`` (shared machinery), ``"experts-call"`` or ``"router-topk"``.
+        kind: ``"experts"`` (shared machinery), ``"experts-call"``, ``"router-topk"`` or ``"router-ids"``.
         num_experts: expert ids this module can see.
         layer_id: model layer index (unique, increasing in model order).
         index: compact MoE layer index ``0..L-1``.
@@ -44,6 +44,11 @@ class MoESite:
     layer_id: int
     index: int
     spec: SiteSpec | None = None
+
+    @property
+    def on_router(self) -> bool:
+        """Whether the site is a router (no experts module of this layer is hooked)."""
+        return self.spec is not None and self.spec.on_router
 
 
 def _layer_position(model: torch.nn.Module, name: str) -> tuple[str, int, int]:
@@ -61,7 +66,7 @@ def _candidates(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str,
     found: list[tuple[str, torch.nn.Module, str, SiteSpec | None]] = []
     modules = dict(model.named_modules())
     for name, module in modules.items():
-        if is_experts_machinery(module):
+        if is_experts_machinery(module) and not is_shadowed(module):
             found.append((name, module, "experts", None))
             continue
         spec = explicit_spec(module)

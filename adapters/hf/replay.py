@@ -133,12 +133,12 @@ def replay(
     def begin(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         state.begin(*_input_shape(args, kwargs), _cache_length(kwargs))
 
-    audit = ReplayAudit([site.name for site in sites], state.device, engine="hf", observable=[site.kind != "router-topk" for site in sites])
+    audit = ReplayAudit([site.name for site in sites], state.device, engine="hf", observable=[not site.on_router for site in sites])
     handles = [model.register_forward_pre_hook(begin, with_kwargs=True), *audit_forwards(model, audit, state)]
     for site in sites:
         parent_name = site.name.rpartition(".")[0]
         block = modules[parent_name]
-        until = site.module if site.kind != "router-topk" else None
+        until = None if site.on_router else site.module
         handles += attach_block_replay(
             block, until, lambda index=site.index, name=site.name: state.layer(index, name), site.num_experts, k, site.name,
             reached=lambda index=site.index: audit.reached(index),

@@ -100,6 +100,12 @@ FAMILIES: dict[str, Family] = {
                                   moe_intermediate_size=16, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
                                   qk_nope_head_dim=8, v_head_dim=8, **{**COMMON, "num_key_value_heads": 4}),
                "DeepseekV3MoE", "gate", _tuple_last, 8, 2, [1, 2]),
+        # Param2-MoE: a configuration only; transformers builds it with GLM-4.5-MoE's modeling (sigmoid scores,
+        # selection bias, group-limited: 2 groups, 1 kept; first layer dense).
+        Family("param2moe", _lm(tf.Param2MoeConfig, tf.AutoModelForCausalLM.from_config, num_hidden_layers=3, first_k_dense_replace=1,
+                                n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                                moe_intermediate_size=16, head_dim=8, **COMMON),
+               "Glm4MoeMoE", "gate", _tuple_last, 8, 2, [1, 2]),
         Family("gpt_oss", _lm(tf.GptOssConfig, tf.GptOssForCausalLM, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
                               head_dim=8, sliding_window=16, layer_types=["sliding_attention", "full_attention"], **COMMON),
                "GptOssMLP", "router", _tuple_last, 8, 2, [0, 1]),

@@ -1,4 +1,4 @@
-"""`moetrace.adapters.hf.replay` on tiny random-weight models of nine transformers MoE families."""
+"""`moetrace.adapters.hf.replay` on tiny random-weight models of ten transformers MoE families."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.adapters.hf_models import COMMON, FAMILIES, VOCAB, _lm, hook_counts
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 NAMES = list(FAMILIES)
 
-# More families, replay-only (the adapter's own tests cover the nine above): (config, model, fields).
+# More families, replay-only (the adapter's own tests cover the ten above): (config, model, fields).
 MORE: dict[str, tuple[type, type, dict[str, object]]] = {
     # GLM-4.5 MoE: sigmoid scores + selection bias, group-limited (2 groups, 1 kept), scaled.
     "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM, dict(num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
