@@ -4,11 +4,11 @@ Megatron accumulates each tracked loss per layer into a ``[num_layers]`` tensor 
 by ``layer_number - 1`` (only layers whose ``set_layer_number`` was called are tracked)
 and clears it in ``track_moe_metrics``. Where it lives:
 
-- megatron-core <= 0.16: ``moe_utils.get_moe_layer_wise_logging_tracker()``, a dict
-  ``name -> {"values": tensor, ...}`` (tested, 0.16.1);
-- 0.17+: ``moe_logging.MoEMetricsTracker.get_instance().metrics``, a dict
-  ``name -> entry`` with ``entry.values`` (handled by feature detection; not run here:
-  0.17+ needs Python 3.12).
+- megatron-core <= 0.17: ``moe_utils.get_moe_layer_wise_logging_tracker()``, a dict
+  ``name -> {"values": tensor, ...}`` (run: 0.16.1);
+- 0.18+: ``moe_logging.get_moe_metrics_tracker().metrics``, a dict ``name -> MetricEntry``
+  with ``entry.values`` (chosen by feature detection; checked against the 0.18.2 and 0.19.2
+  source by tests/megatron/test_contract.py, not run: 0.17+ needs Python 3.12).
 """
 
 from __future__ import annotations
@@ -24,18 +24,12 @@ __all__ = ["megatron_aux_losses"]
 
 def _tracker() -> dict[str, Any]:
     try:
-        from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker  # 0.17+
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # 0.18+
     except ImportError:
-        MoEMetricsTracker = None
-    if MoEMetricsTracker is not None:
-        instance = MoEMetricsTracker.get_instance()
-        entries = getattr(instance, "metrics", None)
-        if entries is None:
-            entries = instance._metrics
-        return {name: entry.values for name, entry in entries.items()}
-    from megatron.core.transformer.moe import moe_utils
+        from megatron.core.transformer.moe import moe_utils
 
-    return {name: entry["values"] for name, entry in moe_utils.get_moe_layer_wise_logging_tracker().items()}
+        return {name: entry["values"] for name, entry in moe_utils.get_moe_layer_wise_logging_tracker().items()}
+    return {name: entry.values for name, entry in get_moe_metrics_tracker().metrics.items()}
 
 
 def megatron_aux_losses(layers: Sequence[torch.nn.Module]) -> dict[str, np.ndarray]:
