@@ -1,6 +1,6 @@
 """vLLM's MoE layers: version guard, discovery, and the routing taps moetrace installs.
 
-In vLLM 0.32 every MoE layer holds a ``MoERunner`` (the module named
+In vLLM 0.32 to 0.34 every MoE layer holds a ``MoERunner`` (the module named
 ``...experts`` in a model's tree) with a ``layer_id`` (model layer index) and
 a ``.router`` whose ``select_experts`` picks the top-k experts of each token.
 
@@ -52,8 +52,10 @@ __all__ = [
     "vllm_version",
 ]
 
-SUPPORTED_VLLM = ((0, 32), (0, 33))
-"""``[oldest, first unsupported)`` vLLM ``(major, minor)`` the adapter was written and tested against."""
+SUPPORTED_VLLM = ((0, 32), (0, 35))
+"""``[oldest, first unsupported)`` vLLM ``(major, minor)``: each version in it has evidence
+(docs/integrations/vllm.md: 0.32 live CPU engines; 0.32, 0.33 and 0.34 the contract check of
+the hooked internals against the release wheel, tests/vllm_contract)."""
 
 ALLOW_UNTESTED_ENV = "MOETRACE_VLLM_ALLOW_UNTESTED"
 """Set to ``1`` to instrument a vLLM outside :data:`SUPPORTED_VLLM` anyway (with a warning)."""
@@ -88,13 +90,19 @@ def check_vllm_version() -> tuple[int, int, int]:
     if not low <= version[:2] < high:
         shown = ".".join(map(str, version))
         message = (
-            f"moetrace.adapters.vllm supports vLLM {low[0]}.{low[1]}.x (it hooks MoERunner.router's "
-            f"capture_fn / select_experts, whose layout changes between releases); found vLLM {shown}"
+            f"moetrace.adapters.vllm supports vLLM {_supported_range()} (it hooks MoERunner.router's "
+            f"capture_fn / select_experts and the model runner's batch, whose layout changes between releases); found vLLM {shown}"
         )
         if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
-            raise UnsupportedVersionError(f"{message}. Install vllm 0.32, or set {ALLOW_UNTESTED_ENV}=1 to try anyway")
+            raise UnsupportedVersionError(f"{message}. Install a vLLM in {_supported_range()}, or set {ALLOW_UNTESTED_ENV}=1 to try anyway")
         warnings.warn(f"moetrace: {message}; continuing because {ALLOW_UNTESTED_ENV}=1", RuntimeWarning, stacklevel=2)
     return version
+
+
+def _supported_range() -> str:
+    """:data:`SUPPORTED_VLLM` in words: ``0.32.x-0.34.x``."""
+    (major, low), (_, high) = SUPPORTED_VLLM
+    return f"{major}.{low}.x-{major}.{high - 1}.x"
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,7 @@ def _moe_classes() -> tuple[type, type]:
     except ImportError as exc:
         raise UnsupportedVersionError(
             f"this vLLM has no MoERunner/BaseRouter where moetrace expects them ({exc}); "
-            f"moetrace.adapters.vllm supports vLLM {SUPPORTED_VLLM[0][0]}.{SUPPORTED_VLLM[0][1]}.x"
+            f"moetrace.adapters.vllm supports vLLM {_supported_range()}"
         ) from exc
     return MoERunner, BaseRouter
 

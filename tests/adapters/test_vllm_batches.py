@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from moetrace.adapters.base import HookRegistry
-from moetrace.adapters.vllm.batches import StepBatches, vllm_pass_batch
+from moetrace.adapters.vllm.batches import StepBatches, vllm_pass_batch, vllm_v2_pass_batch
 
 from moetrace.testing import assert_no_host_sync
 
@@ -120,3 +120,58 @@ def test_a_replaced_execute_model_is_left_alone_and_reported() -> None:
     with pytest.warns(RuntimeWarning, match="replaced by someone else"):
         problems = hooks.remove_all()
     assert len(problems) == 1 and runner.execute_model is other
+
+
+class _V2Runner:
+    """Stands in for vLLM's model runner V2: ``execute_model`` builds the step's batch in ``prepare_inputs``, then runs the model
+    (the real structures, built as the runner builds them, are checked in tests/vllm_contract/test_runner_batches.py)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        pad = np.zeros(3, dtype=np.int32)
+        slots = np.array([4, 0, 2, 6, 1])  # each request's slot in req_states (V2 keeps requests in slots, not in row order)
+        prompt_len = np.zeros(8, dtype=np.int32)
+        prompt_len[slots] = PROMPT
+        self.req_states = SimpleNamespace(prompt_len=SimpleNamespace(np=prompt_len))
+        self._batch = SimpleNamespace(
+            req_ids=list(REQ_IDS), num_scheduled_tokens=np.asarray(SCHEDULED, dtype=np.int32),
+            num_computed_tokens_np=np.asarray(COMPUTED, dtype=np.int32), idx_mapping_np=slots,
+            num_draft_tokens_per_req=np.array([0, 0, 0, 0, 2], dtype=np.int32), prefill_len_np=np.concatenate([np.asarray(PROMPT), pad]),
+        )
+
+    def prepare_inputs(self, scheduler_output: Any, *args: Any) -> Any:
+        return self._batch
+
+    def execute_model(self, scheduler_output: Any, dummy_run: bool = False) -> Any:
+        if dummy_run:
+            return self.model(input_ids=torch.zeros(4, dtype=torch.int64))
+        batch = self.prepare_inputs(scheduler_output)
+        return self.model(input_ids=torch.zeros(96, dtype=torch.int64), positions=torch.zeros(96, dtype=torch.int64), batch=batch)
+
+
+def test_the_v2_runner_is_followed_through_the_batch_its_prepare_inputs_builds() -> None:
+    hooks = HookRegistry()
+    batches = StepBatches(hooks)
+    seen: list[Any] = []
+    runner = _V2Runner(lambda *args, **kwargs: seen.append(batches.batch_of(args, kwargs)))
+    batches.attach(runner)
+    assert {"execute_model", "prepare_inputs"} <= set(vars(runner))
+    runner.execute_model(SimpleNamespace())
+    v1_input_batch, step = _runner_state()
+    v1 = vllm_pass_batch(v1_input_batch, step, num_rows=96)  # the same batch as the v1 runner's fields give
+    assert (seen[-1].request_ids, seen[-1].phase, seen[-1].num_rows) == (v1.request_ids, v1.phase, v1.num_rows)
+    np.testing.assert_array_equal(seen[-1].prefill, v1.prefill)
+    for got, expected in zip(seen[-1].row_requests(), v1.row_requests(), strict=True):
+        np.testing.assert_array_equal(got, expected)
+    runner.execute_model(SimpleNamespace(), dummy_run=True)  # a dummy batch: no prepare_inputs, no requests
+    assert seen[-1] is None
+    runner.model(input_ids=torch.zeros(4))  # outside a step
+    assert seen[-1] is None
+    assert hooks.remove_all() == [] and not ({"execute_model", "prepare_inputs"} & set(vars(runner)))
+
+
+def test_v2_prompt_lengths_on_the_device_only_are_not_read() -> None:
+    runner = _V2Runner(None)
+    runner.req_states.prompt_len = torch.zeros(8, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="on meta only; moetrace reads host values"):
+        vllm_v2_pass_batch(runner._batch, runner.req_states, num_rows=96)

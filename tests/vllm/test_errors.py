@@ -33,7 +33,7 @@ def test_capturer_is_refused_with_the_alternative() -> None:
         instrument(torch.nn.Linear(2, 2), capturer=object())
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "1.0.0"])
 def test_unsupported_vllm_version(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     monkeypatch.setattr(vllm, "__version__", version)
     monkeypatch.delenv("MOETRACE_VLLM_ALLOW_UNTESTED", raising=False)
@@ -46,6 +46,13 @@ def test_unsupported_vllm_version(monkeypatch: pytest.MonkeyPatch, version: str)
 
 def test_supported_version_passes() -> None:
     assert check_vllm_version()[:2] == (0, 32)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.34.0", "0.34.2"])
+def test_every_version_with_evidence_passes(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.delenv("MOETRACE_VLLM_ALLOW_UNTESTED", raising=False)
+    assert check_vllm_version() == tuple(int(p) for p in version.split("."))
 
 
 def test_compiled_cpu_engine_is_refused() -> None:
