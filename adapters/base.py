@@ -15,6 +15,12 @@ finds the MoE layers of ``target``, then:
    registry is unwound, so a model is never left half-instrumented;
 4. returns an :class:`Instrumentation` whose ``uninstrument()`` removes every
    hook in reverse order and forgets the target.
+
+Every hook that runs inside the engine's calls is guarded by the
+instrumentation's :class:`~moetrace.adapters.failsafe.FailSafe`
+(``Instrumentation.failsafe``): a fault in it turns moetrace off for that
+engine with one warning, and the engine's call goes on (:mod:`.failsafe` draws
+the line between what is raised to a caller and what never reaches the engine).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from moetrace.config import RecorderConfig
 from moetrace.process_recorder import NoOpRecorder, Recorder, get_recorder, set_recorder
 from moetrace.recorder import ExpertDistributionRecorder
 
+from .failsafe import FailSafe
+
 __all__ = [
     "AdapterError",
     "AlreadyInstrumentedError",
@@ -47,6 +55,7 @@ __all__ = [
     "existing_instrumentation",
     "forward_pass_wrapper",
     "live_instrumentation",
+    "recorder_scope",
     "refuse_capturer",
     "resolve_recorder",
     "unwinding",
@@ -179,38 +188,53 @@ def _name(owner: Any) -> str:
 
 def forward_pass_wrapper(
     recorder: Recorder,
-    on_end: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None,
+    failsafe: FailSafe,
     batch_of: Callable[[tuple[Any, ...], dict[str, Any]], PassBatch | None] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A :meth:`HookRegistry.wrap_forward` wrapper that runs each call inside ``recorder.with_forward_pass()``.
 
     Re-entrant calls (a forward calling itself, or the same wrapper reached
-    twice) open one pass only. ``on_end(output, args, kwargs)`` runs after a
-    successful forward, still inside the pass (e.g. to hand a capturer the
-    pass's KV slots). ``batch_of(args, kwargs)`` gives the pass's batch
+    twice) open one pass only. ``batch_of(args, kwargs)`` gives the pass's batch
     (:class:`~moetrace.batch.PassBatch`, from host values) when it is known.
+    Opening or closing the pass runs behind ``failsafe`` (:meth:`FailSafe.around`):
+    it never fails the forward.
     """
 
     def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
         depth = 0
 
-        def forward_in_pass(*args: Any, **kwargs: Any) -> Any:
+        @contextlib.contextmanager
+        def in_pass(*args: Any, **kwargs: Any) -> Iterator[None]:
             nonlocal depth
             if depth:
-                return forward(*args, **kwargs)
+                yield
+                return
             depth += 1
             try:
                 with recorder.with_forward_pass(batch=batch_of(args, kwargs) if batch_of is not None else None):
-                    output = forward(*args, **kwargs)
-                    if on_end is not None:
-                        on_end(output, args, kwargs)
-                    return output
+                    yield
             finally:
                 depth -= 1
 
-        return forward_in_pass
+        return failsafe.around(forward, in_pass, "the forward-pass wrapper")
 
     return wrap
+
+
+def recorder_scope(recorder: Recorder, layer: int | None = None, phase: str | None = None) -> Callable[..., contextlib.AbstractContextManager[Any]]:
+    """A scope for :meth:`FailSafe.around` that ignores the call's arguments and enters
+    ``recorder.with_current_layer(layer)`` (when given), then ``recorder.with_phase(phase)`` (when given)."""
+
+    @contextlib.contextmanager
+    def scope(*args: Any, **kwargs: Any) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if layer is not None:
+                stack.enter_context(recorder.with_current_layer(layer))
+            if phase is not None:
+                stack.enter_context(recorder.with_phase(phase))
+            yield
+
+    return scope
 
 
 # ---------------------------------------------------------------------------- recorder
@@ -336,6 +360,8 @@ class Instrumentation:
         capturer: the per-request capturer fed by the hooks, or ``None``.
         engine: ``"hf"``, ``"sglang"``, ``"vllm"``.
         details: adapter-specific description (e.g. how each layer is hooked).
+        failsafe: the switch the hooks run behind (``failsafe.on`` is false, and
+            ``failsafe.error`` says why, once a fault turned moetrace off).
     """
 
     def __init__(
@@ -348,6 +374,7 @@ class Instrumentation:
         engine: str,
         capturer: Any = None,
         details: dict[str, Any] | None = None,
+        failsafe: FailSafe | None = None,
     ) -> None:
         self.target = target
         self.recorder = recorder
@@ -355,6 +382,7 @@ class Instrumentation:
         self.capturer = capturer
         self.engine = engine
         self.details: dict[str, Any] = dict(details or {})
+        self.failsafe = failsafe if failsafe is not None else FailSafe(engine)
         self._hooks = hooks
         self._active = True
         _LIVE[target] = self

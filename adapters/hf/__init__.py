@@ -22,7 +22,11 @@ module's ``forward`` runs inside ``with_phase("expert")`` of its layer; the
 router-hooked families (Llama 4, JetMoE) and the other phases are not timed.
 
 The model's ``forward`` is wrapped so that each call is one
-``recorder.with_forward_pass()``. With a capturer, each hook also calls
+``recorder.with_forward_pass()``. Every hook and wrapper runs behind the
+handle's :class:`~moetrace.adapters.failsafe.FailSafe`: a fault in one (a
+capturer without room for the pass included) is one warning, moetrace is off
+for the model from then on, and the forward returns what it would without
+moetrace. With a capturer, each hook also calls
 ``capturer.capture(model_layer_id, topk_ids)`` and each forward ends with
 ``capturer.on_forward_end(out_cache_loc)``, where cache position ``t`` of
 batch row ``b`` lives in KV slot ``b * capture_seq_len + t``;
@@ -31,7 +35,8 @@ batch row ``b`` lives in KV slot ``b * capture_seq_len + t``;
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -42,9 +47,11 @@ from ..base import (
     Instrumentation,
     existing_instrumentation,
     forward_pass_wrapper,
+    recorder_scope,
     resolve_recorder,
     unwinding,
 )
+from ..failsafe import FailSafe
 from .families import SiteSpec, moe_family_coverage
 from .layers import MoESite, find_moe_sites, model_top_k
 from .replay import HFReplay, replay
@@ -131,15 +138,11 @@ def _experts_pre_hook(record: Record) -> Callable[..., None]:
     return hook
 
 
-def _timed_experts(recorder: Any, layer: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _timed_experts(recorder: Any, layer: int, failsafe: FailSafe) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Wrap an experts module's ``forward`` in ``with_current_layer(layer)`` + ``with_phase("expert")``."""
 
     def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
-        def timed_forward(*args: Any, **kwargs: Any) -> Any:
-            with recorder.with_current_layer(layer), recorder.with_phase("expert"):
-                return forward(*args, **kwargs)
-
-        return timed_forward
+        return failsafe.around(forward, recorder_scope(recorder, layer, "expert"), f"the expert phase timing of MoE layer {layer}")
 
     return wrap
 
@@ -158,7 +161,9 @@ def _router_hook(record: Record, spec: SiteSpec, top_k: int, wanted: Callable[[]
     return hook
 
 
-def _capture_wrapper(recorder: Any, capturer: Any, seq_len: int, mark_passes: bool, names: RequestNames) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _capture_wrapper(
+    recorder: Any, capturer: Any, seq_len: int, mark_passes: bool, names: RequestNames, failsafe: FailSafe,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Forward wrapper: one recorder pass per call (``mark_passes``), then ``capturer.on_forward_end(out_cache_loc)``.
 
     Token ``t`` (cache position) of batch row ``b`` lives in KV slot
@@ -180,16 +185,15 @@ def _capture_wrapper(recorder: Any, capturer: Any, seq_len: int, mark_passes: bo
         rows = torch.arange(batch).unsqueeze(1) * seq_len
         return (rows + torch.arange(start, start + length).unsqueeze(0)).reshape(-1)
 
+    @contextlib.contextmanager
+    def capturing(*args: Any, **kwargs: Any) -> Iterator[None]:
+        locs = out_cache_loc(args, kwargs, cache_length(kwargs))
+        yield
+        capturer.on_forward_end(locs)
+
     def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
-        in_pass = forward_pass_wrapper(recorder, batch_of=names.batch_of)(forward) if mark_passes else forward
-
-        def forward_and_capture(*args: Any, **kwargs: Any) -> Any:
-            locs = out_cache_loc(args, kwargs, cache_length(kwargs))
-            output = in_pass(*args, **kwargs)
-            capturer.on_forward_end(locs)
-            return output
-
-        return forward_and_capture
+        in_pass = forward_pass_wrapper(recorder, failsafe, batch_of=names.batch_of)(forward) if mark_passes else forward
+        return failsafe.around(in_pass, capturing, "the routed-experts capture")
 
     return wrap
 
@@ -265,6 +269,7 @@ def instrument(
         seq_len = capture_seq_len or min(int(getattr(text_config, "max_position_embeddings", 0) or slots), slots)
     hooks = HookRegistry()
     names = RequestNames()
+    failsafe = FailSafe("this transformers model")
     with unwinding(hooks, binding):
         capture = capturer.capture if capturer is not None else None
         for site in sites:
@@ -272,17 +277,17 @@ def instrument(
             if site.on_router:
                 assert site.spec is not None
                 wanted = (lambda: True) if capturer is not None else (lambda: rec.recording)
-                hooks.forward_hook(site.module, _router_hook(record, site.spec, k, wanted))
+                hooks.forward_hook(site.module, failsafe.guard(_router_hook(record, site.spec, k, wanted), f"the router hook on {site.name}"))
             else:
-                hooks.forward_pre_hook(site.module, _experts_pre_hook(record), with_kwargs=True)
+                hooks.forward_pre_hook(site.module, failsafe.guard(_experts_pre_hook(record), f"the experts pre-hook on {site.name}"), with_kwargs=True)
                 if getattr(getattr(rec, "config", None), "timing", False):
-                    hooks.wrap_forward(site.module, _timed_experts(rec, site.index))
+                    hooks.wrap_forward(site.module, _timed_experts(rec, site.index, failsafe))
         if capturer is not None:
-            hooks.wrap_forward(target, _capture_wrapper(rec, capturer, seq_len, mark_passes, names))
+            hooks.wrap_forward(target, _capture_wrapper(rec, capturer, seq_len, mark_passes, names, failsafe))
         elif mark_passes:
-            hooks.wrap_forward(target, forward_pass_wrapper(rec, batch_of=names.batch_of))
+            hooks.wrap_forward(target, forward_pass_wrapper(rec, failsafe, batch_of=names.batch_of))
         handle = HFInstrumentation(
-            target, rec, layer_ids, hooks, engine="hf", capturer=capturer,
+            target, rec, layer_ids, hooks, engine="hf", capturer=capturer, failsafe=failsafe,
             details={"sites": {site.name: site.kind for site in sites}, "top_k": k, "num_experts": num_experts},
         )
     handle.sites = tuple(sites)

@@ -43,11 +43,13 @@ from ..base import (
     Instrumentation,
     existing_instrumentation,
     forward_pass_wrapper,
+    recorder_scope,
     refuse_capturer,
     resolve_recorder,
     unwinding,
 )
-from .hooks import LayerTap, TopKSlot, phase_wrapper
+from ..failsafe import FailSafe
+from .hooks import LayerTap, TopKSlot
 from .layers import MegatronMoELayer, find_moe_layers, installed_version
 from .losses import megatron_aux_losses
 from .replay import MegatronReplay, replay
@@ -118,35 +120,29 @@ class MegatronInstrumentation(Instrumentation):
         return report
 
 
-def _patch_dispatcher(hooks: HookRegistry, tap: LayerTap, dispatcher: Any, kind: str) -> None:
+def _patch_dispatcher(hooks: HookRegistry, tap: LayerTap, dispatcher: Any, kind: str, failsafe: FailSafe) -> None:
     pre = "preprocess" if kind == "alltoall" else "dispatch_preprocess"
     original_pre = getattr(dispatcher, pre)
     original_post = dispatcher.dispatch_postprocess
 
+    def dispatched(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        tap.dispatched(dispatcher, kwargs["routing_map"] if "routing_map" in kwargs else args[0 if pre == "preprocess" else 1])
+
+    observe_pre = failsafe.guard(dispatched, f"the dispatch tap of MoE layer {tap.layer.index}")
+    observe_post = failsafe.guard(lambda out: tap.received(dispatcher, out[1]), f"the receive tap of MoE layer {tap.layer.index}")
+
     def preprocess(*args: Any, **kwargs: Any) -> Any:
         out = original_pre(*args, **kwargs)
-        routing_map = kwargs["routing_map"] if "routing_map" in kwargs else args[0 if pre == "preprocess" else 1]
-        tap.dispatched(dispatcher, routing_map)
+        observe_pre(args, kwargs)
         return out
 
     def dispatch_postprocess(*args: Any, **kwargs: Any) -> Any:
         out = original_post(*args, **kwargs)
-        tap.received(dispatcher, out[1])
+        observe_post(out)
         return out
 
     hooks.patch(dispatcher, pre, preprocess)
     hooks.patch(dispatcher, "dispatch_postprocess", dispatch_postprocess)
-
-
-def _in_layer(recorder: Any, index: int) -> Any:
-    def wrap(forward: Any) -> Any:
-        def forward_in_layer(*args: Any, **kwargs: Any) -> Any:
-            with recorder.with_current_layer(index):
-                return forward(*args, **kwargs)
-
-        return forward_in_layer
-
-    return wrap
 
 
 def instrument(
@@ -203,6 +199,7 @@ def instrument(
     timing = bool(getattr(rec.config, "timing", False))
     expert_tokens = torch.zeros(len(layers), first.num_local_experts, dtype=torch.int64, device=rec.config.device)
     hooks = HookRegistry()
+    failsafe = FailSafe("this Megatron-Core model")
     taps = []
     with unwinding(hooks, binding):
         for layer in layers:
@@ -210,16 +207,18 @@ def instrument(
             tap = LayerTap(rec, layer, expert_tokens[layer.index], capacity)
             taps.append(tap)
             router = layer.router
-            hooks.patch(router, "router_replay", TopKSlot(router.router_replay, on_ids=lambda ids, tap=tap: tap.topk(ids)))
-            _patch_dispatcher(hooks, tap, layer.module.token_dispatcher, layer.dispatcher)
+            hooks.patch(router, "router_replay", TopKSlot(router.router_replay, on_ids=failsafe.guard(lambda ids, tap=tap: tap.topk(ids), f"the router tap of {layer.name}")))
+            _patch_dispatcher(hooks, tap, layer.module.token_dispatcher, layer.dispatcher, failsafe)
             if timing:
                 for method, phase in _PHASES.items():
-                    hooks.patch(layer.module, method, phase_wrapper(rec, phase)(getattr(layer.module, method)))
-                hooks.wrap_forward(layer.module, _in_layer(rec, layer.index))
+                    timed = failsafe.around(getattr(layer.module, method), recorder_scope(rec, phase=phase), f"the {phase} phase timing of {layer.name}")
+                    hooks.patch(layer.module, method, timed)
+                hooks.wrap_forward(layer.module, lambda forward, index=layer.index: failsafe.around(
+                    forward, recorder_scope(rec, layer=index), f"the layer scope of MoE layer {index}"))
         if mark_passes:
-            hooks.wrap_forward(target, forward_pass_wrapper(rec))
+            hooks.wrap_forward(target, forward_pass_wrapper(rec, failsafe))
         handle = MegatronInstrumentation(
-            target, rec, [layer.layer_id for layer in layers], hooks, engine="megatron",
+            target, rec, [layer.layer_id for layer in layers], hooks, engine="megatron", failsafe=failsafe,
             details={
                 "megatron_core": installed_version(),
                 "dispatcher": first.dispatcher,

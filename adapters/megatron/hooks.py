@@ -12,7 +12,7 @@ Three points per ``MoELayer``, none of which edits Megatron:
   split sizes are still device tensors there, before Megatron copies them to the host)
   or ``MoEAllGatherTokenDispatcher.dispatch_preprocess``, and ``dispatch_postprocess``
   (tokens per local expert, what the experts receive);
-- the layer's phase methods, for timing.
+- the layer's phase methods, for timing (wrapped in the adapter, behind its fail-safe).
 
 A recomputed forward (activation checkpointing, ``recompute_modules=["moe"]``) runs the
 router again inside ``backward()``: the taps see it (``in_backward()``) and count nothing,
@@ -28,7 +28,7 @@ import torch
 
 from .layers import MegatronMoELayer
 
-__all__ = ["LayerTap", "TopKSlot", "in_backward", "phase_wrapper"]
+__all__ = ["LayerTap", "TopKSlot", "in_backward"]
 
 
 def in_backward() -> bool:
@@ -143,16 +143,3 @@ class LayerTap:
         self.recorder.on_dispatch(self._send, recv, self._dropped, layer=self.layer.index)
         self.expert_tokens.add_(tokens_per_expert.to(self.expert_tokens.device, non_blocking=True))
         self._ids = self._send = self._recv = self._dropped = None
-
-
-def phase_wrapper(recorder: Any, phase: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Wrap a phase method in ``recorder.with_phase(phase)`` (a null context outside a timed pass)."""
-
-    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            with recorder.with_phase(phase):
-                return method(*args, **kwargs)
-
-        return timed
-
-    return wrap

@@ -40,6 +40,7 @@ from ..base import (
     resolve_recorder,
     unwinding,
 )
+from ..failsafe import FailSafe
 from .batches import StepBatches, vllm_pass_batch
 from .layers import (
     ALLOW_UNTESTED_ENV,
@@ -184,12 +185,15 @@ def instrument_model(
     recorder: Any = None,
     *,
     mark_passes: bool = True,
+    failsafe: FailSafe | None = None,
     **recorder_options: Any,
 ) -> Instrumentation:
     """:func:`instrument` for a model in hand (``vllm_config`` enables the eager-mode check).
 
     With ``mark_passes``, ``details["batches"]`` is the :class:`~.batches.StepBatches` that
     gives each pass its requests once a model runner is attached (``attach(runner)``).
+    Every hook runs behind ``failsafe`` (the plugin passes its worker's, so that a fault
+    anywhere turns the whole plugin off; ``None``: the handle's own).
     """
     live = existing_instrumentation(model, recorder)
     if live is not None:
@@ -217,16 +221,17 @@ def instrument_model(
     binding = resolve_recorder(recorder, len(layers), num_experts, layers[0].top_k, layer_ids, defaults=defaults, **recorder_options)
     rec = binding.recorder
     hooks = HookRegistry()
+    failsafe = failsafe if failsafe is not None else FailSafe("this vLLM engine")
     with unwinding(hooks, binding):
         for layer in layers:
-            install_tap(hooks, layer, functools.partial(rec.on_select_experts, layer=layer.index))
+            install_tap(hooks, layer, failsafe.guard(functools.partial(rec.on_select_experts, layer=layer.index), f"the routing tap on {layer.name}"))
             if getattr(getattr(rec, "config", None), "timing", False):
                 install_phase_timing(hooks, layer, rec)
         batches = StepBatches(hooks) if mark_passes else None
         if batches is not None:
-            hooks.wrap_forward(model, forward_pass_wrapper(rec, batch_of=batches.batch_of))
+            hooks.wrap_forward(model, forward_pass_wrapper(rec, failsafe, batch_of=batches.batch_of))
         return Instrumentation(
-            model, rec, layer_ids, hooks, engine="vllm",
+            model, rec, layer_ids, hooks, engine="vllm", failsafe=failsafe,
             details={
                 "layers": {layer.name: layer.hook for layer in layers},
                 "num_experts": num_experts,
