@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..phase_ticks import counting_clock
 from . import harness
 
 
@@ -227,7 +228,8 @@ def timing_and_trace(rank: int, world: int, path: str) -> dict[str, Any]:
     harness.setup_parallel(world)
     model = harness.build(harness.StackSpec())
     ids = _ids(rank)
-    handle = mt.instrument(model, timing=True)
+    with counting_clock():  # phase durations in ticks (tests/phase_ticks.py)
+        handle = mt.instrument(model, timing=True)
     handle.recorder.start_record()
     for _ in range(2):
         _step(model, ids)
@@ -241,7 +243,7 @@ def timing_and_trace(rank: int, world: int, path: str) -> dict[str, Any]:
     return {
         "phases": list(PHASES),
         "phase_count": np.asarray(timing["phase_count"]).tolist(),  # [L, phases] passes that entered each phase
-        "phase_seconds": np.asarray(timing["phase_seconds_sum"]).tolist(),
+        "phase_seconds": np.asarray(timing["phase_seconds_sum"]).tolist(),  # [L, phases] ticks of the counting clock
         "path": written,
         "counts": counts,
     }

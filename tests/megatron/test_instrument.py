@@ -16,6 +16,7 @@ import pytest
 
 from moetrace.reference.launcher import launch
 
+from ..phase_ticks import TICK_S
 from ..servers import SUBPROCESS_BOUND_S
 from . import ranks
 
@@ -55,7 +56,9 @@ def test_ep2_counts_equal_megatrons_and_change_nothing(dispatcher, tmp_path):
         assert cap["expert_tokens"] == cap["megatron_tokens_per_expert"]
         timing = result["timing_and_trace"]
         assert np.asarray(timing["phase_count"]).min() == 2  # route, dispatch, expert, combine in every layer, both passes
-        assert np.asarray(timing["phase_seconds"]).min() > 0
+        # Each bracket lasts one tick of the counting clock (tests/phase_ticks.py): route and expert are one method
+        # each, dispatch (preprocess + dispatch) and combine (combine + postprocess) two; every pass's reach the sums.
+        np.testing.assert_allclose(timing["phase_seconds"], np.asarray(timing["phase_count"]) * [1, 2, 1, 2] * TICK_S)
     trace_checks(results)
 
 
