@@ -50,6 +50,8 @@ SGLANG_RUNTIME := orjson psutil pybase64 requests pillow fastapi msgspec pyzmq t
 from = $(if $(LATEST),constraints.txt,$(LOCKS)/$(1))
 
 # venv, then its packages: from the lock (`$(call locked,VENV,LOCK,EXTRAS)`), moetrace itself editable on top.
+# An extras list with a comma goes in through a variable (a comma would end the argument).
+DEV_EXTRAS := [dev,hf]
 define locked
 	$(UV_PIP) install --quiet --python $(1)/bin/python --no-deps -r $(LOCKS)/$(2)
 	$(EDITABLE) $(UV_PIP) install --quiet --python $(1)/bin/python --no-deps -e '.$(3)'
@@ -69,7 +71,7 @@ $(STAMP): $(UV) pyproject.toml $(call from,core.txt)
 ifdef LATEST
 	$(EDITABLE) $(UV_PIP) install --quiet --python $(BIN)/python -c constraints.txt -e '.[dev,hf]'
 else
-	$(call locked,$(VENV),core.txt,[dev,hf])
+	$(call locked,$(VENV),core.txt,$(DEV_EXTRAS))
 endif
 	touch $(STAMP)
 
