@@ -5,13 +5,14 @@ request line and then nothing (the slow-client attack of issue 18), then
 obeys commands read from stdin, one per line:
 
 - ``flood``: ``--concurrency`` threads send valid ``GET --path`` requests back
-  to back;
+  to back (answered once the first of them has an outcome);
 - ``flood-other``: the same flood, aimed at ``--other-port`` (a server in
   another process: the machine's load without the measured process serving it);
 - ``quiet``: the flood threads pause;
 - ``stop``: every request thread stops (before the server is closed);
-- ``exit``: stop, wait up to ``--idle-wait`` seconds for the server to close
-  the idle connections, print one JSON summary line and exit.
+- ``exit``: stop (once a probe has had an outcome), wait up to ``--idle-wait``
+  seconds for the server to close the idle connections, print one JSON summary
+  line and exit.
 
 A probe thread sends one request every ``--probe-interval`` seconds in both
 phases; its latencies, by phase, are the "is the endpoint still responsive"
@@ -123,6 +124,7 @@ def main() -> None:
     phase = {"name": "quiet", "target": None, "since": 0.0}
     seconds: dict[str, float] = {}
     wake = threading.Event()  # set while flooding
+    flooded, probed = threading.Event(), threading.Event()  # a flood request of this phase / a probe has an outcome
 
     def flood() -> None:
         while not stop.is_set():
@@ -134,6 +136,7 @@ def main() -> None:
             start = time.perf_counter()
             outcome = _request(target, args.path, args.timeout)
             stats.add(name, outcome, time.perf_counter() - start)
+            flooded.set()
 
     def probe() -> None:
         while not stop.wait(args.probe_interval):
@@ -141,6 +144,7 @@ def main() -> None:
             start = time.perf_counter()
             outcome = _request(args.port, args.path, args.timeout)
             stats.add(f"probe {name}", outcome, time.perf_counter() - start)
+            probed.set()
 
     def switch(name: str, target: int | None) -> None:
         now = time.monotonic()
@@ -155,13 +159,14 @@ def main() -> None:
     print("ready", flush=True)
     for line in sys.stdin:
         command = line.strip()
-        if command == "flood":
-            switch("flood", args.port)
-        elif command == "flood-other":
-            switch("flood-other", args.other_port)
+        if command in ("flood", "flood-other"):
+            flooded.clear()
+            switch(command, args.port if command == "flood" else args.other_port)
+            flooded.wait()  # bounded by --timeout: a request that is not answered has an outcome too
         elif command in ("quiet", "stop", "exit"):
             switch("quiet", None)
             if command != "quiet":
+                probed.wait()
                 stop.set()
                 for t in threads:
                     t.join()
@@ -239,7 +244,7 @@ class LoadClient:
         self.proc.stdin.flush()
 
     def flood(self, other: bool = False) -> None:
-        """Start the flood of valid requests, at ``other_port`` if ``other`` (returns once the client has it)."""
+        """Start the flood of valid requests, at ``other_port`` if ``other`` (returns once one has an outcome)."""
         self._send("flood-other" if other else "flood")
         self._expect("ok")
 
