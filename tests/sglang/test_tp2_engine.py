@@ -145,26 +145,28 @@ def test_what_the_killed_ranks_leave_is_read_as_one_run(run: Run, trace: Trace, 
         np.testing.assert_array_equal(merged.physical_count(), trace.physical_count())
 
 
-def test_analyze_names_the_delayed_rank(run: Run, trace: Trace) -> None:
-    """Every phase is timed on both ranks; rank 1's expert compute carries the injected delay.
+def test_analyze_reads_the_delayed_rank_from_the_rows(run: Run, trace: Trace) -> None:
+    """Every phase is timed on both ranks; rank 1's expert compute carries the injected delay in every pass.
 
     Which rank is slowest in a pass is a measured time: under load the scheduler can hold rank 0
-    longer than rank 1's injected sleep. So the share ``analyze`` prints is compared with the
-    share counted here from the trace's own ``/timing`` rows (pass by pass, the rank with the
-    larger expert time), and rank 1 must be the rank named: slowest in most passes. Rank 1's
-    expert time holds at least every sleep it slept (a bound no load can break).
+    longer than rank 1's injected sleep. So the rank and share ``analyze`` prints are compared with
+    those counted here from the trace's own ``/timing`` rows (pass by pass, the rank with the larger
+    expert time), whichever rank that is, and printed; that the injected slow rank is named is
+    asserted exactly on the counting clock (tests/timing/test_stragglers.py). What no load can break
+    is asserted here: in every pass, rank 1's expert time holds the sleep of each of its MoE layers.
     """
     text = moetrace_cli("analyze", str(run.moetrace_files[0]))
     rows = trace.timing_rows()
     expert_by_rank: dict[int, dict[int, float]] = {r: {} for r in range(TP)}  # rank -> pass id -> expert seconds over layers
     for pass_id, rank, phase in zip(rows["pass_id"], rows["rank"], rows["phase"], strict=True):
         expert_by_rank[int(rank)][int(pass_id)] = float(np.nansum(phase[:, 2]))
+    short = {p: s for p, s in expert_by_rank[1].items() if s < DELAY_S * NUM_LAYERS}
+    assert expert_by_rank[1] and not short, f"rank 1's expert time under its {NUM_LAYERS} sleeps in passes {short}"
     both = sorted(set(expert_by_rank[0]) & set(expert_by_rank[1]))
     rank1_slower = sum(expert_by_rank[1][p] > expert_by_rank[0][p] for p in both)
-    assert 2 * rank1_slower > len(both), f"rank 1 slowest in {rank1_slower} of {len(both)} passes"
-    assert f"slowest rank (expert compute): rank 1 in {100 * (rank1_slower / len(both)):.0f}% of passes" in text, text
+    shares = [1 - rank1_slower / len(both), rank1_slower / len(both)]
+    named = max(range(TP), key=shares.__getitem__)  # as analyze picks it
+    assert f"slowest rank (expert compute): rank {named} in {100 * shares[named]:.0f}% of passes" in text, text
+    print(f"rank 1 slowest in {rank1_slower} of {len(both)} passes (machine's clock)")
     stat = trace.timing_stat()
     assert (stat["phase_count"] > 0).all(), "route, dispatch, expert and combine are timed in every layer of both ranks"
-    expert = stat["phase_seconds_sum"][..., 2].sum(axis=1)  # [R]
-    passes = int(trace.num_passes()[1])
-    assert expert[1] >= DELAY_S * NUM_LAYERS * passes, "rank 1's expert time holds every sleep it slept"
