@@ -28,6 +28,14 @@ worker writes ``moetrace-control-<pid>.json`` (its URL, pid, rank) into the
 output directory, so that ``port=0`` can be found. The variables are read and
 checked by :class:`moetrace.adapters.settings.PluginSettings`,
 the reader the SGLang plugin shares.
+
+Nothing here stops vLLM. Every step (reading the settings, the version check,
+the loader patch, instrumenting the model, the warm-up patch, following the
+steps, the control endpoint, the dump on exit) and every hook in the model's
+forward runs behind one :class:`~moetrace.adapters.failsafe.FailSafe` per
+process: the first exception is one warning (logger ``moetrace.adapters``),
+moetrace is off in that process from then on, and vLLM loads and serves as
+without moetrace.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from typing import Any
 from moetrace.recorder import RecorderStateError
 
 from ..base import Instrumentation, NoMoELayersError
+from ..failsafe import FailSafe
 from ..settings import PluginSettings
 from .layers import check_vllm_version
 
@@ -56,10 +65,14 @@ _MARK = "__moetrace_plugin__"
 
 
 class WorkerSession:
-    """What the plugin does in one worker process: instrument, start, serve, dump on exit."""
+    """What the plugin does in one worker process: instrument, start, serve, dump on exit.
 
-    def __init__(self, settings: PluginSettings) -> None:
+    ``failsafe`` is the process's switch: the plugin's steps and the model's hooks run behind it.
+    """
+
+    def __init__(self, settings: PluginSettings, failsafe: FailSafe) -> None:
         self.settings = settings
+        self.failsafe = failsafe
         self.handle: Instrumentation | None = None
         self.control: Any = None
         self.control_file: Path | None = None
@@ -67,42 +80,46 @@ class WorkerSession:
         self._exited = False
 
     def on_model_loaded(self, model: Any, vllm_config: Any) -> None:
-        """Instrument ``model`` (the first MoE model of this process; later ones are skipped)."""
+        """Instrument ``model`` (the first MoE model of this process; later ones are skipped); never raises."""
+        if not self.failsafe.on:
+            return
         if self.handle is not None:
             if self.handle.target is not model:
                 log.warning("moetrace: another MoE model was loaded in this process (%s); only the first one is recorded", type(model).__name__)
             return
-        from . import instrument_model
+        with self.failsafe.guarding("instrumenting the model vLLM loaded"):
+            from . import instrument_model
 
-        try:
-            self.handle = instrument_model(
-                model, vllm_config, mode=self.settings.mode, output_dir=self.settings.output_dir, window=self.settings.window,
-            )
-        except NoMoELayersError as exc:
-            log.info("moetrace: %s; not instrumented", exc)
-            return
-        except Exception:
-            log.exception("moetrace: could not instrument the model; vLLM runs on without moetrace")
-            return
-        log.info("moetrace: instrumented %s (%s)", type(model).__name__, self.handle)
-        _patch_worker_warm_up(vllm_config, self.on_engine_ready)
-        if self.settings.control_port is not None:
-            self._serve_control(vllm_config)
-        if self.settings.dump_on_exit:
-            atexit.register(self.on_exit)
-            # vLLM's engine-core and worker processes are multiprocessing children, which
-            # leave through os._exit (no atexit) after running multiprocessing's finalizers.
-            multiprocessing.util.Finalize(None, self.on_exit, exitpriority=100)
+            try:
+                self.handle = instrument_model(
+                    model, vllm_config, mode=self.settings.mode, output_dir=self.settings.output_dir, window=self.settings.window,
+                    failsafe=self.failsafe,
+                )
+            except NoMoELayersError as exc:
+                log.info("moetrace: %s; not instrumented", exc)
+                return
+            log.info("moetrace: instrumented %s (%s)", type(model).__name__, self.handle)
+            _patch_worker_warm_up(vllm_config, _on_engine_ready)
+            if self.settings.control_port is not None:
+                self._serve_control(vllm_config)
+            if self.settings.dump_on_exit:
+                atexit.register(self.on_exit)
+                # vLLM's engine-core and worker processes are multiprocessing children, which
+                # leave through os._exit (no atexit) after running multiprocessing's finalizers.
+                multiprocessing.util.Finalize(None, self.on_exit, exitpriority=100)
+        if not self.failsafe.on:
+            self._close_control()
 
     def on_engine_ready(self, worker: Any = None) -> None:
-        """Warm-up is over: follow ``worker``'s model runner's steps, start recording (``MOETRACE_AUTOSTART``)."""
-        if self.handle is None:
+        """Warm-up is over: follow ``worker``'s model runner's steps, start recording (``MOETRACE_AUTOSTART``); never raises."""
+        if self.handle is None or not self.failsafe.on:
             return
-        self._follow_steps(worker)
-        if not self.settings.autostart or self.handle.recorder.recording:
-            return
-        self.handle.recorder.start_record()
-        log.info("moetrace: recording (%s mode)", self.settings.mode)
+        with self.failsafe.guarding("starting to record after vLLM's warm-up"):
+            self._follow_steps(worker)
+            if not self.settings.autostart or self.handle.recorder.recording:
+                return
+            self.handle.recorder.start_record()
+            log.info("moetrace: recording (%s mode)", self.settings.mode)
 
     def _follow_steps(self, worker: Any) -> None:
         assert self.handle is not None
@@ -112,8 +129,8 @@ class WorkerSession:
             return
         try:
             batches.attach(runner)
-        except Exception:
-            log.exception("moetrace: could not follow the model runner's steps; passes are recorded without their requests")
+        except Exception:  # recording goes on; only the passes' requests are lost
+            log.warning("moetrace: could not follow the model runner's steps; passes are recorded without their requests", exc_info=True)
 
     def _serve_control(self, vllm_config: Any) -> None:
         from moetrace.control import serve_control
@@ -133,29 +150,32 @@ class WorkerSession:
         log.info("moetrace: control endpoint at %s", self.control.url)
 
     def on_exit(self) -> None:
-        """Dump what was recorded (once), close the control endpoint."""
+        """Close the control endpoint, dump what was recorded unless moetrace is off (once); never raises."""
         if self._exited:
             return
         self._exited = True
+        with self.failsafe.guarding("the dump on exit"):
+            self._close_control()
+            if self.handle is None or not self.settings.dump_on_exit or not self.failsafe.on:
+                return
+            recorder = self.handle.recorder
+            try:
+                if recorder.recording:
+                    recorder.stop_record()
+                if not recorder.undumped_passes:
+                    return  # nothing recorded since the last dump (a streaming dump is a segment)
+                self.dump_path = recorder.dump_record()
+            except RecorderStateError:
+                return  # never started: nothing to write
+            log.info("moetrace: routing trace written to %s", self.dump_path)
+
+    def _close_control(self) -> None:
         if self.control is not None:
             self.control.close()
-            if self.control_file is not None:
-                self.control_file.unlink(missing_ok=True)
-        if self.handle is None or not self.settings.dump_on_exit:
-            return
-        recorder = self.handle.recorder
-        try:
-            if recorder.recording:
-                recorder.stop_record()
-            if not recorder.undumped_passes:
-                return  # nothing recorded since the last dump (a streaming dump is a segment)
-            self.dump_path = recorder.dump_record()
-        except RecorderStateError:
-            return  # never started: nothing to write
-        except Exception:
-            log.exception("moetrace: the dump on exit failed")
-            return
-        log.info("moetrace: routing trace written to %s", self.dump_path)
+            self.control = None
+        if self.control_file is not None:
+            self.control_file.unlink(missing_ok=True)
+            self.control_file = None
 
 
 _session: WorkerSession | None = None
@@ -167,16 +187,36 @@ def current_session() -> WorkerSession | None:
 
 
 def register() -> None:
-    """Entry point of the ``vllm.general_plugins`` group (idempotent; no-op unless ``MOETRACE_ENABLED=1``)."""
+    """Entry point of the ``vllm.general_plugins`` group (idempotent; no-op unless ``MOETRACE_ENABLED=1``).
+
+    Never raises into vLLM: a bad setting, a vLLM outside the supported range or a failed
+    loader patch is one warning, and moetrace stays off in this process (its session says why).
+    """
     global _session
     if _session is not None:
         return
-    settings = PluginSettings.from_env()
-    if not settings.enabled:
-        return
-    check_vllm_version()
-    _session = WorkerSession(settings)
-    _patch_loaders(_session.on_model_loaded)
+    failsafe = FailSafe("this vLLM engine")
+    with failsafe.guarding("moetrace's vLLM plugin start-up"):
+        settings = PluginSettings.from_env()
+        if not settings.enabled:
+            return
+        _session = WorkerSession(settings, failsafe)
+        check_vllm_version()
+        _patch_loaders(_on_model_loaded)
+    if _session is None and not failsafe.on:  # the settings were wrong: remember it (one warning per process)
+        _session = WorkerSession(PluginSettings(), failsafe)
+
+
+def _on_model_loaded(model: Any, vllm_config: Any) -> None:
+    """What the patched loaders call: this process's session, if there is one (found at call time)."""
+    if _session is not None:
+        _session.on_model_loaded(model, vllm_config)
+
+
+def _on_engine_ready(worker: Any) -> None:
+    """What the patched warm-up calls: this process's session, if there is one (found at call time)."""
+    if _session is not None:
+        _session.on_engine_ready(worker)
 
 
 def _class_tree(base: type) -> list[type]:
