@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 
 import h5py
 import numpy as np
@@ -29,24 +28,31 @@ def recorder(tmp_path, **changes) -> ExpertDistributionRecorder:
 
 
 @pytest.fixture
-def throttled(monkeypatch):
-    """The writer thread takes 40 ms per hand-off; records whether the forward thread ever waited for a buffer."""
+def held_until_a_drop(monkeypatch):
+    """The writer thread writes nothing until the forward thread has found no free host buffer (a pass
+    dropped), or 120 s passed: passes are dropped whatever the machine's speed (a fixed 40 ms writer delay
+    raced the forward thread, which a loaded machine can slow below it). Returns the ``block`` argument of
+    every buffer request the forward thread made."""
     original_write, original_acquire = SegmentWriter.write, HostBufferPool.acquire
-    waits: list[bool] = []
+    asked: list[bool] = []
     forward = threading.get_ident()
+    dropped = threading.Event()
 
-    def slow_write(self, part):
-        time.sleep(0.04)
+    def held_write(self, part):
+        dropped.wait(timeout=120)
         return original_write(self, part)
 
     def acquire(self, block=True):
+        got = original_acquire(self, block)
         if threading.get_ident() == forward:
-            waits.append(block)
-        return original_acquire(self, block)
+            asked.append(block)
+            if got is None:
+                dropped.set()
+        return got
 
-    monkeypatch.setattr(SegmentWriter, "write", slow_write)
+    monkeypatch.setattr(SegmentWriter, "write", held_write)
     monkeypatch.setattr(HostBufferPool, "acquire", acquire)
-    return waits
+    return asked
 
 
 def token_rows(path):
@@ -61,13 +67,13 @@ def token_rows(path):
         )
 
 
-def test_drop_policy_drops_whole_passes_counts_them_and_never_waits(tmp_path, throttled):
+def test_drop_policy_drops_whole_passes_counts_them_and_never_waits(tmp_path, held_until_a_drop):
     rec = recorder(tmp_path, on_overflow="drop")
     rec.start_record()
     passes = 240
     for pass_id in range(passes):
         feed(rec, pass_id)
-    assert throttled and not any(throttled), "the forward thread waited for a host buffer"
+    assert held_until_a_drop and not any(held_until_a_drop), "the forward thread waited for a host buffer"
     dropped = rec.dropped_passes
     snapshot = rec.snapshot()
     rec.stop_record()
