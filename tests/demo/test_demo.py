@@ -16,6 +16,7 @@ import pytest
 from moetrace.cli.demo import DemoSettings, run_demo
 from rich.console import Console
 
+from moetrace import PHASES
 from moetrace.report.evidence import gather_evidence
 from moetrace.report.sections import build_sections
 from moetrace.trace import open_trace
@@ -57,13 +58,22 @@ def test_demo_small_end_to_end(tmp_path, capsys):
     assert summary["served"] == 10 and not summary["interrupted"]
     report = check_outputs(tmp_path / "demo", ranks=2, layers=2, experts=4)
     assert report["totals"]["assignments"] == 2 * report["totals"]["tokens"] * 2  # 2 layers x top-2
-    assert report["timing"]["passes"] > 0 and report["timing"]["slowest_rank_share"][1] >= 0.9
+    # Which rank is slowest on the machine's clock is the scheduler's business (printed): the summary must
+    # name the rank the report finds slowest, and rank 1's expert phase must hold its sleeps in every pass.
+    timing = report["timing"]
+    with open_trace(tmp_path / "demo" / "trace.h5") as trace:
+        rows = trace.timing_rows()
+    rank1 = np.nansum(rows["phase"][rows["rank"] == 1][:, :, PHASES.index("expert")], axis=1)  # [passes] seconds
+    assert timing["passes"] > 0 and len(rank1) > 0 and (rank1 >= 2 * settings.slow_ms / 1e3).all()  # 2 layers x slow_ms
+    named = int(np.argmax(timing["slowest_rank_share"]))
+    print(f"rank 1 slowest in {timing['slowest_rank_share'][1]:.0%} of passes (machine's clock)")
     timeline = json.loads((tmp_path / "demo" / "timeline.json").read_text())
     assert summary["timeline"] == tmp_path / "demo" / "timeline.json"
     assert {e["pid"] for e in timeline["traceEvents"]} == {0, 1} and any(e["ph"] == "X" for e in timeline["traceEvents"])
     printed = capsys.readouterr().out
     words = " ".join(printed.split())  # prose wraps at word boundaries
-    for needle in ("slowest rank (expert compute): rank 1", "timeline.json", "Prometheus http://127.0.0.1:", "control http://127.0.0.1:",
+    slowest = f"slowest rank (expert compute): rank {timing['rank_labels'][named]} in {100 * timing['slowest_rank_share'][named]:.0f}% of"
+    for needle in (slowest, "timeline.json", "Prometheus http://127.0.0.1:", "control http://127.0.0.1:",
                    "balancedness", "all-to-all: EP exact sent", "routed experts", "placement: plan", "in-sample (planned and scored on this run)",
                    "held-out (planned on", "report.html", "trace.h5"):
         assert needle in words, needle
