@@ -61,9 +61,9 @@ def test_quick_run_compares_the_same_recording_in_both_trees(bench, tmp_path):
     assert passes > 0 and counted["now"]["per_token"]["selections"] == passes * 256 * bench.TOP_K * bench.LAYERS
     assert all(c["passes"] == 0 for tree in counted.values() for v, c in tree.items() if v.startswith("off"))
     assert result["rows_checked"]["decode, skewed"] == [3 * 256]
-    for clock in bench.CLOCKS:
+    for clock in bench.CLOCKS:  # every ratio summarised (its value is a measured figure: an overhead difference can be < 0)
         ratios = result["results"][clock]["decode, skewed"]["ratios"]
-        assert all(r["median"] > 0 for r in ratios.values())
+        assert len(ratios) == 7 and all(r["repeat_medians"] == [r["median"]] for r in ratios.values())  # one repeat
 
 
 def test_counts_that_differ_between_the_trees_fail(bench):

@@ -115,9 +115,10 @@ def test_stat_aggregates_and_percentiles(tmp_path):
     np.testing.assert_array_equal(stat["histogram_edges"], HISTOGRAM_EDGES)
     assert rows["phase"].shape == (6, 2, len(PHASES)) and list(rows["pass_id"]) == list(range(6))
     assert (rows["rank"] == 0).all()
-    # Not-entered phases: duration 0, start NaN; entered ones start after the pass start, in order.
+    # Not-entered phases: duration 0, start NaN; entered ones start after the pass start, in order (strictly where a
+    # sleep lies between: nothing else makes a clock advance).
     assert np.isnan(rows["phase_start"][:, :, 1]).all() and (rows["phase"][:, :, 1] == 0).all()
-    assert (rows["phase_start"][:, :, 0] < rows["phase_start"][:, :, 2]).all()
+    assert (rows["phase_start"][:, :, 0] <= rows["phase_start"][:, :, 2]).all()
     assert (rows["phase_start"][:, 0, 2] < rows["phase_start"][:, 1, 0]).all()
     assert (rows["step"] >= rows["layer"].sum(axis=1)).all()
 
