@@ -72,7 +72,7 @@ def _alive(session: str) -> bool:
 
 
 def _passes(url: str) -> float:
-    text = urllib.request.urlopen(url, timeout=2).read().decode()
+    text = urllib.request.urlopen(url, timeout=60).read().decode()  # bounds a hang: a loaded rank may answer slowly
     match = re.search(r"^moetrace_forward_passes_total\{[^}]*\} (\S+)$", text, re.M)
     return float(match.group(1)) if match else 0.0
 
