@@ -12,6 +12,7 @@ duration can read zero on a coarse clock and two measured durations can swap on 
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 from collections.abc import Callable, Iterator
 
@@ -28,8 +29,9 @@ def counting_clock() -> Iterator[Callable[[float], None]]:
 
     Yields ``sleep(seconds)``: moves their counter as far as a sleep that long, at once (an injected
     delay that the clocks see, without waiting for it)."""
-    from moetrace import timing
+    from moetrace.timing import HostClock
 
+    home = sys.modules[HostClock.__module__]  # the module whose ``time`` the clock reads
     now = [0]
 
     def read() -> int:
@@ -39,9 +41,9 @@ def counting_clock() -> Iterator[Callable[[float], None]]:
     def sleep(seconds: float) -> None:
         now[0] += round(seconds * 1e9)
 
-    real = timing.time
-    timing.time = types.SimpleNamespace(perf_counter_ns=read, time=real.time)
+    real = home.time
+    home.time = types.SimpleNamespace(perf_counter_ns=read, time=real.time)
     try:
         yield sleep
     finally:
-        timing.time = real
+        home.time = real
