@@ -42,7 +42,7 @@ SGLANG_RUNTIME := orjson psutil pybase64 requests pillow fastapi msgspec pyzmq t
 	transformers dill sentencepiece apache-tvm-ffi compressed-tensors gguf openai partial-json-parser \
 	uvloop uvicorn setproctitle xgrammar jsonschema soundfile python-multipart plotly selenium
 
-.PHONY: demo test ci-core ci-megatron ci-vllm ci-sglang test-vllm test-sglang test-megatron bench fuzz gpu-check lint clean \
+.PHONY: demo test ci-core ci-megatron ci-vllm ci-vllm-contract ci-sglang test-vllm test-sglang test-megatron bench fuzz gpu-check lint clean \
 	lock test-latest latest-envs
 
 # What a virtualenv is built from: its lock, or (LATEST) the ranges, with constraints.txt holding torch to
@@ -139,8 +139,9 @@ demo: $(STAMP)
 
 # `make test`: ruff and the core suite start as soon as .venv is built and run while the three engine
 # virtualenvs build beside them (uv mostly waits on the network and the disk); the Megatron suite (two
-# small gloo ranks) runs beside the core suite once its virtualenv is there; the vLLM and SGLang suites
-# then run one after another (each starts engines bound to both cores). A failure stops what has not
+# small gloo ranks) runs beside the core suite once its virtualenv is there; the vLLM suite, the vLLM
+# contract check of each release and the SGLang suite then run one after another (each starts engines
+# bound to both cores). A failure stops what has not
 # started; the `ci-*` targets are these steps, chained by order-only prerequisites.
 test:
 	$(MAKE) -j4 ci-sglang
@@ -157,7 +158,11 @@ ci-megatron: $(MEGATRON_STAMP)
 ci-vllm: $(VLLM_STAMP) | ci-core ci-megatron
 	$(MAKE) --no-print-directory test-vllm
 
-ci-sglang: $(SGLANG_STAMP) | ci-vllm
+# The contract check of each vLLM release (end of this file): its virtualenvs build beside the suites.
+ci-vllm-contract: $(VLLM_CONTRACT_STAMPS) | ci-vllm
+	$(MAKE) --no-print-directory test-vllm-contract
+
+ci-sglang: $(SGLANG_STAMP) | ci-vllm-contract
 	$(MAKE) --no-print-directory test-sglang
 
 # tests/vllm start real vLLM engines; MOETRACE_REQUIRE_VLLM=1 makes a missing vLLM an error, not a skip.
@@ -197,7 +202,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(MEGATRON_VENV) .latest moetrace-demo .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(MEGATRON_VENV) .venv-vllm-contract-* .latest moetrace-demo .pytest_cache
 
 # ------------------------------------------------------------------------------------------------------
 # vLLM contract check (docs/integrations/vllm.md, "Versions and their evidence"). One small virtualenv
@@ -213,7 +218,7 @@ clean:
 VLLM_CONTRACT_VERSIONS := 0.32.0 0.33.0 0.34.0
 VLLM_CONTRACT_STAMPS := $(foreach v,$(VLLM_CONTRACT_VERSIONS),$(ENVS).venv-vllm-contract-$(v)/.installed)
 
-.PHONY: test-vllm-contract clean-vllm-contract
+.PHONY: test-vllm-contract
 
 $(ENVS).venv-vllm-contract-%/.installed: | $(VLLM_STAMP)
 	rm -rf $(@D)
@@ -230,7 +235,4 @@ test-vllm-contract: $(VLLM_CONTRACT_STAMPS)
 	for v in $(VLLM_CONTRACT_VERSIONS); do echo "vLLM $$v contract check"; \
 		VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 MOETRACE_REQUIRE_VLLM=1 \
 		$(ENVS).venv-vllm-contract-$$v/bin/python -m pytest -q tests/vllm_contract || exit 1; done
-
-clean-vllm-contract:
-	rm -rf $(foreach v,$(VLLM_CONTRACT_VERSIONS),$(ENVS).venv-vllm-contract-$(v))
 # end of the vLLM contract check
