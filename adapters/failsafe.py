@@ -26,10 +26,14 @@ the line on purpose: they change what the model
 computes, so a replay that cannot force its routes fails loudly instead of
 letting the model silently route another way.
 
-Cost. A guarded hook adds one attribute read (``on``) and a ``try`` block
-(zero-cost in CPython 3.11 when nothing is raised): no allocation, no tensor
-operation, no host-device synchronisation, so it is as CUDA-graph safe as the
-hook it guards. The switch is host state; turning it off needs no re-capture.
+Cost. A guarded tap or hook (:meth:`FailSafe.guard`, what runs in every MoE
+layer) adds one attribute read (``on``) and a ``try`` block (zero-cost in
+CPython 3.11 when nothing is raised): no allocation, no tensor operation, no
+host-device synchronisation, so it is as CUDA-graph safe as the hook it guards.
+A guarded wrapper (:meth:`FailSafe.around`, :meth:`FailSafe.entered`: once per
+pass, or per timed phase) adds the small host objects of one more context
+manager, as the recorder's own scopes do. The switch is host state; turning it
+off needs no re-capture.
 """
 
 from __future__ import annotations
@@ -100,32 +104,41 @@ class FailSafe:
         return guarded
 
     def around(self, original: Callable[..., T], scope: Callable[..., contextlib.AbstractContextManager[Any]], where: str) -> Callable[..., T]:
-        """``original`` (the engine's callable) run inside moetrace's ``scope(*args, **kwargs)``.
-
-        Entering or leaving the scope may fail: the switch trips and ``original``
-        runs (or has run) with its own arguments, its result returned. What
-        ``original`` raises propagates (the scope is left with it first). Once
-        off, ``original`` is called directly.
-        """
+        """``original`` (the engine's callable) run inside moetrace's ``scope(*args, **kwargs)`` (:meth:`entered`);
+        once off, ``original`` is called directly."""
 
         def call(*args: Any, **kwargs: Any) -> T:
             if not self.on:
                 return original(*args, **kwargs)
-            try:
-                context = scope(*args, **kwargs)
-                context.__enter__()
-            except Exception as exc:
-                self.trip(exc, where)
+            with self.entered(lambda: scope(*args, **kwargs), where):
                 return original(*args, **kwargs)
-            try:
-                result = original(*args, **kwargs)
-            except BaseException as exc:
-                self._leave(context, exc, where)
-                raise
-            self._leave(context, None, where)
-            return result
 
         return call
+
+    @contextlib.contextmanager
+    def entered(self, make: Callable[[], contextlib.AbstractContextManager[Any]], where: str) -> Iterator[None]:
+        """moetrace's scope ``make()`` around a block of the engine's code.
+
+        Making, entering or leaving the scope may fail: the switch trips and the
+        block runs (or has run) as it would without it. What the block raises
+        propagates (the scope is left with it first). Once off, only the block runs.
+        """
+        if not self.on:
+            yield
+            return
+        try:
+            context = make()
+            context.__enter__()
+        except Exception as exc:
+            self.trip(exc, where)
+            yield
+            return
+        try:
+            yield
+        except BaseException as exc:
+            self._leave(context, exc, where)
+            raise
+        self._leave(context, None, where)
 
     def _leave(self, context: contextlib.AbstractContextManager[Any], exc: BaseException | None, where: str) -> None:
         try:

@@ -150,15 +150,26 @@ class WorkerSession:
         log.info("moetrace: control endpoint at %s", self.control.url)
 
     def on_exit(self) -> None:
-        """Close the control endpoint, dump what was recorded unless moetrace is off (once); never raises."""
+        """Close the control endpoint, dump what was recorded (once); never raises.
+
+        Once a fault turned moetrace off, what this process recorded is discarded instead:
+        the pass the fault hit is incomplete, and a trace is never written with one.
+        """
         if self._exited:
             return
         self._exited = True
         with self.failsafe.guarding("the dump on exit"):
             self._close_control()
-            if self.handle is None or not self.settings.dump_on_exit or not self.failsafe.on:
+            if self.handle is None:
                 return
             recorder = self.handle.recorder
+            if not self.failsafe.on:
+                if recorder.recording:
+                    recorder.stop_record()
+                recorder.reset()
+                return
+            if not self.settings.dump_on_exit:
+                return
             try:
                 if recorder.recording:
                     recorder.stop_record()

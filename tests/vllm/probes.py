@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["expert_maps", "plugin_state", "uninstrument"]
+__all__ = ["expert_maps", "failsafe_state", "plugin_state", "uninstrument"]
 
 
 def plugin_state(model: torch.nn.Module) -> dict[str, Any]:
@@ -44,3 +44,17 @@ def expert_maps(model: torch.nn.Module) -> dict[int, list[int]]:
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
     return {int(m.layer_id): m.expert_map.tolist() for m in model.modules() if isinstance(m, MoERunner) and m.expert_map is not None}
+
+
+def failsafe_state(model: torch.nn.Module) -> dict[str, Any]:
+    """The plugin's fail-safe in this worker: whether moetrace is on, what turned it off, whether the model is still hooked."""
+    from moetrace.adapters.vllm import plugin
+
+    session = plugin.current_session()
+    assert session is not None, "the plugin did not register in this worker"
+    handle = session.handle
+    return {
+        "on": session.failsafe.on,
+        "error": session.failsafe.error,
+        "hooked": handle is not None and handle.active and handle.target is model,
+    }
