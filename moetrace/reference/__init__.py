@@ -3,7 +3,7 @@
 - :class:`TopKRouter` (with :func:`zipf_bias` / :func:`olmoe_bias` skew),
   :class:`SwiGLUExperts`, the dense oracle :class:`MoELayer`;
 - :func:`build_dispatch_layout` / :class:`DispatchLayout` (re-exported from
-  :mod:`moetrace.dispatch`) and :class:`EPMoELayer`, whose experts are really
+  :mod:`moetrace.dispatch_layout`) and :class:`EPMoELayer`, whose experts are really
   sharded over ``torch.distributed`` ranks (``exact`` or ``padded`` exchange);
 - :class:`ReferenceMoEModel` (dense layers interleaved, dense or EP),
   :func:`launch` for multi-rank runs;
@@ -14,7 +14,7 @@
 Every MoE layer reports to the recorder; see docs/reference-runtime.md.
 """
 
-from ..dispatch import DispatchLayout, build_dispatch_layout
+from ..dispatch_layout import DispatchLayout, build_dispatch_layout
 from .ep import EXCHANGE_MODES, EPMoELayer
 from .experts import SwiGLUExperts
 from .gate import TopKRouter, fitted_bias, olmoe_bias, zipf_bias

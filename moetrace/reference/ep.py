@@ -1,7 +1,7 @@
 """Expert-parallel MoE layer: experts sharded over ranks, tokens exchanged with all-to-all.
 
 Rank ``r`` of ``R`` holds experts ``[r·E/R, (r+1)·E/R)`` only. Each rank
-routes its own tokens, builds a :class:`~moetrace.dispatch.DispatchLayout`,
+routes its own tokens, builds a :class:`~moetrace.dispatch_layout.DispatchLayout`,
 sends every kept token copy to the rank owning its expert with
 ``torch.distributed.all_to_all_single``, runs its local experts on what it
 received, sends the results back on the reverse all-to-all and combines them
@@ -33,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dispatch import build_dispatch_layout, expert_capacity, slot_in_group
+from ..dispatch import expert_capacity
+from ..dispatch_layout import build_dispatch_layout, slot_in_group
 from ..process_recorder import get_recorder
 from .experts import SwiGLUExperts
 from .gate import TopKRouter

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ..dispatch import capacity_keep_mask, expert_capacity
+from ..dispatch import expert_capacity
+from ..dispatch_layout import capacity_keep_mask
 from ..process_recorder import get_recorder
 from .experts import SwiGLUExperts
 from .gate import TopKRouter

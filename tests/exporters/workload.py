@@ -20,7 +20,8 @@ import torch
 from moetrace.exporters import prometheus
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig, RecorderSnapshot
-from moetrace.dispatch import build_dispatch_layout, expert_capacity
+from moetrace.dispatch import expert_capacity
+from moetrace.dispatch_layout import build_dispatch_layout
 from moetrace.reference import (
     EPSpec,
     ModelConfig,
@@ -94,7 +95,7 @@ def route_pass(recorder: ExpertDistributionRecorder, layer_routers: list[TopKRou
                generator: torch.Generator, capacity_factor: float = 1.0) -> None:
     """One pass as EP rank ``recorder.config.ep_rank`` sees it: route, build the dispatch layout, report.
 
-    Runs the real router and :func:`~moetrace.dispatch.build_dispatch_layout`
+    Runs the real router and :func:`~moetrace.dispatch_layout.build_dispatch_layout`
     (send counts per destination rank, capacity drops) without the experts or
     the all-to-all, so a single process can stand for one rank of ``ep_size``.
     """

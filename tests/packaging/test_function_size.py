@@ -32,7 +32,7 @@ LONG: dict[str, str] = {
     "moetrace/analysis/distributed.py:analyze_traces": "plans tasks, runs them in process or on Dask, and reduces partials in one place so both paths agree",
     "moetrace/reference/launcher.py:launch": "process start, rendezvous, result collection and cleanup of the EP ranks must share one try/finally",
     "moetrace/analysis/timing.py:analyze_timing": "reads every phase table of /timing in one pass (stat and per_pass rows)",
-    "moetrace/dispatch.py:build_dispatch_layout": "the dispatch formulas with their shape docstring: one vectorised computation, split only by its comments",
+    "moetrace/dispatch_layout.py:build_dispatch_layout": "the dispatch formulas with their shape docstring: one vectorised computation, split only by its comments",
     "moetrace/analysis/summary.py:AnalysisReport.to_dict": "the JSON document of docs/analysis.md as one literal, field by field",
     "cli/demo.py:_serve_rank": "one demo rank: engine, recorder, endpoints and the serving loop under one cleanup",
     "moetrace/analysis/timeline.py:build_timeline": "one pass over /timing rows that builds every lane of the timeline",

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from moetrace.dispatch import build_dispatch_layout, capacity_keep_mask, expert_capacity
+from moetrace.dispatch import expert_capacity
+from moetrace.dispatch_layout import build_dispatch_layout, capacity_keep_mask
 from moetrace.reference import DispatchLayout
 from moetrace.testing import assert_no_host_sync
 
