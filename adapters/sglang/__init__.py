@@ -20,7 +20,11 @@ variant makes.
 
 Loading: the ``sglang.srt.plugins`` entry point ``moetrace`` runs
 :func:`plugin`, which instruments when ``MOETRACE_ENABLED=1`` (idempotent;
-SGLang loads plugins in every process). Options come from ``MOETRACE_MODE``,
+SGLang loads plugins in every process). Nothing moetrace does stops SGLang: a
+fault in the plugin, in bridging the recorder SGLang builds or in any bridged
+call inside a forward is one warning (logger ``moetrace.adapters``), moetrace is
+off in that process from then on, and SGLang serves on
+(:mod:`moetrace.adapters.failsafe`). Options come from ``MOETRACE_MODE``,
 ``MOETRACE_OUTPUT_DIR``, ``MOETRACE_WINDOW``, ``MOETRACE_TOP_K`` and
 ``MOETRACE_TIMING`` (phase timing inside SGLang's MoE layers, :mod:`.phases`).
 """
@@ -48,6 +52,7 @@ from ..base import (
     resolve_recorder,
     unwinding,
 )
+from ..failsafe import FailSafe
 from ..settings import PluginSettings, env_flag
 from .bridge import RecorderBridge
 from .layout import sglang_layout
@@ -262,7 +267,10 @@ def instrument(
         return live  # type: ignore[return-value]
 
     hooks = HookRegistry()
-    handle = SGLangInstrumentation(module, None, (), hooks, engine="sglang", details={"init_new_takes_server_args": takes_server_args})
+    handle = SGLangInstrumentation(
+        module, None, (), hooks, engine="sglang", details={"init_new_takes_server_args": takes_server_args},
+        failsafe=FailSafe("this SGLang engine"),
+    )
     factory_cls = module.ExpertDistributionRecorder
     original_init_new = inspect.getattr_static(factory_cls, "init_new").__func__
     noop_cls = getattr(module, "_ExpertDistributionRecorderNoop", None)
@@ -274,7 +282,7 @@ def instrument(
             return sglang_recorder
         rec = _moetrace_recorder(recorder, _server_args(server_args), metadata, rank, recorder_options)
         real = noop_cls is None or not isinstance(sglang_recorder, noop_cls)
-        bridge = RecorderBridge(sglang_recorder, rec, sglang_is_real=real, metadata=metadata)
+        bridge = RecorderBridge(sglang_recorder, rec, sglang_is_real=real, metadata=metadata, failsafe=handle.failsafe)
         handle.recorder, handle.layer_ids, handle.bridge = rec, tuple(range(int(metadata.num_layers))), bridge
         bridges.append(bridge)
 
@@ -286,14 +294,13 @@ def instrument(
         hooks.on_remove("SGLang global recorder bridge", restore_global)
         return bridge
 
+    bridged = handle.failsafe.guard(wrap, "bridging the recorder SGLang built")
+
     def attach(built: Any, server_args: Any, metadata: Any, rank: int) -> Any:
         if not handle.active:
             return built
-        try:
-            return wrap(built, server_args, metadata, rank)
-        except Exception:
-            logger.exception("moetrace: could not attach to SGLang's recorder; SGLang runs without moetrace")
-            return built
+        bridge = bridged(built, server_args, metadata, rank)
+        return built if bridge is None else bridge
 
     with unwinding(hooks):
         hooks.patch(factory_cls, "init_new", staticmethod(_init_new_wrapper(original_init_new, takes_server_args, attach)))
@@ -331,24 +338,20 @@ def _watch_rebalances(hooks: HookRegistry, bridges: list[RecorderBridge]) -> Non
 
 _PLUGIN_HANDLE: SGLangInstrumentation | None = None
 
+_PLUGIN_FAILSAFE = FailSafe("this SGLang engine")
+"""The plugin's start-up switch in this process (once it has instrumented, the handle's switch guards the hooks)."""
+
 
 def plugin() -> None:
     """``sglang.srt.plugins`` entry point: instrument when ``MOETRACE_ENABLED=1``.
 
-    Runs in every SGLang process that loads plugins; idempotent. Failures are
-    logged, never raised into SGLang's start-up.
+    Runs in every SGLang process that loads plugins; idempotent. Never raises into
+    SGLang's start-up: a failure (a bad ``MOETRACE_ENABLED``, an SGLang the adapter
+    does not support, ...) is one warning, and moetrace stays off in this process.
     """
     global _PLUGIN_HANDLE
-    try:
-        enabled = env_flag(os.environ, "MOETRACE_ENABLED", False)
-    except ValueError:
-        logger.exception("moetrace: the SGLang plugin is off")
+    if not _PLUGIN_FAILSAFE.on or (_PLUGIN_HANDLE is not None and _PLUGIN_HANDLE.active):
         return
-    if not enabled:
-        return
-    if _PLUGIN_HANDLE is not None and _PLUGIN_HANDLE.active:
-        return
-    try:
-        _PLUGIN_HANDLE = instrument()
-    except Exception:
-        logger.exception("moetrace: the SGLang plugin could not instrument this process")
+    with _PLUGIN_FAILSAFE.guarding("moetrace's SGLang plugin start-up"):
+        if env_flag(os.environ, "MOETRACE_ENABLED", False):
+            _PLUGIN_HANDLE = instrument()

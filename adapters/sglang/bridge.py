@@ -32,6 +32,7 @@ import torch
 
 from moetrace.batch import PassBatch
 
+from ..failsafe import FailSafe
 from .batches import gathered_pass_batch, sglang_pass_batch
 
 __all__ = ["SGLANG_PASS_PHASES", "RecorderBridge", "sglang_pass_phase"]
@@ -70,22 +71,24 @@ class RecorderBridge:
     What SGLang gets back is always what its own recorder gives: the dict
     ``with_forward_pass`` yields (the model runner reads ``"metrics"`` from
     it), dumps, ``get_current_pass_count_buffer``. A failure on moetrace's side
-    is logged once and switches moetrace off; it never reaches SGLang's forward.
+    trips ``failsafe`` (one warning, moetrace off from then on); it never reaches
+    SGLang's forward, nor its recorder endpoints.
 
     Args:
         sglang_recorder: the recorder SGLang built (real or no-op).
         recorder: the moetrace recorder; its layers are SGLang's model layer ids.
         sglang_is_real: whether ``sglang_recorder`` records (its lifecycle calls are forwarded).
         metadata: SGLang's ``ExpertLocationMetadata`` the recorders were built from.
+        failsafe: the instrumentation's switch (``None``: the bridge's own).
     """
 
-    def __init__(self, sglang_recorder: Any, recorder: Any, sglang_is_real: bool, metadata: Any = None) -> None:
+    def __init__(self, sglang_recorder: Any, recorder: Any, sglang_is_real: bool, metadata: Any = None, failsafe: FailSafe | None = None) -> None:
         self.sglang = sglang_recorder
         self.moetrace = recorder
         self.metadata = metadata
+        self.failsafe = failsafe if failsafe is not None else FailSafe("this SGLang engine")
         self._sglang_real = sglang_is_real
         self._layer: int | None = None
-        self._broken: str | None = None
         self._batch_warned = False
         layout = getattr(getattr(recorder, "config", None), "layout", None)
         # DP attention with the MoE input gathered over the TP group: this rank's rows sit after the DP ranks before it
@@ -117,7 +120,7 @@ class RecorderBridge:
     def _place_gathered(self, local: PassBatch | None, forward_batch: Any) -> None:
         """At the pass end of a gathered MoE input: this rank's batch moved to its rows of the gathered input
         (SGLang sized the gather inside the pass; host fields, :func:`.batches.gathered_pass_batch`)."""
-        if local is None or self._broken is not None:
+        if local is None or not self.failsafe.on:
             return
         try:
             self.moetrace.set_batch(gathered_pass_batch(local, forward_batch, self._dp_rank))
@@ -128,13 +131,13 @@ class RecorderBridge:
     def _moetrace_pass(self, forward_pass_id: int, forward_batch: Any = None) -> Iterator[None]:
         scope = contextlib.ExitStack()
         local = None
-        if self._broken is None:
+        if self.failsafe.on:
             try:
                 self.moetrace.set_pass_phase(*sglang_pass_phase(forward_batch))  # a batch, when there is one, names it too (and wins)
                 local = self._batch(forward_batch)
                 scope.enter_context(self.moetrace.with_forward_pass(forward_pass_id, batch=None if self._gathered else local))
             except Exception as exc:
-                self._disable(exc)
+                self.failsafe.trip(exc, "opening moetrace's pass")
         try:
             yield
         except BaseException:
@@ -148,33 +151,22 @@ class RecorderBridge:
         try:
             scope.__exit__(*exc_info)
         except Exception as exc:
-            self._disable(exc)
+            self.failsafe.trip(exc, "closing moetrace's pass")
 
     @contextlib.contextmanager
     def with_current_layer(self, layer_idx: int) -> Iterator[None]:
         """SGLang's layer scope, and moetrace's (its phase timing times the layer and needs it for ``with_phase``)."""
         previous, self._layer = self._layer, layer_idx
         try:
-            with self.sglang.with_current_layer(layer_idx), self._moetrace_layer(layer_idx):
+            with self.sglang.with_current_layer(layer_idx), self.failsafe.entered(lambda: self.moetrace.with_current_layer(layer_idx), "moetrace's layer scope"):
                 yield
         finally:
             self._layer = previous
 
-    def _moetrace_layer(self, layer_idx: int) -> contextlib.AbstractContextManager[Any]:
-        if self._broken is None:
-            try:
-                return self.moetrace.with_current_layer(layer_idx)
-            except Exception as exc:
-                self._disable(exc)
-        return _UNTIMED
-
     def phase(self, name: str) -> contextlib.AbstractContextManager[Any]:
         """moetrace's ``with_phase(name)`` for the current layer (``adapters.sglang.phases``); a null scope outside a layer or after an error."""
-        if self._broken is None and self._layer is not None:
-            try:
-                return self.moetrace.with_phase(name)
-            except Exception as exc:
-                self._disable(exc)
+        if self.failsafe.on and self._layer is not None:
+            return self.failsafe.entered(lambda: self.moetrace.with_phase(name), f"moetrace's {name} phase")
         return _UNTIMED
 
     def with_debug_name(self, debug_name: str) -> Any:
@@ -182,18 +174,18 @@ class RecorderBridge:
 
     @contextlib.contextmanager
     def disable_this_region(self) -> Iterator[None]:
-        with self.sglang.disable_this_region(), self.moetrace.disable_this_region():
+        with self.sglang.disable_this_region(), self.failsafe.entered(self.moetrace.disable_this_region, "moetrace's disabled region"):
             yield
 
     # -------------------------------------------------------------- hooks
     def on_select_experts(self, topk_ids: torch.Tensor) -> None:
         """``topk_ids [T, k]``: physical ids as SGLang's recorder gets them (padded rows ``-1``)."""
         self.sglang.on_select_experts(topk_ids=topk_ids)
-        if self._broken is None and self._layer is not None:
+        if self.failsafe.on and self._layer is not None:
             try:
                 self.moetrace.on_select_experts(topk_ids, layer=self._layer)
             except Exception as exc:
-                self._disable(exc)
+                self.failsafe.trip(exc, "the bridge's on_select_experts")
 
     def get_current_pass_count_buffer(self, layer_idx: int) -> Any:
         """SGLang's per-pass count row for a fused map-and-record kernel (ROCm MegaMoE), or ``None``.
@@ -204,7 +196,7 @@ class RecorderBridge:
         path (logical-to-physical map, then ``on_select_experts``), which both
         recorders count identically. Otherwise SGLang's own answer.
         """
-        if self._broken is None and self.moetrace.recording:
+        if self.failsafe.on and self.moetrace.recording:
             return None
         getter = getattr(self.sglang, "get_current_pass_count_buffer", None)
         return getter(layer_idx) if getter is not None else None
@@ -212,18 +204,14 @@ class RecorderBridge:
     def on_deepep_dispatch_normal(self, local_physical_count_of_layer: Any, num_tokens_per_rank: Any, num_tokens_per_rdma_rank: Any, num_tokens_per_expert: Any) -> None:
         """DeepEP normal dispatch; ``num_tokens_per_rank [R]`` (tokens sent to each rank, once per rank) feeds moetrace's send counts."""
         self.sglang.on_deepep_dispatch_normal(local_physical_count_of_layer, num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert)
-        if self._broken is None and self._layer is not None and isinstance(num_tokens_per_rank, torch.Tensor):
+        if self.failsafe.on and self._layer is not None and isinstance(num_tokens_per_rank, torch.Tensor):
             try:
                 self.moetrace.on_dispatch(num_tokens_per_rank, layer=self._layer)
             except Exception as exc:
-                self._disable(exc)
+                self.failsafe.trip(exc, "the bridge's DeepEP dispatch count")
 
     def on_deepep_dispatch_low_latency(self, local_physical_count_of_layer: torch.Tensor) -> None:
         self.sglang.on_deepep_dispatch_low_latency(local_physical_count_of_layer)
-
-    def _disable(self, exc: Exception) -> None:
-        self._broken = f"{type(exc).__name__}: {exc}"
-        logger.error("moetrace: recording disabled after an error in a hook (SGLang continues): %s", self._broken)
 
     # -------------------------------------------------------------- EPLB
     def on_expert_location_update(self) -> None:
@@ -234,9 +222,9 @@ class RecorderBridge:
         ``stat`` dumps are cumulative), and it then maps physical to logical
         ids with the new ``physical_to_logical_map``.
         """
-        if self._broken is not None or self.metadata is None:
+        if not self.failsafe.on or self.metadata is None:
             return
-        try:
+        with self.failsafe.guarding("following SGLang's EPLB rebalance"):
             new = self.metadata.physical_to_logical_map_cpu.detach().numpy().astype("int64")
             config = self.moetrace.config
             old = config.physical_to_logical
@@ -247,21 +235,21 @@ class RecorderBridge:
                 logger.info("moetrace: EPLB rebalance; wrote what was recorded under the old expert map to %s", path)
             self.moetrace.reset()
             self.moetrace.config = config.replace(physical_to_logical=new)
-        except Exception as exc:
-            self._disable(exc)
 
     # -------------------------------------------------------------- lifecycle (SGLang's HTTP endpoints land here)
     def start_record(self) -> None:
         if self._sglang_real:
             self.sglang.start_record()
-        if not self.moetrace.recording:
-            self.moetrace.start_record()
+        if self.failsafe.on and not self.moetrace.recording:
+            with self.failsafe.guarding("starting moetrace's recording"):
+                self.moetrace.start_record()
 
     def stop_record(self) -> None:
         if self._sglang_real:
             self.sglang.stop_record()
-        if self.moetrace.recording:
-            self.moetrace.stop_record()
+        if self.failsafe.on and self.moetrace.recording:
+            with self.failsafe.guarding("stopping moetrace's recording"):
+                self.moetrace.stop_record()
 
     def dump_record(self, output_mode: str = "file") -> Any:
         """SGLang's dump (when its recorder is real); in ``"file"`` mode also a moetrace trace.
@@ -269,16 +257,14 @@ class RecorderBridge:
         ``"object"`` dumps (EPLB rebalancing asks for them periodically) are
         SGLang's only, so they do not write a moetrace file each time.
         """
-        if output_mode == "file":
+        if output_mode == "file" and self.failsafe.on:
             # SGLang calls this on its scheduler thread, which runs the forward passes. While recording
             # the dump is a cut and the file is written in the background (serving goes on); after
             # stop_record (typically before a shutdown) it returns once the file is in place.
-            try:
+            with self.failsafe.guarding("moetrace's dump (SGLang's own dump goes on)"):
                 recording = self.moetrace.recording
                 path = self.moetrace.dump_record(wait=not recording)
                 logger.info("moetrace: %s %s", "writing in the background" if recording else "wrote", path)
-            except Exception:
-                logger.exception("moetrace: dump failed (SGLang's own dump goes on)")
         return self.sglang.dump_record(output_mode=output_mode) if self._sglang_real else None
 
     @property
@@ -288,7 +274,7 @@ class RecorderBridge:
     @property
     def error(self) -> str | None:
         """The error that turned moetrace's side off, if any."""
-        return self._broken
+        return self.failsafe.error
 
     def __getattr__(self, name: str) -> Any:
         # Anything newer SGLang versions add goes to SGLang's recorder unchanged.

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from moetrace.adapters import sglang as sgl_adapter
+from moetrace.adapters.failsafe import FailSafe
 from moetrace.adapters.settings import PluginSettings, env_flag, env_int
 
 
@@ -47,7 +48,10 @@ def test_readers() -> None:
 def test_sglang_plugin_with_a_bad_switch_logs_and_stays_off(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("MOETRACE_ENABLED", "maybe")
     monkeypatch.setattr(sgl_adapter, "_PLUGIN_HANDLE", None)
-    with caplog.at_level(logging.ERROR):
+    monkeypatch.setattr(sgl_adapter, "_PLUGIN_FAILSAFE", FailSafe("this SGLang engine"))
+    with caplog.at_level(logging.WARNING):
         sgl_adapter.plugin()  # never raises into SGLang's start-up
-    assert sgl_adapter._PLUGIN_HANDLE is None
-    assert "MOETRACE_ENABLED='maybe' is not a boolean" in caplog.text
+        sgl_adapter.plugin()  # SGLang loads plugins again: off, no second warning
+    assert sgl_adapter._PLUGIN_HANDLE is None and not sgl_adapter._PLUGIN_FAILSAFE.on
+    (record,) = caplog.records
+    assert record.levelname == "WARNING" and "MOETRACE_ENABLED='maybe' is not a boolean" in record.getMessage()

@@ -12,6 +12,7 @@ import pytest
 import tomllib
 from moetrace.adapters import AdapterError, UnsupportedVersionError
 from moetrace.adapters import sglang as sgl_adapter
+from moetrace.adapters.failsafe import FailSafe
 
 
 def test_entry_point_is_declared() -> None:
@@ -29,8 +30,9 @@ def test_missing_sglang_is_refused_and_the_plugin_stays_quiet(monkeypatch: pytes
         sgl_adapter.instrument()
     monkeypatch.setenv("MOETRACE_ENABLED", "1")
     monkeypatch.setattr(sgl_adapter, "_PLUGIN_HANDLE", None)
-    sgl_adapter.plugin()  # logs, never raises into SGLang's start-up
-    assert sgl_adapter._PLUGIN_HANDLE is None
+    monkeypatch.setattr(sgl_adapter, "_PLUGIN_FAILSAFE", FailSafe("this SGLang engine"))
+    sgl_adapter.plugin()  # warns, never raises into SGLang's start-up
+    assert sgl_adapter._PLUGIN_HANDLE is None and "not installed" in str(sgl_adapter._PLUGIN_FAILSAFE.error)
 
 
 def test_capturer_is_refused_with_a_reason() -> None:

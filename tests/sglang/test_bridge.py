@@ -20,7 +20,9 @@ import pytest
 import torch
 from moetrace.adapters import UnsupportedVersionError
 from moetrace.adapters import sglang as adapter
+from moetrace.adapters.failsafe import FailSafe
 
+from moetrace.recorder import ExpertDistributionRecorder
 from moetrace.testing import assert_no_host_sync
 from moetrace.trace.reader import open_trace
 
@@ -141,11 +143,11 @@ def test_a_moetrace_error_is_logged_once_and_never_reaches_sglang(bridged: tuple
     bridge = handle.bridge
     bridge.start_record()
     gatherer = bridge.sglang._single_pass_gatherers["primary"]
-    with caplog.at_level(logging.ERROR):
+    with caplog.at_level(logging.WARNING):
         # e.g. fused shared experts append a column: 3 ids per token where moetrace expects top_k=2
         _pass(bridge, 0, {0: torch.tensor([[1, 2, 3]]), 1: torch.tensor([[1, 2, 3]])})
-    assert bridge.error is not None and "top_k=2" in bridge.error
-    assert caplog.text.count("recording disabled") == 1
+    assert bridge.error is not None and "top_k=2" in bridge.error and bridge.failsafe is handle.failsafe
+    assert caplog.text.count("moetrace is off for this SGLang engine") == 1
     assert int(gatherer._data.sum()) == 6  # SGLang's recorder counted every id of both layers
     _pass(bridge, 1, {0: torch.tensor([[1, 2]])})  # later passes run, moetrace stays off
     assert handle.recorder.snapshot().physical_count.sum() == 0
@@ -207,3 +209,114 @@ def test_other_init_new_signatures_are_refused(context: None, monkeypatch: pytes
     monkeypatch.setattr(module.ExpertDistributionRecorder, "init_new", staticmethod(init_new))
     with pytest.raises(UnsupportedVersionError, match=r"0\.5\.23: ExpertDistributionRecorder.init_new takes \['metadata'\]"):
         adapter.instrument()
+
+
+# ---------------------------------------------------------------------------- a fault at each step
+
+
+class Injected(RuntimeError):
+    """The fault a test injects."""
+
+
+def _raise(*args: Any, **kwargs: Any) -> None:
+    raise Injected("injected fault")
+
+
+def _reraise(self: FailSafe, exc: BaseException, where: str) -> None:
+    raise exc
+
+
+def _forward(bridge: Any) -> None:
+    _pass(bridge, 0, {0: torch.tensor([[1, 8]]), 1: torch.tensor([[2, 9]])})
+
+
+# SGLang's calls into moetrace, each with moetrace's side of it made to raise: (what raises, SGLang's call)
+BRIDGE_FAULTS: dict[str, tuple[str, Any]] = {
+    "on_select_experts": ("on_select_experts", _forward),
+    "layer scope": ("with_current_layer", _forward),
+    "pass": ("with_forward_pass", _forward),
+    "start_record": ("start_record", lambda bridge: bridge.start_record()),
+    "dump_record": ("dump_record", lambda bridge: bridge.dump_record()),  # SGLang's own dump still answers
+}
+
+
+@pytest.mark.parametrize("step", list(BRIDGE_FAULTS))
+def test_a_fault_in_each_bridged_call_never_reaches_sglang(
+    step: str, bridged: tuple[Any, Any], out: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", str(out))  # where SGLang's own dump goes
+    handle, _ = bridged
+    bridge = handle.bridge
+    if step != "start_record":
+        bridge.start_record()
+    method, call = BRIDGE_FAULTS[step]
+    monkeypatch.setattr(ExpertDistributionRecorder, method, _raise)
+    monkeypatch.setattr(bridge.sglang, "dump_record", lambda output_mode="file": "SGLang's dump")  # needs a process group
+    with caplog.at_level(logging.WARNING, logger="moetrace"):
+        assert call(bridge) == ("SGLang's dump" if step == "dump_record" else None)  # returns into SGLang
+        _forward(bridge)  # later passes run; moetrace stays off
+    assert int(bridge.sglang._single_pass_gatherers["primary"]._data.sum()) >= 4  # SGLang's recorder counted its ids
+    assert not handle.failsafe.on and "Injected: injected fault" in str(handle.failsafe.error)
+    (warning,) = [r for r in caplog.records if r.name.startswith("moetrace")]
+    assert "moetrace is off for this SGLang engine" in warning.getMessage()
+
+
+@pytest.mark.parametrize("step", list(BRIDGE_FAULTS))
+def test_without_the_failsafe_each_bridged_fault_reaches_sglang(step: str, bridged: tuple[Any, Any], out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: the same faults, with the fail-safe's trip raising again, escape into SGLang's call."""
+    monkeypatch.setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", str(out))
+    handle, _ = bridged
+    if step != "start_record":
+        handle.bridge.start_record()
+    method, call = BRIDGE_FAULTS[step]
+    monkeypatch.setattr(ExpertDistributionRecorder, method, _raise)
+    monkeypatch.setattr(handle.bridge.sglang, "dump_record", lambda output_mode="file": "SGLang's dump")
+    monkeypatch.setattr(FailSafe, "trip", _reraise)
+    with pytest.raises(Injected):
+        call(handle.bridge)
+
+
+def test_a_fault_bridging_sglangs_recorder_leaves_sglangs_own(out: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang's model runner builds its recorder (``init_new``) while moetrace's cannot be built: SGLang gets its own."""
+    module = _module()
+    previous = module.get_global_expert_distribution_recorder()
+    module.set_global_expert_distribution_recorder(module._ExpertDistributionRecorderNoop())  # SGLang has not built one yet
+    try:
+        _bridging_fails_safely(module, monkeypatch, caplog)
+    finally:
+        module.set_global_expert_distribution_recorder(previous)
+
+
+def _bridging_fails_safely(module: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(adapter, "_moetrace_recorder", _raise)
+    handle = adapter.instrument()
+    with caplog.at_level(logging.WARNING, logger="moetrace"):
+        built = module.ExpertDistributionRecorder.init_new(_metadata(REPLICAS), 0)
+    handle.uninstrument()
+    assert not isinstance(built, adapter.RecorderBridge) and handle.bridge is None
+    assert "bridging the recorder SGLang built" in str(handle.failsafe.error)
+    assert len([r for r in caplog.records if r.name.startswith("moetrace")]) == 1
+    monkeypatch.setattr(FailSafe, "trip", _reraise)  # negative control: the same fault without the fail-safe
+    handle = adapter.instrument()
+    try:
+        with pytest.raises(Injected):
+            module.ExpertDistributionRecorder.init_new(_metadata(REPLICAS), 0)
+    finally:
+        handle.uninstrument()
+
+
+def test_a_fault_in_the_plugins_start_up_never_reaches_sglang(context: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("MOETRACE_ENABLED", "1")
+    monkeypatch.setattr(adapter, "_PLUGIN_HANDLE", None)
+    monkeypatch.setattr(adapter, "_PLUGIN_FAILSAFE", FailSafe("this SGLang engine"))
+    monkeypatch.setattr(adapter, "instrument", _raise)
+    with caplog.at_level(logging.WARNING, logger="moetrace"):
+        adapter.plugin()
+        adapter.plugin()  # SGLang loads its plugins again: no second warning
+    (warning,) = [r for r in caplog.records if r.name.startswith("moetrace")]
+    assert adapter._PLUGIN_HANDLE is None
+    assert "moetrace's SGLang plugin start-up failed (Injected: injected fault)" in warning.getMessage()
+    monkeypatch.setattr(adapter, "_PLUGIN_FAILSAFE", FailSafe("this SGLang engine"))
+    monkeypatch.setattr(FailSafe, "trip", _reraise)
+    with pytest.raises(Injected):  # negative control
+        adapter.plugin()
