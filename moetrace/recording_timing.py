@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .config import RecorderConfig
+from .cuda_clock import make_clock
 from .graphs import is_capturing
 from .timing import (
     PassTiming,
@@ -28,7 +29,6 @@ from .timing import (
     TimingCaptureError,
     TimingRows,
     TimingStats,
-    make_clock,
     row_fields,
 )
 from .trace.schema import Data, dataset

@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from moetrace.timing import CudaClock, TimingCaptureError
+from moetrace.cuda_clock import CudaClock
+from moetrace.timing import TimingCaptureError
 
 
 class _Device:
