@@ -95,9 +95,9 @@ def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, ev
     from moetrace.exporters.prometheus import start_http_server
 
     import moetrace
-    from moetrace.capturer import encode_routed_experts
     from moetrace.control import serve_control
     from moetrace.reference import EPSpec, ModelConfig, ReferenceMoEModel, ServingLoop, zipf_bias
+    from moetrace.wire import encode_routed_experts
 
     config = ModelConfig(
         vocab_size=512,
@@ -254,8 +254,8 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
 
 def _save_routes(ranks: list[dict[str, Any]], settings: DemoSettings, path: Path) -> Path | None:
     """routes.json: every finished request's routed experts ``[T, L_model, k]`` (dense layer 0 all -1)."""
-    from moetrace.capturer import decode_routed_experts
     from moetrace.routes import save_routes
+    from moetrace.wire import decode_routed_experts
 
     routes = {rid: decode_routed_experts(payload) for r in ranks for rid, payload in r["routes"].items()}
     if not routes:

@@ -18,14 +18,12 @@ tokens and ``N`` generated tokens has routing for its ``P + max(N - 1, 0)``
 positions that went through a forward pass: every prompt token and every
 generated token but the last (the final sampled token is never fed back).
 
-Wire format: :func:`encode_routed_experts` gives ``{"data": base64, "dtype",
-"shape"}`` with little-endian bytes in the smallest integer dtype holding the
-values; :func:`decode_routed_experts` inverts it.
+The wire format the captured rows are handed out in is :mod:`moetrace.wire`
+(:func:`~moetrace.wire.encode_routed_experts`), which loads no torch.
 """
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,20 +32,11 @@ import torch
 
 from .config import CaptureConfig
 from .devices import resolve_device
-from .provenance import PROVENANCE_KEY, RouteProvenance
+from .provenance import RouteProvenance
 from .route_checks import RowCheckCounts, row_faults
+from .wire import CaptureError
 
-__all__ = [
-    "CaptureError",
-    "RoutedExpertsCapturer",
-    "decode_routed_experts",
-    "encode_routed_experts",
-    "wire_dtype",
-]
-
-
-class CaptureError(ValueError):
-    """A capture or lookup that would return wrong or foreign data."""
+__all__ = ["RoutedExpertsCapturer"]
 
 
 class _Staged:
@@ -247,51 +236,3 @@ class RoutedExpertsCapturer:
     def pending(self) -> int:
         """Passes whose rows are not yet in the host buffer (at most ``staging``)."""
         return sum(s is not None for s in self._pending)
-
-
-_WIRE_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")
-
-
-def wire_dtype(array: np.ndarray) -> np.dtype:
-    """Smallest integer dtype holding every value of ``array`` (``-1`` forces a signed type)."""
-    if array.size == 0:
-        return np.dtype(np.uint8)
-    lo, hi = int(array.min()), int(array.max())
-    for name in _WIRE_DTYPES:
-        info = np.iinfo(name)
-        if info.min <= lo and hi <= info.max:
-            return np.dtype(name)
-    raise CaptureError(f"values [{lo}, {hi}] do not fit a 64-bit integer")
-
-
-def encode_routed_experts(array: np.ndarray | torch.Tensor, provenance: RouteProvenance | None = None) -> dict[str, Any]:
-    """``{"data": base64 of little-endian bytes, "dtype": name, "shape": [...]}`` for an integer array.
-
-    With ``provenance`` the payload also carries ``"provenance"`` (run, rank, weight
-    version, attempt: :mod:`moetrace.provenance`); the ids' encoding is unchanged.
-    """
-    arr = array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
-    if arr.dtype.kind not in "iu":
-        raise CaptureError(f"routed experts must be integers, got dtype {arr.dtype}")
-    dtype = wire_dtype(arr)
-    data = np.ascontiguousarray(arr, dtype=dtype.newbyteorder("<")).tobytes()
-    payload: dict[str, Any] = {"data": base64.b64encode(data).decode("ascii"), "dtype": dtype.name, "shape": list(arr.shape)}
-    if provenance is not None:
-        payload[PROVENANCE_KEY] = provenance.to_dict()
-    return payload
-
-
-def decode_routed_experts(payload: dict[str, Any]) -> np.ndarray:
-    """Inverse of :func:`encode_routed_experts` (native-endian array of the encoded dtype)."""
-    try:
-        data, name, shape = payload["data"], payload["dtype"], [int(s) for s in payload["shape"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CaptureError(f"payload must have 'data', 'dtype' and 'shape' ({exc})") from exc
-    if name not in _WIRE_DTYPES:
-        raise CaptureError(f"unsupported dtype {name!r}; expected one of {_WIRE_DTYPES}")
-    raw = base64.b64decode(data, validate=True)
-    dtype = np.dtype(name).newbyteorder("<")
-    expected = int(np.prod(shape)) * dtype.itemsize
-    if len(raw) != expected:
-        raise CaptureError(f"payload has {len(raw)} bytes but shape {shape} of {name} needs {expected}")
-    return np.frombuffer(raw, dtype=dtype).reshape(shape).astype(np.dtype(name))

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .capturer import decode_routed_experts
 from .provenance import ProvenanceError, RouteProvenance, check_weight_version, read_provenance
 from .replay_audit import ReplayAudit, ReplayAuditReport
 from .routes import RoutesError, check_routes, load_routes, select_route_layers
+from .wire import decode_routed_experts
 
 __all__ = [
     "LayerRoutes",

@@ -12,7 +12,7 @@ replay (:mod:`moetrace.replay`):
 - :func:`logical_ids` maps physical ids through an EPLB ``physical_to_logical``
   ``[L, P]`` map;
 - a *routes file* (``save_routes`` / ``load_routes``) holds per-request routes
-  in the capturer's wire format (:func:`moetrace.capturer.encode_routed_experts`)
+  in the capturer's wire format (:func:`moetrace.wire.encode_routed_experts`)
   with the model, id space, expert count and layer ids they belong to, and
   each request's provenance (run, engine rank, weight version, attempt:
   :mod:`moetrace.provenance`; files written before it load with none);
@@ -30,13 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from .capturer import CaptureError, decode_routed_experts, encode_routed_experts
 from .labels import LabelError, check_labels
 from .provenance import PROVENANCE_KEY, ProvenanceError, RouteProvenance, read_provenance
 from .trace.reader import open_trace
 from .trace.schema import Attr
 from .trace.token_routes import request_routes
 from .trace.writer import write_json_atomic
+from .wire import CaptureError, decode_routed_experts, encode_routed_experts
 
 __all__ = [
     "ROUTES_FORMAT",

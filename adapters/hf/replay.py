@@ -102,7 +102,7 @@ def replay(
             batch 1, logical expert ids, ``-1`` for positions without routes;
             the layer axis may also be every model layer (``-1`` for dense
             ones, as a capture gives it). A numpy array, a tensor, or a wire
-            payload (:func:`moetrace.capturer.encode_routed_experts`).
+            payload (:func:`moetrace.wire.encode_routed_experts`).
         top_k: experts per token when the model does not say.
         weight_version: the weights being trained: routes whose provenance names another
             weight version are refused unless ``allow_other_weight_version``

@@ -72,8 +72,8 @@ def read_routed_experts(answer: Mapping[str, Any] | str, num_layers: int, top_k:
 
 
 def routed_experts_payload(answer: Mapping[str, Any] | str, num_layers: int, top_k: int) -> dict[str, Any]:
-    """The same ids in moetrace's wire format (``moetrace.capturer.encode_routed_experts``)."""
-    from moetrace.capturer import encode_routed_experts
+    """The same ids in moetrace's wire format (``moetrace.wire.encode_routed_experts``)."""
+    from moetrace.wire import encode_routed_experts
 
     return encode_routed_experts(read_routed_experts(answer, num_layers, top_k))
 

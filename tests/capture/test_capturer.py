@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from moetrace.capturer import CaptureError, RoutedExpertsCapturer
+from moetrace.capturer import RoutedExpertsCapturer
 from moetrace.reference import KVSlotAllocator, ReqToTokenPool
 from moetrace.testing import assert_no_host_sync
+from moetrace.wire import CaptureError
 
 L, K = 4, 2
 

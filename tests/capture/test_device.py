@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrace.capturer import CaptureError, RoutedExpertsCapturer
+from moetrace.capturer import RoutedExpertsCapturer
 from moetrace.devices import resolve_device
+from moetrace.wire import CaptureError
 
 
 def test_cuda_without_index_resolves_to_the_current_device(monkeypatch):

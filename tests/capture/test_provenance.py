@@ -13,12 +13,13 @@ from moetrace.exporters import route_checks as route_check_metrics
 from prometheus_client import generate_latest
 
 from moetrace import ExpertDistributionRecorder
-from moetrace.capturer import RoutedExpertsCapturer, decode_routed_experts, encode_routed_experts
+from moetrace.capturer import RoutedExpertsCapturer
 from moetrace.provenance import ProvenanceError, RouteProvenance, check_weight_version
 from moetrace.reference import ModelConfig, ReferenceMoEModel, Request, ServingLoop, replay
 from moetrace.replay import ReplayError
 from moetrace.route_checks import ROW_CHECKS, row_faults
 from moetrace.routes import RoutesError, load_routes, save_routes
+from moetrace.wire import decode_routed_experts, encode_routed_experts
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=3, num_experts=6, top_k=2, dense_layers=(1,), seed=3)
 

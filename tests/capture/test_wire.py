@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from moetrace.capturer import CaptureError, decode_routed_experts, encode_routed_experts, wire_dtype
+from moetrace.wire import CaptureError, decode_routed_experts, encode_routed_experts, wire_dtype
 
 
 @pytest.mark.parametrize(("values", "dtype"), [

@@ -11,7 +11,6 @@ from moetrace.cli.app import app
 from typer.testing import CliRunner
 
 from moetrace.analysis.divergence import DivergenceError, diff_sources, route_divergence
-from moetrace.capturer import encode_routed_experts
 from moetrace.routes import (
     RoutesError,
     check_routes,
@@ -20,6 +19,7 @@ from moetrace.routes import (
     pad_routes,
     save_routes,
 )
+from moetrace.wire import encode_routed_experts
 from tests.analysis.helpers import record, replay_pass
 
 from .oracle import assert_matches_oracle, oracle, perturb, random_routes

@@ -12,10 +12,11 @@ from moetrace.adapters import hf
 from moetrace.adapters.hf.families import REPLAY_REFUSED, REPLAY_TESTED, replay_coverage
 
 from moetrace.analysis.divergence import route_divergence
-from moetrace.capturer import RoutedExpertsCapturer, encode_routed_experts
+from moetrace.capturer import RoutedExpertsCapturer
 from moetrace.provenance import RouteProvenance
 from moetrace.replay import ReplayError
 from moetrace.routes import logical_ids, pad_routes
+from moetrace.wire import encode_routed_experts
 from tests.adapters.hf_models import COMMON, FAMILIES, VOCAB, _lm, hook_counts
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

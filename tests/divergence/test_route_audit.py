@@ -26,9 +26,9 @@ from moetrace.analysis.route_audit import (
     trace_source,
 )
 from moetrace.analysis.route_faults import INJECTABLE, inject_faults
-from moetrace.capturer import encode_routed_experts
 from moetrace.reference import ModelConfig, ReferenceMoEModel, Request, ServingLoop, zipf_bias
 from moetrace.routes import RouteSet, save_routes
+from moetrace.wire import encode_routed_experts
 
 CONFIG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=4, num_experts=8, top_k=2,
                      dense_layers=(1,), router_bias=tuple(zipf_bias(8, 0.5, seed=2).tolist()), seed=7)

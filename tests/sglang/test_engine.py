@@ -22,10 +22,10 @@ import pytest
 import torch
 from moetrace.adapters.sglang import read_routed_experts, routed_experts_payload
 
-from moetrace.capturer import decode_routed_experts
 from moetrace.trace.convert import convert_sglang
 from moetrace.trace.reader import Trace, open_trace
 from moetrace.trace.token_routes import request_routes
+from moetrace.wire import decode_routed_experts
 
 from .checkpoint import NUM_EXPERTS, NUM_LAYERS, TOP_K, build_checkpoint
 from .engine import GENERATION, PROMPTS, engine
