@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import typer
 
-from moetrace.control import TOKEN_ENV
+from moetrace.http.auth import TOKEN_ENV
 
 from .errors import EXIT_FAILED, CommandError, guarded
 

@@ -60,6 +60,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from moetrace.exporters import otel, prometheus
 
 from .http import GuardedServerMixin, ServerHandle, ServerLimits
+from .http.auth import TOKEN_ENV
 from .process_recorder import NoOpRecorder, Recorder, get_recorder
 from .recorder import RecorderStateError
 from .trace.schema import TraceWriteError
@@ -68,7 +69,6 @@ __all__ = ["ControlServer", "serve_control"]
 
 log = logging.getLogger("moetrace.control")
 
-TOKEN_ENV = "MOETRACE_CONTROL_TOKEN"
 _ROUTES: dict[str, str] = {"/start": "POST", "/stop": "POST", "/dump": "POST", "/status": "GET", "/metrics": "GET"}
 _MAX_NAME = 255
 _DRAIN_BYTES = 16 << 20  # unread request bodies up to this size are discarded before an error reply
