@@ -23,21 +23,28 @@ outputs, not from its code):
 3. A node's replicas (originals, then copies in the order they were made) go
    onto its GPUs heaviest first, each onto the lightest GPU with room (ties:
    the lower GPU); within a GPU, slots follow that assignment order. Equal
-   loads are taken in ``torch.sort``'s order, as in EPLB.
+   loads are taken in ``torch.sort``'s order, as in EPLB (:mod:`.host_sort`).
 
 ``log2phy[l, e, r]`` is the slot of replica ``r`` of expert ``e`` (replica 0 is
 the original, then copies in the order they were made), ``-1`` past ``logcnt``.
 Loads are compared in float32, as EPLB does.
+
+Only :func:`rebalance_experts` (tensors in and out) imports torch, when called: EPLB's order of
+equal loads is :func:`~moetrace.placement.host_sort.descending_order`, so planning from a trace
+(``moetrace analyze``, ``moetrace placement``) runs on numpy alone.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .checks import PlacementError, check_placement_args
+from .host_sort import descending_order
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["eplb_policy", "greedy_rebalance", "rebalance_experts"]
 
@@ -51,6 +58,8 @@ def eplb_policy(num_experts: int, num_groups: int | None, num_nodes: int) -> tup
 
 def _host_array(weight: Any) -> tuple[np.ndarray, torch.device]:
     """``(weight [L, E] as float32 on the host, the device results go back to)``; never reads a device tensor in place."""
+    import torch
+
     if isinstance(weight, torch.Tensor):
         if weight.is_complex() or weight.dtype == torch.bool:
             raise PlacementError(f"weight must be a real-valued tensor of loads, got dtype {weight.dtype}")
@@ -73,7 +82,7 @@ def _fill(weight: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray]:
     size = np.zeros(num_bins, dtype=np.int64)
     where = np.empty(len(weight), dtype=np.int64)
     rank = np.empty(len(weight), dtype=np.int64)
-    for item in torch.from_numpy(np.ascontiguousarray(weight)).sort(descending=True).indices.tolist():
+    for item in descending_order(weight):
         room = np.flatnonzero(size < capacity)
         target = int(room[np.argmin(load[room])])
         where[item], rank[item] = target, size[target]
@@ -156,6 +165,8 @@ def rebalance_experts(
         PlacementError: sizes that cannot work (fewer slots than experts, GPUs
         that do not divide the slots, nodes that do not divide the GPUs, bad loads).
     """
+    import torch
+
     host, device = _host_array(weight)
     phy2log, replica_rank = _plan(host, num_replicas, num_groups, num_nodes, num_gpus)
     num_layers, num_experts = host.shape
