@@ -1,19 +1,24 @@
 """PNG plots of an :class:`~moetrace.analysis.summary.AnalysisReport` (headless, Agg).
 
 Figures are built with :class:`matplotlib.figure.Figure` and the Agg canvas
-directly, so plotting never touches pyplot's global state or needs a display.
+directly, so plotting never touches pyplot's global state or needs a display. Matplotlib is
+imported by :func:`plot_report`, when a figure is drawn: importing this module (as the
+``moetrace`` command does for ``--kind``'s choices) costs nothing.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from ..trace.schema import Attr
-from .summary import AnalysisReport
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from .summary import AnalysisReport
 
 __all__ = ["PLOT_KINDS", "plot_report"]
 
@@ -145,6 +150,9 @@ def plot_report(report: AnalysisReport, path: Path | str, kind: str = "heatmap",
     """
     if kind not in PLOT_KINDS:
         raise ValueError(f"unknown plot kind {kind!r}; choose one of {', '.join(PLOT_KINDS)}")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize={"ranks": (10, 7), "coactivation": (8, 7)}.get(kind, (10, 6)), layout="constrained")
     FigureCanvasAgg(fig)
     if kind == "heatmap":

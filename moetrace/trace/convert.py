@@ -16,7 +16,8 @@ Sources:
   - ``per_token`` mode: the same with ``"topk_ids_of_layer": [L, T, 8]`` per
     record becomes a ``per_token`` trace (``position`` = index in the pass).
 
-  SGLang dumps do not say ``top_k`` for ``stat``/``per_pass``: pass it.
+  SGLang dumps do not say ``top_k`` for ``stat``/``per_pass``: pass it. Reading one is the
+  only part of this module that needs torch, which it imports then.
 
 - **JSON-lines routing logs**: one object per line and layer,
   ``{"layer": 3, "topk_ids": [5, 9], "pass_id": 0, "position": 12}``
@@ -39,7 +40,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ..ids import to_logical
 from .schema import PADDING_IDS, Data, TraceError, TraceHeader
@@ -110,6 +110,8 @@ def _tensor(obj: object, what: str, src: Path, shape: tuple[int | None, ...] | N
     Raises:
         TraceError: naming the field, what it holds and what was expected.
     """
+    import torch
+
     if not isinstance(obj, torch.Tensor):
         raise TraceError(f"{src}: {what} is not a tensor ({type(obj).__name__}); not an SGLang expert-distribution dump")
     if obj.dtype == torch.bool or obj.is_floating_point() or obj.is_complex():
@@ -125,6 +127,8 @@ def _tensor(obj: object, what: str, src: Path, shape: tuple[int | None, ...] | N
 
 def _record_int(record: dict, key: str, src: Path, index: int, default: int = 0) -> int:
     """An integer field of record ``index`` (``forward_pass_id``, ``rank``)."""
+    import torch
+
     value = record.get(key, default)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = int(value.item())
@@ -170,6 +174,8 @@ def convert_sglang(src: Path | str, out: Path | str, *, top_k: int | None = None
     if not src.is_file():
         raise TraceError(f"{src}: no such file")
     _check_crc(src)
+    import torch
+
     try:
         data = torch.load(src, map_location="cpu", weights_only=True)
     except Exception as exc:

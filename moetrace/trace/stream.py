@@ -21,6 +21,9 @@ owns the events decides when a copy is done: :meth:`BackgroundTraceWriter.poll`
 (the forward thread, at pass end, with ``event.query()``, which never blocks)
 or :meth:`BackgroundTraceWriter.settle` (a lifecycle call, a dump, or a forward
 thread about to wait for a buffer anyway, with ``event.synchronize()``).
+
+Only :class:`HostBufferPool` allocates tensors; it imports torch when a recording builds one,
+so a routing recorder or a tool that streams host rows loads no torch.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BackgroundTraceWriter", "HostBufferPool", "StreamJob", "StreamSink"]
 
@@ -41,6 +45,8 @@ class HostBufferPool:
     """A fixed set of (pinned, when on CUDA) host buffers of one shape and dtype."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, count: int, pin: bool) -> None:
+        import torch  # only a recording allocates buffers: the writer thread and its jobs need no torch
+
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(count):
             self._free.put(torch.empty(shape, dtype=dtype, pin_memory=pin))
