@@ -7,22 +7,34 @@ The module-level functions act on the process-wide recorder::
     moetrace.start_record()
     ...  # run the model (hooks call moetrace.get_recorder())
     path = moetrace.dump_record()
+
+``import moetrace`` loads only the version: every other public name is imported from its module
+on first use (PEP 562), so the offline commands (``moetrace analyze``, ``verify``, ``report`` ...),
+which read traces with numpy and h5py, never import torch; the first ``moetrace.configure`` does.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .config import CaptureConfig, RecorderConfig
-from .process_recorder import NoOpRecorder, get_recorder, set_recorder
-from .recorder import ExpertDistributionRecorder, RecorderStateError
-from .snapshot import RecorderSnapshot
-from .timing import PHASES
+from .lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from .control import ControlServer
+    from .config import CaptureConfig, RecorderConfig
+    from .control import serve_control
+    from .process_recorder import (
+        NoOpRecorder,
+        configure,
+        dump_record,
+        get_recorder,
+        set_recorder,
+        start_record,
+        stop_record,
+    )
+    from .recorder import ExpertDistributionRecorder, RecorderStateError
+    from .snapshot import RecorderSnapshot
+    from .timing import PHASES
 
 __all__ = [
     "PHASES",
@@ -42,34 +54,21 @@ __all__ = [
     "stop_record",
 ]
 
+_LAZY = {
+    "PHASES": "timing",
+    "CaptureConfig": "config",
+    "RecorderConfig": "config",
+    "ExpertDistributionRecorder": "recorder",
+    "RecorderStateError": "recorder",
+    "RecorderSnapshot": "snapshot",
+    "NoOpRecorder": "process_recorder",
+    "configure": "process_recorder",
+    "dump_record": "process_recorder",
+    "get_recorder": "process_recorder",
+    "set_recorder": "process_recorder",
+    "start_record": "process_recorder",
+    "stop_record": "process_recorder",
+    "serve_control": "control",
+}
 
-def configure(**fields: object) -> ExpertDistributionRecorder:
-    """Build a recorder from :class:`RecorderConfig` fields and install it globally."""
-    recorder = ExpertDistributionRecorder(RecorderConfig(**fields))  # type: ignore[arg-type]
-    set_recorder(recorder)
-    return recorder
-
-
-def start_record() -> None:
-    """``get_recorder().start_record()``."""
-    get_recorder().start_record()
-
-
-def stop_record() -> None:
-    """``get_recorder().stop_record()``."""
-    get_recorder().stop_record()
-
-
-def dump_record(path: str | Path | None = None, wait: bool = True) -> Path:
-    """``get_recorder().dump_record(path, wait)``."""
-    return get_recorder().dump_record(path, wait)
-
-
-def serve_control(*args: object, **kwargs: object) -> ControlServer:
-    """Serve the HTTP control endpoint: see :func:`moetrace.control.serve_control`.
-
-    Imported on first use, so ``import moetrace`` stays free of HTTP and exporter modules.
-    """
-    from .control import serve_control as _serve_control
-
-    return _serve_control(*args, **kwargs)  # type: ignore[arg-type]
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -2,8 +2,10 @@
 
 Engine adapters and the reference runtime call :func:`get_recorder` at each hook site, so
 a process that never configures moetrace pays one attribute lookup and a call that does
-nothing (:class:`NoOpRecorder`); :func:`set_recorder` (or ``moetrace.configure``) installs an
-:class:`~moetrace.recorder.ExpertDistributionRecorder`.
+nothing (:class:`NoOpRecorder`); :func:`set_recorder` (or :func:`configure`) installs an
+:class:`~moetrace.recorder.ExpertDistributionRecorder`. :func:`start_record`, :func:`stop_record`
+and :func:`dump_record` act on whichever is installed; the package root exports all of them
+(``moetrace.configure`` ...).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from pathlib import Path
 import torch
 
 from .batch import PassBatch
+from .config import RecorderConfig
 from .pass_phase import pass_phase_code, pass_requests
 from .recorder import ExpertDistributionRecorder, RecorderStateError
 from .snapshot import RecorderSnapshot
 from .timing import UNTIMED
 
-__all__ = ["NoOpRecorder", "Recorder", "get_recorder", "set_recorder"]
+__all__ = ["NoOpRecorder", "Recorder", "configure", "dump_record", "get_recorder", "set_recorder", "start_record", "stop_record"]
 
 
 class NoOpRecorder:
@@ -98,3 +101,25 @@ def set_recorder(recorder: Recorder | None) -> Recorder:
     _global_recorder = recorder if recorder is not None else NoOpRecorder()
     return previous
 
+
+
+def configure(**fields: object) -> ExpertDistributionRecorder:
+    """Build a recorder from :class:`~moetrace.config.RecorderConfig` fields and install it as the process-wide one."""
+    recorder = ExpertDistributionRecorder(RecorderConfig(**fields))  # type: ignore[arg-type]
+    set_recorder(recorder)
+    return recorder
+
+
+def start_record() -> None:
+    """``get_recorder().start_record()``."""
+    get_recorder().start_record()
+
+
+def stop_record() -> None:
+    """``get_recorder().stop_record()``."""
+    get_recorder().stop_record()
+
+
+def dump_record(path: str | Path | None = None, wait: bool = True) -> Path:
+    """``get_recorder().dump_record(path, wait)``."""
+    return get_recorder().dump_record(path, wait)

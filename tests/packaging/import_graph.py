@@ -48,14 +48,15 @@ ROOTS = {"moetrace": "moetrace", "adapters": "moetrace.adapters", "exporters": "
 #: The layers, bottom to top: (name, module prefixes, what the layer is for). A module belongs to
 #: the layer of its longest matching prefix; a module may import its own layer and those below.
 LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("base", ("moetrace._version", "moetrace.ids", "moetrace.data", "moetrace.dispatch", "moetrace.balance", "moetrace.layout",
+    ("base", ("moetrace._version", "moetrace.ids", "moetrace.data", "moetrace.dispatch", "moetrace.dispatch_layout", "moetrace.balance", "moetrace.layout",
               "moetrace.pass_phase", "moetrace.lazy"),
      "versions, id spaces, vendored data, dispatch formulas, balance metric definitions, rank layouts, lazy package attributes"),
     ("trace", ("moetrace.trace",), "the HDF5 trace: schema (every name), writers, readers, segments, merge"),
     ("core", ("moetrace.config", "moetrace.accumulators", "moetrace.timing", "moetrace.snapshot",
               "moetrace.recorder", "moetrace.hook_args", "moetrace.recording_timing", "moetrace.process_recorder", "moetrace.session", "moetrace.dump", "moetrace.dumper", "moetrace.capturer", "moetrace.routes",
               "moetrace.replay", "moetrace.replay_audit", "moetrace.testing", "moetrace.graphs",
-              "moetrace.devices", "moetrace.labels", "moetrace.provenance", "moetrace.route_checks", "moetrace.batch"),
+              "moetrace.devices", "moetrace.labels", "moetrace.provenance", "moetrace.route_checks", "moetrace.batch",
+              "moetrace.cuda_clock", "moetrace.wire"),
      "what runs inside an engine's forward: config, hooks, recorder, session, dump, capturer, replay"),
     ("http", ("moetrace.http",), "HTTP serving infrastructure: guarded server, server handle"),
     ("replicas", ("moetrace.replicas",), "request→replica routing: recorder, router, prefix cache, simulation, analysis"),
@@ -68,7 +69,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("drivers", ("moetrace.drivers",),
      "replica drivers that run reference engines behind the router"),
     ("adapters", ("moetrace.adapters",), "engine adapters and plugins: Hugging Face, SGLang, vLLM, Megatron-Core"),
-    ("facade", ("moetrace",), "the package root: `import moetrace` (the core, control on first use)"),
+    ("facade", ("moetrace",), "the package root: `import moetrace` (the core and control, each on first use)"),
     ("cli", ("moetrace.cli",), "the `moetrace` command"),
 )
 

@@ -64,7 +64,7 @@ def test_no_relative_import_crosses_a_top_level_folder() -> None:
 
 def test_the_graph_sees_what_the_modules_import(graph) -> None:
     # An import inside a function is an arrow too (the old reader ↔ segments circle ran through one).
-    assert ("moetrace", "moetrace.control") in graph.arrows  # serve_control imports it on first use
+    assert ("moetrace", "moetrace.control") in graph.arrows  # the root exports serve_control lazily; its TYPE_CHECKING import is the arrow
     assert ("moetrace.trace.join", "moetrace.trace.reader") in graph.arrows
     assert ("moetrace.recorder", "moetrace.config") in graph.arrows
     assert len(graph.modules) > 90

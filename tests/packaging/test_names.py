@@ -35,10 +35,9 @@ SHARED: dict[str, str] = {
     "replay": "the routing-replay contract, one per runtime (reference, Hugging Face, Megatron-Core): replay(model, routes) -> handle",
     "find_moe_layers": "each engine adapter's discovery of its MoE layers (vLLM, Megatron-Core), one per engine",
     "installed_version": "each engine adapter's installed-version probe (transformers, Megatron-Core), one per engine",
-    "start_record": "the facade's call on the global recorder and exporters.otel's spanned version of the same call",
-    "stop_record": "the facade's call on the global recorder and exporters.otel's spanned version of the same call",
-    "dump_record": "the facade's call on the global recorder and exporters.otel's spanned version of the same call",
-    "serve_control": "the facade's serve_control imports moetrace.control on first use so that `import moetrace` loads the core only",
+    "start_record": "process_recorder's call on the process-wide recorder (moetrace.start_record) and exporters.otel's spanned version of the same call",
+    "stop_record": "process_recorder's call on the process-wide recorder (moetrace.stop_record) and exporters.otel's spanned version of the same call",
+    "dump_record": "process_recorder's call on the process-wide recorder (moetrace.dump_record) and exporters.otel's spanned version of the same call",
     "PHASE_METHODS": "per-engine tables of the methods timed as phases (Megatron-Core, SGLang)",
     "Record": "per-engine records of one MoE layer's routing (Hugging Face, vLLM)",
 }
