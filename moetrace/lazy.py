@@ -1,7 +1,7 @@
 """Lazy package attributes: a package's public names imported from its modules on first use.
 
-``moetrace.analysis`` and ``moetrace.placement`` export names whose modules pull in heavy
-dependencies (rich, matplotlib, the planners); each sets ``__getattr__ = lazy_attributes(__name__,
+The package root, ``moetrace.analysis`` and ``moetrace.placement`` export names whose modules pull in heavy
+dependencies (torch, rich, matplotlib, the planners); each sets ``__getattr__ = lazy_attributes(__name__,
 {name: module})`` so that importing the package loads none of them (PEP 562).
 """
 
