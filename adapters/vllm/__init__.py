@@ -191,9 +191,8 @@ def instrument_model(
     """:func:`instrument` for a model in hand (``vllm_config`` enables the eager-mode check).
 
     With ``mark_passes``, ``details["batches"]`` is the :class:`~.batches.StepBatches` that
-    gives each pass its requests once a model runner is attached (``attach(runner)``).
-    Every hook runs behind ``failsafe`` (the plugin passes its worker's, so that a fault
-    anywhere turns the whole plugin off; ``None``: the handle's own).
+    gives each pass its requests once a model runner is attached (``attach(runner)``). Every
+    hook runs behind ``failsafe`` (the plugin's, so one fault turns it all off; ``None``: new).
     """
     live = existing_instrumentation(model, recorder)
     if live is not None:
@@ -220,13 +219,12 @@ def instrument_model(
     layer_ids = [layer.layer_id for layer in layers]
     binding = resolve_recorder(recorder, len(layers), num_experts, layers[0].top_k, layer_ids, defaults=defaults, **recorder_options)
     rec = binding.recorder
-    hooks = HookRegistry()
-    failsafe = failsafe if failsafe is not None else FailSafe("this vLLM engine")
+    hooks, failsafe = HookRegistry(), failsafe or FailSafe("this vLLM engine")
     with unwinding(hooks, binding):
         for layer in layers:
             install_tap(hooks, layer, failsafe.guard(functools.partial(rec.on_select_experts, layer=layer.index), f"the routing tap on {layer.name}"))
             if getattr(getattr(rec, "config", None), "timing", False):
-                install_phase_timing(hooks, layer, rec)
+                install_phase_timing(hooks, layer, rec, failsafe)
         batches = StepBatches(hooks) if mark_passes else None
         if batches is not None:
             hooks.wrap_forward(model, forward_pass_wrapper(rec, failsafe, batch_of=batches.batch_of))

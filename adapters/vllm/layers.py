@@ -38,7 +38,14 @@ from typing import Any
 
 import torch
 
-from ..base import AdapterError, HookRegistry, NoMoELayersError, UnsupportedVersionError
+from ..base import (
+    AdapterError,
+    HookRegistry,
+    NoMoELayersError,
+    UnsupportedVersionError,
+    recorder_scope,
+)
+from ..failsafe import FailSafe
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
@@ -201,16 +208,12 @@ class RouterTap:
         self.downstream = capture_fn
 
 
-def install_phase_timing(hooks: HookRegistry, layer: VLLMMoELayer, recorder: Any) -> None:
-    """Bracket ``router.select_experts`` as ``route`` and ``routed_experts.forward_modular`` as ``expert``."""
+def install_phase_timing(hooks: HookRegistry, layer: VLLMMoELayer, recorder: Any, failsafe: FailSafe) -> None:
+    """Bracket ``router.select_experts`` as ``route`` and ``routed_experts.forward_modular`` as ``expert`` (behind ``failsafe``)."""
     runner = layer.runner
     for owner, name, phase in ((runner.router, "select_experts", "route"), (runner.routed_experts, "forward_modular", "expert")):
         original = getattr(owner, name)
-
-        def timed(*args: Any, _original: Callable[..., Any] = original, _phase: str = phase, **kwargs: Any) -> Any:
-            with recorder.with_current_layer(layer.index), recorder.with_phase(_phase):
-                return _original(*args, **kwargs)
-
+        timed = failsafe.around(original, recorder_scope(recorder, layer.index, phase), f"the {phase} phase timing of {layer.name}")
         hooks.patch(owner, name, functools.wraps(original)(timed))
 
 

@@ -99,6 +99,7 @@ def fresh(engine: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCap
     if session is not None and session.handle is not None:
         if session.handle.recorder.recording:
             session.handle.recorder.stop_record()
+        session.handle.recorder.reset()  # nothing of the test's recording is left for the exit
         session.handle.uninstrument()
         session.on_exit()
 
@@ -175,6 +176,21 @@ def test_a_fault_in_following_the_steps_keeps_recording_without_requests(engine:
     assert session.failsafe.on and session.handle.recorder.num_passes == sampling_params().max_tokens
     (warning,) = [r for r in fresh.records if r.name.startswith("moetrace")]
     assert "without their requests" in warning.getMessage() and warning.levelname == "WARNING"
+
+
+def test_a_fault_in_the_phase_timing_leaves_vllm_serving(engine: Engine, fresh: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrappers ``instrument(timing=True)`` puts around the router's and the experts' calls (in-process use)."""
+    monkeypatch.setattr(ExpertDistributionRecorder, "with_phase", _raise)
+    handle = vllm_adapter.instrument_model(engine.model, engine.vllm_config, timing=True, output_dir=engine.out)
+    try:
+        handle.recorder.start_record()
+        assert _generate(engine.llm) == engine.plain
+    finally:
+        handle.recorder.stop_record()
+        handle.uninstrument()
+    assert not handle.failsafe.on and "phase timing of" in str(handle.failsafe.error)
+    (warning,) = [r for r in fresh.records if r.name.startswith("moetrace")]
+    assert "Injected: injected fault" in warning.getMessage()
 
 
 @pytest.mark.parametrize("step", [s for s in STEPS if STEPS[s][1] is not _load_and_warm_up or s == "start recording"])
