@@ -78,6 +78,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
             assert session is not None and session.handle is not None and session.handle.recorder.recording
             with_plugin = _generate(llm)
             session.handle.recorder.stop_record()
+            session.handle.recorder.reset()  # nothing of it is left for the exit
             session.handle.uninstrument()
             plain = _generate(llm)
             model = llm.apply_model(lambda m: m)[0]
