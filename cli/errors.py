@@ -4,11 +4,14 @@ Exit codes: 0 success, 1 the operation failed at run time (server refused or
 unreachable, write failed), 2 bad usage or bad input (missing file, not a
 trace, truncated, damaged, newer schema, inconsistent options). Every HDF5
 failure while reading an input exits 2 with a message, never a traceback.
+A reader that stops reading (``moetrace analyze T | head -2``) is no failure: 0.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -46,6 +49,10 @@ def guarded(command: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return command(*args, **kwargs)
+        except BrokenPipeError:
+            # The reader has what it wanted and closed the pipe (`| head -2`): what it read is right.
+            _discard_stdout()
+            raise typer.Exit(0) from None
         except CommandError as exc:
             say_error(str(exc))
             raise typer.Exit(exc.code) from None
@@ -63,3 +70,15 @@ def guarded(command: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(EXIT_INPUT) from None
 
     return wrapper
+
+
+def _discard_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush of what is still buffered
+    for a closed pipe cannot fail again (and exit 120) after the command ended."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a file (a test runner's buffer): nothing is flushed to a pipe at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
