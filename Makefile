@@ -123,15 +123,18 @@ endif
 latest-envs:
 	$(MAKE) --no-print-directory -j3 LATEST=1 .latest/.venv-vllm/.installed .latest/.venv-sglang/.installed .latest/.venv-megatron/.installed
 
+# `$(call each_lock,freeze|compare)`: .ci/locks.py on every lock and its virtualenv in .latest/.
+LOCKED_ENVS := core:.venv vllm:.venv-vllm sglang:.venv-sglang megatron:.venv-megatron
+each_lock = for env in $(LOCKED_ENVS); do \
+	$(PYTHON) .ci/locks.py $(1) .latest/.venv/bin/uv .latest/$${env\#*:}/bin/python $(LOCKS)/$${env%%:*}.txt || exit 1; done
+
 # Write every lock anew from the newest releases (review the diff, run `make test`, commit).
 lock: latest-envs
-	for env in core:.venv vllm:.venv-vllm sglang:.venv-sglang megatron:.venv-megatron; do \
-		$(PYTHON) .ci/locks.py freeze .latest/.venv/bin/uv .latest/$${env#*:}/bin/python $(LOCKS)/$${env%%:*}.txt || exit 1; done
+	$(call each_lock,freeze)
 
 # Every suite on the newest releases; first, what differs from the locks.
 test-latest: latest-envs
-	for env in core:.venv vllm:.venv-vllm sglang:.venv-sglang megatron:.venv-megatron; do \
-		$(PYTHON) .ci/locks.py compare .latest/.venv/bin/uv .latest/$${env#*:}/bin/python $(LOCKS)/$${env%%:*}.txt || exit 1; done
+	$(call each_lock,compare)
 	$(MAKE) --no-print-directory LATEST=1 test
 
 demo: $(STAMP)
