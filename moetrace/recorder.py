@@ -22,12 +22,12 @@ retried), ``reset()`` discards everything. ``start`` while recording and
 before any ``start``.
 
 This module holds the hooks and the recording state machine; nothing in it asks for the mode.
-What each mode keeps of a pass is its sink (:class:`~moetrace.accumulators.ModeSink`) and how it
-is dumped its dumper (:mod:`moetrace.dumper`), both chosen once at construction; the hooks'
-argument checks are :mod:`moetrace.hook_args`; the phase timing :mod:`moetrace.recording_timing`;
+What each mode keeps of a pass is its sink (:class:`~moetrace.recording.accumulators.ModeSink`) and how it
+is dumped its dumper (:mod:`moetrace.recording.dumper`), both chosen once at construction; the hooks'
+argument checks are :mod:`moetrace.recording.hook_args`; the phase timing :mod:`moetrace.recording.timing_state`;
 the recording's files while it runs (segments, rotation, checkpoints, journal)
-:mod:`moetrace.session`; writing the dumps' files, with the gathers over ranks,
-:mod:`moetrace.dump`; the asynchronous host copy that ``snapshot()`` reads,
+:mod:`moetrace.recording.session`; writing the dumps' files, with the gathers over ranks,
+:mod:`moetrace.recording.dump`; the asynchronous host copy that ``snapshot()`` reads,
 :mod:`moetrace.snapshot`; the process-wide recorder and its no-op default,
 :mod:`moetrace.process_recorder`.
 
@@ -48,18 +48,18 @@ from pathlib import Path
 
 import torch
 
-from . import session as sessions
-from .accumulators import PassCounter, mode_sink
 from .batch import PassBatch
 from .config import RecorderConfig
 from .devices import resolve_device
-from .dump import TraceDump, rank_world, shared_run_id, streamed_schema
-from .dumper import CutPoint, DumpLedger, mode_dumper
 from .graphs import is_capturing
-from .hook_args import checked_batch, checked_dispatch, checked_ids, checked_layer
 from .pass_phase import UNKNOWN, pass_phase_code, pass_requests
-from .recording_timing import recording_timing
-from .session import RecordingSession, Staged
+from .recording import session as sessions
+from .recording.accumulators import PassCounter, mode_sink
+from .recording.dump import TraceDump, rank_world, shared_run_id, streamed_schema
+from .recording.dumper import CutPoint, DumpLedger, mode_dumper
+from .recording.hook_args import checked_batch, checked_dispatch, checked_ids, checked_layer
+from .recording.session import RecordingSession, Staged
+from .recording.timing_state import recording_timing
 from .snapshot import RecorderSnapshot, SnapshotChannel
 from .timing import PHASES, UNTIMED
 from .trace.stat import CounterLayout
@@ -422,7 +422,7 @@ class ExpertDistributionRecorder:
         self._files.close(keep, self._next_pass_id - 1, self._num_passes, self.undumped_passes)
 
     def _close_at_exit(self) -> None:
-        """Interpreter exit (:func:`moetrace.session.close_at_exit`): keep undumped passes on disk."""
+        """Interpreter exit (:func:`moetrace.recording.session.close_at_exit`): keep undumped passes on disk."""
         with self._lock:
             undumped = self.undumped_passes
             if undumped:
@@ -437,7 +437,7 @@ class ExpertDistributionRecorder:
         """Write what was recorded to an HDF5 trace (atomically) and return its path.
 
         The dump is a cut at a pass boundary: under the lock a pass end also takes, the mode's
-        dumper (:mod:`moetrace.dumper`) only hands the staged rows over (streaming modes) or
+        dumper (:mod:`moetrace.recording.dumper`) only hands the staged rows over (streaming modes) or
         copies the totals and begins a copy on write of the window (``stat``); recording goes on
         at once. The rest runs off the lock, and the file is joined or written on a background
         thread (in a child process when large), so the forward thread never waits for it.

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
-from moetrace.accumulators import TokenStream
 from moetrace.batch import PassBatch
+from moetrace.recording.accumulators import TokenStream
 from moetrace.testing import CpuGraph, assert_no_host_sync
 from moetrace.trace import open_trace
 from moetrace.trace.schema import TraceDamageError

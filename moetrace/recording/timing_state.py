@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .config import RecorderConfig
-from .cuda_clock import make_clock
-from .graphs import is_capturing
-from .timing import (
+from ..config import RecorderConfig
+from ..cuda_clock import make_clock
+from ..graphs import is_capturing
+from ..timing import (
     PassTiming,
     PhaseClock,
     TimingCaptureError,
@@ -31,8 +31,8 @@ from .timing import (
     TimingStats,
     row_fields,
 )
-from .trace.schema import Data, dataset
-from .trace.stream import StreamJob
+from ..trace.schema import Data, dataset
+from ..trace.stream import StreamJob
 
 __all__ = ["NoTiming", "RecordingTiming", "TimingPart", "recording_timing"]
 

@@ -28,15 +28,15 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..config import RecorderConfig
+from ..trace.files import checkpoint_path, journal_path, sweep_dead_temporaries
+from ..trace.journal import Journal
+from ..trace.schema import TraceHeader, TraceWriteError
+from ..trace.segments import CheckpointWriter, SegmentInfo, SegmentWriter
+from ..trace.stat import CounterLayout, StatRows
+from ..trace.stream import BackgroundTraceWriter, HostBufferPool, StreamJob
+from ..trace.writer import TraceWriter, check_writable_dir
 from .accumulators import ModeSink, PassCounter, StatWindow
-from .config import RecorderConfig
-from .trace.files import checkpoint_path, journal_path, sweep_dead_temporaries
-from .trace.journal import Journal
-from .trace.schema import TraceHeader, TraceWriteError
-from .trace.segments import CheckpointWriter, SegmentInfo, SegmentWriter
-from .trace.stat import CounterLayout, StatRows
-from .trace.stream import BackgroundTraceWriter, HostBufferPool, StreamJob
-from .trace.writer import TraceWriter, check_writable_dir
 
 __all__ = ["Cut", "RecordingSession", "SessionSlot", "Staged", "close_at_exit", "wanted"]
 

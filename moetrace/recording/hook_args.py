@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .batch import PassBatch
+from ..batch import PassBatch
 
 __all__ = ["checked_batch", "checked_dispatch", "checked_ids", "checked_layer", "int_tensor"]
 

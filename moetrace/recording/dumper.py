@@ -11,9 +11,9 @@ and hands it to its mode's dumper, chosen once (:func:`mode_dumper`):
   Under the lock the open segment is handed to the writer thread and the place marked; outside it,
   the copies in flight are settled, then the dump thread joins the closed segments.
 
-Either way the file itself is written on the background dump thread (:class:`~moetrace.dump.DumpQueue`),
+Either way the file itself is written on the background dump thread (:class:`~moetrace.recording.dump.DumpQueue`),
 and :class:`DumpLedger` keeps the bookkeeping: the passes dumped, the last file, the failures, and
-retention after each dump. Writing the files is :mod:`moetrace.dump`.
+retention after each dump. Writing the files is :mod:`moetrace.recording.dump`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..config import RecorderConfig
+from ..trace.retention import Retention
 from .accumulators import ModeSink, PassCounter, StatWindow, WindowCut
-from .config import RecorderConfig
 from .dump import (
     DumpQueue,
     PendingDump,
@@ -39,9 +40,8 @@ from .dump import (
     rank_world,
     stat_gathers,
 )
-from .recording_timing import NoTiming
 from .session import RecordingSession
-from .trace.retention import Retention
+from .timing_state import NoTiming
 
 __all__ = ["WINDOW_BATCH_BYTES", "CutPoint", "DumpLedger", "ModeDumper", "StatDumper", "StreamDumper", "mode_dumper"]
 

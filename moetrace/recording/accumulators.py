@@ -39,14 +39,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .batch import PassBatch
-from .config import RecorderConfig
-from .pass_phase import PASS_PHASES, phase_counts
-from .trace.schema import Data
-from .trace.segments import StreamRows
-from .trace.stat import CounterLayout
-from .trace.stream import HostBufferPool, StreamJob
-from .trace.writer import chunk_rows, token_id_dtype
+from ..batch import PassBatch
+from ..config import RecorderConfig
+from ..pass_phase import PASS_PHASES, phase_counts
+from ..trace.schema import Data
+from ..trace.segments import StreamRows
+from ..trace.stat import CounterLayout
+from ..trace.stream import HostBufferPool, StreamJob
+from ..trace.writer import chunk_rows, token_id_dtype
 
 __all__ = ["ModeSink", "PassCounter", "PassStream", "StatWindow", "TokenStream", "WindowCut", "mode_sink"]
 

@@ -35,17 +35,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..config import RecorderConfig
+from ..layout import RankLayout
+from ..pass_phase import PASS_PHASES
+from ..timing import HISTOGRAM_EDGES, PHASES
+from ..trace.offload import join_segments, write_stat_trace
+from ..trace.schema import PHASE_COUNTS, STRING_DTYPE, Attr, Data, TraceHeader, dataset
+from ..trace.stat import CounterLayout, StatRows, write_stat, write_stat_window
+from ..trace.writer import TraceWriter
 from .accumulators import PassCounter, StatWindow, WindowCut
-from .config import RecorderConfig
-from .layout import RankLayout
-from .pass_phase import PASS_PHASES
-from .recording_timing import TimingPart
 from .session import Cut, RecordingSession
-from .timing import HISTOGRAM_EDGES, PHASES
-from .trace.offload import join_segments, write_stat_trace
-from .trace.schema import PHASE_COUNTS, STRING_DTYPE, Attr, Data, TraceHeader, dataset
-from .trace.stat import CounterLayout, StatRows, write_stat, write_stat_window
-from .trace.writer import TraceWriter
+from .timing_state import TimingPart
 
 __all__ = ["DumpQueue", "PendingDump", "StatCut", "TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "rank_world", "shared_run_id", "stat_gathers", "streamed_schema"]
 
@@ -114,7 +114,7 @@ def gather_objects(obj: object, world: int) -> list[object]:
 class StatCut:
     """A ``stat`` dump's cut: device copies (``totals [L, C]``, ``token_total [1]`` and the window's
     ``tokens [W]``), the window ring ``[W, L, P]`` being copied on write to the host
-    (:class:`~moetrace.accumulators.WindowCut`) and host copies of the window's metadata."""
+    (:class:`~moetrace.recording.accumulators.WindowCut`) and host copies of the window's metadata."""
 
     totals: torch.Tensor
     token_total: torch.Tensor
@@ -172,7 +172,7 @@ class DumpQueue:
 
     The thread starts with the first dump and ends when no dump is left; it is not a
     daemon, so the interpreter's exit waits for a dump in progress before the atexit
-    handlers close the recording (:func:`moetrace.session.close_at_exit`).
+    handlers close the recording (:func:`moetrace.recording.session.close_at_exit`).
     """
 
     def __init__(self, name: str = "moetrace-dump") -> None:
