@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.config import MODES
 from moetrace.recording.modes import MODE_CLASSES
+from moetrace.recording.pass_counter import PassCounter
 from moetrace.testing import assert_no_host_sync
 from moetrace.trace import open_trace
 from tests.recorder.helpers import captured_hooks
@@ -143,6 +144,26 @@ def test_pass_tokens_match_an_independent_count(tmp_path, mode):
         assert int(trace.num_tokens().sum()) == sum(want)
         if mode == "per_pass":
             np.testing.assert_array_equal(np.concatenate([c.num_tokens for c in trace.iter_passes(chunk=4)]), want)
+
+
+def stale_row_passes() -> list[list[np.ndarray]]:
+    """A full pass, then one whose first layer gets 2 rows and the others 2 real rows and padding."""
+    full = np.arange(MAX_TOKENS * TOP_K).reshape(MAX_TOKENS, TOP_K) % EXPERTS
+    padded = np.where(np.arange(MAX_TOKENS)[:, None] < 2, full, -1)
+    return [[full] * LAYERS, [full[:2]] + [padded] * (LAYERS - 1)]
+
+
+@pytest.mark.parametrize("set_back", [True, False], ids=["stage-set-back", "negative-control-not-set-back"])
+def test_a_pass_never_counts_rows_an_earlier_pass_left(tmp_path, monkeypatch, set_back):
+    """Where a later pass gives a layer fewer rows than another layer, the rows an earlier pass
+    left there must not count: without setting the stage back, the independent count sees them."""
+    if not set_back:
+        monkeypatch.setattr(PassCounter, "clear", lambda self: self.current.zero_())
+    passes = stale_row_passes()
+    rec = make(tmp_path, "stat")
+    rec.start_record()
+    run(rec, passes)
+    assert (rec.snapshot().num_tokens == sum(expected_tokens(passes))) is set_back
 
 
 @pytest.mark.parametrize("mode", ["stat", "per_pass"])
