@@ -121,7 +121,9 @@ class PassCounter:
 
         Ids in ``[0, P)`` count for their expert, ``-1`` in the padding column, any other id in
         one of the two invalid columns; the pass end counts the rows that are not all -1
-        (padding rows of a CUDA graph's static batch are) as its tokens.
+        (padding rows of a CUDA graph's static batch are) as its tokens. With an int32 stage an
+        int64 id is narrowed before it is clamped, so one at or beyond ``2**31 - 2`` (no engine's)
+        is read modulo ``2**32``.
 
         Raises:
             ValueError: (``keep_rows``) the layer's rows in this pass would outgrow ``max_tokens_per_pass``.
