@@ -62,7 +62,7 @@ from harness import write_results
 
 from moetrace import ExpertDistributionRecorder, NoOpRecorder, RecorderConfig
 from moetrace.capturer import RoutedExpertsCapturer
-from moetrace.recording.accumulators import StatWindow
+from moetrace.recording.window import StatWindow
 from moetrace.reference.ep import EPMoELayer
 from moetrace.reference.experts import SwiGLUExperts
 from moetrace.reference.gate import TopKRouter
@@ -356,7 +356,7 @@ def window_cut_check(device: torch.device, out_dir: Path, blind_pass_ends: bool 
     :func:`host_sync_guard` (each pass end first copies its slot, ``non_blocking`` into pinned
     memory on CUDA); the dumped window must equal the routing of the passes at the cut, slot by
     slot. ``blind_pass_ends``: the control, pass ends that do not copy."""
-    import moetrace.recording.dumper as dumper_module
+    import moetrace.recording.dump_cuts as dumper_module
 
     sizes, tokens, window = SIZES["tiny"], 32, SHRUNK["window"]
     before = 2 * window + 4

@@ -36,6 +36,12 @@ def _recorder(d: dict) -> list[Row]:
     return rows
 
 
+def _hook_cost(d: dict) -> list[Row]:
+    v = d["variants"]
+    return [("hook cost", f"DeepSeek-V3 decode shape, {mode} hook / bare scatter_add_ ({d['shape']['device']})",
+             f"{v[f'{mode} hooks']['ratio_to_bare']:.2f} ({v[f'{mode} hooks']['us_per_layer']:.1f} us)") for mode in ("stat", "per_pass", "per_token")]
+
+
 def _request_rows(d: dict) -> list[Row]:
     rows = []
     for workload, r in d["results"]["cpu"].items():
@@ -190,6 +196,7 @@ def _report(d: dict) -> list[Row]:
 #: name -> (script arguments in full / quick runs, headline extractor)
 BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] = {
     "recorder_overhead": ([], ["--quick"], _recorder),
+    "hook_cost": ([], ["--quick"], _hook_cost),
     "request_rows_overhead": ([], ["--quick"], _request_rows),
     "adapter_overhead": ([], ["--rounds", "4"], _adapter),
     "capture_overhead": ([], ["--rounds", "4"], _capture),

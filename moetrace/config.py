@@ -158,7 +158,8 @@ class RecorderConfig:
         set_(self, "segment_seconds", float(seconds))
         from .trace.writer import compression_options
 
-        compression_options(self.resolved_compression)  # raises ValueError naming the accepted specs
+        if self.compression != "auto":  # "auto": each mode's default (moetrace.recording.modes)
+            compression_options(self.compression)  # raises ValueError naming the accepted specs
         if self.retention is not None and not isinstance(self.retention, RetentionPolicy):
             raise ValueError(f"retention must be a moetrace.trace.retention.RetentionPolicy or None, got {type(self.retention).__name__}")
         if not isinstance(self.gather_stat, bool):
@@ -232,13 +233,6 @@ class RecorderConfig:
         assert self.physical_to_logical is not None
         identity = np.arange(self.num_physical_experts)
         return not bool((self.physical_to_logical == identity).all())
-
-    @property
-    def resolved_compression(self) -> str:
-        """``compression`` with ``"auto"`` resolved for this mode."""
-        if self.compression == "auto":
-            return "lzf" if self.mode == "per_pass" else "none"
-        return self.compression
 
     def rank_layout(self, rank: int = 0, world_size: int = 1) -> RankLayout:
         """This rank's parallel layout: ``layout`` when given, else every rank holding its own tokens

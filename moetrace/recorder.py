@@ -10,30 +10,23 @@ Runtimes call the hooks from inside every MoE layer::
                 rec.on_select_experts(topk_ids)
                 rec.on_dispatch(send_counts)       # [R], optional
 
-Hooks check cheap metadata only (dtype, rank, device, layer index) and count
-with fixed-shape device ops; they never read tensor values on the host. When
-the recorder is not recording they return at once.
+Hooks check cheap metadata only (dtype, rank, device, layer index) and count with three
+fixed-shape device ops into the pass counter (:mod:`moetrace.recording.pass_counter`); they
+never read tensor values on the host, and return at once when not recording.
 
-Lifecycle: ``start_record()`` begins a fresh recording (counts zeroed),
-``stop_record()`` ends it, ``dump_record()`` writes what was recorded (allowed
-while recording or after stop; state is kept, so a failed dump can be
-retried), ``reset()`` discards everything. ``start`` while recording and
-``stop`` while stopped raise :class:`RecorderStateError`, as does ``dump``
-before any ``start``.
+Lifecycle: ``start_record()`` begins a fresh recording (counts zeroed), ``stop_record()`` ends
+it, ``dump_record()`` writes what was recorded (while recording or after stop; a failed dump can
+be retried), ``reset()`` discards everything. ``start`` while recording, ``stop`` while stopped
+and ``dump`` before any ``start`` raise :class:`RecorderStateError`.
 
-This module holds the hooks and the recording state machine; nothing in it asks for the mode.
-What each mode keeps of a pass is its sink (:class:`~moetrace.recording.accumulators.ModeSink`) and how it
-is dumped its dumper (:mod:`moetrace.recording.dumper`), both chosen once at construction; the hooks'
-argument checks are :mod:`moetrace.recording.hook_args`; the phase timing :mod:`moetrace.recording.timing_state`;
-the recording's files while it runs (segments, rotation, checkpoints, journal)
-:mod:`moetrace.recording.session`; writing the dumps' files, with the gathers over ranks,
-:mod:`moetrace.recording.dump`; the asynchronous host copy that ``snapshot()`` reads,
-:mod:`moetrace.snapshot`; the process-wide recorder and its no-op default,
+This module holds the hooks and the recording state machine; nothing in it asks for the mode:
+everything that differs between modes is the mode's object (:mod:`moetrace.recording.modes`),
+built once (its sink, its dumper in :mod:`moetrace.recording.dump_cuts`, its schema and files).
+The hooks' argument checks are :mod:`moetrace.recording.hook_args`; the phase timing
+:mod:`moetrace.recording.timing_state`; the recording's files while it runs
+:mod:`moetrace.recording.session`; writing the dumps' files :mod:`moetrace.recording.dump_files`;
+the host copy that ``snapshot()`` reads :mod:`moetrace.snapshot`; the process-wide recorder
 :mod:`moetrace.process_recorder`.
-
-Over 500 lines: the hooks, the pass end, the lifecycle calls and the dump's cut share every field
-under one lock (pass, layer, gate, counter, sink, the open session, the passes recorded), and the
-public surface (hooks, context managers, lifecycle, dump, snapshot, status) is documented here.
 """
 
 from __future__ import annotations
@@ -53,12 +46,12 @@ from .config import RecorderConfig
 from .devices import resolve_device
 from .graphs import is_capturing
 from .pass_phase import UNKNOWN, pass_phase_code, pass_requests
-from .recording import session as sessions
-from .recording.accumulators import PassCounter, mode_sink
-from .recording.dump import TraceDump, rank_world, shared_run_id, streamed_schema
-from .recording.dumper import CutPoint, DumpLedger, mode_dumper
+from .recording.dump_cuts import CutPoint, DumpLedger
+from .recording.dump_files import TraceDump, rank_world, shared_run_id
 from .recording.hook_args import checked_batch, checked_dispatch, checked_ids, checked_layer
-from .recording.session import RecordingSession, Staged
+from .recording.modes import recording_mode
+from .recording.pass_counter import PassCounter
+from .recording.session import RecordingSession, SessionSlot, Staged
 from .recording.timing_state import recording_timing
 from .snapshot import RecorderSnapshot, SnapshotChannel
 from .timing import PHASES, UNTIMED
@@ -108,37 +101,32 @@ class ExpertDistributionRecorder:
         cfg = self.config
         self._device: torch.device = cfg.device  # type: ignore[assignment]
         self._layout = CounterLayout(cfg.num_physical_experts, cfg.ep_size)
-        self._files = sessions.SessionSlot(self)  # crash safety: the recording's files while it runs
+        self._files = SessionSlot(self)  # crash safety: the recording's files while it runs
+        self._mode = recording_mode(cfg)  # everything that differs between modes, asked once here
         # Buffers are normal tensors even when built under torch.inference_mode() (as engines
         # often do), so lifecycle calls outside it can update them in place.
         with torch.inference_mode(False):
-            self._counter = PassCounter(cfg, self._layout)
+            self._counter = PassCounter(cfg, self._layout, self._mode.keeps_token_rows)
             self._counter.set_gate(False)
-            self._sink = mode_sink(cfg, self._layout, self._files.submit, self._files.settle)  # what the mode keeps of each pass
+            self._sink = self._mode.sink(self._layout, self._files.submit, self._files.settle)  # what the mode keeps of each pass
             self._snapshots = SnapshotChannel(tuple(self._counter.phase_totals.shape), self._device)  # type: ignore[arg-type]
         # Phase timing (host-side): the clock, aggregates over all passes and per-pass rows.
         self._timing = recording_timing(cfg, self._device, self._sink.streamed, self._files.submit)
         self._lock = threading.RLock()
-        self._recording = False
-        self._started = False
-        self._in_pass = False
-        self._pass_active = False
-        self._pass_rows = 0  # per_token: most rows a hook wrote in this pass (host bound, not a token count)
+        self._recording = self._started = self._in_pass = self._pass_active = False
         self._batch: PassBatch | None = None  # the engine's batch of the pass being run (host arrays), if it gave one
-        self._captured_rows = 0  # per_token: most rows a hook wrote while being captured into a CUDA graph
         self._capture_open = False  # a hook ran under graph capture since the last hook that did not
         self._next_pass_id = 0
         self._pass_phase = UNKNOWN  # the pass phase set_pass_phase named for the pass in progress (or the next one)
         self._pass_requests = -1
         self._layer: int | None = None
-        self._disabled = 0
-        self._num_passes = 0
+        self._disabled = self._num_passes = 0
         self._run_id = uuid.uuid4().hex
         self._staged = Staged(self._counter, self._sink, self._timing.flush_rows)
-        streamed = streamed_schema(cfg, self._layout, self._sink.token_dtype, self._timing.row_schema())
-        self._dump = TraceDump(cfg, self._layout, streamed, self._timing.kind, compression_options(cfg.resolved_compression))
+        streamed = self._mode.streamed_schema(self._layout, self._timing.row_schema())
+        self._dump = TraceDump(cfg, self._layout, streamed, self._timing.kind, compression_options(self._mode.compression()))
         self._ledger = DumpLedger(cfg, self._lock)  # dumps' files are written on its thread, never the forward thread
-        self._dumper = mode_dumper(cfg, self._sink, self._dump, self._counter, self._timing, self._ledger, self._lock, self._hand_session)
+        self._dumper = self._mode.dumper(self._dump, self._counter, self._sink, self._timing, self._ledger, self._lock, self._hand_session)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -192,8 +180,7 @@ class ExpertDistributionRecorder:
         self._batch = checked_batch(batch)
         self._in_pass = True
         self._pass_active = self._recording
-        self._pass_rows = 0
-        self._sink.restart_rows()  # also a graph captured inside this pass starts at row 0
+        self._counter.restart_rows()  # also a graph captured inside this pass starts at row 0
         ok = False
         try:
             self._timing.begin_pass(self._pass_active, self._device)  # refuses a CUDA-graph capture: the finally below still ends the pass
@@ -228,13 +215,11 @@ class ExpertDistributionRecorder:
     def set_pass_phase(self, phase: str | int, num_requests: int = -1) -> None:
         """Name the pass phase of the pass in progress (or, outside ``with_forward_pass``, of the next pass).
 
-        ``phase``: a name of :data:`moetrace.pass_phase.PASS_PHASES` (``prefill``, ``decode``,
-        ``mixed``, ``idle``; ``unknown`` when nobody calls this) or its code; ``num_requests``:
-        requests in the pass's batch (-1: unknown; an ``idle`` pass has 0, given or not). Not the timing
-        phases of :meth:`with_phase`.
-        Host state only (no device op): the adapter calls it once per pass from the batch it holds
-        on the host, outside any CUDA graph; the pass end, which runs for every pass (a graph
-        replay included), counts the pass into this phase and resets it to ``unknown``.
+        ``phase``: a name of :data:`moetrace.pass_phase.PASS_PHASES` (``prefill``, ``decode``, ``mixed``,
+        ``idle``; ``unknown`` when nobody calls this) or its code; ``num_requests``: requests in the
+        pass's batch (-1: unknown; an ``idle`` pass has 0, given or not). Not the timing phases of
+        :meth:`with_phase`. Host state only: the adapter calls it once per pass, outside any CUDA
+        graph; the pass end (every pass, a replay too) counts the pass into it and resets it.
 
         Raises:
             ValueError: an unknown phase, or a count that breaks :data:`moetrace.pass_phase.REQUESTS_RULE`
@@ -290,7 +275,7 @@ class ExpertDistributionRecorder:
             return False
         if not self._capture_open:  # the first hook of a capture (engines warm up each graph eagerly before capturing it)
             self._capture_open = True
-            self._sink.restart_rows()
+            self._counter.restart_rows()
         self._timing.begin_capture(self._device)  # raises with timing: timed events cannot be captured
         return True
 
@@ -312,14 +297,7 @@ class ExpertDistributionRecorder:
         if not self._active():
             return
         layer = self._resolve_layer(layer, "on_select_experts")
-        ids = checked_ids(topk_ids, self.config.top_k, self._device)
-        self._sink.check_room(layer, ids.shape[0])
-        index = self._counter.add_select(layer, ids)
-        rows = self._sink.add_layer(layer, index)
-        if rows > self._pass_rows:
-            self._pass_rows = rows
-        if rows > self._captured_rows and is_capturing(self._device):
-            self._captured_rows = rows  # a replay of this graph writes this many rows, no hook telling
+        self._counter.add_select(layer, checked_ids(topk_ids, self.config.top_k, self._device))
 
     def on_dispatch(
         self,
@@ -353,7 +331,7 @@ class ExpertDistributionRecorder:
             if self._batch is not None:  # the engine's batch names its phase and requests (it wins over set_pass_phase)
                 phase, requests = pass_phase_code(self._batch.phase), self._batch.num_requests
             counter.fold(phase, requests)
-            self._sink.end_pass(counter, pass_id, timestamp, phase, requests, max(self._pass_rows, self._captured_rows), self._batch)
+            self._sink.end_pass(counter, pass_id, timestamp, phase, requests, self._batch)
             counter.clear()
             self._num_passes += 1
             self._snapshots.publish(counter.phase_totals, counter.phase_tokens, self._num_passes, timestamp, counter.phase_host)
@@ -364,7 +342,6 @@ class ExpertDistributionRecorder:
         self._timing.discard_pass()
         with self._lock:
             self._counter.clear()
-            self._sink.discard_pass(max(self._pass_rows, self._captured_rows))
 
     # ------------------------------------------------------------------ lifecycle
     def start_record(self) -> None:
@@ -409,12 +386,11 @@ class ExpertDistributionRecorder:
 
     def _open_session(self) -> None:
         """Start the recording's files: rotating segments (streaming modes) or checkpoints (stat)."""
-        if not sessions.wanted(self.config):
+        if not self._mode.keeps_files():
             return
-        rank, world = rank_world(self.config)
-        header = self._dump.header(self._run_id, rank, world)
-        self._files.open(RecordingSession(self.config, header, self._layout, self._dump.streamed, self._staged,
-                                          self._dump.write_stat_file, self._dump.compression))
+        header = self._dump.header(self._run_id, *rank_world(self.config))
+        open_files = self._mode.session_files(self._layout, self._dump.streamed, self._dump.compression)
+        self._files.open(RecordingSession(self.config, header, open_files, self._staged, self._dump.write_stat_file))
 
     def _close_session(self, keep: bool) -> None:
         """Stop the writer thread. ``keep``: close the open segment (or write a last checkpoint) and
@@ -426,10 +402,8 @@ class ExpertDistributionRecorder:
         with self._lock:
             undumped = self.undumped_passes
             if undumped:
-                _log.warning(
-                    "moetrace: %d recorded passes were never dumped; they are kept in %s: run `moetrace recover %s`",
-                    undumped, self.config.output_dir, self.config.output_dir,
-                )
+                out = self.config.output_dir
+                _log.warning("moetrace: %d recorded passes were never dumped; they are kept in %s: run `moetrace recover %s`", undumped, out, out)
             self._close_session(keep=bool(undumped))
 
     # ------------------------------------------------------------------ dump
@@ -437,17 +411,16 @@ class ExpertDistributionRecorder:
         """Write what was recorded to an HDF5 trace (atomically) and return its path.
 
         The dump is a cut at a pass boundary: under the lock a pass end also takes, the mode's
-        dumper (:mod:`moetrace.recording.dumper`) only hands the staged rows over (streaming modes) or
+        dumper (:mod:`moetrace.recording.dump_cuts`) only hands the staged rows over (streaming modes) or
         copies the totals and begins a copy on write of the window (``stat``); recording goes on
         at once. The rest runs off the lock, and the file is joined or written on a background
         thread (in a child process when large), so the forward thread never waits for it.
 
-        ``wait=True`` (the default) returns once the file is in place and raises if the
-        dump failed; ``wait=False`` returns the path at once (the file appears there,
-        complete, when the background dump ends: :meth:`wait_dumps` waits for it and raises
-        its error, ``status()`` lists it under ``pending_dumps`` and a failure under
-        ``errors``). A caller on the engine's forward thread (SGLang's scheduler) passes
-        ``wait=False``.
+        ``wait=True`` (the default) returns once the file is in place and raises if the dump
+        failed; ``wait=False`` returns the path at once (the file appears there, complete, when
+        the background dump ends: :meth:`wait_dumps` waits for it and raises its error,
+        ``status()`` lists it under ``pending_dumps``, a failure under ``errors``). A caller on
+        the engine's forward thread (SGLang's scheduler) passes ``wait=False``.
 
         ``stat`` mode under ``torch.distributed`` is collective: every rank must call it;
         rank 0 writes one file with a rank axis and every rank returns its path. Streaming
@@ -463,9 +436,7 @@ class ExpertDistributionRecorder:
             if self._dumper.needs_session and self._files.session is None:
                 raise RecorderStateError("no streaming segment is open (it was already dumped after stop_record); call start_record() to record again")
             self._snapshots.settle()
-            target = Path(path) if path is not None else self._dump.default_path()
-            if target.suffix != ".h5":
-                target = target.with_name(target.name + ".h5")
+            target = self._mode.dump_path(path)
             at = CutPoint(self._num_passes, self._next_pass_id - 1, self._recording, self._run_id, self._files.session)
             target, outside = self._dumper.cut(target, at, prepared)
         pending = self._ledger.queue.submit(target, outside())  # outside the lock: gathers, copies in flight
@@ -508,8 +479,7 @@ class ExpertDistributionRecorder:
             self.config, self._layout, rows, (passes, int(tokens.sum()), stamp), recording=recording, id_space=self.id_space,
             pass_phase_num_passes=host[0], pass_phase_num_tokens=tokens, pass_phase_num_requests=host[1],
             last_dump_path=str(last) if last else None, errors=errors, dropped_passes=self.dropped_passes, timing=timing,
-            rank_layout=self.config.rank_layout(*rank_world(self.config)),
-            retention=self._ledger.retention_stats(),
+            rank_layout=self.config.rank_layout(*rank_world(self.config)), retention=self._ledger.retention_stats(),
         )
 
     def status(self) -> dict[str, object]:
@@ -518,18 +488,12 @@ class ExpertDistributionRecorder:
             tokens = self._snapshots.latest()[1][1]
             segment_error = self._files.error
             errors = [*self._ledger.errors, *([f"streaming write failed: {segment_error}"] if segment_error else [])]
+            last = self.last_dump_path
             return {
-                "configured": True,
-                "recording": self._recording,
-                "mode": self.config.mode,
-                "passes": self._num_passes,
-                "tokens": tokens,
-                "dropped_passes": self.dropped_passes,
-                "last_dump_path": str(self.last_dump_path) if self.last_dump_path else None,
-                "pending_dumps": [str(p.target) for p in self._ledger.pending],
-                "output_dir": str(self.config.output_dir),
-                "errors": errors,
-                "retention": self._ledger.retention_stats(),
+                "configured": True, "recording": self._recording, "mode": self.config.mode, "passes": self._num_passes,
+                "tokens": tokens, "dropped_passes": self.dropped_passes, "last_dump_path": str(last) if last else None,
+                "pending_dumps": [str(p.target) for p in self._ledger.pending], "output_dir": str(self.config.output_dir),
+                "errors": errors, "retention": self._ledger.retention_stats(),
                 "layout": self.config.rank_layout(*rank_world(self.config)).as_dict(),
             }
 

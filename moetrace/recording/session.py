@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -29,24 +29,26 @@ import numpy as np
 import torch
 
 from ..config import RecorderConfig
-from ..trace.files import checkpoint_path, journal_path, sweep_dead_temporaries
+from ..trace.files import journal_path, sweep_dead_temporaries
 from ..trace.journal import Journal
 from ..trace.schema import TraceHeader, TraceWriteError
 from ..trace.segments import CheckpointWriter, SegmentInfo, SegmentWriter
-from ..trace.stat import CounterLayout, StatRows
+from ..trace.stat import StatRows
 from ..trace.stream import BackgroundTraceWriter, HostBufferPool, StreamJob
 from ..trace.writer import TraceWriter, check_writable_dir
-from .accumulators import ModeSink, PassCounter, StatWindow
+from .pass_counter import PassCounter
+from .sink import ModeSink
+from .window import StatWindow
 
-__all__ = ["Cut", "RecordingSession", "SessionSlot", "Staged", "close_at_exit", "wanted"]
+__all__ = ["Cut", "OpenFiles", "RecordingSession", "SessionSlot", "Staged", "close_at_exit"]
 
 #: ``fill(writer, stat)``: a checkpoint's ``/stat`` and ``/window`` from its host arrays (one rank row).
 FillStat = Callable[[TraceWriter, StatRows], None]
 
 
-def wanted(config: RecorderConfig) -> bool:
-    """Whether a recording with ``config`` keeps files while it runs (every streaming mode; ``stat`` with ``segment_seconds``)."""
-    return config.mode != "stat" or bool(config.segment_seconds)
+#: ``open_files(directory, header, journal)``: the writer of a recording's files, the mode's
+#: (:meth:`moetrace.recording.modes.RecordingMode.session_files`): checkpoints or segments.
+OpenFiles = Callable[[Path, TraceHeader, Journal], "CheckpointWriter | SegmentWriter"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,22 +73,18 @@ class RecordingSession:
     Args:
         config: the recorder's configuration (``output_dir``, ``segment_seconds``, ``segment_bytes``).
         header: the header of every segment / checkpoint (carries run id and rank).
-        layout: the counter rows' columns.
-        streamed: ``{dataset: (row shape, dtype)}`` of the streamed group.
+        open_files: opens the writer of the recording's files (the mode's checkpoints or segments).
         staged: the parts a rotation flushes.
         fill_stat: writes a checkpoint's ``/stat`` and ``/window`` from host arrays.
-        compression: h5py filter keywords of the files.
     """
 
     def __init__(
         self,
         config: RecorderConfig,
         header: TraceHeader,
-        layout: CounterLayout,
-        streamed: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+        open_files: OpenFiles,
         staged: Staged,
         fill_stat: FillStat,
-        compression: Mapping[str, object],
     ) -> None:
         self.config = config
         self._staged = staged
@@ -97,11 +95,7 @@ class RecordingSession:
         rank = header.rank
         self.journal = Journal(journal_path(directory, header.run_id, rank))
         self.journal.note("start", pid=os.getpid(), host=socket.gethostname(), run_id=header.run_id, rank=rank, world_size=header.world_size, mode=config.mode, segment_seconds=config.segment_seconds, segment_bytes=config.segment_bytes)
-        if config.mode == "stat":
-            sink: CheckpointWriter | SegmentWriter = CheckpointWriter(checkpoint_path(directory, header.run_id, rank), header, self.journal, compression)
-        else:
-            sink = SegmentWriter(directory, header, streamed, layout, config.physical_to_logical, config.segment_bytes, self.journal, compression)  # type: ignore[arg-type]
-        self.writer = BackgroundTraceWriter(sink)
+        self.writer = BackgroundTraceWriter(open_files(directory, header, self.journal))
         self._rotate_at = time.monotonic() + (config.segment_seconds or float("inf"))
         self._checkpoint_buffers: tuple[HostBufferPool, HostBufferPool, HostBufferPool, HostBufferPool] | None = None
         self._undumped: list[SegmentInfo] = []  # closed segments taken by a dump that failed

@@ -9,6 +9,7 @@ import torch
 
 from moetrace.data import olmoe_counts
 from moetrace.recorder import ExpertDistributionRecorder
+from moetrace.testing import CpuGraph
 
 
 def numpy_counts(passes: list[list[np.ndarray]], num_experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,3 +79,14 @@ def olmoe_token_stream(domain: str, tokens_per_pass: int, scale: int, seed: int 
             yield [ids[start * top_k : stop * top_k].reshape(-1, top_k) for ids in per_layer]
 
     return expected, passes()
+
+
+def captured_hooks(recorder: ExpertDistributionRecorder, static: torch.Tensor) -> CpuGraph:
+    """A graph of one pass's hooks on the static ids ``[L, T, k]`` (layer ``l`` reads ``static[l]``),
+    captured once, as an engine captures at start-up."""
+    graph = CpuGraph()
+    with graph.capture():
+        for layer in range(static.shape[0]):
+            with recorder.with_current_layer(layer):
+                recorder.on_select_experts(static[layer])
+    return graph

@@ -200,8 +200,8 @@ def test_stat_window_is_copied_on_write_while_passes_overwrite_it(tmp_path, monk
     """A stat dump copies the window a batch per lock hold (so a pass end waits for one batch, not
     the whole ring); passes that end meanwhile overwrite slots it has not copied yet, and each such
     pass end copies its slot first: the dump's window is the one at the cut, pass by pass."""
-    import moetrace.recording.dumper as dumper_module
-    from moetrace.recording.accumulators import StatWindow
+    import moetrace.recording.dump_cuts as dumper_module
+    from moetrace.recording.window import StatWindow
 
     window = 16
     rec = recorder(tmp_path, "stat", window=window)

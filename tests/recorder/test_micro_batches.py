@@ -24,7 +24,7 @@ import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.batch import PassBatch
-from moetrace.recording.accumulators import TokenStream
+from moetrace.recording.pass_counter import PassCounter
 from moetrace.testing import CpuGraph, assert_no_host_sync
 from moetrace.trace import open_trace
 from moetrace.trace.schema import TraceDamageError
@@ -194,12 +194,13 @@ def test_negative_control_overwriting_micro_batches_is_caught(tmp_path, monkeypa
     """The defect these tests guard against: each call staging at row 0 drops the first micro-batch.
     The trace's own invariants refuse it (more assignments than tokens x top_k)."""
 
-    def at_row_zero(self, layer, index):
-        tokens = index.shape[0] // self.pass_stage.shape[2]
-        torch.index_select(self.lut, 0, index, out=self.pass_stage[layer, :tokens].view(-1))
-        return tokens
+    staged_after_earlier_calls = PassCounter.add_select
 
-    monkeypatch.setattr(TokenStream, "add_layer", at_row_zero)
+    def at_row_zero(self, layer, topk_ids):
+        self.layer_rows[layer] = 0  # every call stages from row 0, over the layer's earlier rows
+        staged_after_earlier_calls(self, layer, topk_ids)
+
+    monkeypatch.setattr(PassCounter, "add_select", at_row_zero)
     rec = make(tmp_path, "per_token")
     rec.start_record()
     for ids, split in schedule(seed=1, count=4):
@@ -213,7 +214,7 @@ def test_negative_control_capture_offsets_that_never_start_over_are_caught(tmp_p
     """Without the restart at each capture the second graph's rows land after the first graph's
     (or overflow): the rows then disagree with the ids fed, which the graph test checks."""
     rec = make(tmp_path, "per_token")
-    monkeypatch.setattr(TokenStream, "restart_rows", lambda self: None)
+    monkeypatch.setattr(PassCounter, "restart_rows", lambda self: None)
     static = torch.full((LAYERS, 12, TOP_K), -1, dtype=torch.int64)
     for _ in range(2):
         graph = CpuGraph()

@@ -18,11 +18,11 @@ from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.pass_phase import PASS_PHASES, pass_phase_code
 from moetrace.reference.gate import TopKRouter
 from moetrace.reference.model import ModelConfig, ReferenceMoEModel
-from moetrace.testing import CpuGraph, HostSyncError, assert_no_host_sync
+from moetrace.testing import HostSyncError, assert_no_host_sync
 from moetrace.trace import open_trace
 from moetrace.trace.pass_phases import has_pass_phases, pass_phase_counts, pass_phase_physical_count
 from moetrace.trace.schema import Data
-from tests.recorder.helpers import numpy_counts
+from tests.recorder.helpers import captured_hooks, numpy_counts
 
 EXPERTS, TOP_K, HOT = 8, 2, 4.0
 PREFILL, DECODE, IDLE = (pass_phase_code(p) for p in ("prefill", "decode", "idle"))
@@ -151,11 +151,7 @@ def test_graph_replays_count_into_the_phase_each_pass_end_names(tmp_path, mode):
     rec = ExpertDistributionRecorder(RecorderConfig(num_layers=layers, num_physical_experts=EXPERTS, top_k=TOP_K, mode=mode, output_dir=tmp_path,
                                                     max_tokens_per_pass=batch, stream_chunk_passes=3, stream_chunk_tokens=16, segment_seconds=0))
     ids = torch.full((layers, batch, TOP_K), -1, dtype=torch.int64)
-    graph = CpuGraph()
-    with graph.capture():
-        for layer in range(layers):
-            with rec.with_current_layer(layer):
-                rec.on_select_experts(ids[layer])
+    graph = captured_hooks(rec, ids)
     rec.start_record()
     rng = np.random.default_rng(1)
     expected = np.zeros((len(PASS_PHASES), layers, EXPERTS), np.int64)

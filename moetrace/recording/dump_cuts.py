@@ -1,7 +1,7 @@
-"""A recorder's dumps: each mode's cut, and what the dumps did.
+"""A recorder's dump cuts: each mode's cut under the recorder's lock, and the ledger of what the dumps did.
 
 ``dump_record()`` takes its recorder's lock, reads where the recording stands (a :class:`CutPoint`)
-and hands it to its mode's dumper, chosen once (:func:`mode_dumper`):
+and hands it to its mode's dumper, built once by the mode (:meth:`~moetrace.recording.modes.RecordingMode.dumper`):
 
 * :class:`StatDumper` (``stat``): collective and cumulative. Under the lock it copies the totals on
   the device and begins a copy on write of the window ring; outside it, the ring comes to the host
@@ -11,9 +11,9 @@ and hands it to its mode's dumper, chosen once (:func:`mode_dumper`):
   Under the lock the open segment is handed to the writer thread and the place marked; outside it,
   the copies in flight are settled, then the dump thread joins the closed segments.
 
-Either way the file itself is written on the background dump thread (:class:`~moetrace.recording.dump.DumpQueue`),
+Either way the file itself is written on the background dump thread (:class:`~moetrace.recording.dump_files.DumpQueue`),
 and :class:`DumpLedger` keeps the bookkeeping: the passes dumped, the last file, the failures, and
-retention after each dump. Writing the files is :mod:`moetrace.recording.dump`.
+retention after each dump. Writing the files is :mod:`moetrace.recording.dump_files`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ import torch
 
 from ..config import RecorderConfig
 from ..trace.retention import Retention
-from .accumulators import ModeSink, PassCounter, StatWindow, WindowCut
-from .dump import (
+from .dump_files import (
     DumpQueue,
     PendingDump,
     TraceDump,
@@ -40,10 +39,12 @@ from .dump import (
     rank_world,
     stat_gathers,
 )
+from .pass_counter import PassCounter
 from .session import RecordingSession
 from .timing_state import NoTiming
+from .window import StatWindow, WindowCut
 
-__all__ = ["WINDOW_BATCH_BYTES", "CutPoint", "DumpLedger", "ModeDumper", "StatDumper", "StreamDumper", "mode_dumper"]
+__all__ = ["WINDOW_BATCH_BYTES", "CutPoint", "DumpLedger", "ModeDumper", "StatDumper", "StreamDumper"]
 
 #: What a ``stat`` dump copies of the window per recorder lock hold (the most a pass end waits for it).
 WINDOW_BATCH_BYTES = 4 << 20
@@ -255,12 +256,3 @@ class StreamDumper:
             return self._ledger.finished(target, join, undo)
 
         return target, settle
-
-
-def mode_dumper(config: RecorderConfig, sink: ModeSink, dump: TraceDump, counter: PassCounter, timing: NoTiming,
-                ledger: DumpLedger, lock: threading.RLock, hand_session: HandSession) -> ModeDumper:
-    """The dumper of ``config.mode``, over the recorder's ``sink`` (``stat``: its window) and ``lock``."""
-    if config.mode == "stat":
-        assert isinstance(sink, StatWindow)
-        return StatDumper(config, dump, counter, sink, timing, ledger, lock)
-    return StreamDumper(config, dump, timing, ledger, hand_session)

@@ -1,4 +1,7 @@
-"""Writing a recorder's dumps: the cut, the gathers over ranks and the files they produce.
+"""Writing a recorder's dump files: the gathers over ranks, the background dump thread and the files.
+
+Each mode's cut under the recorder's lock is :mod:`moetrace.recording.dump_cuts`; this module
+writes what a cut leaves.
 
 A dump is a *cut* at a pass boundary and nothing more on the forward thread:
 under the recorder's lock (which a pass end also takes) a streaming mode hands
@@ -25,7 +28,6 @@ import dataclasses
 import json
 import os
 import threading
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -40,14 +42,15 @@ from ..layout import RankLayout
 from ..pass_phase import PASS_PHASES
 from ..timing import HISTOGRAM_EDGES, PHASES
 from ..trace.offload import join_segments, write_stat_trace
-from ..trace.schema import PHASE_COUNTS, STRING_DTYPE, Attr, Data, TraceHeader, dataset
+from ..trace.schema import PHASE_COUNTS, Attr, Data, TraceHeader, dataset
 from ..trace.stat import CounterLayout, StatRows, write_stat, write_stat_window
 from ..trace.writer import TraceWriter
-from .accumulators import PassCounter, StatWindow, WindowCut
+from .pass_counter import PassCounter
 from .session import Cut, RecordingSession
 from .timing_state import TimingPart
+from .window import StatWindow, WindowCut
 
-__all__ = ["DumpQueue", "PendingDump", "StatCut", "TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "rank_world", "shared_run_id", "stat_gathers", "streamed_schema"]
+__all__ = ["DumpQueue", "PendingDump", "StatCut", "TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "rank_world", "shared_run_id", "stat_gathers"]
 
 #: Per rank, in rank order: timing aggregates ``{field: array}`` and (``stat`` dumps) the window's ``/timing`` rows.
 TimingParts = list[TimingPart]
@@ -114,7 +117,7 @@ def gather_objects(obj: object, world: int) -> list[object]:
 class StatCut:
     """A ``stat`` dump's cut: device copies (``totals [L, C]``, ``token_total [1]`` and the window's
     ``tokens [W]``), the window ring ``[W, L, P]`` being copied on write to the host
-    (:class:`~moetrace.recording.accumulators.WindowCut`) and host copies of the window's metadata."""
+    (:class:`~moetrace.recording.window.WindowCut`) and host copies of the window's metadata."""
 
     totals: torch.Tensor
     token_total: torch.Tensor
@@ -247,10 +250,6 @@ class TraceDump:
         self.clock_kind = clock_kind
         self.compression = dict(compression)
 
-    def default_path(self) -> Path:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        return Path(self.config.output_dir) / f"moetrace-{self.config.mode}-{stamp}-{os.getpid()}.h5"
-
     def header(self, run_id: str, rank: int, world_size: int, layouts: tuple[RankLayout, ...] | None = None) -> TraceHeader:
         """The trace header; ``layouts``: each rank row's layout (default: this rank's alone)."""
         own = (self.config.rank_layout(*rank_world(self.config)),) if layouts is None else layouts
@@ -360,35 +359,3 @@ class TraceDump:
                 writer.ensure_empty(name, row_shape, dtype)
             self.write_timing(writer, timing)
             return writer.commit()
-
-
-def streamed_schema(config: RecorderConfig, layout: CounterLayout, token_dtype: np.dtype | None,
-                    timing_fields: Mapping[str, tuple[tuple[int, ...], object]] | None) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """``{dataset: (row shape, dtype)}`` of what ``config.mode`` streams (empty for ``stat``).
-
-    Args:
-        token_dtype: dtype of ``/tokens/topk_ids`` (``per_token``).
-        timing_fields: ``/timing`` row fields when timing is on.
-    """
-    if config.mode == "per_pass":
-        r = config.ep_size
-        shapes: dict[str, tuple[tuple[int, ...], object]] = {
-            Data.PASSES_PASS_ID: ((), np.int64), Data.PASSES_TIMESTAMP: ((), np.float64), Data.PASSES_NUM_TOKENS: ((), np.int64),
-            Data.PASSES_PHYSICAL_COUNT: ((config.num_layers, layout.num_experts), np.int32),
-            Data.PASSES_INVALID_IDS: ((config.num_layers,), np.int32),
-            Data.PASSES_SEND_COUNT: ((config.num_layers, r), np.int32), Data.PASSES_RECV_COUNT: ((config.num_layers, r), np.int32),
-            Data.PASSES_PASS_PHASE: ((), np.int8), Data.PASSES_NUM_REQUESTS: ((), np.int32),
-        }
-    elif config.mode == "per_token":
-        shapes = {
-            Data.TOKENS_TOPK_IDS: ((config.num_layers, config.top_k), token_dtype),
-            Data.TOKENS_PASS_ID: ((), np.int64), Data.TOKENS_POSITION: ((), np.int32), Data.TOKENS_PASS_PHASE: ((), np.int8),
-            Data.TOKENS_REQUEST: ((), np.int32), Data.TOKENS_REQUEST_POSITION: ((), np.int32),
-            Data.REQUEST_TABLE_ID: ((), STRING_DTYPE),
-        }
-    else:
-        return {}
-    if timing_fields is not None:
-        shapes.update({dataset(Data.TIMING, name): spec for name, spec in timing_fields.items()})
-    return {name: (shape, np.dtype(dtype)) for name, (shape, dtype) in shapes.items()}  # type: ignore[call-overload]
-
