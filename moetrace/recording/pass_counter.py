@@ -43,18 +43,6 @@ from ..trace.stat import CounterLayout
 __all__ = ["PassCounter"]
 
 
-def _index_dtype(device: torch.device) -> torch.dtype:
-    """int32 where ``scatter_add_`` and ``gather`` (``per_token``'s pass end) take an int32 index on
-    ``device`` (half the stage's memory), else int64. Asked once, at construction."""
-    probe, index = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int32, device=device)
-    try:
-        probe.scatter_add_(0, index, probe)
-        torch.gather(probe, 0, index)
-    except RuntimeError:
-        return torch.int64
-    return torch.int32
-
-
 class PassCounter:
     """Counts of the current pass ``current [L, C]`` and running ``totals [L, C]`` (int64).
 
@@ -87,8 +75,9 @@ class PassCounter:
         self.totals = torch.zeros(shape, dtype=torch.int64, device=device)
         self.ones = torch.zeros(config.max_tokens_per_pass * config.top_k, dtype=torch.int64, device=device)
         self.gate = self.ones[:1]
-        index_dtype = _index_dtype(self.device)
-        self.stage = torch.full(stage, layout.padding, dtype=index_dtype, device=device)
+        # int64 whatever the ids' dtype: an int64 id is then never narrowed before it is clamped, so
+        # none, however large, lands on an expert's column.
+        self.stage = torch.full(stage, layout.padding, dtype=torch.int64, device=device)
         # Pass end: which ids are not -1, each row padded to whole 8-byte words so that "any id of
         # the row" is one word compared with 0 (a reduction over k bools is slow on CPU).
         words = -(-config.top_k // 8)
@@ -121,9 +110,8 @@ class PassCounter:
 
         Ids in ``[0, P)`` count for their expert, ``-1`` in the padding column, any other id in
         one of the two invalid columns; the pass end counts the rows that are not all -1
-        (padding rows of a CUDA graph's static batch are) as its tokens. With an int32 stage an
-        int64 id is narrowed before it is clamped, so one at or beyond ``2**31 - 2`` (no engine's)
-        is read modulo ``2**32``.
+        (padding rows of a CUDA graph's static batch are) as its tokens. The stage is int64, so an
+        id of any size lands in its own column or an invalid one (``2**63 - 1`` wraps to the low one).
 
         Raises:
             ValueError: (``keep_rows``) the layer's rows in this pass would outgrow ``max_tokens_per_pass``.

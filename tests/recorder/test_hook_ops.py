@@ -220,3 +220,15 @@ def test_tokens_under_graph_replay_match_an_independent_count(tmp_path, mode):
 def test_every_configured_mode_has_its_class():
     assert tuple(MODE_CLASSES) == MODES
     assert all(MODE_CLASSES[name].name == name for name in MODES)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_int64_id_beyond_int32_never_lands_on_an_expert(tmp_path, mode):
+    """2**32 + 3 read modulo 2**32 would be expert 3: it is an invalid id, and expert 3 counts nothing."""
+    rec = make(tmp_path, mode)
+    rec.start_record()
+    with rec.with_forward_pass(), rec.with_current_layer(0):
+        rec.on_select_experts(torch.tensor([[2**32 + 3, 5, 2**62, -1]], dtype=torch.int64))
+    snap = rec.snapshot()
+    assert snap.physical_count[0].tolist() == [0] * 5 + [1] + [0] * (EXPERTS - 6)
+    assert int(np.asarray(snap.invalid_ids).sum()) == 2
