@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -84,18 +83,8 @@ def output_path(path: Path) -> Path:
 def stdout_console() -> Console:
     """A rich console on stdout; wide when not a terminal so piped tables keep whole names,
     unless ``COLUMNS`` sets the width (e.g. ``COLUMNS=80 moetrace analyze run.h5 | less``)."""
-    console = _StdoutConsole()
-    return console if console.is_terminal or os.environ.get("COLUMNS", "").isdigit() else _StdoutConsole(width=160)
-
-
-class _StdoutConsole(Console):
-    """A console on stdout whose closed pipe is a reader that has had enough (``| head -2``), not a failure."""
-
-    def on_broken_pipe(self) -> None:
-        """Raise :class:`BrokenPipeError` (rich's default exits 1), which the command's error boundary
-        (:func:`~moetrace.cli.errors.guarded`) turns into exit 0."""
-        self.quiet = True
-        raise BrokenPipeError(errno.EPIPE, "stdout was closed by its reader")
+    console = Console()
+    return console if console.is_terminal or os.environ.get("COLUMNS", "").isdigit() else Console(width=160)
 
 
 @contextlib.contextmanager
