@@ -312,11 +312,11 @@ def _write_outputs(settings: DemoSettings, ranks: list[dict[str, Any]], interrup
 def demo(
     ranks: Annotated[int, typer.Option("--ranks", min=1, help="Expert-parallel ranks (processes on gloo).")] = 2,
     requests: Annotated[int, typer.Option("--requests", min=1, help="Requests to serve.")] = 64,
-    layers: Annotated[int, typer.Option("--layers", min=1, help="MoE layers (a dense first layer is added).")] = 4,
+    moe_layers: Annotated[int, typer.Option("--moe-layers", min=1, help="MoE layers of the demo model (a count; a dense first layer is added before them).")] = 4,
     experts: Annotated[int, typer.Option("--experts", min=1, help="Experts per MoE layer (a multiple of --ranks).")] = 16,
     top_k: Annotated[int, typer.Option("--top-k", min=1, help="Experts per token.")] = 2,
     skew: Annotated[float, typer.Option("--skew", min=0.0, help="Zipf exponent of the router's per-expert bias (0 = no skew).")] = 1.2,
-    out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("moetrace-demo"),
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output directory.")] = Path("moetrace-demo"),
     serve: Annotated[bool, typer.Option("--serve/--no-serve", help="Serve Prometheus and control endpoints on loopback while running.")] = True,
     timing: Annotated[bool, typer.Option("--timing/--no-timing", help="Time route/dispatch/expert/combine per layer and rank.")] = True,
     slow_rank: Annotated[int | None, typer.Option("--slow-rank", min=0, help="Delay this rank's expert compute (with --slow-ms).")] = None,
@@ -337,5 +337,5 @@ def demo(
         require_plotly()  # report.html: checked before anything is served
     except ImportError as exc:
         raise CommandError(str(exc)) from None
-    run_demo(DemoSettings(ranks=ranks, requests=requests, layers=layers, experts=experts, top_k=top_k, skew=skew, out=out, serve=serve,
+    run_demo(DemoSettings(ranks=ranks, requests=requests, layers=moe_layers, experts=experts, top_k=top_k, skew=skew, out=out, serve=serve,
                           timing=timing, slow_rank=slow_rank, slow_ms=slow_ms), Console())

@@ -32,7 +32,7 @@ def convert_to_trace(
     top_k: Annotated[int | None, typer.Option("--top-k", min=1, help="Experts per token (needed for SGLang stat/per_pass dumps).")] = None,
     ep_size: Annotated[int, typer.Option("--ep-size", min=1, help="EP ranks the physical experts were split over (SGLang).")] = 1,
     world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="Ranks in the run (SGLang per-rank dumps; needed to merge them).")] = None,
-    num_experts: Annotated[int | None, typer.Option("--num-experts", min=1, help="Experts per layer (JSON lines; default max id + 1).")] = None,
+    experts: Annotated[int | None, typer.Option("--experts", min=1, help="Experts per layer (JSON lines; default max id + 1).")] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run id to record (give per-rank conversions the same one to merge them).")] = None,
     model: Annotated[str, typer.Option("--model", help="Model name to record.")] = "",
 ) -> None:
@@ -42,7 +42,7 @@ def convert_to_trace(
     if src.suffix == ".pt":
         written = convert_sglang(src, out, top_k=top_k, ep_size=ep_size, run_id=run_id, world_size=world_size, model=model)
     else:
-        written = convert_jsonl(src, out, num_experts=num_experts, run_id=run_id, model=model)
+        written = convert_jsonl(src, out, num_experts=experts, run_id=run_id, model=model)
     with open_trace(written) as trace:
         typer.echo(f"wrote {written}: mode={trace.mode} layers={trace.num_layers} experts={trace.num_logical_experts} top_k={trace.top_k}")
 

@@ -102,7 +102,7 @@ def test_demo_ctrl_c_keeps_a_valid_trace(tmp_path):
     meanwhile (with 400, an idle machine once served them all before a loaded one delivered the
     signal): the run stops, exits 0 and keeps a valid trace of what it served."""
     out = tmp_path / "demo"
-    command = [sys.executable, "-m", "moetrace.cli", "demo", "--requests", "100000", "--layers", "2", "--experts", "4", "--out", str(out)]
+    command = [sys.executable, "-m", "moetrace.cli", "demo", "--requests", "100000", "--moe-layers", "2", "--experts", "4", "--out", str(out)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=default_sigint)
     lines = []
     deadline = time.monotonic() + 240
