@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
+from moetrace.words import counted
+
 from .errors import EXIT_FAILED, CommandError, guarded
-from .options import existing_file, output_path, stdout_console
+from .options import existing_file, output_path, stdout_console, writing
 
 if TYPE_CHECKING:
     from moetrace.analysis.route_audit import AuditReport, RecordedSource
@@ -88,7 +90,7 @@ def _print(report: AuditReport) -> None:
         f"{figures['recorded_only_requests']} recorded requests returned nothing"
     )
     if figures["weight_version_assumed_requests"]:
-        console.print(f"{figures['weight_version_assumed_requests']} requests record no weight version: assumed {figures['expected_weight_version']!r}")
+        console.print(f"{counted(figures['weight_version_assumed_requests'], 'request')} record no weight version: assumed {figures['expected_weight_version']!r}")
     if figures["faults"]:
         table = Table(title="Faults", title_justify="left")
         for column in ("fault", "requests", "count"):
@@ -140,7 +142,8 @@ def audit(
     if out is not None:
         from moetrace.trace.writer import write_json_atomic
 
-        write_json_atomic(out, figures)
+        with writing(out):
+            write_json_atomic(out, figures)
     if as_json:
         typer.echo(json.dumps(figures, indent=2))
     else:

@@ -46,6 +46,7 @@ from moetrace.report.evidence import PlacementView
 from moetrace.trace.merge import merge_traces
 from moetrace.trace.reader import open_trace
 from moetrace.trace.schema import Attr
+from moetrace.words import counted
 
 from .demo_summary import DemoSummary, print_summary, say
 from .errors import CommandError, guarded
@@ -222,8 +223,8 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
     worker = threading.Thread(target=target, name="moetrace-demo-launch", daemon=True)
     worker.start()
     interrupted = False
-    say(console, f"serving {settings.requests} requests on {settings.ranks} EP ranks (gloo): {settings.layers} MoE layers x "
-                 f"{settings.experts} experts, top-{settings.top_k}, router skew Zipf {settings.skew}")
+    say(console, f"serving {counted(settings.requests, 'request')} on {counted(settings.ranks, 'EP rank')} (gloo): a dense layer, then "
+                 f"{counted(settings.layers, 'MoE layer')} x {counted(settings.experts, 'expert')}, top-{settings.top_k}, router skew Zipf {settings.skew}")
     with Progress(TextColumn("requests served"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False) as bar:
         task = bar.add_task("serve", total=settings.requests)
         # Wait on an Event, not Thread.join: a KeyboardInterrupt inside join() can leave

@@ -18,9 +18,10 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from .errors import CommandError
+from .errors import EXIT_FAILED, CommandError
 
-__all__ = ["PHASE_HELP", "existing_file", "output_path", "parse_layers", "pass_phase_option", "progress_meter", "stage_meter", "stdout_console"]
+__all__ = ["PHASE_HELP", "existing_file", "output_path", "parse_layers", "pass_phase_option", "progress_meter", "stage_meter", "stdout_console",
+           "writing"]
 
 #: ``--phase``: the pass phase (what the engine's batch was), not a timing phase (route, dispatch, ...).
 PHASE_HELP = ("Only the passes of one pass phase: prefill (prefill/extend), decode, mixed, idle or unknown "
@@ -78,6 +79,23 @@ def output_path(path: Path) -> Path:
     if path.is_dir():
         raise CommandError(f"{path}: is a directory; give a file name")
     return path
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[Path]:
+    """Run the block that writes ``path``; a failure to create or write a file in ``path``'s folder
+    (the file, or the temporary an atomic write puts beside it) becomes one line saying what could not
+    be written and why, exit 1 (docs/cli.md), never the temporary's name. Other errors pass through."""
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        yield path
+    except OSError as exc:
+        name = getattr(exc, "filename", None)
+        if name is None or Path(name).parent.resolve() != folder.resolve():
+            raise
+        reason = (exc.strerror or str(exc)).lower()
+        raise CommandError(f"could not write {path}: {reason} (creating a file in {folder}/); write it to a folder you can create files in",
+                           EXIT_FAILED) from None
 
 
 def stdout_console() -> Console:

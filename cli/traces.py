@@ -18,9 +18,10 @@ from moetrace.trace.integrity import CHECKSUMS, reading
 from moetrace.trace.merge import merge_traces, rank_stops
 from moetrace.trace.reader import open_trace
 from moetrace.trace.schema import MERGED_DAMAGED_ATTR, Attr, Data
+from moetrace.words import counted
 
 from .errors import CommandError, guarded
-from .options import existing_file, output_path, progress_meter, stdout_console
+from .options import existing_file, output_path, progress_meter, stdout_console, writing
 
 __all__ = ["convert_to_trace", "inspect", "merge", "recover_run", "routes"]
 
@@ -64,7 +65,7 @@ def merge(
         written = merge_traces(traces, out, progress=update)
     with open_trace(written) as merged:
         left_out = json.loads(str(merged.attrs.get(MERGED_DAMAGED_ATTR, "[]")))
-    typer.echo(f"wrote {written}: {len(traces) - len(left_out)} ranks")
+    typer.echo(f"wrote {written}: {counted(len(traces) - len(left_out), 'rank')}")
     if left_out:
         raise CommandError(f"{len(left_out)} damaged input(s) were left out of {written} (it holds the intact ranks only): {'; '.join(left_out)}")
     for note in rank_stops(traces):
@@ -185,10 +186,11 @@ def routes(
     output_path(out)
     try:
         found = trace_route_set(traces, request)
-        written = save_routes(out, {rid: arr for rid, (_, arr) in found.requests.items()}, model=found.model, id_space=found.id_space,
-                              num_experts=found.num_experts, layer_ids=found.layer_ids, physical_to_logical=found.physical_to_logical,
-                              **found.meta)
+        with writing(out):
+            written = save_routes(out, {rid: arr for rid, (_, arr) in found.requests.items()}, model=found.model, id_space=found.id_space,
+                                  num_experts=found.num_experts, layer_ids=found.layer_ids, physical_to_logical=found.physical_to_logical,
+                                  **found.meta)
     except RoutesError as exc:
         raise CommandError(str(exc)) from None
     computed = sum(int((arr >= 0).any(axis=(1, 2)).sum()) for _, arr in found.requests.values())
-    typer.echo(f"wrote {written}: {len(found.requests)} requests, {computed} positions computed")
+    typer.echo(f"wrote {written}: {counted(len(found.requests), 'request')}, {counted(computed, 'position')} computed")

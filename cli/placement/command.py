@@ -43,6 +43,7 @@ from ..options import (
     pass_phase_option,
     stage_meter,
     stdout_console,
+    writing,
 )
 from .explain import rebalance_values
 from .format import FORMATS, write_plan
@@ -144,9 +145,11 @@ def _placement(traces: list[Path], gpus: int, slots: int | None, groups: int | N
     if outcome.replay is not None and plot is not None:
         from moetrace.placement.plot import plot_backtest
 
-        plot_backtest(outcome.replay, plot, title=str(loads.attrs.get(Attr.MODEL) or Path(traces[0]).name))
+        with writing(plot):
+            plot_backtest(outcome.replay, plot, title=str(loads.attrs.get(Attr.MODEL) or Path(traces[0]).name))
     if out is not None:
-        write_plan(out, fmt, document, loads.weight.shape[1])
+        with writing(out):
+            write_plan(out, fmt, document, loads.weight.shape[1])
     if as_json:
         typer.echo(json.dumps(document, indent=2))
         return

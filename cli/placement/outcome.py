@@ -93,8 +93,8 @@ def prefer_the_estimates_winner(outcome: Outcome, loads: Loads, expert_bytes: in
     outcome.in_sample["moetrace"] = balance.balancedness(outcome.loads["moetrace"])
     document = outcome.document
     document["planner"] = "greedy"
-    document["preferred_reason"] = (f"the held-out estimate on this trace has EPLB's plan ahead of the validated choice "
-                                    f"({eplb:.4f} vs {ours:.4f} mean next-window balancedness), so EPLB's plan is deployed")
+    document["preferred_reason"] = (f"the held-out estimate on this trace has greedy (EPLB's plan) ahead: "
+                                    f"{eplb:.4f} vs {ours:.4f} mean next-window balancedness")
     document["in_sample"]["balancedness"]["moetrace"] = outcome.in_sample["moetrace"]
     document["in_sample"]["layer_balancedness"]["moetrace"] = balance.layer_balancedness(outcome.loads["moetrace"]).tolist()
     moved_from_current(document, outcome.deployed, outcome.plan, loads.config.gpus, expert_bytes)

@@ -13,6 +13,7 @@ from moetrace import balance
 from moetrace.placement.backtesting import BacktestResult, gap_closed
 from moetrace.placement.checks import PlacementConfig
 from moetrace.placement.plan import PlacementPlan
+from moetrace.words import counted
 
 from .explain import print_rebalance_value, print_selection
 from .loads import Loads
@@ -41,7 +42,7 @@ def _in_sample_table(console: Console, layer_ids: list[int], figures: dict[str, 
     c = config
     table = Table(
         title=f"In-sample balancedness per layer: planned and scored on the same passes (a fit, not a forecast)\n"
-        f"{c.replicas} slots, {c.groups} groups, {c.nodes} nodes, {c.gpus} GPUs ({'hierarchical' if plan.hierarchical and c.groups > 1 else 'global'})",
+        f"{counted(c.replicas, 'slot')}, {counted(c.groups, 'expert group')}, {counted(c.nodes, 'node')}, {counted(c.gpus, 'GPU')} ({'hierarchical' if plan.hierarchical and c.groups > 1 else 'global'})",
         title_justify="left",
     )
     for col in ("layer", "current", "greedy", "moetrace", "max replicas"):
@@ -54,7 +55,7 @@ def _in_sample_table(console: Console, layer_ids: list[int], figures: dict[str, 
 
 def _holdout_table(console: Console, result: Any) -> None:
     table = Table(
-        title=f"Hold-out: planned on the first {result.plan_passes} passes, scored on the next {result.scored_passes}",
+        title=f"Hold-out: planned on the first {counted(result.plan_passes, 'pass')}, scored on the next {result.scored_passes:,}",
         title_justify="left",
     )
     for col in ("planner", "in-sample (fit)", "held-out", "gap closed", "held-out windows mean (min-max)"):
@@ -70,7 +71,7 @@ def _holdout_table(console: Console, result: Any) -> None:
 def _backtest_table(console: Console, result: BacktestResult) -> None:
     summary = result.summary()
     table = Table(
-        title=f"Backtest: plan on {result.window} passes, deploy for the next {result.every}, {len(result.first_pass)} rebalances "
+        title=f"Backtest: plan on {counted(result.window, 'pass')}, deploy for the next {result.every:,}, {counted(len(result.first_pass), 'rebalance')} "
         "(realised = held-out balancedness of each deployment)",
         title_justify="left",
     )
@@ -104,9 +105,7 @@ def print_text(console: Console, loads: Loads, outcome: Outcome, plot: Path | No
     _in_sample_table(console, loads.layer_ids, outcome.loads, outcome.plan, loads.config)
     figures = "  ".join(f"{k} {_fmt(outcome.in_sample[k])}" for k in ("current", "greedy", "moetrace"))
     console.print(f"in-sample (planned and scored on the same passes; a fit, not a forecast): {figures}")
-    print_selection(console, outcome.selection)
-    if "preferred_reason" in document:
-        console.print(f"deployed instead: [bold]greedy[/bold] ({document['preferred_reason']})")
+    print_selection(console, outcome.selection, document["planner"], document.get("preferred_reason"))
     if outcome.held is not None:
         _holdout_table(console, outcome.held)
     elif outcome.replay is not None:
@@ -119,8 +118,8 @@ def print_text(console: Console, loads: Loads, outcome: Outcome, plot: Path | No
         realized = estimate.realized
         closed = gap_closed(float(realized["moetrace"].mean()), float(realized["greedy"].mean()), float(realized["oracle"].mean()))
         console.print(
-            f"held-out estimate (planned on {estimate.window} passes, scored on the next {estimate.every}; mean (min-max) over "
-            f"{len(estimate.first_pass)} windows): {spread}; moetrace closes {_share(closed)} of the greedy-to-oracle gap"
+            f"held-out estimate (planned on {counted(estimate.window, 'pass')}, scored on the next {estimate.every:,}; mean (min-max) over "
+            f"{counted(len(estimate.first_pass), 'window')}): {spread}; moetrace closes {_share(closed)} of the greedy-to-oracle gap"
         )
     else:
         console.print("held-out estimate: n/a (needs a per_pass or per_token trace with enough passes); the figures above are a fit, not a forecast")

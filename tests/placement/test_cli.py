@@ -34,7 +34,7 @@ def test_eplbs_plan_is_deployed_when_the_estimate_has_it_ahead(tmp_path, monkeyp
     assert result.exit_code == 0, result.output
     document = json.loads(result.output)
     assert document["planner"] == "greedy" and document["preferred_by_estimate"] == "greedy"
-    assert "EPLB's plan ahead" in document["preferred_reason"]
+    assert "greedy (EPLB's plan) ahead" in document["preferred_reason"]
     with open_trace(trace) as tr:  # the deployed plan is EPLB's on the planned loads (every pass of the trace)
         loads = tr.logical_count().astype(np.float64)
     np.testing.assert_array_equal(document["phy2log"], greedy_rebalance(loads, 10, 1, 1, 2))
