@@ -11,5 +11,7 @@ _PLURALS = {"pass": "passes", "process": "processes", "batch": "batches", "entry
 def counted(count: int, noun: str, plural: str | None = None) -> str:
     """``count`` and ``noun`` in the number the count asks for: ``counted(1, "group") == "1 group"``,
     ``counted(3, "pass") == "3 passes"``, ``counted(1200, "token") == "1,200 tokens"``."""
-    word = noun if count == 1 else (plural or _PLURALS.get(noun) or f"{noun}s")
-    return f"{count:,} {word}"
+    if count != 1:
+        head, space, last = noun.rpartition(" ")  # "rank process" -> "rank processes"
+        noun = plural or f"{head}{space}{_PLURALS.get(last, last + 's')}"
+    return f"{count:,} {noun}"
