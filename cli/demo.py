@@ -252,10 +252,11 @@ def _watch(settings: DemoSettings, console: Console, counts: Any, events: Any, s
     (it moves from the first pass) and requests served. Ctrl-C stops the ranks at their next step; returns
     whether it did."""
     interrupted, ready = False, 0
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens computed"),
-               TextColumn("{task.fields[served]}/" + str(settings.requests) + " requests served"), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(bar_width=16), TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+               TextColumn("{task.fields[served]}/" + str(settings.requests) + " served"), TimeElapsedColumn())
+    console.print(f"starting {counted(settings.ranks, 'rank process')}: torch, gloo, the model, the recorder")
     with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task(f"starting {counted(settings.ranks, 'rank process')} (torch, gloo, model)", total=planned_tokens(settings), served=0)
+        task = bar.add_task(f"starting {counted(settings.ranks, 'rank')}", total=planned_tokens(settings), served=0)
         # Wait on an Event, not Thread.join: a KeyboardInterrupt inside join() can leave
         # the thread reported dead while it still runs (CPython gh-90882).
         while not done.is_set():

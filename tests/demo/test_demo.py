@@ -82,7 +82,7 @@ def test_demo_small_end_to_end(tmp_path, capsys):
     with open_trace(tmp_path / "demo" / "trace.h5") as trace:
         rows = trace.num_rows("tokens/topk_ids")
     assert planned_tokens(settings) == rows == report["totals"]["tokens"]
-    assert f"{rows:,}/{rows:,} tokens computed 10/10 requests served" in words
+    assert f"{rows:,}/{rows:,} tokens 10/10 served" in words and "starting 2 rank processes: torch, gloo, the model, the recorder" in words
     assert "(positions x model layers x k; L0 dense: no experts, -1)" in words and "a dense layer, then 2 MoE layers x 4 experts" in words
     lines = printed.splitlines()
     wide = [line for line in lines if len(line) > 80]
