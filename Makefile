@@ -150,7 +150,7 @@ $(DEMO_STAMP): pyproject.toml $(LOCKS)/core.txt
 	@echo '*' > $(DEMO_VENV)/.gitignore
 	@echo "make demo: [2/3] installing $$(grep '^uv==' $(LOCKS)/core.txt), the installer (pip)"
 	@$(DEMO_VENV)/bin/pip install --quiet --disable-pip-version-check "$$(grep '^uv==' $(LOCKS)/core.txt)"
-	@echo "make demo: [3/3] installing moetrace with its report extra at the versions of $(LOCKS)/core.txt (torch, the largest, is about 200 MB)"
+	@echo "make demo: [3/3] installing moetrace with its report extra (about 40 packages at the versions of $(LOCKS)/core.txt), then compiling them to bytecode (about 30 s)"
 	@$(EDITABLE) $(PYTHON) .ci/uv_pip.py $(DEMO_VENV)/bin/uv install --python $(DEMO_VENV)/bin/python -c $(LOCKS)/core.txt -e '.[report]'
 	@touch $(DEMO_STAMP)
 
