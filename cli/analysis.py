@@ -93,8 +93,8 @@ def _print_head(report: AnalysisReport, d: dict, console: Console) -> None:
 
 def _print_expert_table(d: dict, console: Console) -> None:
     hot = d["overall"]["hot_experts"]
-    table = Table(title="Per layer: balance over logical experts", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("layer", "imbalance", "CV", f"top {hot}", "entropy", "idle experts", "hottest (x mean)"):
+    table = Table(title="Per layer: balance over logical experts (idle: experts with no token)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("layer", "imbalance", "CV", f"top {hot}", "entropy", "idle", "hottest (x mean)"):
         table.add_column(col, justify="left" if col.startswith("hottest") else "right")
     for row in d["per_layer"]:
         hottest = ", ".join(f"{h['expert']}:{h['load_ratio']:.1f}" for h in row["hottest"][:HOTTEST_SHOWN])

@@ -29,11 +29,11 @@ def print_selection(console: Console, selection: Selection, deployed: str, overr
         console.print(f"deployed: [bold]{deployed}[/bold], chosen by {how}", highlight=False)
     else:
         console.print(f"deployed: [bold]{deployed}[/bold]. {how.capitalize()} chose {selection.chosen}, but {overruled_by}", highlight=False)
-    baseline = np.asarray(selection.realized[BASELINE])
-    rows = [(name, *gain_over_baseline(values, baseline)) for name, values in selection.realized.items() if name != BASELINE]
-    if folds < 2 or not rows:
+    if folds < 2 or BASELINE not in selection.realized:
         console.print(f"  ({counted(folds, 'fold')}: too few to weigh the candidates against {BASELINE})", highlight=False)
         return
+    baseline = np.asarray(selection.realized[BASELINE])
+    rows = [(name, *gain_over_baseline(values, baseline)) for name, values in selection.realized.items() if name != BASELINE]
     table = Table(title=f"Candidates against {BASELINE} on the validation folds", title_justify="left")
     for col in ("planner", "mean gain", "± standard error", f"folds below {BASELINE}"):
         table.add_column(col, justify="left" if col == "planner" else "right")
