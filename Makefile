@@ -1,4 +1,4 @@
-# Two commands: `make demo` and `make test`; each bootstraps .venv on a fresh machine.
+# Two commands: `make demo` and `make test`; each bootstraps its virtualenv on a fresh machine (.venv-demo, .venv).
 #
 # Every virtualenv is installed from its lock in locks/ (the exact version of every package, transitive
 # ones included): no upstream release can change what `make test` runs. `make lock` writes the locks
@@ -137,8 +137,26 @@ test-latest: latest-envs
 	$(call each_lock,compare)
 	$(MAKE) --no-print-directory LATEST=1 test
 
-demo: $(STAMP)
-	$(BIN)/moetrace demo
+# `make demo`: a virtualenv of its own, .venv-demo, with only what the demo and its report need (moetrace
+# and plotly, and what they pull in, at the versions of locks/core.txt: torch's CPU wheel, numpy, h5py,
+# typer, rich, ...; uv, the installer, too); .venv is for `make test`. Each step says what it is doing,
+# and uv shows what it resolves and installs.
+DEMO_VENV := $(ENVS).venv-demo
+DEMO_STAMP := $(DEMO_VENV)/.installed
+
+$(DEMO_STAMP): pyproject.toml $(LOCKS)/core.txt
+	@echo "make demo: [1/3] creating the virtualenv $(DEMO_VENV) ($(PYTHON) -m venv)"
+	@$(PYTHON) -m venv $(DEMO_VENV)
+	@echo '*' > $(DEMO_VENV)/.gitignore
+	@echo "make demo: [2/3] installing $$(grep '^uv==' $(LOCKS)/core.txt), the installer (pip)"
+	@$(DEMO_VENV)/bin/pip install --quiet --disable-pip-version-check "$$(grep '^uv==' $(LOCKS)/core.txt)"
+	@echo "make demo: [3/3] installing moetrace with its report extra (about 40 packages at the versions of $(LOCKS)/core.txt), then compiling them to bytecode (about 30 s)"
+	@$(EDITABLE) $(PYTHON) .ci/uv_pip.py $(DEMO_VENV)/bin/uv install --python $(DEMO_VENV)/bin/python -c $(LOCKS)/core.txt -e '.[report]'
+	@touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	@echo "make demo: running moetrace demo (2 rank processes on gloo; output in moetrace-demo/)"
+	$(DEMO_VENV)/bin/moetrace demo
 
 # `make test`: ruff and the core suite start as soon as .venv is built and run while the three engine
 # virtualenvs build beside them (uv mostly waits on the network and the disk); the Megatron suite (two
@@ -205,7 +223,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(MEGATRON_VENV) .venv-vllm-contract-* .latest moetrace-demo .pytest_cache
+	rm -rf $(VENV) $(DEMO_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(MEGATRON_VENV) .venv-vllm-contract-* .latest moetrace-demo .pytest_cache
 
 # ------------------------------------------------------------------------------------------------------
 # vLLM contract check (docs/integrations/vllm.md, "Versions and their evidence"). One small virtualenv

@@ -41,6 +41,7 @@ from moetrace.process_recorder import NoOpRecorder, Recorder, get_recorder, set_
 from moetrace.recorder import ExpertDistributionRecorder
 
 from .failsafe import FailSafe
+from .settings import check_recorder_settings, recorder_options
 
 __all__ = [
     "AdapterError",
@@ -312,6 +313,7 @@ def resolve_recorder(
     top_k: int,
     layer_ids: Sequence[int],
     *,
+    adapter: str,
     install: bool = True,
     defaults: dict[str, Any] | None = None,
     **options: Any,
@@ -324,12 +326,17 @@ def resolve_recorder(
     ``hidden_size``, overridden by ``options``) and, with ``install=True``,
     installed with :func:`moetrace.set_recorder`; replacing a global recorder
     that is recording is warned about (its data stays in that object).
+    The ``MOETRACE_*`` recorder variables are read for ``adapter`` (``"hf"``, ``"megatron"``, ``"sglang"``,
+    ``"vllm"``): the defaults of a recorder built here, and checked against a recorder given
+    (:mod:`moetrace.adapters.settings`).
     """
     if recorder is not None:
         if options:
             raise TypeError(f"recorder options {sorted(options)} were given together with a recorder; configure the recorder instead")
+        if hasattr(recorder, "config"):
+            check_recorder_settings(adapter, recorder.config)
         return RecorderBinding(check_recorder(recorder, num_layers, num_experts, top_k), created=False, previous_global=None)
-    built = build_recorder(num_layers, num_experts, top_k, layer_ids, **{**(defaults or {}), **options})
+    built = build_recorder(num_layers, num_experts, top_k, layer_ids, **{**(defaults or {}), **recorder_options(adapter, options)})
     if not install:
         return RecorderBinding(built, created=True, previous_global=None)
     previous = set_recorder(built)

@@ -11,7 +11,8 @@ Where the line is. moetrace code runs in two kinds of places:
   forward pass): nothing moetrace raises there may reach the engine. The first
   exception trips the engine's :class:`FailSafe`: one warning (logger
   ``moetrace.adapters``, naming the engine, the step and the error, with its
-  traceback), moetrace is off for that engine from then on (every guarded hook
+  traceback; a bad ``MOETRACE_*`` setting, :class:`~moetrace.adapters.settings.SettingsError`,
+  is one line without one), moetrace is off for that engine from then on (every guarded hook
   is a pass-through; nothing is uninstalled from inside a forward, and
   ``uninstrument()`` still removes every hook), and the engine's call goes on
   with its own arguments and result. What the engine's own code raises inside a
@@ -44,6 +45,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from moetrace.testing import GraphCaptureError, HostSyncError
+
+from .settings import SettingsError
 
 __all__ = ["FailSafe"]
 
@@ -84,6 +87,9 @@ class FailSafe:
             return
         self.on = False
         self.error = f"{where}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, SettingsError):  # the user's setting, named with its fix: one line, no traceback
+            log.warning("moetrace: %s: %s; moetrace is off for %s, which goes on without it", where, exc, self.engine)
+            return
         log.warning(
             "moetrace: %s failed (%s: %s); moetrace is off for %s, which goes on without it",
             where, type(exc).__name__, exc, self.engine, exc_info=exc,

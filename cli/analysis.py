@@ -17,6 +17,7 @@ from moetrace.analysis.plots import PLOT_KINDS, plot_report
 from moetrace.analysis.summary import AnalysisReport, analyze_trace
 from moetrace.trace.reader import open_trace
 from moetrace.trace.schema import Data
+from moetrace.words import counted
 
 from .errors import CommandError, guarded
 from .options import (
@@ -26,6 +27,7 @@ from .options import (
     parse_layers,
     pass_phase_option,
     stdout_console,
+    writing,
 )
 from .timing import print_timing
 
@@ -91,8 +93,8 @@ def _print_head(report: AnalysisReport, d: dict, console: Console) -> None:
 
 def _print_expert_table(d: dict, console: Console) -> None:
     hot = d["overall"]["hot_experts"]
-    table = Table(title="Per layer: balance over logical experts", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("layer", "imbalance", "CV", f"top {hot}", "entropy", "dead", "hottest (x mean)"):
+    table = Table(title="Per layer: balance over logical experts (idle: experts with no token)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("layer", "imbalance", "CV", f"top {hot}", "entropy", "idle", "hottest (x mean)"):
         table.add_column(col, justify="left" if col.startswith("hottest") else "right")
     for row in d["per_layer"]:
         hottest = ", ".join(f"{h['expert']}:{h['load_ratio']:.1f}" for h in row["hottest"][:HOTTEST_SHOWN])
@@ -123,9 +125,9 @@ def _print_coactivation(d: dict, console: Console) -> None:
     if d["coactivation"] is not None:
         co = Table(title="Co-activation: top expert pairs (lift = observed / independent)", title_justify="left")
         co.add_column("layer", justify="right")
-        co.add_column("pairs (a+b: count, lift)")
+        co.add_column("top pairs: experts a+b (tokens routed to both, lift)")
         for row in d["coactivation"]["per_layer"]:
-            co.add_row(str(row["layer"]), ", ".join(f"{p['a']}+{p['b']}: {p['count']}, {p['lift']:.2f}" for p in row["top_pairs"]))
+            co.add_row(str(row["layer"]), "; ".join(f"{p['a']}+{p['b']} ({counted(p['count'], 'token')}, lift {p['lift']:.2f})" for p in row["top_pairs"]))
         console.print(co)
     if d["transitions"]:
         tr = Table(title="Cross-layer transitions (same top-k slot)", title_justify="left")
@@ -145,7 +147,7 @@ def _print_drift(d: dict, ep: bool, console: Console) -> None:
     window_balance = (f"; window balancedness min {_fmt(drift['balancedness_min'])} mean {_fmt(drift['balancedness_mean'])} "
                       f"max {_fmt(drift['balancedness_max'])}") if ep else ""
     console.print(
-        f"drift: {drift['num_windows']} windows of {drift['passes_per_window']} passes; "
+        f"drift: {counted(drift['num_windows'], 'window')} of {counted(drift['passes_per_window'], 'pass')}; "
         f"JS divergence between successive windows {js}{window_balance}"
     )
 
@@ -248,5 +250,6 @@ def plot(
         raise CommandError(f"--kind {kind!r}: choose one of {', '.join(PLOT_KINDS)}")
     output_path(out)
     report = analyze_trace(existing_file(trace), layers=parse_layers(layers), window=window, progress=progress)
-    written = plot_report(report, out, kind=kind, layer=layer)
+    with writing(out):
+        written = plot_report(report, out, kind=kind, layer=layer)
     typer.echo(f"wrote {written} ({written.stat().st_size} bytes)")

@@ -12,7 +12,6 @@ from . import (
     control,
     demo,
     diff,
-    placement,
     replicas,
     report,
     timeline,
@@ -20,20 +19,26 @@ from . import (
     traces,
     verify,
 )
+from .errors import exit_when_reader_leaves
+from .help import readable_help
+from .placement import command as placement_command
 
-__all__ = ["app", "main"]
+__all__ = ["app", "command", "main"]
 
 app = typer.Typer(
     name="moetrace",
     help="Observability and tracing for Mixture-of-Experts runtimes.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # Plain help (click's): it rewraps every paragraph to the width it is given (COLUMNS, or 80 piped)
+    # and never cuts an option name, where rich's panels squeeze it into boxes.
+    rich_markup_mode=None,
 )
 
 # Offline analysis of traces.
 app.command("analyze")(analysis.analyze)
 app.command("plot")(analysis.plot)
-app.command("placement")(placement.placement)
+app.command("placement")(placement_command.placement)
 app.command("diff")(diff.diff)
 app.command("audit")(audit.audit)
 app.command("timeline")(timeline.timeline)
@@ -70,6 +75,12 @@ def _root(
     """moetrace: where did the tokens go?"""
 
 
+def command() -> typer.core.TyperGroup:
+    """The click command the ``moetrace`` program runs: :data:`app` with readable help (:func:`readable_help`)."""
+    return readable_help(typer.main.get_command(app))
+
+
 def main() -> None:
     """Console-script entry point."""
-    app()
+    exit_when_reader_leaves()
+    command()(prog_name="moetrace")

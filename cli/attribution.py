@@ -11,6 +11,7 @@ from rich.table import Table
 from moetrace.analysis.attribution import Attribution, attribute
 from moetrace.routes import RoutesError, load_routes, trace_route_set
 from moetrace.trace.schema import TraceError
+from moetrace.words import counted
 
 from .errors import CommandError
 
@@ -45,7 +46,7 @@ def print_attribution(result: Attribution, console: Console) -> None:
     """Per group and per layer's hot experts: shares of the excess load."""
     doc = result.to_dict()
     what = "request" if doc["by"] == "request" else f"label {doc['key']!r}"
-    console.print(f"[bold]attribution by {what}[/bold]: {doc['requests']} requests, {doc['tokens']} tokens")
+    console.print(f"[bold]attribution by {what}[/bold]: {counted(doc['requests'], 'request')}, {counted(doc['tokens'], 'token')}")
     console.print("excess: copies above an even share of the layer; its shares sum to 1")
     groups = Table(title="Who takes the hot experts' excess", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("who", "requests", "tokens %", "excess %", "lift", "JS", "p"):

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
+from moetrace.words import counted
+
 from .errors import EXIT_FAILED, CommandError, guarded
-from .options import existing_file, output_path, stdout_console
+from .options import existing_file, output_path, stdout_console, writing
 
 if TYPE_CHECKING:
     from moetrace.analysis.route_audit import AuditReport, RecordedSource
@@ -88,7 +90,7 @@ def _print(report: AuditReport) -> None:
         f"{figures['recorded_only_requests']} recorded requests returned nothing"
     )
     if figures["weight_version_assumed_requests"]:
-        console.print(f"{figures['weight_version_assumed_requests']} requests record no weight version: assumed {figures['expected_weight_version']!r}")
+        console.print(f"{counted(figures['weight_version_assumed_requests'], 'request')} record no weight version: assumed {figures['expected_weight_version']!r}")
     if figures["faults"]:
         table = Table(title="Faults", title_justify="left")
         for column in ("fault", "requests", "count"):
@@ -114,7 +116,7 @@ def audit(
     model_layers: Annotated[int | None, typer.Option("--model-layers", min=1, help="The model's layers, to read SGLang answers (default: the last MoE layer + 1).")] = None,
     skip: Annotated[list[str] | None, typer.Option("--skip", help="Turn a check off (a fault name); repeatable.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Also write the JSON report to this file.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Also write the JSON report to this file.")] = None,
 ) -> None:
     """Compare the routes an engine returned with its recorder's trace, request by request and position by position (docs/audit.md).
 
@@ -128,8 +130,8 @@ def audit(
         raise CommandError(f"--skip {unknown[0]}: no such check; checks: {', '.join(FAULTS)}")
     if allow_other_weight_version:
         skipped.add("other_weight_version")
-    if output is not None:
-        output_path(output)
+    if out is not None:
+        output_path(out)
     source = _recorded(recorded)
     routes = _load_returned(returned, source, model_layers)
     try:
@@ -137,10 +139,11 @@ def audit(
     except AuditError as exc:
         raise CommandError(str(exc)) from None
     figures = report.to_dict()
-    if output is not None:
+    if out is not None:
         from moetrace.trace.writer import write_json_atomic
 
-        write_json_atomic(output, figures)
+        with writing(out):
+            write_json_atomic(out, figures)
     if as_json:
         typer.echo(json.dumps(figures, indent=2))
     else:

@@ -32,7 +32,7 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moetrace.analysis.plots import plot_report
 from moetrace.dispatch import (
@@ -46,12 +46,16 @@ from moetrace.report.evidence import PlacementView
 from moetrace.trace.merge import merge_traces
 from moetrace.trace.reader import open_trace
 from moetrace.trace.schema import Attr
+from moetrace.words import counted
 
 from .demo_summary import DemoSummary, print_summary, say
 from .errors import CommandError, guarded
 from .timeline import write_timeline
 
-__all__ = ["DemoSettings", "demo", "run_demo"]
+__all__ = ["VOCAB", "DemoSettings", "demo", "planned_tokens", "run_demo"]
+
+#: The demo model's vocabulary.
+VOCAB = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,25 +76,36 @@ class DemoSettings:
     slow_ms: float = 0.0
 
 
-def _requests(settings: DemoSettings, rank: int, vocab: int) -> list[Any]:
-    """This rank's share of the demo's requests: mixed lengths, staggered arrivals, some prefill-only."""
-    from moetrace.reference import Request
-
+def _planned(settings: DemoSettings, vocab: int) -> list[tuple[int, list[int], int]]:
+    """Every request of the demo as ``(index, prompt, new tokens)``: mixed lengths, some prefill-only."""
     rng = np.random.default_rng(settings.seed)
     out = []
     for i in range(settings.requests):
         prompt_len = int(rng.integers(4, 48))
         new_tokens = 0 if i % 9 == 4 else int(rng.integers(2, 12))
-        prompt = rng.integers(0, vocab, size=prompt_len).tolist()
-        if i % settings.ranks == rank:
-            out.append(Request(rid=f"req-{i}", prompt=prompt, max_new_tokens=new_tokens, arrival_step=i // 4, return_routed_experts=True))
+        out.append((i, rng.integers(0, vocab, size=prompt_len).tolist(), new_tokens))
     return out
 
 
-def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, events: Any, stop: Any) -> dict[str, Any]:
+def _requests(settings: DemoSettings, rank: int, vocab: int) -> list[Any]:
+    """This rank's share of the demo's requests, with staggered arrivals."""
+    from moetrace.reference import Request
+
+    return [Request(rid=f"req-{i}", prompt=prompt, max_new_tokens=new_tokens, arrival_step=i // 4, return_routed_experts=True)
+            for i, prompt, new_tokens in _planned(settings, vocab) if i % settings.ranks == rank]
+
+
+def planned_tokens(settings: DemoSettings) -> int:
+    """Tokens the ranks will compute: each prompt once, then one token a pass for every generated token but the last
+    (the progress bar's total; the demo's passes carry exactly these)."""
+    return sum(len(prompt) + max(new_tokens - 1, 0) for _, prompt, new_tokens in _planned(settings, VOCAB))
+
+
+def _serve_rank(rank: int, world: int, settings: DemoSettings, counts: Any, events: Any, stop: Any) -> dict[str, Any]:
     """One EP rank: model, recorder, endpoints, serving loop, dump. Runs in a spawned process.
 
-    ``stop``: a shared event the main process sets on Ctrl-C; the rank stops at its next step.
+    ``counts``: shared ``[requests served, tokens computed]`` the progress bar shows; ``stop``: a shared
+    event the main process sets on Ctrl-C; the rank stops at its next step.
     """
     from moetrace.exporters.prometheus import start_http_server
 
@@ -100,7 +115,7 @@ def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, ev
     from moetrace.wire import encode_routed_experts
 
     config = ModelConfig(
-        vocab_size=512,
+        vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
         num_layers=settings.layers + 1,
@@ -130,6 +145,7 @@ def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, ev
     if settings.serve:
         servers = [start_http_server(0, recorder=recorder, per_expert=True, per_ep_rank=True), serve_control(recorder, per_ep_rank=True)]
         events.put(("urls", rank, servers[0].url, servers[1].url))
+    events.put(("ready", rank, "", ""))
     loop.submit(_requests(settings, rank, config.vocab_size))
     recorder.start_record()
     results = []
@@ -138,9 +154,9 @@ def _serve_rank(rank: int, world: int, settings: DemoSettings, finished: Any, ev
             if stop.is_set():
                 loop.stop()
             results.extend(progress.new_results)
-            if progress.new_results:
-                with finished.get_lock():
-                    finished.value += len(progress.new_results)
+            with counts.get_lock():
+                counts[0] += len(progress.new_results)
+                counts[1] += progress.batch_tokens
     finally:
         recorder.stop_record()
         dumped = recorder.dump_record(rank_dir / "trace.h5")
@@ -207,13 +223,13 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
     for stale in (out / "ranks").glob("trace-rank*.h5"):
         stale.unlink()
     ctx = mp.get_context("spawn")
-    finished, events, stop = ctx.Value("i", 0), ctx.Queue(), ctx.Event()
+    counts, events, stop = ctx.Array("q", 2), ctx.Queue(), ctx.Event()
     outcome: dict[str, Any] = {}
     done = threading.Event()
 
     def target() -> None:
         try:
-            outcome["ranks"] = launch(_serve_rank, settings.ranks, settings, finished, events, stop, backend="gloo", timeout=600)
+            outcome["ranks"] = launch(_serve_rank, settings.ranks, settings, counts, events, stop, backend="gloo", timeout=600)
         except BaseException as exc:  # re-raised in the main thread
             outcome["error"] = exc
         finally:
@@ -221,22 +237,41 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
 
     worker = threading.Thread(target=target, name="moetrace-demo-launch", daemon=True)
     worker.start()
-    interrupted = False
-    say(console, f"serving {settings.requests} requests on {settings.ranks} EP ranks (gloo): {settings.layers} MoE layers x "
-                 f"{settings.experts} experts, top-{settings.top_k}, router skew Zipf {settings.skew}")
-    with Progress(TextColumn("requests served"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False) as bar:
-        task = bar.add_task("serve", total=settings.requests)
+    say(console, f"serving {counted(settings.requests, 'request')} on {counted(settings.ranks, 'EP rank')} (gloo): a dense layer, then "
+                 f"{counted(settings.layers, 'MoE layer')} x {counted(settings.experts, 'expert')}, top-{settings.top_k}, router skew Zipf {settings.skew}")
+    interrupted = _watch(settings, console, counts, events, stop, done)
+    worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    ranks = outcome["ranks"]
+    return _write_outputs(settings, ranks, interrupted, started, console)
+
+
+def _watch(settings: DemoSettings, console: Console, counts: Any, events: Any, stop: Any, done: threading.Event) -> bool:
+    """The progress bar until every rank is done: the ranks' start-up named as it happens, then tokens computed
+    (it moves from the first pass) and requests served. Ctrl-C stops the ranks at their next step; returns
+    whether it did."""
+    interrupted, ready = False, 0
+    columns = (TextColumn("{task.description}"), BarColumn(bar_width=16), TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+               TextColumn("{task.fields[served]}/" + str(settings.requests) + " served"), TimeElapsedColumn())
+    console.print(f"starting {counted(settings.ranks, 'rank process')}: torch, gloo, the model, the recorder")
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task(f"starting {counted(settings.ranks, 'rank')}", total=planned_tokens(settings), served=0)
         # Wait on an Event, not Thread.join: a KeyboardInterrupt inside join() can leave
         # the thread reported dead while it still runs (CPython gh-90882).
         while not done.is_set():
             try:
                 while True:
-                    _, rank, metrics_url, control_url = events.get_nowait()
-                    bar.console.print(f"rank {rank}: Prometheus {metrics_url}\n        control {control_url}/status", soft_wrap=True)
+                    kind, rank, metrics_url, control_url = events.get_nowait()
+                    if kind == "ready":
+                        ready += 1
+                        bar.update(task, description="serving" if ready == settings.ranks else f"{ready} of {settings.ranks} ranks ready")
+                    else:
+                        bar.console.print(f"rank {rank}: Prometheus {metrics_url}\n        control {control_url}/status", soft_wrap=True)
             except queue.Empty:
                 pass
             try:
-                bar.update(task, completed=finished.value)
+                bar.update(task, completed=counts[1], served=counts[0])
                 done.wait(timeout=0.2)
             except KeyboardInterrupt:
                 if interrupted:
@@ -244,12 +279,8 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
                 interrupted = True
                 stop.set()
                 bar.console.print("interrupted: stopping every rank at the next step and keeping what was recorded (Ctrl-C again to abort)")
-        bar.update(task, completed=finished.value)
-    worker.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    ranks = outcome["ranks"]
-    return _write_outputs(settings, ranks, interrupted, started, console)
+        bar.update(task, description="served", completed=counts[1], served=counts[0])
+    return interrupted
 
 
 def _save_routes(ranks: list[dict[str, Any]], settings: DemoSettings, path: Path) -> Path | None:
@@ -312,11 +343,11 @@ def _write_outputs(settings: DemoSettings, ranks: list[dict[str, Any]], interrup
 def demo(
     ranks: Annotated[int, typer.Option("--ranks", min=1, help="Expert-parallel ranks (processes on gloo).")] = 2,
     requests: Annotated[int, typer.Option("--requests", min=1, help="Requests to serve.")] = 64,
-    layers: Annotated[int, typer.Option("--layers", min=1, help="MoE layers (a dense first layer is added).")] = 4,
+    moe_layers: Annotated[int, typer.Option("--moe-layers", min=1, help="MoE layers of the demo model (a count; a dense first layer is added before them).")] = 4,
     experts: Annotated[int, typer.Option("--experts", min=1, help="Experts per MoE layer (a multiple of --ranks).")] = 16,
     top_k: Annotated[int, typer.Option("--top-k", min=1, help="Experts per token.")] = 2,
     skew: Annotated[float, typer.Option("--skew", min=0.0, help="Zipf exponent of the router's per-expert bias (0 = no skew).")] = 1.2,
-    out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("moetrace-demo"),
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output directory.")] = Path("moetrace-demo"),
     serve: Annotated[bool, typer.Option("--serve/--no-serve", help="Serve Prometheus and control endpoints on loopback while running.")] = True,
     timing: Annotated[bool, typer.Option("--timing/--no-timing", help="Time route/dispatch/expert/combine per layer and rank.")] = True,
     slow_rank: Annotated[int | None, typer.Option("--slow-rank", min=0, help="Delay this rank's expert compute (with --slow-ms).")] = None,
@@ -337,5 +368,5 @@ def demo(
         require_plotly()  # report.html: checked before anything is served
     except ImportError as exc:
         raise CommandError(str(exc)) from None
-    run_demo(DemoSettings(ranks=ranks, requests=requests, layers=layers, experts=experts, top_k=top_k, skew=skew, out=out, serve=serve,
+    run_demo(DemoSettings(ranks=ranks, requests=requests, layers=moe_layers, experts=experts, top_k=top_k, skew=skew, out=out, serve=serve,
                           timing=timing, slow_rank=slow_rank, slow_ms=slow_ms), Console())

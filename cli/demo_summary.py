@@ -18,6 +18,7 @@ from rich.console import Console
 
 from moetrace.analysis.summary import AnalysisReport
 from moetrace.report.evidence import PlacementView, placement_reading
+from moetrace.words import counted
 
 __all__ = ["WIDTH", "DemoSummary", "print_summary", "say"]
 
@@ -74,7 +75,7 @@ def _ranks(console: Console, report: AnalysisReport) -> None:
         slowest = int(np.argmax(shares))
         wait = timing["wait_share"]
         say(console, f"slowest rank (expert compute): rank {timing['rank_labels'][slowest]} in {100 * shares[slowest]:.0f}% of "
-                     f"{timing['passes']} passes; waiting for it costs {timing['wait_seconds']:.3f} s"
+                     f"{counted(timing['passes'], 'pass')}; waiting for it costs {timing['wait_seconds']:.3f} s"
                      + ("" if wait is None else f" = {100 * wait:.1f}% of step time"))
 
 
@@ -84,8 +85,10 @@ def _example(console: Console, example: dict[str, Any]) -> None:
     layers = [i for i in range(routes.shape[1]) if (routes[:, i] >= 0).any()]
     cell = max(len(",".join(str(int(e)) for e in routes[p, i])) for p in range(min(POSITIONS, routes.shape[0])) for i in layers) + 2
     fit = max(1, (WIDTH - 7) // cell)
-    say(console, f"request {example['rid']}: {example['prompt_len']} prompt + {example['output_len']} generated tokens; routed "
-                 f"experts {list(routes.shape)} (positions x layers x k), first {min(POSITIONS, routes.shape[0])} positions"
+    dense = [f"L{i}" for i in range(routes.shape[1]) if i not in layers]
+    say(console, f"request {example['rid']}: {example['prompt_len']} prompt + {counted(example['output_len'], 'generated token')}; routed "
+                 f"experts {list(routes.shape)} (positions x model layers x k; {', '.join(dense) or 'no layer'} dense: no experts, -1), "
+                 f"first {counted(min(POSITIONS, routes.shape[0]), 'position')}"
                  + ("" if len(layers) <= fit else f", {fit} of {len(layers)} MoE layers") + ":")
     shown = layers[:fit]
     _row(console, f"  {'pos':>3}  " + "".join(f"{'L' + str(i):<{cell}}" for i in shown).rstrip())
@@ -97,8 +100,8 @@ def print_summary(console: Console, s: DemoSummary) -> None:
     """The whole summary (about 30 lines)."""
     r = s.report
     console.print()
-    say(console, f"ran: {s.served} requests ({s.stopped} stopped by the loop" + (", interrupted" if s.interrupted else "")
-                 + f") in {r.num_passes} passes, {r.num_tokens:,} tokens, {s.seconds:.1f} s")
+    say(console, f"ran: {counted(s.served, 'request')} ({s.stopped} stopped by the loop" + (", interrupted" if s.interrupted else "")
+                 + f") in {counted(r.num_passes, 'pass')}, {counted(r.num_tokens, 'token')}, {s.seconds:.1f} s")
     say(console, "balance (every table: moetrace analyze trace.h5; every figure: report.html):")
     for line in r.headline():
         say(console, line, indent=2)
@@ -119,7 +122,7 @@ def print_summary(console: Console, s: DemoSummary) -> None:
     notes = {
         "report.html": f"every figure, opens offline in a browser ({s.html_bytes / 1e6:.1f} MB)",
         "trace.h5": "moetrace analyze | placement | report trace.h5",
-        "timeline.json": f"Chrome trace events for ui.perfetto.dev ({s.timeline_events} events)",
+        "timeline.json": f"Chrome trace events for ui.perfetto.dev ({counted(s.timeline_events, 'event')})",
     }
     for name in s.files:
         if name in notes:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
+from moetrace.words import counted
+
 from .errors import CommandError, guarded
 from .options import existing_file, stdout_console
 
@@ -54,8 +56,8 @@ def diff(
     console = stdout_console()
     align = figures["alignment"]
     console.print(
-        f"aligned by {align['by']}: {align['matched_tokens']} tokens matched, {align['only_in_a']} only in A, "
-        f"{align['only_in_b']} only in B; {figures['tokens']} tokens with routes on both sides"
+        f"aligned by {align['by']}: {counted(align['matched_tokens'], 'token')} matched, {align['only_in_a']} only in A, "
+        f"{align['only_in_b']} only in B; {counted(figures['tokens'], 'token')} with routes on both sides"
     )
     table = Table(title="Per layer (B against A)", title_justify="left")
     for column in ("layer", "tokens", "same set", "same order", "Jaccard", "top divergent experts (id: tokens)"):

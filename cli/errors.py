@@ -13,14 +13,14 @@ import functools
 import os
 import sys
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import NoReturn, ParamSpec, TextIO, TypeVar
 
 import typer
 
 from moetrace.trace.integrity import from_hdf5
 from moetrace.trace.schema import TraceError, TraceWriteError
 
-__all__ = ["EXIT_FAILED", "EXIT_INPUT", "CommandError", "guarded", "say_error"]
+__all__ = ["EXIT_FAILED", "EXIT_INPUT", "CommandError", "exit_when_reader_leaves", "guarded", "say_error"]
 
 EXIT_FAILED = 1
 EXIT_INPUT = 2
@@ -49,10 +49,6 @@ def guarded(command: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return command(*args, **kwargs)
-        except BrokenPipeError:
-            # The reader has what it wanted and closed the pipe (`| head -2`): what it read is right.
-            _discard_stdout()
-            raise typer.Exit(0) from None
         except CommandError as exc:
             say_error(str(exc))
             raise typer.Exit(exc.code) from None
@@ -70,6 +66,44 @@ def guarded(command: Callable[P, R]) -> Callable[P, R]:
             raise typer.Exit(EXIT_INPUT) from None
 
     return wrapper
+
+
+def exit_when_reader_leaves() -> None:
+    """Make a closed stdout end the program with 0: the reader has what it wanted (``| head -2``).
+
+    Every write to stdout goes through ``sys.stdout`` (typer's echo, click's help, rich's consoles,
+    which catch :class:`BrokenPipeError` themselves and exit 1), so the wrapper installed here sees
+    the broken pipe first, whoever writes.
+    """
+    if not isinstance(sys.stdout, _ReaderMayLeave) and sys.stdout is not None:
+        sys.stdout = _ReaderMayLeave(sys.stdout)
+
+
+class _ReaderMayLeave:
+    """``sys.stdout`` whose broken pipe exits 0 (after pointing the descriptor at the null device)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            _reader_left()
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            _reader_left()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
+def _reader_left() -> NoReturn:
+    _discard_stdout()
+    raise SystemExit(0)
 
 
 def _discard_stdout() -> None:

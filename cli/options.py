@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -19,9 +18,10 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from .errors import CommandError
+from .errors import EXIT_FAILED, CommandError
 
-__all__ = ["PHASE_HELP", "existing_file", "output_path", "parse_layers", "pass_phase_option", "progress_meter", "stage_meter", "stdout_console"]
+__all__ = ["PHASE_HELP", "existing_file", "output_path", "parse_layers", "pass_phase_option", "progress_meter", "stage_meter", "stdout_console",
+           "writing"]
 
 #: ``--phase``: the pass phase (what the engine's batch was), not a timing phase (route, dispatch, ...).
 PHASE_HELP = ("Only the passes of one pass phase: prefill (prefill/extend), decode, mixed, idle or unknown "
@@ -81,21 +81,28 @@ def output_path(path: Path) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[Path]:
+    """Run the block that writes ``path``; a failure to create or write a file in ``path``'s folder
+    (the file, or the temporary an atomic write puts beside it) becomes one line saying what could not
+    be written and why, exit 1 (docs/cli.md), never the temporary's name. Other errors pass through."""
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        yield path
+    except OSError as exc:
+        name = getattr(exc, "filename", None)
+        if name is None or Path(name).parent.resolve() != folder.resolve():
+            raise
+        reason = (exc.strerror or str(exc)).lower()
+        raise CommandError(f"could not write {path}: {reason} (creating a file in {folder}/); write it to a folder you can create files in",
+                           EXIT_FAILED) from None
+
+
 def stdout_console() -> Console:
     """A rich console on stdout; wide when not a terminal so piped tables keep whole names,
     unless ``COLUMNS`` sets the width (e.g. ``COLUMNS=80 moetrace analyze run.h5 | less``)."""
-    console = _StdoutConsole()
-    return console if console.is_terminal or os.environ.get("COLUMNS", "").isdigit() else _StdoutConsole(width=160)
-
-
-class _StdoutConsole(Console):
-    """A console on stdout whose closed pipe is a reader that has had enough (``| head -2``), not a failure."""
-
-    def on_broken_pipe(self) -> None:
-        """Raise :class:`BrokenPipeError` (rich's default exits 1), which the command's error boundary
-        (:func:`~moetrace.cli.errors.guarded`) turns into exit 0."""
-        self.quiet = True
-        raise BrokenPipeError(errno.EPIPE, "stdout was closed by its reader")
+    console = Console()
+    return console if console.is_terminal or os.environ.get("COLUMNS", "").isdigit() else Console(width=160)
 
 
 @contextlib.contextmanager

@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import click
-import typer
 from typer.cli import get_docs_for_click
 
-from .app import app
+from .app import command as app_command
 
 __all__ = ["BEGIN", "END", "render", "splice"]
 
@@ -23,7 +22,7 @@ END = "<!-- END GENERATED -->"
 
 def render() -> str:
     """Markdown reference of every command and option."""
-    command = typer.main.get_command(app)
+    command = app_command()
     text = get_docs_for_click(obj=command, ctx=click.Context(command), name="moetrace", title="Command reference")
     return text.replace("# Command reference", "## Command reference", 1).replace("\n## `", "\n### `")
 

@@ -10,7 +10,7 @@ import typer
 from moetrace.routes import RoutesError
 
 from .errors import CommandError, guarded
-from .options import PHASE_HELP, existing_file, output_path, pass_phase_option, stage_meter
+from .options import PHASE_HELP, existing_file, output_path, pass_phase_option, stage_meter, writing
 
 __all__ = ["report"]
 
@@ -37,7 +37,7 @@ def report(
     if routes is not None:
         existing_file(routes, "routes")
     try:
-        with stage_meter(progress) as update:
+        with stage_meter(progress) as update, writing(out):
             written = build_report(files, out, routes=routes, top=top, phase=phase, progress=update)
     except RoutesError as exc:
         raise CommandError(str(exc)) from None

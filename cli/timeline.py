@@ -10,9 +10,10 @@ import typer
 from moetrace.analysis.timeline import build_timeline
 from moetrace.trace.reader import open_trace
 from moetrace.trace.writer import write_json_atomic
+from moetrace.words import counted
 
 from .errors import CommandError, guarded
-from .options import existing_file, output_path
+from .options import existing_file, output_path, writing
 
 __all__ = ["parse_passes", "timeline", "write_timeline"]
 
@@ -49,5 +50,6 @@ def timeline(
 ) -> None:
     """Chrome trace-event JSON: one process per rank, one track per phase, pass windows on one clock."""
     first, stop = parse_passes(passes)
-    count = write_timeline(existing_file(trace), output_path(out), first, stop)
-    typer.echo(f"wrote {out} ({count} events); open it in ui.perfetto.dev or chrome://tracing")
+    with writing(out):
+        count = write_timeline(existing_file(trace), output_path(out), first, stop)
+    typer.echo(f"wrote {out} ({counted(count, 'event')}); open it in ui.perfetto.dev or chrome://tracing")

@@ -8,6 +8,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from moetrace.words import counted
+
 __all__ = ["print_timing"]
 
 
@@ -24,7 +26,7 @@ def print_timing(timing: dict[str, Any] | None, console: Console) -> None:
     if timing is None:
         console.print("timing: not recorded (record with RecorderConfig(timing=True))")
         return
-    table = Table(title=f"Phase time per layer-pass, ms ({timing['clock']}, {timing['passes']} passes)",
+    table = Table(title=f"Phase time per layer-pass, ms ({timing['clock']}, {counted(timing['passes'], 'pass')})",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("rank", "phase", "total s", "mean", "p50", "p95", "p99"):
         table.add_column(col, justify="left" if col == "phase" else "right")

@@ -18,9 +18,10 @@ from moetrace.trace.integrity import CHECKSUMS, reading
 from moetrace.trace.merge import merge_traces, rank_stops
 from moetrace.trace.reader import open_trace
 from moetrace.trace.schema import MERGED_DAMAGED_ATTR, Attr, Data
+from moetrace.words import counted
 
 from .errors import CommandError, guarded
-from .options import existing_file, output_path, progress_meter, stdout_console
+from .options import existing_file, output_path, progress_meter, stdout_console, writing
 
 __all__ = ["convert_to_trace", "inspect", "merge", "recover_run", "routes"]
 
@@ -32,7 +33,7 @@ def convert_to_trace(
     top_k: Annotated[int | None, typer.Option("--top-k", min=1, help="Experts per token (needed for SGLang stat/per_pass dumps).")] = None,
     ep_size: Annotated[int, typer.Option("--ep-size", min=1, help="EP ranks the physical experts were split over (SGLang).")] = 1,
     world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="Ranks in the run (SGLang per-rank dumps; needed to merge them).")] = None,
-    num_experts: Annotated[int | None, typer.Option("--num-experts", min=1, help="Experts per layer (JSON lines; default max id + 1).")] = None,
+    experts: Annotated[int | None, typer.Option("--experts", min=1, help="Experts per layer (JSON lines; default max id + 1).")] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run id to record (give per-rank conversions the same one to merge them).")] = None,
     model: Annotated[str, typer.Option("--model", help="Model name to record.")] = "",
 ) -> None:
@@ -42,7 +43,7 @@ def convert_to_trace(
     if src.suffix == ".pt":
         written = convert_sglang(src, out, top_k=top_k, ep_size=ep_size, run_id=run_id, world_size=world_size, model=model)
     else:
-        written = convert_jsonl(src, out, num_experts=num_experts, run_id=run_id, model=model)
+        written = convert_jsonl(src, out, num_experts=experts, run_id=run_id, model=model)
     with open_trace(written) as trace:
         typer.echo(f"wrote {written}: mode={trace.mode} layers={trace.num_layers} experts={trace.num_logical_experts} top_k={trace.top_k}")
 
@@ -64,7 +65,7 @@ def merge(
         written = merge_traces(traces, out, progress=update)
     with open_trace(written) as merged:
         left_out = json.loads(str(merged.attrs.get(MERGED_DAMAGED_ATTR, "[]")))
-    typer.echo(f"wrote {written}: {len(traces) - len(left_out)} ranks")
+    typer.echo(f"wrote {written}: {counted(len(traces) - len(left_out), 'rank')}")
     if left_out:
         raise CommandError(f"{len(left_out)} damaged input(s) were left out of {written} (it holds the intact ranks only): {'; '.join(left_out)}")
     for note in rank_stops(traces):
@@ -185,10 +186,11 @@ def routes(
     output_path(out)
     try:
         found = trace_route_set(traces, request)
-        written = save_routes(out, {rid: arr for rid, (_, arr) in found.requests.items()}, model=found.model, id_space=found.id_space,
-                              num_experts=found.num_experts, layer_ids=found.layer_ids, physical_to_logical=found.physical_to_logical,
-                              **found.meta)
+        with writing(out):
+            written = save_routes(out, {rid: arr for rid, (_, arr) in found.requests.items()}, model=found.model, id_space=found.id_space,
+                                  num_experts=found.num_experts, layer_ids=found.layer_ids, physical_to_logical=found.physical_to_logical,
+                                  **found.meta)
     except RoutesError as exc:
         raise CommandError(str(exc)) from None
     computed = sum(int((arr >= 0).any(axis=(1, 2)).sum()) for _, arr in found.requests.values())
-    typer.echo(f"wrote {written}: {len(found.requests)} requests, {computed} positions computed")
+    typer.echo(f"wrote {written}: {counted(len(found.requests), 'request')}, {counted(computed, 'position')} computed")

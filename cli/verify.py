@@ -11,6 +11,7 @@ from rich.table import Table
 
 from moetrace.trace.integrity import CHECKSUMS
 from moetrace.trace.verify import TraceReport, verify_trace
+from moetrace.words import counted
 
 from .errors import EXIT_INPUT, guarded
 from .options import progress_meter, stdout_console
@@ -18,11 +19,28 @@ from .options import progress_meter, stdout_console
 __all__ = ["verify"]
 
 
+def verdict(report: TraceReport) -> str:
+    """One line for a person: what the file is, and what to do about it."""
+    if report.found == "missing":
+        return "no such file; check the path"
+    if report.found == "foreign":
+        return "not a moetrace trace; give a trace file that moetrace wrote (.h5 from a dump, merge or convert)"
+    if report.intact:
+        return f"intact; {CHECKSUMS}"
+    if report.damaged or report.problems:
+        if not report.datasets:
+            return ("DAMAGED: it cannot be read (truncated or overwritten); restore it from a copy, or gather the recording's "
+                    "segments into a new trace with `moetrace recover DIR` if they remain")
+        damaged = len(report.damaged)
+        what = (f"{damaged} of {counted(len(report.datasets), 'dataset')} fail their checks" if damaged else
+                f"its datasets read, but {counted(len(report.problems), 'check')} of the whole fail")
+        return f"DAMAGED: {what} (below); restore it from a copy, or gather the recording's segments with `moetrace recover DIR` if they remain"
+    return "unverified: readable, but written before moetrace had checksums, so nothing proves it unchanged (--allow-unverified accepts it)"
+
+
 def _print(report: TraceReport) -> None:
     console = stdout_console()
-    state = "intact" if report.intact else ("DAMAGED" if report.damaged or report.problems else "unverified")
-    seal = CHECKSUMS if report.sealed else "no checksums (written before moetrace had them)"
-    console.print(f"[bold]{report.path}[/bold]: {state}; {seal}")
+    console.print(f"[bold]{report.path}[/bold]: {verdict(report)}", highlight=False)
     if report.datasets:
         table = Table(show_header=True, header_style="bold")
         for col in ("dataset", "status", "detail"):
@@ -30,7 +48,7 @@ def _print(report: TraceReport) -> None:
         for d in report.datasets:
             table.add_row(d.name, d.status, d.detail)
         console.print(table)
-    for problem in report.problems:
+    for problem in report.problems if report.found == "trace" else ():
         console.print(f"problem: {problem}", markup=False)
 
 

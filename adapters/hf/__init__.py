@@ -260,7 +260,7 @@ def instrument(
     defaults: dict[str, Any] = {"engine": "hf", "model": getattr(config, "name_or_path", "") or type(target).__name__}
     if isinstance(getattr(text_config, "hidden_size", None), int):
         defaults["hidden_size"] = text_config.hidden_size
-    binding = resolve_recorder(recorder, len(sites), num_experts, k, layer_ids, defaults=defaults, **recorder_options)
+    binding = resolve_recorder(recorder, len(sites), num_experts, k, layer_ids, adapter="hf", defaults=defaults, **recorder_options)
     rec = binding.recorder
     seq_len = 0
     if capturer is not None:

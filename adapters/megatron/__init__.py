@@ -194,7 +194,7 @@ def instrument(
     param = next(target.parameters(), None)
     if param is not None:
         defaults["device"] = param.device
-    binding = resolve_recorder(recorder, len(layers), first.num_experts, first.top_k, [layer.layer_id for layer in layers], defaults=defaults, **recorder_options)
+    binding = resolve_recorder(recorder, len(layers), first.num_experts, first.top_k, [layer.layer_id for layer in layers], adapter="megatron", defaults=defaults, **recorder_options)
     rec = binding.recorder
     timing = bool(getattr(rec.config, "timing", False))
     expert_tokens = torch.zeros(len(layers), first.num_local_experts, dtype=torch.int64, device=rec.config.device)

@@ -35,7 +35,6 @@ import functools
 import importlib
 import inspect
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -46,14 +45,13 @@ from ..base import (
     HookRegistry,
     Instrumentation,
     UnsupportedVersionError,
-    check_recorder,
     existing_instrumentation,
     refuse_capturer,
     resolve_recorder,
     unwinding,
 )
 from ..failsafe import FailSafe
-from ..settings import PluginSettings, env_flag
+from ..settings import PluginSettings
 from .bridge import RecorderBridge
 from .layout import sglang_layout
 from .phases import watch_phases
@@ -180,10 +178,7 @@ def _moetrace_recorder(recorder: Any, server_args: Any, metadata: Any, rank: int
     num_layers, num_physical = int(metadata.num_layers), int(metadata.num_physical_experts)
     top_k = _model_top_k(server_args)
     if recorder is not None:
-        return check_recorder(recorder, num_layers, num_physical, top_k)
-    settings = PluginSettings.from_env(force=True)
-    options = {"mode": settings.mode, "output_dir": settings.output_dir, "window": settings.window, "timing": settings.timing,
-               **recorder_options}
+        return resolve_recorder(recorder, num_layers, num_physical, top_k, range(num_layers), adapter="sglang").recorder
     ep_size = int(getattr(metadata, "ep_size", 1))
     defaults = {
         "engine": "sglang",
@@ -194,7 +189,7 @@ def _moetrace_recorder(recorder: Any, server_args: Any, metadata: Any, rank: int
         "layout": _layout(ep_size, int(rank) % ep_size),
         "device": torch.device(getattr(server_args, "device", None) or "cpu"),
     }
-    return resolve_recorder(None, num_layers, num_physical, top_k, range(num_layers), defaults=defaults, **options).recorder
+    return resolve_recorder(None, num_layers, num_physical, top_k, range(num_layers), adapter="sglang", defaults=defaults, **recorder_options).recorder
 
 
 def _init_new_wrapper(original: Callable[..., Any], takes_server_args: bool, attach: Callable[[Any, Any, Any, int], Any]) -> Callable[..., Any]:
@@ -353,5 +348,5 @@ def plugin() -> None:
     if not _PLUGIN_FAILSAFE.on or (_PLUGIN_HANDLE is not None and _PLUGIN_HANDLE.active):
         return
     with _PLUGIN_FAILSAFE.guarding("moetrace's SGLang plugin start-up"):
-        if env_flag(os.environ, "MOETRACE_ENABLED", False):
+        if PluginSettings.from_env(adapter="sglang").enabled:  # every setting checked here, in one line if wrong
             _PLUGIN_HANDLE = instrument()

@@ -217,7 +217,7 @@ def instrument_model(
     }
     num_experts = max(layer.num_experts for layer in layers)
     layer_ids = [layer.layer_id for layer in layers]
-    binding = resolve_recorder(recorder, len(layers), num_experts, layers[0].top_k, layer_ids, defaults=defaults, **recorder_options)
+    binding = resolve_recorder(recorder, len(layers), num_experts, layers[0].top_k, layer_ids, adapter="vllm", defaults=defaults, **recorder_options)
     rec = binding.recorder
     hooks, failsafe = HookRegistry(), failsafe or FailSafe("this vLLM engine")
     with unwinding(hooks, binding):

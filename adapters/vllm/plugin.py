@@ -208,7 +208,7 @@ def register() -> None:
         return
     failsafe = FailSafe("this vLLM engine")
     with failsafe.guarding("moetrace's vLLM plugin start-up"):
-        settings = PluginSettings.from_env()
+        settings = PluginSettings.from_env(adapter="vllm")
         if not settings.enabled:
             return
         _session = WorkerSession(settings, failsafe)

@@ -30,6 +30,7 @@ from ..pass_phase import PASS_PHASES
 from ..trace.pass_phases import pass_phase_counts, pass_phase_physical_count, phase_of
 from ..trace.reader import Trace, open_trace
 from ..trace.schema import Attr
+from ..words import counted
 from .coactivation import (
     CoactivationAccumulator,
     mutual_information_bits,
@@ -136,7 +137,8 @@ class AnalysisReport(balance.LoadMetrics):
             f"expert imbalance {self.overall_expert_imbalance:.2f} (hottest/mean; "
             f"worst layer {float(self.expert_imbalance.max()):.2f})  mean CV {float(self.expert_cv.mean()):.2f}",
             f"hottest 10% ({hot} of {num_experts} experts) take {100 * self.overall_hot_expert_share:.1f}% "
-            f"(even: {100 * hot / num_experts:.1f}%)  dead experts {int(self.dead_experts.sum())}",
+            f"(even: {100 * hot / num_experts:.1f}%)",
+            self._idle_line(),
         ]
         if self.ep_size > 1:
             lines.append(
@@ -146,6 +148,13 @@ class AnalysisReport(balance.LoadMetrics):
         else:
             lines.append("rank balance: needs EP (one rank recorded); see the EP projection")
         return lines
+
+    def _idle_line(self) -> str:
+        """Experts that got no token, counted in the unit each count is in: (layer, expert) cells, and experts idle in every layer."""
+        layers, num_experts = self.logical_count.shape
+        idle_everywhere = int((self.logical_count.sum(axis=0) == 0).sum())
+        return (f"idle (no token): {int(self.dead_experts.sum()):,} of {counted(layers * num_experts, '(layer, expert) cell')}; "
+                f"{idle_everywhere:,} of {counted(num_experts, 'expert')} idle in every layer")
 
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, object]:

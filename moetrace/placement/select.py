@@ -27,12 +27,13 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from .. import balance
+from ..words import counted
 from .checks import PlacementConfig
 from .eplb import eplb_policy
 from .plan import align_to, predicted_gpu_load, replicas_moved
 from .planners import CANDIDATES, Planner
 
-__all__ = ["BASELINE", "PlanCache", "Selection", "SelectionRule", "ValidatedPlanner", "select_planner", "validation_folds"]
+__all__ = ["BASELINE", "PlanCache", "Selection", "SelectionRule", "ValidatedPlanner", "gain_over_baseline", "select_planner", "validation_folds"]
 
 #: The planner every other candidate must beat on the folds before it is deployed.
 BASELINE = "greedy"
@@ -184,28 +185,32 @@ def select_planner(
         return Selection(chosen, reason, window, every, ends, realized, margin, passes_per_bucket)
 
     if len(ends) < rule.min_folds:
-        return done(BASELINE, f"{len(ends)} validation fold(s) fit in the planning data{spent} (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket}); "
-                    f"{rule.min_folds} are needed to trust anything but the baseline, so {BASELINE} is deployed")
+        return done(BASELINE, f"{counted(len(ends), 'validation fold')} fit in the planning data{spent} (plan on {counted(window * passes_per_bucket, 'pass')}, "
+                    f"score on the next {every * passes_per_bucket:,}); {rule.min_folds} are needed to trust anything but the baseline, so {BASELINE} is deployed")
     base = np.asarray(realized[BASELINE])
     verdicts = []
     best, best_mean = BASELINE, float(base.mean())
     for name in candidates:
         if name == BASELINE:
             continue
-        gain = np.asarray(realized[name]) - base
-        mean = float(gain.mean())
-        error = float(gain.std(ddof=1) / np.sqrt(len(gain)))
-        losses = float((gain < -1e-12).mean())
+        mean, error, losses = gain_over_baseline(realized[name], base)
         ok = mean > 0 and mean > rule.z * error and losses <= rule.max_loss_share
         verdicts.append(f"{name} {mean:+.4f} ± {error:.4f}, below in {losses:.0%}{'' if ok else ' (not kept)'}")
         if ok and base.mean() + mean > best_mean:
             best, best_mean = name, float(base.mean()) + mean
-    folds = f"{len(ends)} folds of the planning data{spent} (plan on {window * passes_per_bucket} passes, score on the next {every * passes_per_bucket})"
-    vs = f"mean gain over {BASELINE} (± std error): " + "; ".join(verdicts)
+    folds = f"{counted(len(ends), 'fold')} of the planning data{spent} (plan on {counted(window * passes_per_bucket, 'pass')}, score on the next {every * passes_per_bucket:,})"
+    vs = f"mean gain over {BASELINE} (± standard error): " + "; ".join(verdicts)
     if best == BASELINE:
-        return done(BASELINE, f"no candidate beat {BASELINE} by more than {rule.z:g} std error(s) with at most {rule.max_loss_share:.0%} of folds below it on {folds}; {vs}")
+        return done(BASELINE, f"no candidate beat {BASELINE} by more than {rule.z:g} x its standard error with at most {rule.max_loss_share:.0%} of folds below it on {folds}; {vs}")
     margin = best_mean - float(base.mean())
     return done(best, f"{best} held best on {folds}: {best_mean:.4f} vs {BASELINE} {base.mean():.4f} ({margin:+.4f}); {vs}", margin)
+
+
+def gain_over_baseline(realized: list[float], baseline: np.ndarray) -> tuple[float, float, float]:
+    """A candidate's balancedness on the folds ``[F]`` against the baseline's ``[F]``: the mean gain, its
+    standard error, and the share of folds where it is below the baseline."""
+    gain = np.asarray(realized) - baseline
+    return float(gain.mean()), float(gain.std(ddof=1) / np.sqrt(len(gain))) if len(gain) > 1 else 0.0, float((gain < -1e-12).mean())
 
 
 class ValidatedPlanner:

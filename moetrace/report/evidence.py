@@ -41,6 +41,7 @@ from ..trace.reader import open_trace
 from ..trace.requests import RequestTable, is_routing_trace, read_requests
 from ..trace.schema import TraceDamageError, TraceError
 from ..trace.token_routes import has_request_rows
+from ..words import counted
 
 __all__ = ["Evidence", "ExpertEvidence", "PlacementView", "RoutingEvidence", "gather_evidence", "placement_reading", "placement_view"]
 
@@ -226,5 +227,5 @@ def placement_reading(view: PlacementView) -> str:
         return text + "; held-out: n/a (too few passes)"
     held = view.held_out
     assert held is not None
-    return text + (f"; held-out (planned on {held.window} passes, scored on the next {held.every}) "
+    return text + (f"; held-out (planned on {counted(held.window, 'pass')}, scored on the next {held.every}) "
                    + ", ".join(f"{k} {spread[k]['mean']:.3f}" for k in ("current", "greedy", "moetrace") if k in spread))

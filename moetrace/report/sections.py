@@ -19,6 +19,7 @@ import plotly.graph_objects as go
 from .. import balance
 from ..replicas.analysis import load_over_time
 from ..trace.schema import Attr
+from ..words import counted
 from . import figures
 from .evidence import Evidence, ExpertEvidence, PlacementView, RoutingEvidence, placement_reading
 
@@ -75,12 +76,12 @@ def _headline(ev: ExpertEvidence) -> Section:
     d = r.to_dict()
     items = [("expert imbalance (hottest / mean)", r.overall_expert_imbalance, ".2f"),
              (f"share of the hottest {d['overall']['hot_experts']} experts", r.overall_hot_expert_share, ".1%"),
-             ("dead experts", float(r.dead_experts.sum()), ",.0f")]
+             ("(layer, expert) cells with no token", float(r.dead_experts.sum()), ",.0f")]
     if r.ep_size > 1:
         items.insert(0, (f"rank balancedness over {r.ep_size} EP ranks", r.balancedness, ".3f"))
     a = r.attrs
-    what = (f"{a.get(Attr.MODEL) or '-'} on {a.get(Attr.ENGINE) or '-'}, {a.get(Attr.MODE)} trace: {r.num_passes} passes, "
-            f"{r.num_tokens:,} tokens, {len(r.layer_ids)} MoE layers x {r.logical_count.shape[1]} experts, top-{a.get(Attr.TOP_K)}")
+    what = (f"{a.get(Attr.MODEL) or '-'} on {a.get(Attr.ENGINE) or '-'}, {a.get(Attr.MODE)} trace: {counted(r.num_passes, 'pass')}, "
+            f"{counted(r.num_tokens, 'token')}, {counted(len(r.layer_ids), 'MoE layer')} x {counted(r.logical_count.shape[1], 'expert')}, top-{a.get(Attr.TOP_K)}")
     return Section("headline", "Headline", "; ".join(d["headline"]), [("fig-headline", figures.headline(items))], notes=[what, *r.notes])
 
 
@@ -98,7 +99,7 @@ def _expert_load(ev: ExpertEvidence) -> Section:
     layer, expert = np.unravel_index(int(np.argmax(counts / np.maximum(counts.mean(axis=1, keepdims=True), 1e-12))), counts.shape)
     ratio = counts[layer, expert] / counts[layer].mean() if counts[layer].mean() else 0.0
     reading = (f"hottest: expert {expert} in layer {r.layer_ids[layer]} takes {ratio:.1f}x the layer's mean; "
-               f"{int(r.dead_experts.sum())} dead (expert, layer) cells; routing entropy {r.entropy_ratio.mean():.2f} of uniform")
+               f"{counted(int(r.dead_experts.sum()), '(layer, expert) cell')} with no token; routing entropy {r.entropy_ratio.mean():.2f} of uniform")
     return Section("experts", "Expert load per layer", reading, [("fig-experts", figures.expert_heatmap(r.layer_ids, shown, group))], notes)
 
 
@@ -139,7 +140,7 @@ def _rank_load(ev: ExpertEvidence) -> Section | None:
         js = np.where(np.isnan(drift.js_mean), None, drift.js_mean)
         jsmax = np.where(np.isnan(drift.js_max), None, drift.js_max)
         figs.append(("fig-drift", figures.lines(x, {"JS mean over layers": js, "JS max layer": jsmax},
-                                                f"Drift: JS divergence from the previous window ({drift.passes_per_window} passes a window)",
+                                                f"Drift: JS divergence from the previous window ({counted(drift.passes_per_window, 'pass')} a window)",
                                                 "first pass of the window", "JS divergence (bits)")))
         worst = int(np.nanargmax(drift.js_max)) if np.isfinite(drift.js_max).any() else None
         parts.append("drift JS mean " + _f(float(np.nanmean(drift.js_mean[1:])), ".4f")
@@ -166,7 +167,7 @@ def _timing(ev: ExpertEvidence) -> Section | None:
     shares = t["slowest_rank_share"]
     slowest = int(np.argmax(shares))
     wait = t["wait_share"]
-    reading = (f"rank {labels[slowest]} is the slowest (expert compute) in {100 * shares[slowest]:.0f}% of {t['passes']} passes; "
+    reading = (f"rank {labels[slowest]} is the slowest (expert compute) in {100 * shares[slowest]:.0f}% of {counted(t['passes'], 'pass')}; "
                f"waiting for the slowest costs {t['wait_seconds']:.3f} s" + ("" if wait is None else f" = {100 * wait:.1f}% of step time")
                + f"; step mean {1e3 * t['step_seconds']['mean']:.1f} ms")
     figs.append(("fig-rank-time-split", figures.bar_groups(
@@ -217,7 +218,7 @@ def _placement_figures(view: PlacementView) -> list[tuple[str, go.Figure]]:
         assert held is not None
         figs.append(("fig-held-out", figures.bar_groups(
             names, {"held-out balancedness": mean},
-            f"Held-out: planned on {held.window} passes, scored on the next {held.every} (mean, min-max over {len(held.first_pass)})",
+            f"Held-out: planned on {counted(held.window, 'pass')}, scored on the next {held.every} (mean, min-max over {len(held.first_pass)})",
             "balancedness", errors=errors, yrange=(0, 1.05))))
     return figs
 
@@ -233,7 +234,7 @@ def _coactivation(ev: ExpertEvidence) -> Section | None:
     if pairs:
         top = max(pairs, key=lambda p: p["count"])
         strong = max(pairs, key=lambda p: -1 if math.isnan(p["lift"]) else p["lift"])
-        parts.append(f"most frequent pair {top['a']}+{top['b']} in layer {top['layer']} ({top['count']:,} tokens, lift {top['lift']:.2f}); "
+        parts.append(f"most frequent pair {top['a']}+{top['b']} in layer {top['layer']} ({counted(top['count'], 'token')}, lift {top['lift']:.2f}); "
                      f"strongest lift {strong['lift']:.2f} ({strong['a']}+{strong['b']}, layer {strong['layer']})")
         figs.append(("fig-pairs", figures.pairs_bars(pairs)))
     if transitions:
@@ -264,14 +265,15 @@ def _routes(ev: Evidence) -> Section | None:
         cut = arr[:MAX_REQUEST_TOKENS][:, routed_layers]
         z, text = figures.routes_cells(cut)
         more = f", first {MAX_REQUEST_TOKENS} of {arr.shape[0]} positions" if arr.shape[0] > MAX_REQUEST_TOKENS else ""
-        options.append({"id": rid, "label": f"{rid} ({arr.shape[0]} tokens)", "x": list(range(start, start + cut.shape[0])), "z": z,
-                        "text": text, "title": f"Request {rid}: experts per token and layer ({arr.shape[0]} tokens{more})"})
+        options.append({"id": rid, "label": f"{rid} ({counted(arr.shape[0], 'token')})", "x": list(range(start, start + cut.shape[0])), "z": z,
+                        "text": text, "title": f"Request {rid}: experts per token and layer ({counted(arr.shape[0], 'token')}{more})"})
     first = options[0]
     arr0 = routes.requests[shown[0]][1][:MAX_REQUEST_TOKENS][:, routed_layers]
     fig = figures.routes_grid(np.asarray(first["x"]), layer_ids, arr0, num_experts, first["title"])
-    notes = [f"{len(ids)} requests in {ev.routes_path}" + (f"; the selector offers the first {MAX_REQUESTS} by id" if len(ids) > MAX_REQUESTS else "")]
+    source = "the trace's own token rows" if ev.routes_path is None else str(ev.routes_path)
+    notes = [f"{counted(len(ids), 'request')} from {source}" + (f"; the selector offers the first {MAX_REQUESTS} by id" if len(ids) > MAX_REQUESTS else "")]
     top_k = arr0.shape[-1]
-    reading = (f"{len(ids)} requests with routed experts ({routes.id_space} ids, top-{top_k}, {len(layer_ids)} MoE layers); "
+    reading = (f"{counted(len(ids), 'request')} with routed experts ({routes.id_space} ids, top-{top_k}, {counted(len(layer_ids), 'MoE layer')}); "
                "choose one: cells give each token's experts per layer, coloured by its first expert")
     return Section("routes", "Per-request routes", reading, [("fig-routes", fig)], notes, RouteChoice("fig-routes", options))
 

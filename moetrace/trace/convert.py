@@ -318,7 +318,7 @@ def convert_jsonl(src: Path | str, out: Path | str, *, num_experts: int | None =
     layers, max_id, top_k = _scan_jsonl(src)
     experts = int(num_experts) if num_experts else max_id + 1
     if experts < 1:
-        raise TraceError(f"{src}: no expert ids >= 0; pass --num-experts")
+        raise TraceError(f"{src}: no expert ids >= 0; pass --experts")
     layer_ids = np.array(sorted(layers))
     compact = {int(x): i for i, x in enumerate(layer_ids)}
     num_layers = len(layer_ids)

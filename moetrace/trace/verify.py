@@ -18,11 +18,12 @@ import numpy as np
 
 from . import integrity, invariants
 from .guarded import open_hdf5
-from .schema import STREAM_GROUP, TraceError
+from .schema import SCHEMA_NAME, STREAM_GROUP, Attr, TraceError
 
 __all__ = ["DatasetStatus", "TraceReport", "verify_trace"]
 
 _BLOCK_BYTES = 16 << 20
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +41,15 @@ class TraceReport:
 
     Attributes:
         path: the file.
+        found: what the file is: ``trace`` (an HDF5 file: a moetrace trace, possibly damaged), ``missing``
+            (no such file) or ``foreign`` (not a moetrace trace: not HDF5, or HDF5 without ``schema="moetrace"``).
         sealed: it carries checksums (``False``: an older trace, read as unverified).
         datasets: every dataset found, in name order.
         problems: what is wrong beyond single datasets (the file, the root, invariants).
     """
 
     path: Path
+    found: str = "trace"
     sealed: bool = False
     datasets: list[DatasetStatus] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
@@ -63,6 +67,7 @@ class TraceReport:
     def as_dict(self) -> dict[str, object]:
         return {
             "path": str(self.path),
+            "found": self.found,
             "intact": self.intact,
             "sealed": self.sealed,
             "datasets": [dataclasses.asdict(d) for d in self.datasets],
@@ -110,7 +115,12 @@ def verify_trace(path: Path | str, progress: Callable[[int, int], None] | None =
     report = TraceReport(path)
     meter = _Progress(progress)
     if not path.is_file():
+        report.found = "missing"
         report.problems.append(f"{path}: no such file")
+        return report
+    if not _is_hdf5(path):
+        report.found = "foreign"
+        report.problems.append(f"{path}: not an HDF5 file (it does not start with HDF5's signature)")
         return report
     try:
         file = open_hdf5(path)
@@ -120,11 +130,32 @@ def verify_trace(path: Path | str, progress: Callable[[int, int], None] | None =
         report.problems.append(f"the file cannot be opened as HDF5 (truncated, or its superblock is damaged): {' '.join(str(exc).split())}")
         return report
     with file:
+        if not _written_by_moetrace(file):
+            report.found = "foreign"
+            report.problems.append(f"{path}: an HDF5 file without the root attribute schema={SCHEMA_NAME!r}: not written by moetrace")
+            return report
         _check_datasets(file, report, meter)
     if report.problems and any(p.startswith("the file") for p in report.problems):
         return report
     _check_invariants(report, meter)
     return report
+
+
+def _is_hdf5(path: Path) -> bool:
+    """The file starts with HDF5's signature (a truncated trace does; a text file does not)."""
+    with path.open("rb") as head:
+        return head.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE
+
+
+def _written_by_moetrace(file: h5py.File) -> bool:
+    """The root says ``schema="moetrace"`` or carries moetrace's checksums (a root too damaged to read: yes, and
+    :func:`_check_datasets` says what is damaged)."""
+    try:
+        return file.attrs.get(Attr.SCHEMA) == SCHEMA_NAME or integrity.is_sealed(file)
+    except Exception as exc:
+        if not integrity.from_hdf5(exc):
+            raise
+        return True
 
 
 def _check_datasets(file: h5py.File, report: TraceReport, meter: _Progress) -> None:

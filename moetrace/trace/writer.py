@@ -168,7 +168,10 @@ class TraceWriter:
             self._write_header()
         except Exception as exc:
             self.abort()
-            raise TraceWriteError(f"cannot write trace {self.path}: {exc}") from exc
+            # The reason, not h5py's sentence (it names the temporary, which is gone).
+            reason = os.strerror(exc.errno).lower() if isinstance(exc, OSError) and exc.errno else str(exc)
+            raise TraceWriteError(f"could not write trace {self.path}: {reason} (creating a file in {self.path.parent}/); "
+                                  "write it to a folder you can create files in") from exc
 
     def __enter__(self) -> TraceWriter:
         return self

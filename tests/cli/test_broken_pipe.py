@@ -1,4 +1,5 @@
-"""A reader that stops reading is no failure: ``moetrace analyze T | head -2`` and ``moetrace verify T | head -1`` exit 0.
+"""A reader that stops reading is no failure: ``moetrace analyze T | head -2``, ``moetrace verify T | head -1``
+and ``moetrace --help | head -1`` exit 0.
 
 The command's stdout is a pipe whose reading end is closed before it starts, so its first
 write meets a broken pipe, as it does once ``head`` has its lines and exits.
@@ -36,6 +37,13 @@ def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("args", [["analyze"], ["analyze", "--json"], ["verify"]], ids=" ".join)
 def test_a_reader_that_stops_reading_is_no_error(trace: Path, args: list[str]) -> None:
     done = into_closed_pipe("-m", "moetrace.cli", args[0], trace, *args[1:])
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["routes", "--help"], ["replicas", "--help"], ["replicas", "why", "--help"]], ids=" ".join)
+def test_help_into_a_closed_pipe_is_no_error(args: list[str]) -> None:
+    """``moetrace --help | head -1``: click's help, written after the reader left."""
+    done = into_closed_pipe("-m", "moetrace.cli", *args)
     assert (done.returncode, done.stderr) == (0, "")
 
 

@@ -101,7 +101,7 @@ def test_progress_bar_goes_to_stderr(traces):
 @pytest.mark.parametrize("kind", ["missing", "text", "truncated", "newer", "foreign"])
 def test_bad_trace_inputs(tmp_path, bad_files, command, kind):
     path, fragment = bad_files[kind]
-    extra = {"plot": ["-o", tmp_path / "x.png"], "placement": ["--replicas", "8", "--groups", "1", "--nodes", "1", "--gpus", "1"]}.get(command, [])
+    extra = {"plot": ["-o", tmp_path / "x.png"], "placement": ["--slots", "8", "--groups", "1", "--nodes", "1", "--gpus", "1"]}.get(command, [])
     assert_bad_input(invoke(command, path, *extra), fragment)
 
 
@@ -130,7 +130,7 @@ def test_plot_writes_png(traces, tmp_path, kind):
 # ------------------------------------------------------------------------- placement
 def test_placement_prints_and_writes_plan(traces, tmp_path):
     out = tmp_path / "plan.json"
-    result = invoke("placement", traces["stat"], "--replicas", "72", "--groups", "8", "--nodes", "2", "--gpus", "8", "--out", out)
+    result = invoke("placement", traces["stat"], "--slots", "72", "--groups", "8", "--nodes", "2", "--gpus", "8", "--out", out)
     assert result.exit_code == 0, result.stderr
     assert "hierarchical" in result.stdout and "greedy" in result.stdout
     plan = json.loads(out.read_text())
@@ -141,8 +141,8 @@ def test_placement_prints_and_writes_plan(traces, tmp_path):
     b = plan["in_sample"]["balancedness"]  # a stat trace: planned and scored on its totals (a fit)
     assert b["moetrace"] >= b["greedy"] - 1e-12 and b["moetrace"] > b["current"]
     assert plan["held_out_estimate"] is None and "a fit, not a forecast" in result.stdout
-    assert_bad_input(invoke("placement", traces["stat"], "--replicas", "60", "--groups", "8", "--nodes", "2", "--gpus", "8"), "smaller than the 64 experts")
-    assert_bad_input(invoke("placement", traces["stat"], "--replicas", "72", "--groups", "8", "--nodes", "3", "--gpus", "8"), "not divisible by nodes=3")
+    assert_bad_input(invoke("placement", traces["stat"], "--slots", "60", "--groups", "8", "--nodes", "2", "--gpus", "8"), "smaller than the 64 experts")
+    assert_bad_input(invoke("placement", traces["stat"], "--slots", "72", "--groups", "8", "--nodes", "3", "--gpus", "8"), "not divisible by nodes=3")
 
 
 # ------------------------------------------------------------------------- convert / merge / inspect

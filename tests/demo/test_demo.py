@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from moetrace.cli.demo import DemoSettings, run_demo
+from moetrace.cli.demo import DemoSettings, planned_tokens, run_demo
 from rich.console import Console
 
 from moetrace import PHASES
@@ -77,6 +77,13 @@ def test_demo_small_end_to_end(tmp_path, capsys):
                    "balancedness", "all-to-all: EP exact sent", "routed experts", "placement: plan", "in-sample (planned and scored on this run)",
                    "held-out (planned on", "report.html", "trace.h5"):
         assert needle in words, needle
+    # Issue 52: the bar counts tokens computed (it moves from the first pass, not the first finished request),
+    # and its total is what the ranks computed: the trace's token rows, counted independently.
+    with open_trace(tmp_path / "demo" / "trace.h5") as trace:
+        rows = trace.num_rows("tokens/topk_ids")
+    assert planned_tokens(settings) == rows == report["totals"]["tokens"]
+    assert f"{rows:,}/{rows:,} tokens 10/10 served" in words and "starting 2 rank processes: torch, gloo, the model, the recorder" in words
+    assert "(positions x model layers x k; L0 dense: no experts, -1)" in words and "a dense layer, then 2 MoE layers x 4 experts" in words
     lines = printed.splitlines()
     wide = [line for line in lines if len(line) > 80]
     assert not wide, "lines wider than 80 columns:\n" + "\n".join(wide)
@@ -102,7 +109,7 @@ def test_demo_ctrl_c_keeps_a_valid_trace(tmp_path):
     meanwhile (with 400, an idle machine once served them all before a loaded one delivered the
     signal): the run stops, exits 0 and keeps a valid trace of what it served."""
     out = tmp_path / "demo"
-    command = [sys.executable, "-m", "moetrace.cli", "demo", "--requests", "100000", "--layers", "2", "--experts", "4", "--out", str(out)]
+    command = [sys.executable, "-m", "moetrace.cli", "demo", "--requests", "100000", "--moe-layers", "2", "--experts", "4", "--out", str(out)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=default_sigint)
     lines = []
     deadline = time.monotonic() + 240

@@ -49,8 +49,8 @@ ROOTS = {"moetrace": "moetrace", "adapters": "moetrace.adapters", "exporters": "
 #: the layer of its longest matching prefix; a module may import its own layer and those below.
 LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("base", ("moetrace._version", "moetrace.ids", "moetrace.data", "moetrace.dispatch", "moetrace.dispatch_layout", "moetrace.balance", "moetrace.layout",
-              "moetrace.pass_phase", "moetrace.lazy"),
-     "versions, id spaces, vendored data, dispatch formulas, balance metric definitions, rank layouts, lazy package attributes"),
+              "moetrace.pass_phase", "moetrace.lazy", "moetrace.words"),
+     "versions, id spaces, vendored data, dispatch formulas, balance metric definitions, rank layouts, lazy package attributes, words for people"),
     ("trace", ("moetrace.trace",), "the HDF5 trace: schema (every name), writers, readers, segments, merge"),
     ("core", ("moetrace.config", "moetrace.timing", "moetrace.snapshot", "moetrace.graphs", "moetrace.devices", "moetrace.labels",
               "moetrace.provenance", "moetrace.route_checks", "moetrace.batch", "moetrace.cuda_clock", "moetrace.wire"),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from moetrace.cli import placement as command
 from moetrace.cli.app import app
+from moetrace.cli.placement import command
 from typer.testing import CliRunner
 
 from moetrace.placement.eplb import greedy_rebalance
@@ -30,11 +30,11 @@ def test_eplbs_plan_is_deployed_when_the_estimate_has_it_ahead(tmp_path, monkeyp
         return result
 
     monkeypatch.setattr(command, "held_out_estimate", greedy_ahead)
-    result = CliRunner().invoke(app, ["placement", str(trace), "--gpus", "2", "--replicas", "10", "--json"])
+    result = CliRunner().invoke(app, ["placement", str(trace), "--gpus", "2", "--slots", "10", "--json"])
     assert result.exit_code == 0, result.output
     document = json.loads(result.output)
     assert document["planner"] == "greedy" and document["preferred_by_estimate"] == "greedy"
-    assert "EPLB's plan ahead" in document["preferred_reason"]
+    assert "greedy (EPLB's plan) ahead" in document["preferred_reason"]
     with open_trace(trace) as tr:  # the deployed plan is EPLB's on the planned loads (every pass of the trace)
         loads = tr.logical_count().astype(np.float64)
     np.testing.assert_array_equal(document["phy2log"], greedy_rebalance(loads, 10, 1, 1, 2))
@@ -42,7 +42,7 @@ def test_eplbs_plan_is_deployed_when_the_estimate_has_it_ahead(tmp_path, monkeyp
 
 def test_the_validated_plan_stays_when_the_estimate_does_not_prefer_eplb(tmp_path):
     trace = _trace(tmp_path)
-    result = CliRunner().invoke(app, ["placement", str(trace), "--gpus", "2", "--replicas", "10", "--json"])
+    result = CliRunner().invoke(app, ["placement", str(trace), "--gpus", "2", "--slots", "10", "--json"])
     assert result.exit_code == 0, result.output
     document = json.loads(result.output)
     realized = document["held_out_estimate"]["summary"]

@@ -12,8 +12,8 @@ import json
 
 import numpy as np
 import pytest
-from moetrace.cli import placement as command
 from moetrace.cli.app import app
+from moetrace.cli.placement import command
 from typer.testing import CliRunner
 
 from moetrace.reference.domain_drift import DriftSpec, drift_routes

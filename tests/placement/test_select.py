@@ -123,7 +123,7 @@ def test_the_rule_weighs_mean_gain_losses_and_fold_count():
     assert again.chosen == ("erratic" if mean_gain > 0 else BASELINE)
     # Too little history: the baseline, saying why.
     short = select_planner(loads[:12], 10, 1, config, {"greedy": CANDIDATES["greedy"], "peek": cheater(loads, 1)})
-    assert short.chosen == BASELINE and "2 validation fold(s)" in short.reason and "3 are needed" in short.reason
+    assert short.chosen == BASELINE and "2 validation folds fit" in short.reason and "3 are needed" in short.reason
     with pytest.raises(ValueError, match="baseline"):
         select_planner(loads, 10, 1, config, {"peek": cheater(loads, 1)})
     # The validation's work budget (2 candidates x 1 layer x 16 slots = 32 cells a fold): the newest folds that fit, the reason says so.

@@ -79,7 +79,7 @@ def test_cli_writes_the_sglang_format(tmp_path):
     passes = [rng.integers(0, 8, size=(16, 2, 2)) for _ in range(4)]
     trace = record(tmp_path, "per_pass", passes, num_experts=8, ep_size=2)
     out = tmp_path / "plan.json"
-    result = CliRunner().invoke(app, ["placement", str(trace), "--gpus", "2", "--replicas", "10", "--format", "sglang", "-o", str(out), "--json"])
+    result = CliRunner().invoke(app, ["placement", str(trace), "--gpus", "2", "--slots", "10", "--format", "sglang", "-o", str(out), "--json"])
     assert result.exit_code == 0, result.output
     mapping = read_sglang_plan(out, 8)
     np.testing.assert_array_equal(mapping, json.loads(result.output)["phy2log"])
@@ -94,7 +94,7 @@ def test_cli_writes_one_sglang_row_per_model_layer_for_a_layer_subset(tmp_path):
     passes = [rng.integers(0, 8, size=(16, 3, 2)) for _ in range(4)]
     trace = record(tmp_path, "per_pass", passes, num_experts=8, ep_size=2, layer_ids=(1, 2, 3))
     out = tmp_path / "plan.json"
-    result = CliRunner().invoke(app, ["placement", str(trace), "--gpus", "2", "--replicas", "10", "--layers", "1,2", "--format", "sglang", "-o", str(out), "--json"])
+    result = CliRunner().invoke(app, ["placement", str(trace), "--gpus", "2", "--slots", "10", "--layers", "1,2", "--format", "sglang", "-o", str(out), "--json"])
     assert result.exit_code == 0, result.output
     mapping = read_sglang_plan(out, 8)
     assert mapping.shape == (4, 10)

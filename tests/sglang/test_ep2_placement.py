@@ -4,7 +4,7 @@ The checkpoint's router is biased so that experts 0 and 1 are hot (both on rank 
 SGLang's trivial placement). Two engines, ``--ep-num-redundant-experts 2`` (10 physical
 slots, 5 per rank), moetrace in ``per_token`` mode, the same requests one at a time:
 
-1. trivial placement: record; ``moetrace placement --gpus 2 --replicas 10 --format sglang
+1. trivial placement: record; ``moetrace placement --gpus 2 --slots 10 --format sglang
    -o plan.json`` on that trace;
 2. restarted with ``--init-expert-location plan.json``: replay the same requests.
 
@@ -84,7 +84,7 @@ def plan(trivial: Run, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     """``moetrace placement`` on rank 0's trace (under TP attention one rank's view is every token)."""
     out = tmp_path_factory.mktemp("plan")
     path = out / "plan.json"
-    document = json.loads(moetrace_cli("placement", str(trivial.files[0]), "--gpus", str(RANKS), "--replicas", str(SLOTS),
+    document = json.loads(moetrace_cli("placement", str(trivial.files[0]), "--gpus", str(RANKS), "--slots", str(SLOTS),
                                        "--format", "sglang", "-o", str(path), "--json"))
     return {"path": path, "document": document}
 

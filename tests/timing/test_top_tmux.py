@@ -80,7 +80,7 @@ def _passes(url: str) -> float:
 @pytest.fixture
 def demo(tmp_path):
     """A running demo (2 ranks, rank 1 slow); yields its Prometheus URLs; interrupted and reaped at the end."""
-    command = [sys.executable, "-m", "moetrace.cli", "demo", "--requests", "3000", "--layers", "2", "--experts", "8",
+    command = [sys.executable, "-m", "moetrace.cli", "demo", "--requests", "3000", "--moe-layers", "2", "--experts", "8",
                "--out", str(tmp_path / "demo"), "--slow-rank", "1", "--slow-ms", str(SLOW_MS)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"},
                             preexec_fn=default_sigint)

@@ -90,3 +90,26 @@ def test_plugin_settings_from_env() -> None:
 def test_plugin_settings_name_the_bad_variable(name: str, value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         PluginSettings.from_env({"MOETRACE_ENABLED": "1", name: value})
+
+
+@pytest.mark.parametrize(("name", "value", "says"), [
+    ("MOETRACE_MODE", "tokens", "MOETRACE_MODE='tokens' is not one of stat, per_pass, per_token"),
+    ("MOETRACE_WINDOW", "many", "MOETRACE_WINDOW='many' is not an integer"),
+    ("MOETRACE_TOP_K", "2", "MOETRACE_TOP_K='2' is set, but the vllm adapter does not read it"),
+])
+def test_plugin_bad_setting_is_one_line_without_a_traceback(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                                           name: str, value: str, says: str) -> None:
+    """Issue 52: a bad MOETRACE_MODE or MOETRACE_WINDOW under the vLLM plugin ended in a full traceback."""
+    import logging
+
+    from moetrace.adapters.vllm import plugin
+
+    monkeypatch.setenv("MOETRACE_ENABLED", "1")
+    monkeypatch.setenv(name, value)
+    monkeypatch.setattr(plugin, "_session", None)
+    with caplog.at_level(logging.WARNING):
+        plugin.register()  # never raises into vLLM
+    (record,) = [r for r in caplog.records if r.name.startswith("moetrace")]
+    assert says in record.getMessage() and record.exc_info is None and "\n" not in record.getMessage()
+    session = plugin.current_session()
+    assert session is not None and not session.failsafe.on

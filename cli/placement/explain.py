@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from moetrace.placement.backtesting import BacktestResult
 from moetrace.placement.cost import rebalance_value, recommendation
-from moetrace.placement.select import Selection
+from moetrace.placement.select import BASELINE, Selection, gain_over_baseline
+from moetrace.words import counted
 
 __all__ = ["print_rebalance_value", "print_selection", "rebalance_values"]
 
@@ -17,9 +19,27 @@ __all__ = ["print_rebalance_value", "print_selection", "rebalance_values"]
 COSTED = ("moetrace", "greedy")
 
 
-def print_selection(console: Console, selection: Selection) -> None:
-    """The deployed planner and the validation that chose it."""
-    console.print(f"planner deployed: [bold]{selection.chosen}[/bold] ({selection.reason})")
+def print_selection(console: Console, selection: Selection, deployed: str, overruled_by: str | None = None) -> None:
+    """Which planner's plan is deployed and why, in short lines: the validation's choice, and
+    ``overruled_by`` (why the held-out estimate deployed ``deployed`` instead) when it did."""
+    folds = len(selection.fold_ends)
+    how = (f"validation on {counted(folds, 'fold')} of the trace's past (plan on {counted(selection.window * selection.passes_per_bucket, 'pass')}, "
+           f"score on the next {selection.every * selection.passes_per_bucket:,})")
+    if overruled_by is None:
+        console.print(f"deployed: [bold]{deployed}[/bold], chosen by {how}", highlight=False)
+    else:
+        console.print(f"deployed: [bold]{deployed}[/bold]. {how.capitalize()} chose {selection.chosen}, but {overruled_by}", highlight=False)
+    if folds < 2 or BASELINE not in selection.realized:
+        console.print(f"  ({counted(folds, 'fold')}: too few to weigh the candidates against {BASELINE})", highlight=False)
+        return
+    baseline = np.asarray(selection.realized[BASELINE])
+    rows = [(name, *gain_over_baseline(values, baseline)) for name, values in selection.realized.items() if name != BASELINE]
+    table = Table(title=f"Candidates against {BASELINE} on the validation folds", title_justify="left")
+    for col in ("planner", "mean gain", "± standard error", f"folds below {BASELINE}"):
+        table.add_column(col, justify="left" if col == "planner" else "right")
+    for name, mean, error, below in rows:
+        table.add_row(name, f"{mean:+.4f}", f"{error:.4f}", f"{below:.0%}")
+    console.print(table)
 
 
 def rebalance_values(result: BacktestResult, expert_bytes: int | None, link_gbps: float, pass_ms: float | None) -> dict[str, Any]:

@@ -5,7 +5,7 @@
   (:mod:`moetrace.placement.sglang_plan`): ``{"physical_to_logical_map": [L, N]}``
   with one row per model layer (``L`` = the trace's highest layer id + 1, whichever
   ``--layers`` were planned: SGLang indexes the map by model layer; layers not
-  planned, dense ones included, keep SGLang's trivial row) and ``N = --replicas`` slots, which must equal
+  planned, dense ones included, keep SGLang's trivial row) and ``N = --slots`` slots, which must equal
   SGLang's experts + ``--ep-num-redundant-experts``.
 """
 
@@ -18,7 +18,7 @@ from moetrace.placement.checks import PlacementError
 from moetrace.placement.sglang_plan import write_sglang_plan
 from moetrace.trace.writer import write_json_atomic
 
-from .errors import CommandError
+from ..errors import CommandError
 
 __all__ = ["FORMATS", "write_plan"]
 
