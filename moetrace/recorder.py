@@ -49,13 +49,13 @@ from pathlib import Path
 import torch
 
 from .batch import PassBatch
-from .config import RecorderConfig
+from .config import RecorderConfig, rank_identity
 from .devices import resolve_device
 from .graphs import is_capturing
 from .pass_phase import UNKNOWN, pass_phase_code, pass_requests
 from .recording import session as sessions
 from .recording.accumulators import PassCounter, mode_sink
-from .recording.dump import TraceDump, rank_world, shared_run_id, streamed_schema
+from .recording.dump import TraceDump, shared_run_id, streamed_schema
 from .recording.dumper import CutPoint, DumpLedger, mode_dumper
 from .recording.hook_args import checked_batch, checked_dispatch, checked_ids, checked_layer
 from .recording.session import RecordingSession, Staged
@@ -411,8 +411,8 @@ class ExpertDistributionRecorder:
         """Start the recording's files: rotating segments (streaming modes) or checkpoints (stat)."""
         if not sessions.wanted(self.config):
             return
-        rank, world = rank_world(self.config)
-        header = self._dump.header(self._run_id, rank, world)
+        identity = rank_identity(self.config)
+        header = self._dump.header(self._run_id, identity.rank, identity.world_size)
         self._files.open(RecordingSession(self.config, header, self._layout, self._dump.streamed, self._staged,
                                           self._dump.write_stat_file, self._dump.compression))
 
@@ -508,7 +508,7 @@ class ExpertDistributionRecorder:
             self.config, self._layout, rows, (passes, int(tokens.sum()), stamp), recording=recording, id_space=self.id_space,
             pass_phase_num_passes=host[0], pass_phase_num_tokens=tokens, pass_phase_num_requests=host[1],
             last_dump_path=str(last) if last else None, errors=errors, dropped_passes=self.dropped_passes, timing=timing,
-            rank_layout=self.config.rank_layout(*rank_world(self.config)),
+            rank_layout=rank_identity(self.config),
             retention=self._ledger.retention_stats(),
         )
 
@@ -530,6 +530,6 @@ class ExpertDistributionRecorder:
                 "output_dir": str(self.config.output_dir),
                 "errors": errors,
                 "retention": self._ledger.retention_stats(),
-                "layout": self.config.rank_layout(*rank_world(self.config)).as_dict(),
+                "layout": rank_identity(self.config).as_dict(),
             }
 

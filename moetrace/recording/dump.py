@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config import RecorderConfig
+from ..config import RecorderConfig, rank_identity
 from ..layout import RankLayout
 from ..pass_phase import PASS_PHASES
 from ..timing import HISTOGRAM_EDGES, PHASES
@@ -47,17 +47,10 @@ from .accumulators import PassCounter, StatWindow, WindowCut
 from .session import Cut, RecordingSession
 from .timing_state import TimingPart
 
-__all__ = ["DumpQueue", "PendingDump", "StatCut", "TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "rank_world", "shared_run_id", "stat_gathers", "streamed_schema"]
+__all__ = ["DumpQueue", "PendingDump", "StatCut", "TimingParts", "TraceDump", "gather", "gather_objects", "shared_run_id", "stat_gathers", "streamed_schema"]
 
 #: Per rank, in rank order: timing aggregates ``{field: array}`` and (``stat`` dumps) the window's ``/timing`` rows.
 TimingParts = list[TimingPart]
-
-
-def dist_world() -> tuple[int, int]:
-    """(rank, world size) of the default process group, or (0, 1) without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def shared_run_id(config: RecorderConfig) -> str:
@@ -65,22 +58,9 @@ def shared_run_id(config: RecorderConfig) -> str:
     if config.run_id is not None:
         return config.run_id
     run_id = [uuid.uuid4().hex]
-    if dist_world()[1] > 1:
+    if rank_identity().world_size > 1:
         dist.broadcast_object_list(run_id, src=0)
     return run_id[0]
-
-
-def rank_world(config: RecorderConfig) -> tuple[int, int]:
-    """(rank, world size) this recorder's traces carry: its configured layout's when it has one, else the
-    default process group's, else (0, 1).
-
-    The layout's identity holds without a process group: vLLM tears its group down before the
-    workers' exit dumps, and a driver or converter may give a layout (rank 5 of 8) and never
-    start one.
-    """
-    if config.layout is not None:
-        return config.layout.rank, config.layout.world_size
-    return dist_world()
 
 
 def stat_gathers(config: RecorderConfig) -> bool:
@@ -88,8 +68,8 @@ def stat_gathers(config: RecorderConfig) -> bool:
     that rank 0 writes): only with ``config.gather_stat`` and while a group of this recorder's world
     size (> 1) is initialised. Otherwise each rank writes its own file (``moetrace merge`` / ``analyze``
     join them)."""
-    world = rank_world(config)[1]
-    return config.gather_stat and world > 1 and dist_world()[1] == world
+    world = rank_identity(config).world_size
+    return config.gather_stat and world > 1 and rank_identity().world_size == world
 
 
 def gather(tensor: torch.Tensor, world: int) -> torch.Tensor:
@@ -253,7 +233,7 @@ class TraceDump:
 
     def header(self, run_id: str, rank: int, world_size: int, layouts: tuple[RankLayout, ...] | None = None) -> TraceHeader:
         """The trace header; ``layouts``: each rank row's layout (default: this rank's alone)."""
-        own = (self.config.rank_layout(*rank_world(self.config)),) if layouts is None else layouts
+        own = (rank_identity(self.config),) if layouts is None else layouts
         return TraceHeader.of_config(self.config, run_id, rank, world_size, own)
 
     # ------------------------------------------------------------------ pieces
@@ -306,7 +286,7 @@ class TraceDump:
         caller's thread, outside the recorder lock); ``ring [W, L, P]``: the cut's window ring,
         copied to the host (slot-indexed)."""
         device = cut.totals.device
-        layouts = tuple(gather_objects(self.config.rank_layout(rank, world), peers))  # every rank row's layout
+        layouts = tuple(gather_objects(rank_identity(self.config), peers))  # every rank row's layout
         rows = gather(cut.totals, peers).cpu().numpy()
         phase_rows = gather(cut.phase_totals, peers).cpu().numpy()
         host = torch.as_tensor(cut.phase_host, dtype=torch.int64, device=device)
