@@ -34,7 +34,7 @@ holds. The driver keeps it true with :meth:`ReplicaRouter.assign`,
 :meth:`~ReplicaRouter.evicted` and :meth:`~ReplicaRouter.finished` (Dynamo's
 KV events); the trace replay shares the replicas' own caches instead.
 Every decision lists each replica's signals as
-:class:`~moetrace.replicas.Candidate` s, ready for the ``RoutingRecorder``.
+:class:`~moetrace.replicas.Candidate` s, ready for the ``ReplicaRecorder``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .prefix_cache import PrefixCache
-from .routing_recorder import Candidate
+from .replica_recorder import Candidate
 
 __all__ = ["POLICY_NAMES", "CostModel", "Decision", "ReplicaRouter", "ReplicaView", "RouteRequest", "RouterConfig"]
 

@@ -52,7 +52,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
               "moetrace.pass_phase", "moetrace.lazy"),
      "versions, id spaces, vendored data, dispatch formulas, balance metric definitions, rank layouts, lazy package attributes"),
     ("trace", ("moetrace.trace",), "the HDF5 trace: schema (every name), writers, readers, segments, merge"),
-    ("core", ("moetrace.config", "moetrace.timing", "moetrace.snapshot", "moetrace.graphs", "moetrace.devices", "moetrace.labels",
+    ("core", ("moetrace.config", "moetrace.timing", "moetrace.snapshot", "moetrace.graphs", "moetrace.devices", "moetrace.label_load",
               "moetrace.provenance", "moetrace.route_checks", "moetrace.batch", "moetrace.cuda_clock", "moetrace.wire"),
      "what the recorder and the capturer share: config, timing phases and clocks, snapshots, batches, device and graph state"),
     ("recording", ("moetrace.recording",),

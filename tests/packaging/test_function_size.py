@@ -18,7 +18,6 @@ LIMIT = 60
 LONG: dict[str, str] = {
     # The instrument contract (moetrace.adapters): a docstring of every argument and option is a third
     # of each; the rest checks the target, then installs every hook under one rollback (unwinding).
-    "adapters/sglang/__init__.py:instrument": "the contract's docstring, then SGLang's init_new patched, rebalances and phases watched, a recorder SGLang built already bridged: one rollback",
     "adapters/hf/__init__.py:instrument": "the contract's docstring and its typed options, checks of the model, then every layer's hooks installed under one rollback",
     "adapters/megatron/__init__.py:instrument": "the contract's docstring and its typed options, checks of the model, then every layer's hooks installed under one rollback",
     # Rewritten by the placement package (issue 36).

@@ -1,4 +1,4 @@
-"""``moetrace replicas replay/compare/why/calibrate`` and ``moetrace analyze`` on a routing trace."""
+"""``moetrace replicas replay/compare/why/calibrate`` and ``moetrace analyze`` on a replica trace."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from moetrace.cli.app import app
 from typer.testing import CliRunner
 
 from moetrace.replicas.router import CostModel
-from moetrace.trace.requests import read_requests
+from moetrace.trace.replica_requests import read_requests
 
 runner = CliRunner()
 SLICE = ["--limit", "600", "--replicas", "4", "--utilization", "0.8"]
@@ -21,7 +21,7 @@ def routing_trace(tmp_path_factory):
     result = runner.invoke(app, ["replicas", "replay", "mooncake", "--policy", "constrained_locality", "--out", str(out),
                                  "--plot-load", str(out.with_suffix(".png")), *SLICE])
     assert result.exit_code == 0, result.output
-    assert "constrained_locality" in result.output and f"routing trace: {out}" in result.output
+    assert "constrained_locality" in result.output and f"replica trace: {out}" in result.output
     return out
 
 
@@ -40,7 +40,7 @@ def test_analyze_prints_the_same_evidence_as_replay(routing_trace):
     replay = json.loads(runner.invoke(app, ["replicas", "replay", "mooncake", "--policy", "constrained_locality", "--json", *SLICE]).output)["summary"]
     assert summary == replay
     text = runner.invoke(app, ["analyze", str(routing_trace)]).output
-    assert "routing trace, 600 requests" in text and "min_est_ttft" in text
+    assert "replica trace, 600 requests" in text and "min_est_ttft" in text
 
 
 def test_why(routing_trace):
