@@ -47,7 +47,7 @@ __all__ = ["REPLICA_HISTOGRAMS", "REPLICA_METRICS", "ReplicaCollector", "Replica
 
 REPLICA_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moetrace_replica_decisions_total", "moetrace.replica.decisions", "counter", "{decision}", ("replica", "policy", "reason"),
-                      "Routing decisions by chosen replica, policy and the rule that decided.", "", lambda s: s.decisions),
+                      "The router's decisions by chosen replica, policy and the rule that decided.", "", lambda s: s.decisions),
     MetricSpec("moetrace_replica_hit_tokens_total", "moetrace.replica.hit_tokens", "counter", "{token}", ("replica",),
                       "Prompt tokens the replica served from its prefix cache (as it counted them).", "", lambda s: s.hit_tokens),
     MetricSpec("moetrace_replica_miss_tokens_total", "moetrace.replica.miss_tokens", "counter", "{token}", ("replica",),

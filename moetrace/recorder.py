@@ -115,7 +115,7 @@ class ExpertDistributionRecorder:
             self._counter = PassCounter(cfg, self._layout)
             self._counter.set_gate(False)
             self._sink = mode_sink(cfg, self._layout, self._files.submit, self._files.settle)  # what the mode keeps of each pass
-            self._snapshots = SnapshotChannel(tuple(self._counter.phase_totals.shape), self._device)  # type: ignore[arg-type]
+            self._snapshots = SnapshotChannel(tuple(self._counter.pass_phase_totals.shape), self._device)  # type: ignore[arg-type]
         # Phase timing (host-side): the clock, aggregates over all passes and per-pass rows.
         self._timing = recording_timing(cfg, self._device, self._sink.streamed, self._files.submit)
         self._lock = threading.RLock()
@@ -356,7 +356,7 @@ class ExpertDistributionRecorder:
             self._sink.end_pass(counter, pass_id, timestamp, phase, requests, max(self._pass_rows, self._captured_rows), self._batch)
             counter.clear()
             self._num_passes += 1
-            self._snapshots.publish(counter.phase_totals, counter.phase_tokens, self._num_passes, timestamp, counter.phase_host)
+            self._snapshots.publish(counter.pass_phase_totals, counter.pass_phase_tokens, self._num_passes, timestamp, counter.pass_phase_host)
             self._files.after_pass(pass_id, self._num_passes)
 
     def _discard_pass(self) -> None:

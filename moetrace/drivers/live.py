@@ -1,4 +1,4 @@
-"""Live routing: N reference replica processes behind a :class:`ReplicaRouter`, recorded.
+"""Live replicas: N reference replica processes behind a :class:`ReplicaRouter`, recorded.
 
 Each replica is a separate process running the reference serving loop
 (:class:`~moetrace.reference.ServingLoop`) with a prefix cache that really
@@ -95,7 +95,7 @@ class LiveCluster:
     """``num_replicas`` replica processes behind a :class:`ReplicaRouter`, recorded by ``recorder``.
 
     Args:
-        policy: routing policy.
+        policy: the router's policy.
         recorder: a started :class:`ReplicaRecorder` (``None``: not recorded).
         cache_blocks: each replica's prefix-cache capacity in blocks.
         block_size: prefix block size in tokens.

@@ -146,7 +146,7 @@ class PassCounter:
     (larger passes fall back to a temporary). ``pass_tokens [1]`` (the tokens of
     the pass just folded) and ``token_total [1]`` (since the last reset) are
     updated on the device at pass end, and so are the same totals split by pass
-    phase, ``phase_totals [Q, L, C]`` and ``phase_tokens [Q]`` (their sums over
+    phase, ``pass_phase_totals [Q, L, C]`` and ``pass_phase_tokens [Q]`` (their sums over
     ``Q`` are ``totals`` and ``token_total``).
     """
 
@@ -162,9 +162,9 @@ class PassCounter:
         self.index = torch.empty(scratch, dtype=torch.int64, device=device)
         self.pass_tokens = torch.zeros(1, dtype=torch.int64, device=device)
         self.token_total = torch.zeros(1, dtype=torch.int64, device=device)
-        self.phase_totals = torch.zeros((len(PASS_PHASES), *shape), dtype=torch.int64, device=device)
-        self.phase_tokens = torch.zeros(len(PASS_PHASES), dtype=torch.int64, device=device)
-        self.phase_host = np.zeros((2, len(PASS_PHASES)), dtype=np.int64)  # host: passes, requests of each pass phase
+        self.pass_phase_totals = torch.zeros((len(PASS_PHASES), *shape), dtype=torch.int64, device=device)
+        self.pass_phase_tokens = torch.zeros(len(PASS_PHASES), dtype=torch.int64, device=device)
+        self.pass_phase_host = np.zeros((2, len(PASS_PHASES)), dtype=np.int64)  # host: passes, requests of each pass phase
 
     def set_gate(self, on: bool) -> None:
         """Switch counting on or off (also inside captured CUDA graphs)."""
@@ -212,14 +212,14 @@ class PassCounter:
         """Pass end: add the pass into the totals and its tokens into ``token_total``, and both into
         pass phase ``phase``'s rows (a host int: a view, no device read), with the pass's
         ``requests`` (-1: unknown, adds nothing) on the host; the pass stays readable until :meth:`clear`."""
-        self.phase_host[0, phase] += 1
-        self.phase_host[1, phase] += max(requests, 0)
+        self.pass_phase_host[0, phase] += 1
+        self.pass_phase_host[1, phase] += max(requests, 0)
         self.totals.add_(self.current)
-        self.phase_totals[phase].add_(self.current)
+        self.pass_phase_totals[phase].add_(self.current)
         tokens = self.layout.tokens
         torch.amax(self.current[:, tokens : tokens + 1], dim=0, out=self.pass_tokens)
         self.token_total.add_(self.pass_tokens)
-        self.phase_tokens[phase : phase + 1].add_(self.pass_tokens)
+        self.pass_phase_tokens[phase : phase + 1].add_(self.pass_tokens)
 
     def clear(self) -> None:
         self.current.zero_()
@@ -229,9 +229,9 @@ class PassCounter:
         self.totals.zero_()
         self.pass_tokens.zero_()
         self.token_total.zero_()
-        self.phase_totals.zero_()
-        self.phase_tokens.zero_()
-        self.phase_host[:] = 0
+        self.pass_phase_totals.zero_()
+        self.pass_phase_tokens.zero_()
+        self.pass_phase_host[:] = 0
 
 
 class ModeSink:
@@ -338,7 +338,7 @@ class StatWindow(ModeSink):
         self.counts = torch.zeros((w, config.num_layers, config.num_physical_experts), dtype=torch.int32, device=config.device)
         self.pass_id = np.full(w, -1, dtype=np.int64)
         self.timestamp = np.zeros(w, dtype=np.float64)
-        self.phase = np.zeros(w, dtype=np.int8)
+        self.pass_phase = np.zeros(w, dtype=np.int8)
         self.requests = np.full(w, -1, dtype=np.int64)
         self.tokens = torch.zeros(w, dtype=torch.int64, device=config.device)
         self.pushed = 0
@@ -374,7 +374,7 @@ class StatWindow(ModeSink):
         self.counts[slot].copy_(counter.current[:, self.experts])
         self.tokens[slot : slot + 1].copy_(counter.pass_tokens)
         self.pass_id[slot], self.timestamp[slot] = pass_id, timestamp
-        self.phase[slot], self.requests[slot] = phase, requests
+        self.pass_phase[slot], self.requests[slot] = phase, requests
         self.pushed += 1
 
     def order(self) -> np.ndarray:

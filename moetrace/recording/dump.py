@@ -104,10 +104,10 @@ class StatCut:
     pass_id: np.ndarray
     timestamp: np.ndarray
     num_passes: int
-    phase_totals: torch.Tensor  # [Q, L, C]
-    phase_tokens: torch.Tensor  # [Q]
-    phase_host: np.ndarray  # [2, Q] passes, requests of each pass phase
-    window_phase: np.ndarray  # [W] pass phase of each window slot
+    pass_phase_totals: torch.Tensor  # [Q, L, C]
+    pass_phase_tokens: torch.Tensor  # [Q]
+    pass_phase_host: np.ndarray  # [2, Q] passes, requests of each pass phase
+    window_pass_phase: np.ndarray  # [W] pass phase of each window slot
     window_requests: np.ndarray  # [W]
 
 
@@ -277,8 +277,8 @@ class TraceDump:
         return StatCut(
             totals=counter.totals.clone(), token_total=counter.token_total.clone(), ring=window.cut(ring),
             tokens=window.tokens.clone(), order=window.order(), pass_id=window.pass_id.copy(), timestamp=window.timestamp.copy(),
-            num_passes=num_passes, phase_totals=counter.phase_totals.clone(), phase_tokens=counter.phase_tokens.clone(),
-            phase_host=counter.phase_host.copy(), window_phase=window.phase.copy(), window_requests=window.requests.copy(),
+            num_passes=num_passes, pass_phase_totals=counter.pass_phase_totals.clone(), pass_phase_tokens=counter.pass_phase_tokens.clone(),
+            pass_phase_host=counter.pass_phase_host.copy(), window_pass_phase=window.pass_phase.copy(), window_requests=window.requests.copy(),
         )
 
     def stat_gather(self, cut: StatCut, ring: np.ndarray, rank: int, world: int, peers: int) -> StatRows:
@@ -288,12 +288,12 @@ class TraceDump:
         device = cut.totals.device
         layouts = tuple(gather_objects(rank_identity(self.config), peers))  # every rank row's layout
         rows = gather(cut.totals, peers).cpu().numpy()
-        phase_rows = gather(cut.phase_totals, peers).cpu().numpy()
-        host = torch.as_tensor(cut.phase_host, dtype=torch.int64, device=device)
-        phase_counts = gather(torch.stack([host[0], cut.phase_tokens, host[1]]), peers).cpu().numpy()
+        phase_rows = gather(cut.pass_phase_totals, peers).cpu().numpy()
+        host = torch.as_tensor(cut.pass_phase_host, dtype=torch.int64, device=device)
+        phase_counts = gather(torch.stack([host[0], cut.pass_phase_tokens, host[1]]), peers).cpu().numpy()
         order, slots = cut.order, len(cut.pass_id)
         meta = np.full((slots, 5), -1.0)
-        meta[: len(order)] = np.stack([cut.pass_id, cut.timestamp, cut.tokens.cpu().numpy(), cut.window_phase, cut.window_requests], axis=1)[order]
+        meta[: len(order)] = np.stack([cut.pass_id, cut.timestamp, cut.tokens.cpu().numpy(), cut.window_pass_phase, cut.window_requests], axis=1)[order]
         passes = torch.cat([torch.tensor([cut.num_passes], dtype=torch.int64, device=device), cut.token_total])
         if peers == 1:
             # The ring as it is (no reordered copy): the oldest slots first, then the wrapped ones.

@@ -1,4 +1,4 @@
-"""Routing evidence from a ``/requests`` table: per-policy summary, "why", plots.
+"""Replica evidence from a ``/requests`` table: per-policy summary, "why", plots.
 
 One definition of each figure, used by ``moetrace replicas replay/compare``,
 ``moetrace analyze`` on a replica trace and the tests:

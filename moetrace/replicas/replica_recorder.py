@@ -1,4 +1,4 @@
-"""``ReplicaRecorder``: request→replica routing decisions and their outcomes.
+"""``ReplicaRecorder``: request→replica decisions and their outcomes.
 
 Same lifecycle as the expert recorder (``start_record`` / ``stop_record`` /
 ``dump_record`` / ``snapshot``). A router calls the hooks::
@@ -169,7 +169,7 @@ _NAN = math.nan
 
 
 class ReplicaRecorder:
-    """Records request→replica routing; see the module docstring.
+    """Records which replica each request goes to, and why; see the module docstring.
 
     Args:
         num_replicas: replicas behind the router (sizes the counters; replica ids ``0..R-1``).

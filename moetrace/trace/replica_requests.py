@@ -1,4 +1,4 @@
-"""The ``/requests`` group of an HDF5 trace: request→replica routing decisions and outcomes.
+"""The ``/requests`` group of an HDF5 trace: request→replica decisions and outcomes.
 
 :class:`~moetrace.replicas.ReplicaRecorder` writes it; :func:`read_requests`
 reads it back. One row per request in ``/requests/*`` (finish order), one row

@@ -61,7 +61,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
                   "moetrace.replay", "moetrace.replay_audit", "moetrace.testing"),
      "what runs inside an engine's forward: the recorder's hooks and state machine, the capturer, replay"),
     ("http", ("moetrace.http",), "HTTP serving infrastructure: guarded server, server handle"),
-    ("replicas", ("moetrace.replicas",), "request→replica routing: recorder, router, prefix cache, simulation, analysis"),
+    ("replicas", ("moetrace.replicas",), "request→replica evidence: recorder, router, prefix cache, simulation, analysis"),
     ("exporters", ("moetrace.exporters",), "Prometheus and OpenTelemetry views of the recorders' snapshots"),
     ("control", ("moetrace.control",), "the HTTP control endpoint of a running process"),
     ("placement", ("moetrace.placement",), "expert placement: planners, EPLB's contract, backtests, rebalance cost, SGLang's plan file"),

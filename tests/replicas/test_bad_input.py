@@ -57,7 +57,7 @@ def test_duplicate_request_ids(tmp_path):
 
 def test_unknown_policy_and_zero_replicas(tmp_path):
     path = _write(tmp_path / "t.jsonl", [GOOD])
-    with pytest.raises(ValueError, match="unknown routing policy 'fastest'; choose one of"):
+    with pytest.raises(ValueError, match="unknown router policy 'fastest'; choose one of"):
         ReplicaRouter(2, "fastest", block_size=512)
     with pytest.raises(ValueError, match="at least one replica"):
         ReplicaRouter(0, "random", block_size=512)
