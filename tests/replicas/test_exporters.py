@@ -62,7 +62,7 @@ def test_grafana_routing_dashboard_uses_exported_metrics(tmp_path):
     import re
     from pathlib import Path
 
-    dashboard = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana-routing-dashboard.json").read_text())
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana-replicas-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]] + [v["query"]["query"] for v in dashboard["templating"]["list"]]
     used = {re.sub(r"_(bucket|count|sum)$", "", m) for e in exprs for m in re.findall(r"\bmoetrace_[a-z0-9_]+\b", e)}
     rec = _recorder(tmp_path)
