@@ -1,7 +1,7 @@
 """Cost of recording request→replica routing: time per decision and memory over many decisions.
 
 - ``per decision``: the router's own ``route()`` over R replicas (a Mooncake
-  request, caches warm) against ``route()`` + every RoutingRecorder hook
+  request, caches warm) against ``route()`` + every ReplicaRecorder hook
   (arrival, decision with R candidates, start, first token, finish),
   interleaved in one process; the figure is the hooks' time per decision and
   its ratio to routing alone.
@@ -22,7 +22,7 @@ import time
 import psutil
 from harness import interleaved, write_results
 
-from moetrace.replicas import RoutingRecorder
+from moetrace.replicas import ReplicaRecorder
 from moetrace.replicas.prefix_cache import PrefixCache
 from moetrace.replicas.router import ReplicaRouter, RouteRequest
 from moetrace.replicas.workload import load_trace
@@ -35,7 +35,7 @@ def _per_decision(replicas: int, rounds: int, inner: int, tmp: str) -> dict[str,
         caches[i % replicas].insert(req.hashes)
     router = ReplicaRouter(replicas, "cache_aware", block_size=512, caches=caches)
     probe = [RouteRequest(r.rid, r.input_tokens, r.hashes) for r in requests[1000:]]
-    rec = RoutingRecorder(replicas, output_dir=tmp, chunk_rows=4096, clock=lambda: 0.0)
+    rec = ReplicaRecorder(replicas, output_dir=tmp, chunk_rows=4096, clock=lambda: 0.0)
     rec.start_record()
     counter = iter(range(1 << 62))
 
@@ -56,7 +56,7 @@ def _per_decision(replicas: int, rounds: int, inner: int, tmp: str) -> dict[str,
     t = interleaved({"route": route_only, "route+record": route_and_record}, rounds=rounds, inner=inner)
     rec.close()
     # CPU time of the whole process (the writer thread included) over whole chunks, robust to a busy shared machine
-    rec = RoutingRecorder(replicas, output_dir=tmp, chunk_rows=4096, clock=lambda: 0.0)
+    rec = ReplicaRecorder(replicas, output_dir=tmp, chunk_rows=4096, clock=lambda: 0.0)
     rec.start_record()
     n = 5 * 4096
     cpu = {}
@@ -79,7 +79,7 @@ def _memory(decisions: int, tmp: str) -> dict[str, object]:
     from moetrace.replicas import Candidate
 
     proc = psutil.Process()
-    rec = RoutingRecorder(8, output_dir=tmp, chunk_rows=8192, clock=lambda: 0.0)
+    rec = ReplicaRecorder(8, output_dir=tmp, chunk_rows=8192, clock=lambda: 0.0)
     rec.start_record()
     cands = [Candidate(r, queue=r, match_blocks=r, match_tokens=512 * r) for r in range(8)]
     samples = []

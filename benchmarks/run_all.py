@@ -164,7 +164,7 @@ def _replay(d: dict) -> list[Row]:
 
 
 def _routing(d: dict) -> list[Row]:
-    rows = [("routing cost", f"RoutingRecorder, {name}: CPU per decision (all hooks + streaming) vs route() alone",
+    rows = [("routing cost", f"ReplicaRecorder, {name}: CPU per decision (all hooks + streaming) vs route() alone",
              f"{r['record_cpu_us']:.1f} vs {r['route_cpu_us']:.1f} us") for name, r in d["per_decision"].items()]
     m = d["memory"]
     rows.append(("routing cost", f"RSS over {m['decisions']:,} decisions (first -> last sample)",

@@ -69,7 +69,7 @@ def paths(rec: ExpertDistributionRecorder, servers: list[prometheus.MetricsServe
     server = prometheus.start_http_server(0, recorder=rec)
     servers.append(server)
     reader = InMemoryMetricReader()
-    otel.instrument(MeterProvider(metric_readers=[reader]), rec)
+    otel.create_otel_instruments(MeterProvider(metric_readers=[reader]), rec)
 
     def http() -> bytes:
         with urllib.request.urlopen(server.url) as resp:

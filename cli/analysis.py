@@ -184,7 +184,7 @@ def analyze(
         report = _analyze_many([existing_file(t) for t in traces], parse_layers(layers), window, top, progress, scheduler, as_json)
     else:
         report = _analyze_one(existing_file(traces[0]), parse_layers(layers), window, top, progress, as_json, phase)
-    if report is None:  # printed already (a deployment series, a routing trace)
+    if report is None:  # printed already (a deployment series, a replica trace)
         return
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
@@ -194,13 +194,13 @@ def analyze(
 
 def _analyze_one(path: Path, layers: list[int] | None, window: int | None, top: int, progress: bool | None,
                  as_json: bool, phase: str | None = None) -> AnalysisReport | None:
-    """One trace, opened once: its analysis, or (a routing trace) the routing report, printed here."""
+    """One trace, opened once: its analysis, or (a replica trace) the replica report, printed here."""
     with open_trace(path) as trace:
         if not trace.has(Data.REQUESTS):
             return analyze_trace(trace, layers=layers, window=window, top=top, progress=progress, phase=phase)
-    from .replicas import print_routing_report
+    from .replicas import print_replica_report
 
-    print_routing_report(path, as_json)  # request->replica routing evidence (moetrace replicas)
+    print_replica_report(path, as_json)  # request->replica evidence (moetrace replicas)
     return None
 
 

@@ -1,10 +1,13 @@
-"""``moetrace replicas``: request→replica routing — replay a trace, compare policies, explain a decision."""
+"""``moetrace replicas``: which replica each request goes to — replay a request trace, compare router policies, explain a decision."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,9 +16,9 @@ import typer
 from .errors import CommandError, guarded
 from .options import existing_file, output_path
 
-__all__ = ["print_routing_report", "replicas_app"]
+__all__ = ["ReplaySettings", "print_replica_report", "replicas_app"]
 
-replicas_app = typer.Typer(name="replicas", help="Request→replica routing: replay a request trace, compare policies, explain decisions.", no_args_is_help=True)
+replicas_app = typer.Typer(name="replicas", help="Requests → replicas: replay a request trace, compare router policies, explain decisions.", no_args_is_help=True)
 
 TRACE_HELP = "Request trace, JSONL in the Mooncake format (plain or .gz); 'mooncake' = the packaged Mooncake FAST'25 trace."
 
@@ -61,128 +64,155 @@ def _check(replicas: int, policy: str | None = None) -> None:
         raise CommandError(f"--policy {policy!r}: unknown policy; choose one of {', '.join(POLICY_NAMES)}")
 
 
-Replicas = Annotated[int, typer.Option("--replicas", "-n", help="Replicas behind the router.")]
-BlockSize = Annotated[int, typer.Option("--block-size", min=1, help="Tokens per hash_ids block (Mooncake: 512).")]
-CacheBlocks = Annotated[int, typer.Option("--cache-blocks", min=0, help="Prefix-cache capacity of each replica in blocks (0: unlimited).")]
-CostOpt = Annotated[Path | None, typer.Option("--cost-model", help="Cost model JSON (`moetrace replicas calibrate`); default: the reference calibration.")]
-UtilOpt = Annotated[float | None, typer.Option("--utilization", min=0.0, help="Scale the cost model so that full-prefill work / replica time is this (e.g. 0.9).")]
-Limit = Annotated[int | None, typer.Option("--limit", min=1, help="Replay only the first N requests.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
-CacheThr = Annotated[float, typer.Option("--cache-threshold", min=0.0, max=1.0, help="cache_aware: prefix match rate needed to follow the prefix (SGLang default 0.5).")]
-BalAbs = Annotated[int, typer.Option("--balance-abs", min=0, help="cache_aware: imbalance when max - min load exceeds this (SGLang default 32)...")]
-BalRel = Annotated[float, typer.Option("--balance-rel", min=0.0, help="...and max load exceeds this times min load (SGLang default 1.0001).")]
-Overlap = Annotated[float, typer.Option("--overlap-weight", min=0.0, help="kv_cost: weight of prefill blocks (Dynamo default 1).")]
-Migrate = Annotated[int | None, typer.Option("--migrate-threshold", min=0, help="session_sticky: move a session when its owner's load exceeds the least loaded by more than this.")]
-Seed = Annotated[int, typer.Option("--seed", help="Seed of the random policy.")]
 
 
-def _config(cache_threshold: float, balance_abs: int, balance_rel: float, overlap_weight: float, migrate_threshold: int | None, seed: int) -> Any:
-    from moetrace.replicas.router import RouterConfig
+@dataclasses.dataclass(frozen=True)
+class ReplaySettings:
+    """What ``replicas replay`` and ``replicas compare`` share: the request trace, the replicas, the cost model
+    and the router's settings. Each field's typer option is defined once, in :data:`_SHARED_OPTIONS`."""
 
-    return RouterConfig(cache_threshold=cache_threshold, balance_abs_threshold=balance_abs, balance_rel_threshold=balance_rel,
-                        overlap_weight=overlap_weight, migrate_threshold=migrate_threshold, seed=seed)
+    trace: str
+    replicas: int
+    block_size: int
+    cache_blocks: int
+    cost_model: Path | None
+    utilization: float | None
+    limit: int | None
+    as_json: bool
+    cache_threshold: float
+    balance_abs: int
+    balance_rel: float
+    overlap_weight: float
+    migrate_threshold: int | None
+    seed: int
+
+    def requests(self) -> list:
+        """The request trace's requests (``--limit`` first ones)."""
+        return _load(self.trace, self.block_size, self.limit)
+
+    def router_config(self) -> Any:
+        """The router's :class:`~moetrace.replicas.router.RouterConfig` from the policy options."""
+        from moetrace.replicas.router import RouterConfig
+
+        return RouterConfig(cache_threshold=self.cache_threshold, balance_abs_threshold=self.balance_abs,
+                            balance_rel_threshold=self.balance_rel, overlap_weight=self.overlap_weight,
+                            migrate_threshold=self.migrate_threshold, seed=self.seed)
+
+
+def _shared(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+
+
+_SHARED_OPTIONS = (
+    _shared("trace", Annotated[str, typer.Argument(help=TRACE_HELP)]),
+    _shared("replicas", Annotated[int, typer.Option("--replicas", "-n", help="Replicas behind the router.")], 8),
+    _shared("block_size", Annotated[int, typer.Option("--block-size", min=1, help="Tokens per hash_ids block (Mooncake: 512).")], 512),
+    _shared("cache_blocks", Annotated[int, typer.Option("--cache-blocks", min=0, help="Prefix-cache capacity of each replica in blocks (0: unlimited).")], 20000),
+    _shared("cost_model", Annotated[Path | None, typer.Option("--cost-model", help="Cost model JSON (`moetrace replicas calibrate`); default: the reference calibration.")], None),
+    _shared("utilization", Annotated[float | None, typer.Option("--utilization", min=0.0, help="Scale the cost model so that full-prefill work / replica time is this (e.g. 0.9).")], None),
+    _shared("limit", Annotated[int | None, typer.Option("--limit", min=1, help="Replay only the first N requests.")], None),
+    _shared("as_json", AsJson, False),
+    _shared("cache_threshold", Annotated[float, typer.Option("--cache-threshold", min=0.0, max=1.0, help="cache_aware: prefix match rate needed to follow the prefix (SGLang default 0.5).")], 0.5),
+    _shared("balance_abs", Annotated[int, typer.Option("--balance-abs", min=0, help="cache_aware: imbalance when max - min load exceeds this (SGLang default 32)...")], 32),
+    _shared("balance_rel", Annotated[float, typer.Option("--balance-rel", min=0.0, help="...and max load exceeds this times min load (SGLang default 1.0001).")], 1.0001),
+    _shared("overlap_weight", Annotated[float, typer.Option("--overlap-weight", min=0.0, help="kv_cost: weight of prefill blocks (Dynamo default 1).")], 1.0),
+    _shared("migrate_threshold", Annotated[int | None, typer.Option("--migrate-threshold", min=0, help="session_sticky: move a session when its owner's load exceeds the least loaded by more than this.")], None),
+    _shared("seed", Annotated[int, typer.Option("--seed", help="Seed of the random policy.")], 0),
+)
+
+
+def with_replay_settings(command: Callable[..., None]) -> Callable[..., None]:
+    """A typer command taking the :data:`_SHARED_OPTIONS` (after its argument ``trace``, before its own options)
+    and calling ``command(settings: ReplaySettings, **own options)``."""
+    own = list(inspect.signature(command, eval_str=True).parameters.values())[1:]
+    names = [param.name for param in _SHARED_OPTIONS]
+
+    def run(**options: Any) -> None:
+        return command(ReplaySettings(**{name: options.pop(name) for name in names}), **options)
+
+    run.__name__, run.__qualname__, run.__doc__ = command.__name__, command.__qualname__, command.__doc__
+    run.__signature__ = inspect.Signature([*_SHARED_OPTIONS, *own])  # type: ignore[attr-defined]
+    run.__annotations__ = {param.name: param.annotation for param in (*_SHARED_OPTIONS, *own)}
+    return run
 
 
 @replicas_app.command("replay")
 @guarded
+@with_replay_settings
 def replay_trace(
-    trace: Annotated[str, typer.Argument(help=TRACE_HELP)],
-    replicas: Replicas = 8,
-    policy: Annotated[str, typer.Option("--policy", "-p", help="Routing policy.")] = "cache_aware",
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the routing trace (HDF5, /requests group) here.")] = None,
-    block_size: BlockSize = 512,
-    cache_blocks: CacheBlocks = 20000,
-    cost_model: CostOpt = None,
-    utilization: UtilOpt = None,
-    limit: Limit = None,
+    settings: ReplaySettings,
+    policy: Annotated[str, typer.Option("--policy", "-p", help="The router's policy.")] = "cache_aware",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the replica trace (HDF5, /requests group) here.")] = None,
     plot_load: Annotated[Path | None, typer.Option("--plot-load", help="PNG of per-replica load over time.")] = None,
-    as_json: AsJson = False,
-    cache_threshold: CacheThr = 0.5,
-    balance_abs: BalAbs = 32,
-    balance_rel: BalRel = 1.0001,
-    overlap_weight: Overlap = 1.0,
-    migrate_threshold: Migrate = None,
-    seed: Seed = 0,
 ) -> None:
-    """Replay a request trace by its timestamps, in simulated time, through one routing policy."""
+    """Replay a request trace by its timestamps, in simulated time, through one router policy."""
     from moetrace.replicas.analysis import compare_table, summarize
     from moetrace.replicas.analysis import plot_load as draw_load
     from moetrace.replicas.simulate import simulate
-    from moetrace.trace.requests import read_requests
+    from moetrace.trace.replica_requests import read_requests
 
-    _check(replicas, policy)
+    _check(settings.replicas, policy)
     if out is not None:
         output_path(out)
-    requests = _load(trace, block_size, limit)
-    cost = _cost(requests, replicas, cost_model, utilization)
-    config = _config(cache_threshold, balance_abs, balance_rel, overlap_weight, migrate_threshold, seed)
-    result = simulate(requests, replicas, policy, block_size=block_size, cost=cost, cache_blocks=cache_blocks or None, out=out, config=config)
+    requests = settings.requests()
+    cost = _cost(requests, settings.replicas, settings.cost_model, settings.utilization)
+    result = simulate(requests, settings.replicas, policy, block_size=settings.block_size, cost=cost,
+                      cache_blocks=settings.cache_blocks or None, out=out, config=settings.router_config())
     table = read_requests(result.path)
     summary = summarize(table)
     if plot_load is not None:
         draw_load(table, output_path(plot_load))
     if out is None:
         result.path.unlink(missing_ok=True)
-    if as_json:
+    if settings.as_json:
         typer.echo(json.dumps(_jsonable({"summary": summary, "cost_model": cost.to_dict(), "trace": str(out) if out else None}), indent=2))
         return
     typer.echo(compare_table([summary]))
     if out is not None:
-        typer.echo(f"routing trace: {out}")
+        typer.echo(f"replica trace: {out}")
 
 
 @replicas_app.command("compare")
 @guarded
+@with_replay_settings
 def compare(
-    trace: Annotated[str, typer.Argument(help=TRACE_HELP)],
-    replicas: Replicas = 8,
+    settings: ReplaySettings,
     policies: Annotated[str | None, typer.Option("--policies", help="Comma-separated policies (default: all).")] = None,
-    block_size: BlockSize = 512,
-    cache_blocks: CacheBlocks = 20000,
-    cost_model: CostOpt = None,
-    utilization: UtilOpt = None,
-    limit: Limit = None,
     plot_ttft: Annotated[Path | None, typer.Option("--plot-ttft", help="PNG of the TTFT CDF per policy.")] = None,
-    as_json: AsJson = False,
-    cache_threshold: CacheThr = 0.5,
-    balance_abs: BalAbs = 32,
-    balance_rel: BalRel = 1.0001,
-    overlap_weight: Overlap = 1.0,
-    migrate_threshold: Migrate = None,
-    seed: Seed = 0,
 ) -> None:
-    """Replay a request trace through every policy; one row per policy (cache, then latency evidence)."""
+    """Replay a request trace through every router policy; one row per policy (cache, then latency evidence)."""
     from moetrace.replicas.analysis import compare_table, plot_ttft_cdf, summarize
     from moetrace.replicas.router import POLICY_NAMES
     from moetrace.replicas.simulate import simulate
     from moetrace.replicas.workload import reusable_blocks
-    from moetrace.trace.requests import read_requests
+    from moetrace.trace.replica_requests import read_requests
 
+    replicas = settings.replicas
     names = [p.strip() for p in policies.split(",")] if policies else list(POLICY_NAMES)
     for name in names:
         _check(replicas, name)
     _check(replicas)
     if plot_ttft is not None:
         output_path(plot_ttft)
-    requests = _load(trace, block_size, limit)
-    cost = _cost(requests, replicas, cost_model, utilization)
-    config = _config(cache_threshold, balance_abs, balance_rel, overlap_weight, migrate_threshold, seed)
+    requests = settings.requests()
+    cost = _cost(requests, replicas, settings.cost_model, settings.utilization)
     rows, tables = [], {}
     with tempfile.TemporaryDirectory(prefix="moetrace-compare-") as tmp:
         for name in names:
-            result = simulate(requests, replicas, name, block_size=block_size, cost=cost, cache_blocks=cache_blocks or None,
-                                out=Path(tmp) / f"{name}.h5", config=config)
+            result = simulate(requests, replicas, name, block_size=settings.block_size, cost=cost, cache_blocks=settings.cache_blocks or None,
+                              out=Path(tmp) / f"{name}.h5", config=settings.router_config())
             table = read_requests(result.path)
             rows.append(summarize(table))
             tables[name] = table
     if plot_ttft is not None:
         plot_ttft_cdf(tables, plot_ttft)
     reusable, total = reusable_blocks(requests)
-    if as_json:
+    if settings.as_json:
         typer.echo(json.dumps(_jsonable({"policies": rows, "upper_bound_block_hit_rate": reusable / total, "cost_model": cost.to_dict(),
                                          "requests": len(requests), "replicas": replicas}), indent=2))
         return
-    typer.echo(f"{len(requests)} requests, {replicas} replicas, cache {cache_blocks or 'unlimited'} blocks/replica")
+    typer.echo(f"{len(requests)} requests, {replicas} replicas, cache {settings.cache_blocks or 'unlimited'} blocks/replica")
     typer.echo(f"unlimited-cache bound: {100 * reusable / total:.1f}% of blocks reusable")
     typer.echo(compare_table(rows))
 
@@ -190,13 +220,13 @@ def compare(
 @replicas_app.command("why")
 @guarded
 def explain(
-    trace: Annotated[Path, typer.Argument(help="A routing trace (HDF5 with /requests).")],
+    trace: Annotated[Path, typer.Argument(help="A replica trace (HDF5 with /requests).")],
     request_id: Annotated[str, typer.Argument(help="The request's id.")],
     as_json: AsJson = False,
 ) -> None:
     """Why did this request go to that replica: every candidate's signals and the rule that decided."""
     from moetrace.replicas.analysis import why, why_text
-    from moetrace.trace.requests import read_requests
+    from moetrace.trace.replica_requests import read_requests
 
     table = read_requests(existing_file(trace))
     try:
@@ -221,16 +251,16 @@ def calibrate(
     typer.echo(text)
 
 
-def print_routing_report(path: Path, as_json: bool) -> None:
-    """``moetrace analyze`` on a routing trace: the same evidence as ``replicas compare``."""
+def print_replica_report(path: Path, as_json: bool) -> None:
+    """``moetrace analyze`` on a replica trace: the same evidence as ``replicas compare``."""
     from moetrace.replicas.analysis import compare_table, summarize
-    from moetrace.trace.requests import read_requests
+    from moetrace.trace.replica_requests import read_requests
 
     summary = summarize(read_requests(path))
     if as_json:
         typer.echo(json.dumps(_jsonable(summary), indent=2))
         return
-    typer.echo(f"{path}: routing trace, {summary['requests']} requests ({summary['finished']} finished), {summary['replicas']} replicas, clock {summary['clock']}")
+    typer.echo(f"{path}: replica trace, {summary['requests']} requests ({summary['finished']} finished), {summary['replicas']} replicas, clock {summary['clock']}")
     typer.echo(compare_table([summary]))
     typer.echo("decisions by reason: " + ", ".join(f"{k} {v}" for k, v in summary["reasons"].items()))
     typer.echo("requests per replica: " + " ".join(str(n) for n in summary["requests_per_replica"]))

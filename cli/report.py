@@ -17,7 +17,7 @@ __all__ = ["report"]
 
 @guarded
 def report(
-    traces: Annotated[list[Path], typer.Argument(help="Traces: one file, a merged file, the per-rank files / segments of one run, and / or routing traces.")],
+    traces: Annotated[list[Path], typer.Argument(help="Traces: one file, a merged file, the per-rank files / segments of one run, and / or replica traces.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="HTML file to write.")] = Path("report.html"),
     routes: Annotated[Path | None, typer.Option("--routes", help="Per-request routed experts (a routes file, an API response body or .npy) for the request selector.")] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="Co-activated pairs and transitions per layer.")] = 5,

@@ -13,10 +13,10 @@ from rich.table import Table
 
 from moetrace.routes import RoutesError, save_routes, trace_route_set
 from moetrace.trace.convert import convert_jsonl, convert_sglang
-from moetrace.trace.guarded import open_hdf5
 from moetrace.trace.integrity import CHECKSUMS, reading
 from moetrace.trace.merge import merge_traces, rank_stops
 from moetrace.trace.reader import open_trace
+from moetrace.trace.safe_open import open_hdf5
 from moetrace.trace.schema import MERGED_DAMAGED_ATTR, Attr, Data
 from moetrace.words import counted
 

@@ -3,7 +3,7 @@
 Metrics::
 
     from moetrace.exporters import otel
-    handle = otel.instrument(meter_provider=provider)   # or the global provider
+    handle = otel.create_otel_instruments(meter_provider=provider)   # or the global provider
     ...
     handle.close()                                       # stop reporting
 
@@ -18,7 +18,7 @@ This module uses only the OpenTelemetry API and never installs a global
 provider: pass ``meter_provider`` / ``tracer_provider`` or configure the
 globals in the application.
 
-Traces: :func:`start_record`, :func:`stop_record` and :func:`dump_record` wrap
+Traces: :func:`traced_start_record`, :func:`traced_stop_record` and :func:`traced_dump_record` wrap
 the recorder's lifecycle calls in spans (``moetrace.start_record``, ...);
 :func:`annotate_routed_experts` attaches a compact summary of one request's
 routed experts to a span.
@@ -32,28 +32,27 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-from opentelemetry import metrics, trace
+from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Instrument, MeterProvider, Observation
 from opentelemetry.trace import Span, TracerProvider
 
 from moetrace._version import __version__
+from moetrace.lazy import renamed_attributes
 from moetrace.process_recorder import Recorder, get_recorder
 from moetrace.recorder import RecorderStateError
 from moetrace.snapshot import RecorderSnapshot
 
 from .catalog import HISTOGRAMS, INFO, histogram_samples, info_labels, samples, selected
-from .spec import MetricSpec, otel_instrument
+from .spec import METER_NAME, MetricSpec, moetrace_meter, otel_instrument
 
 __all__ = [
     "MoetraceInstruments",
     "annotate_routed_experts",
-    "dump_record",
-    "instrument",
-    "start_record",
-    "stop_record",
+    "create_otel_instruments",
+    "traced_dump_record",
+    "traced_start_record",
+    "traced_stop_record",
 ]
-
-METER_NAME = "moetrace"
 
 
 class _SnapshotPerCollection:
@@ -104,8 +103,8 @@ def _observations(spec: MetricSpec, snap: RecorderSnapshot) -> Iterator[Observat
         yield Observation(value, labels)
 
 
-def instrument(meter_provider: MeterProvider | None = None, recorder: Recorder | None = None,
-               per_expert: bool = False, per_ep_rank: bool = False) -> MoetraceInstruments:
+def create_otel_instruments(meter_provider: MeterProvider | None = None, recorder: Recorder | None = None,
+                            per_expert: bool = False, per_ep_rank: bool = False) -> MoetraceInstruments:
     """Create moetrace's observable instruments on the ``moetrace`` meter.
 
     Args:
@@ -120,8 +119,7 @@ def instrument(meter_provider: MeterProvider | None = None, recorder: Recorder |
     Returns:
         a :class:`MoetraceInstruments` handle; call ``close()`` to stop reporting.
     """
-    provider = meter_provider if meter_provider is not None else metrics.get_meter_provider()
-    meter = provider.get_meter(METER_NAME, __version__)
+    meter = moetrace_meter(meter_provider)
     source = _SnapshotPerCollection(recorder)
     handle = MoetraceInstruments({})
 
@@ -159,7 +157,7 @@ def _describe(span: Span, recorder: Recorder) -> None:
     span.set_attribute("moetrace.tokens", int(status["tokens"]))  # type: ignore[call-overload]
 
 
-def start_record(recorder: Recorder | None = None, tracer_provider: TracerProvider | None = None) -> None:
+def traced_start_record(recorder: Recorder | None = None, tracer_provider: TracerProvider | None = None) -> None:
     """``recorder.start_record()`` inside a ``moetrace.start_record`` span (errors are recorded on the span and re-raised)."""
     recorder = recorder if recorder is not None else get_recorder()
     with _tracer(tracer_provider).start_as_current_span("moetrace.start_record") as span:
@@ -167,7 +165,7 @@ def start_record(recorder: Recorder | None = None, tracer_provider: TracerProvid
         _describe(span, recorder)
 
 
-def stop_record(recorder: Recorder | None = None, tracer_provider: TracerProvider | None = None) -> None:
+def traced_stop_record(recorder: Recorder | None = None, tracer_provider: TracerProvider | None = None) -> None:
     """``recorder.stop_record()`` inside a ``moetrace.stop_record`` span."""
     recorder = recorder if recorder is not None else get_recorder()
     with _tracer(tracer_provider).start_as_current_span("moetrace.stop_record") as span:
@@ -175,7 +173,7 @@ def stop_record(recorder: Recorder | None = None, tracer_provider: TracerProvide
         _describe(span, recorder)
 
 
-def dump_record(recorder: Recorder | None = None, path: str | Path | None = None,
+def traced_dump_record(recorder: Recorder | None = None, path: str | Path | None = None,
                 tracer_provider: TracerProvider | None = None) -> Path:
     """``recorder.dump_record(path)`` inside a ``moetrace.dump_record`` span carrying the written path."""
     recorder = recorder if recorder is not None else get_recorder()
@@ -227,3 +225,8 @@ def annotate_routed_experts(routed: np.ndarray | Sequence, layer_ids: Sequence[i
     }
     (span if span is not None else trace.get_current_span()).set_attributes(attributes)  # type: ignore[arg-type]
     return attributes
+
+
+__getattr__ = renamed_attributes(__name__, {"instrument": "create_otel_instruments", "start_record": "traced_start_record",
+                                            "stop_record": "traced_stop_record", "dump_record": "traced_dump_record"},
+                                 globals().__getitem__)

@@ -1,8 +1,8 @@
 """The one type that declares an exported metric, and how each exporter builds it.
 
 Every metric moetrace exports (the recorder's :mod:`~moetrace.exporters.catalog`,
-request routing :mod:`~moetrace.exporters.routing`, per-label attribution
-:mod:`~moetrace.exporters.labels`, the replay audit
+request routing :mod:`~moetrace.exporters.replicas`, per-label attribution
+:mod:`~moetrace.exporters.label_load`, the replay audit
 :mod:`~moetrace.exporters.replay_audit`) is one :class:`MetricSpec`: its
 Prometheus and OpenTelemetry names, kind, unit, label dimensions, help, the
 snapshot value it reads and, for series that are off by default, the exporter
@@ -24,13 +24,21 @@ from prometheus_client.core import (
     InfoMetricFamily,
     Metric,
 )
+from prometheus_client.registry import Collector
 
-__all__ = ["KINDS", "MetricSpec", "enabled", "otel_instrument", "prom_families", "prom_family", "str_labels"]
+__all__ = ["KINDS", "METER_NAME", "MetricSpec", "SnapshotCollector", "enabled", "moetrace_meter", "observe_specs", "otel_instrument",
+           "prom_families", "prom_family", "str_labels"]
+
+#: ``samples(spec, snapshot)``: the ``(labels, value)`` of each series of ``spec`` in a module's snapshot.
+Samples = Callable[["MetricSpec", Any], Iterable[tuple[dict[str, str], Any]]]
 
 #: Kinds of metric: ``counter`` (monotonic within one recording), ``gauge``, ``histogram``
 #: (Prometheus buckets; OpenTelemetry counters, its API has no asynchronous histogram)
 #: and ``info`` (constant 1, the labels carry the description).
 KINDS = ("counter", "gauge", "histogram", "info")
+
+#: The OpenTelemetry meter (and tracer) every moetrace instrument (and span) lives on.
+METER_NAME = "moetrace"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +108,52 @@ def prom_families(specs: Iterable[MetricSpec], snapshot: Any) -> Iterator[Metric
         for labels, value in spec.value(snapshot):
             family.add_metric(list(labels.values()), value)  # type: ignore[attr-defined]
         yield family
+
+
+class SnapshotCollector(Collector):
+    """Prometheus collector of ``specs``: one ``snapshot()`` per scrape, each spec's series from ``samples``."""
+
+    def __init__(self, specs: Iterable[MetricSpec], samples: Samples, snapshot: Callable[[], Any]) -> None:
+        self._specs, self._samples, self._snapshot = tuple(specs), samples, snapshot
+
+    def describe(self) -> Iterator[Metric]:
+        return self.families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        return self.families(self._snapshot())
+
+    def families(self, snap: Any) -> Iterator[Metric]:
+        """The family of each spec, with its samples from ``snap`` (none when ``snap`` is ``None``: describe)."""
+        for spec in self._specs:
+            family = prom_family(spec, spec.dims)
+            if snap is not None:
+                for labels, value in self._samples(spec, snap):
+                    family.add_metric(list(labels.values()), value)  # type: ignore[attr-defined]
+            yield family
+
+
+def moetrace_meter(meter_provider: Any | None = None) -> Any:
+    """The ``moetrace`` meter of ``meter_provider`` (``None``: the global provider; none is ever installed here)."""
+    from opentelemetry import metrics
+
+    from moetrace._version import __version__
+
+    provider = meter_provider if meter_provider is not None else metrics.get_meter_provider()
+    return provider.get_meter(METER_NAME, __version__)
+
+
+def observe_specs(meter: Any, specs: Iterable[MetricSpec], samples: Samples, snapshot: Callable[[], Any],
+                  closed: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+    """``{name: instrument}``: an observable OpenTelemetry instrument of each spec on ``meter`` whose callback
+    reads one ``snapshot()`` and observes ``samples`` of it (nothing once ``closed()``)."""
+    from opentelemetry.metrics import Observation
+
+    def callback(spec: MetricSpec) -> Callable[..., list[Any]]:
+        def observe(options: object) -> list[Any]:
+            return [] if closed() else [Observation(value, labels) for labels, value in samples(spec, snapshot())]
+        return observe
+
+    return dict(otel_instrument(meter, spec, callback(spec)) for spec in specs)
 
 
 def otel_instrument(meter: Any, spec: MetricSpec, callback: Callable[..., Iterable[Any]],

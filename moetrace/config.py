@@ -14,11 +14,12 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .layout import RankLayout
 from .trace.retention import RetentionPolicy
 
-__all__ = ["MODES", "CaptureConfig", "RecorderConfig", "RecorderMode"]
+__all__ = ["MODES", "CaptureConfig", "RecorderConfig", "RecorderMode", "rank_identity"]
 
 RecorderMode = Literal["stat", "per_pass", "per_token"]
 MODES: tuple[str, ...] = ("stat", "per_pass", "per_token")
@@ -234,12 +235,6 @@ class RecorderConfig:
         identity = np.arange(self.num_physical_experts)
         return not bool((self.physical_to_logical == identity).all())
 
-    def rank_layout(self, rank: int = 0, world_size: int = 1) -> RankLayout:
-        """This rank's parallel layout: ``layout`` when given, else every rank holding its own tokens
-        (``rank`` of ``world_size``, this config's EP coordinates)."""
-        if self.layout is not None:
-            return self.layout
-        return RankLayout.independent(rank, world_size, self.ep_size, self.ep_rank)
 
     @property
     def experts_per_rank(self) -> int:
@@ -274,3 +269,29 @@ class CaptureConfig:
             object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
         object.__setattr__(self, "device", torch.device(self.device))
 
+
+def rank_identity(config: RecorderConfig | None = None, layout: RankLayout | None = None,
+                  group: dist.ProcessGroup | None = None) -> RankLayout:
+    """This rank's identity (its rank, world size and parallel coordinates), from whichever of a
+    config, a layout and a process group are given; the one place moetrace works it out.
+
+    The first that knows wins: ``layout``; ``config.layout``; the process ``group`` (default: the
+    default group, when initialised), every rank holding its own tokens with the config's EP
+    coordinates; else rank 0 of 1. A layout holds without a process group: vLLM tears its group down
+    before the workers' exit dumps, and a driver or converter may give a layout (rank 5 of 8) and
+    never start one.
+
+    Args:
+        config: the recorder's configuration (its ``layout``, ``ep_size`` and ``ep_rank``).
+        layout: a layout that overrides everything else.
+        group: the process group whose rank and size to take (``None``: the default group).
+    """
+    if layout is not None:
+        return layout
+    if config is not None and config.layout is not None:
+        return config.layout
+    rank, world = 0, 1
+    if group is not None or (dist.is_available() and dist.is_initialized()):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ep_size, ep_rank = (config.ep_size, config.ep_rank) if config is not None else (1, 0)
+    return RankLayout.independent(rank, world, ep_size, ep_rank)

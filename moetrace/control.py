@@ -250,12 +250,12 @@ class _Handler(BaseHTTPRequestHandler):
     # -------------------------------------------------------------- endpoints
     def _start(self, recorder: Recorder, body: dict[str, object]) -> None:
         with self.server.lifecycle:
-            otel.start_record(recorder)
+            otel.traced_start_record(recorder)
         self._json(200, {"ok": True, "status": recorder.status()})
 
     def _stop(self, recorder: Recorder, body: dict[str, object]) -> None:
         with self.server.lifecycle:
-            otel.stop_record(recorder)
+            otel.traced_stop_record(recorder)
         self._json(200, {"ok": True, "status": recorder.status()})
 
     def _dump(self, recorder: Recorder, body: dict[str, object]) -> None:
@@ -263,7 +263,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise RecorderStateError("dump: no recorder is configured; call moetrace.configure(...) in the served process first")
         with self.server.lifecycle:
             target = _dump_target(Path(recorder.config.output_dir), body["name"]) if "name" in body else None
-            written = otel.dump_record(recorder, target)
+            written = otel.traced_dump_record(recorder, target)
         self._json(200, {"ok": True, "path": str(written)})
 
     def _status(self, recorder: Recorder, body: dict[str, object]) -> None:

@@ -42,12 +42,12 @@ from pathlib import Path
 import torch
 
 from .batch import PassBatch
-from .config import RecorderConfig
+from .config import RecorderConfig, rank_identity
 from .devices import resolve_device
 from .graphs import is_capturing
 from .pass_phase import UNKNOWN, pass_phase_code, pass_requests
 from .recording.dump_cuts import CutPoint, DumpLedger
-from .recording.dump_files import TraceDump, rank_world, shared_run_id
+from .recording.dump_files import TraceDump, shared_run_id
 from .recording.hook_args import checked_batch, checked_dispatch, checked_ids, checked_layer
 from .recording.modes import recording_mode
 from .recording.pass_counter import PassCounter
@@ -109,7 +109,7 @@ class ExpertDistributionRecorder:
             self._counter = PassCounter(cfg, self._layout, self._mode.keeps_token_rows)
             self._counter.set_gate(False)
             self._sink = self._mode.sink(self._layout, self._files.submit, self._files.settle)  # what the mode keeps of each pass
-            self._snapshots = SnapshotChannel(tuple(self._counter.phase_totals.shape), self._device)  # type: ignore[arg-type]
+            self._snapshots = SnapshotChannel(tuple(self._counter.pass_phase_totals.shape), self._device)  # type: ignore[arg-type]
         # Phase timing (host-side): the clock, aggregates over all passes and per-pass rows.
         self._timing = recording_timing(cfg, self._device, self._sink.streamed, self._files.submit)
         self._lock = threading.RLock()
@@ -334,7 +334,7 @@ class ExpertDistributionRecorder:
             self._sink.end_pass(counter, pass_id, timestamp, phase, requests, self._batch)
             counter.clear()
             self._num_passes += 1
-            self._snapshots.publish(counter.phase_totals, counter.phase_tokens, self._num_passes, timestamp, counter.phase_host)
+            self._snapshots.publish(counter.pass_phase_totals, counter.pass_phase_tokens, self._num_passes, timestamp, counter.pass_phase_host)
             self._files.after_pass(pass_id, self._num_passes)
 
     def _discard_pass(self) -> None:
@@ -388,7 +388,8 @@ class ExpertDistributionRecorder:
         """Start the recording's files: rotating segments (streaming modes) or checkpoints (stat)."""
         if not self._mode.keeps_files():
             return
-        header = self._dump.header(self._run_id, *rank_world(self.config))
+        identity = rank_identity(self.config)
+        header = self._dump.header(self._run_id, identity.rank, identity.world_size)
         open_files = self._mode.session_files(self._layout, self._dump.streamed, self._dump.compression)
         self._files.open(RecordingSession(self.config, header, open_files, self._staged, self._dump.write_stat_file))
 
@@ -479,7 +480,7 @@ class ExpertDistributionRecorder:
             self.config, self._layout, rows, (passes, int(tokens.sum()), stamp), recording=recording, id_space=self.id_space,
             pass_phase_num_passes=host[0], pass_phase_num_tokens=tokens, pass_phase_num_requests=host[1],
             last_dump_path=str(last) if last else None, errors=errors, dropped_passes=self.dropped_passes, timing=timing,
-            rank_layout=self.config.rank_layout(*rank_world(self.config)), retention=self._ledger.retention_stats(),
+            rank_layout=rank_identity(self.config), retention=self._ledger.retention_stats(),
         )
 
     def status(self) -> dict[str, object]:
@@ -494,6 +495,6 @@ class ExpertDistributionRecorder:
                 "tokens": tokens, "dropped_passes": self.dropped_passes, "last_dump_path": str(last) if last else None,
                 "pending_dumps": [str(p.target) for p in self._ledger.pending], "output_dir": str(self.config.output_dir),
                 "errors": errors, "retention": self._ledger.retention_stats(),
-                "layout": self.config.rank_layout(*rank_world(self.config)).as_dict(),
+                "layout": rank_identity(self.config).as_dict(),
             }
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .labels import LabelError, check_labels
+from .label_load import LabelError, check_labels
 from .provenance import PROVENANCE_KEY, ProvenanceError, RouteProvenance, read_provenance
 from .trace.reader import open_trace
 from .trace.schema import Attr
@@ -166,7 +166,7 @@ class RouteSet:
         num_experts: experts per layer in that id space (``None``: unknown).
         layer_ids: the model layer id of each of the ``L`` layers (``None``: unknown).
         physical_to_logical: ``[L, P]`` map for physical ids.
-        labels: request id -> its labels (tenant, workload, session...; :mod:`moetrace.labels`).
+        labels: request id -> its labels (tenant, workload, session...; :mod:`moetrace.label_load`).
         provenance: request id -> where its routes come from (:mod:`moetrace.provenance`);
             a request absent here recorded none (a file written before provenance).
     """

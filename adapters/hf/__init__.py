@@ -52,10 +52,10 @@ from ..base import (
     unwinding,
 )
 from ..failsafe import FailSafe
+from .batches import RequestNames, cache_length
 from .families import SiteSpec, moe_family_coverage
 from .layers import MoESite, find_moe_sites, model_top_k
 from .replay import HFReplay, replay
-from .requests import RequestNames, cache_length
 from .version import MIN_TRANSFORMERS, check_transformers, installed_version
 
 __all__ = [
@@ -209,6 +209,30 @@ def _check_capturer(capturer: Any, layer_ids: list[int], top_k: int) -> None:
         )
 
 
+def _text_config(target: torch.nn.Module) -> tuple[Any, dict[str, Any]]:
+    """The model's text config (``None`` without a config) and the recorder defaults it gives (engine, model, hidden size)."""
+    config = getattr(target, "config", None)
+    text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    defaults: dict[str, Any] = {"engine": "hf", "model": getattr(config, "name_or_path", "") or type(target).__name__}
+    if isinstance(getattr(text_config, "hidden_size", None), int):
+        defaults["hidden_size"] = text_config.hidden_size
+    return text_config, defaults
+
+
+def _hook_site(hooks: HookRegistry, site: MoESite, rec: Any, capturer: Any, k: int, failsafe: FailSafe) -> None:
+    """Install one MoE site's hook: a forward hook on a router, else a pre-hook on the experts (and their timing)."""
+    capture = capturer.capture if capturer is not None else None
+    record = _recorder_hook(rec.on_select_experts, capture, site.index, site.layer_id)
+    if site.on_router:
+        assert site.spec is not None
+        wanted = (lambda: True) if capturer is not None else (lambda: rec.recording)
+        hooks.forward_hook(site.module, failsafe.guard(_router_hook(record, site.spec, k, wanted), f"the router hook on {site.name}"))
+        return
+    hooks.forward_pre_hook(site.module, failsafe.guard(_experts_pre_hook(record), f"the experts pre-hook on {site.name}"), with_kwargs=True)
+    if getattr(getattr(rec, "config", None), "timing", False):
+        hooks.wrap_forward(site.module, _timed_experts(rec, site.index, failsafe))
+
+
 def instrument(
     target: torch.nn.Module,
     recorder: Any = None,
@@ -255,11 +279,7 @@ def instrument(
     k = top_k if top_k is not None else model_top_k(target, sites)
     num_experts = max(site.num_experts for site in sites)
     layer_ids = [site.layer_id for site in sites]
-    config = getattr(target, "config", None)
-    text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-    defaults: dict[str, Any] = {"engine": "hf", "model": getattr(config, "name_or_path", "") or type(target).__name__}
-    if isinstance(getattr(text_config, "hidden_size", None), int):
-        defaults["hidden_size"] = text_config.hidden_size
+    text_config, defaults = _text_config(target)
     binding = resolve_recorder(recorder, len(sites), num_experts, k, layer_ids, adapter="hf", defaults=defaults, **recorder_options)
     rec = binding.recorder
     seq_len = 0
@@ -271,17 +291,8 @@ def instrument(
     names = RequestNames()
     failsafe = FailSafe("this transformers model")
     with unwinding(hooks, binding):
-        capture = capturer.capture if capturer is not None else None
         for site in sites:
-            record = _recorder_hook(rec.on_select_experts, capture, site.index, site.layer_id)
-            if site.on_router:
-                assert site.spec is not None
-                wanted = (lambda: True) if capturer is not None else (lambda: rec.recording)
-                hooks.forward_hook(site.module, failsafe.guard(_router_hook(record, site.spec, k, wanted), f"the router hook on {site.name}"))
-            else:
-                hooks.forward_pre_hook(site.module, failsafe.guard(_experts_pre_hook(record), f"the experts pre-hook on {site.name}"), with_kwargs=True)
-                if getattr(getattr(rec, "config", None), "timing", False):
-                    hooks.wrap_forward(site.module, _timed_experts(rec, site.index, failsafe))
+            _hook_site(hooks, site, rec, capturer, k, failsafe)
         if capturer is not None:
             hooks.wrap_forward(target, _capture_wrapper(rec, capturer, seq_len, mark_passes, names, failsafe))
         elif mark_passes:

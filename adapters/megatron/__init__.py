@@ -145,6 +145,41 @@ def _patch_dispatcher(hooks: HookRegistry, tap: LayerTap, dispatcher: Any, kind:
     hooks.patch(dispatcher, "dispatch_postprocess", dispatch_postprocess)
 
 
+def _recorder_defaults(target: torch.nn.Module, first: MegatronMoELayer) -> dict[str, Any]:
+    """The recorder fields the model gives: engine, model, hidden size, EP size and rank, dtype and device."""
+    config = first.module.config
+    defaults: dict[str, Any] = {
+        "engine": "megatron",
+        "model": type(target).__name__,
+        "hidden_size": int(config.hidden_size),
+        "ep_size": first.ep_size,
+        "ep_rank": first.ep_rank,
+        "dtype_bytes": torch.finfo(config.params_dtype).bits // 8,
+    }
+    param = next(target.parameters(), None)
+    if param is not None:
+        defaults["device"] = param.device
+    return defaults
+
+
+def _tap_layer(hooks: HookRegistry, rec: Any, layer: MegatronMoELayer, expert_tokens: torch.Tensor, timing: bool,
+               failsafe: FailSafe) -> LayerTap:
+    """Hook one MoE layer: its router's top-k slot, its token dispatcher and, with ``timing``, its timed phases and
+    layer scope. ``expert_tokens [local experts]``: the layer's row of the handle's per-expert token counts."""
+    capacity = layer.module.config.moe_expert_capacity_factor is not None
+    tap = LayerTap(rec, layer, expert_tokens, capacity)
+    router = layer.router
+    hooks.patch(router, "router_replay", TopKSlot(router.router_replay, on_ids=failsafe.guard(lambda ids: tap.topk(ids), f"the router tap of {layer.name}")))
+    _patch_dispatcher(hooks, tap, layer.module.token_dispatcher, layer.dispatcher, failsafe)
+    if timing:
+        for method, phase in _PHASES.items():
+            timed = failsafe.around(getattr(layer.module, method), recorder_scope(rec, phase=phase), f"the {phase} phase timing of {layer.name}")
+            hooks.patch(layer.module, method, timed)
+        hooks.wrap_forward(layer.module, lambda forward, index=layer.index: failsafe.around(
+            forward, recorder_scope(rec, layer=index), f"the layer scope of MoE layer {index}"))
+    return tap
+
+
 def instrument(
     target: torch.nn.Module,
     recorder: Any = None,
@@ -182,39 +217,15 @@ def instrument(
         return live  # type: ignore[return-value]
     layers = find_moe_layers(target)
     first = layers[0]
-    config = first.module.config
-    defaults: dict[str, Any] = {
-        "engine": "megatron",
-        "model": type(target).__name__,
-        "hidden_size": int(config.hidden_size),
-        "ep_size": first.ep_size,
-        "ep_rank": first.ep_rank,
-        "dtype_bytes": torch.finfo(config.params_dtype).bits // 8,
-    }
-    param = next(target.parameters(), None)
-    if param is not None:
-        defaults["device"] = param.device
-    binding = resolve_recorder(recorder, len(layers), first.num_experts, first.top_k, [layer.layer_id for layer in layers], adapter="megatron", defaults=defaults, **recorder_options)
+    binding = resolve_recorder(recorder, len(layers), first.num_experts, first.top_k, [layer.layer_id for layer in layers],
+                               adapter="megatron", defaults=_recorder_defaults(target, first), **recorder_options)
     rec = binding.recorder
     timing = bool(getattr(rec.config, "timing", False))
     expert_tokens = torch.zeros(len(layers), first.num_local_experts, dtype=torch.int64, device=rec.config.device)
     hooks = HookRegistry()
     failsafe = FailSafe("this Megatron-Core model")
-    taps = []
     with unwinding(hooks, binding):
-        for layer in layers:
-            capacity = layer.module.config.moe_expert_capacity_factor is not None
-            tap = LayerTap(rec, layer, expert_tokens[layer.index], capacity)
-            taps.append(tap)
-            router = layer.router
-            hooks.patch(router, "router_replay", TopKSlot(router.router_replay, on_ids=failsafe.guard(lambda ids, tap=tap: tap.topk(ids), f"the router tap of {layer.name}")))
-            _patch_dispatcher(hooks, tap, layer.module.token_dispatcher, layer.dispatcher, failsafe)
-            if timing:
-                for method, phase in _PHASES.items():
-                    timed = failsafe.around(getattr(layer.module, method), recorder_scope(rec, phase=phase), f"the {phase} phase timing of {layer.name}")
-                    hooks.patch(layer.module, method, timed)
-                hooks.wrap_forward(layer.module, lambda forward, index=layer.index: failsafe.around(
-                    forward, recorder_scope(rec, layer=index), f"the layer scope of MoE layer {index}"))
+        taps = [_tap_layer(hooks, rec, layer, expert_tokens[layer.index], timing, failsafe) for layer in layers]
         if mark_passes:
             hooks.wrap_forward(target, forward_pass_wrapper(rec, failsafe))
         handle = MegatronInstrumentation(

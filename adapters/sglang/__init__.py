@@ -224,6 +224,45 @@ class SGLangInstrumentation(Instrumentation):
     bridge: RecorderBridge | None = None
 
 
+def _refuse_target_and_capturer(target: Any, capturer: Any) -> None:
+    """SGLang's adapter takes no target (it attaches to this process) and no capturer (SGLang has its own)."""
+    if target is not None:
+        raise AdapterError(
+            f"moetrace.adapters.sglang.instrument() attaches to SGLang in this process and takes no target (got {type(target).__name__}); "
+            "pass the recorder as recorder=..."
+        )
+    refuse_capturer(capturer, "SGLang", "SGLang captures routed experts per request itself (--enable-return-routed-experts; "
+                    "read them with moetrace.adapters.sglang.read_routed_experts)")
+
+
+def _bridge_maker(module: Any, handle: SGLangInstrumentation, hooks: HookRegistry, bridges: list[RecorderBridge], recorder: Any,
+                  recorder_options: dict[str, Any]) -> Callable[[Any, Any, Any, int], Any]:
+    """``wrap(sglang_recorder, server_args, metadata, rank)``: the :class:`RecorderBridge` that stands for the
+    recorder SGLang built (SGLang's own without expert location metadata), with moetrace's recorder behind it; the
+    handle learns the recorder and its layers, and uninstrumenting gives SGLang its own recorder back."""
+    noop_cls = getattr(module, "_ExpertDistributionRecorderNoop", None)
+
+    def wrap(sglang_recorder: Any, server_args: Any, metadata: Any, rank: int) -> Any:
+        if metadata is None:
+            logger.warning("moetrace: SGLang gave no expert location metadata (not an MoE model?); not recording")
+            return sglang_recorder
+        rec = _moetrace_recorder(recorder, _server_args(server_args), metadata, rank, recorder_options)
+        real = noop_cls is None or not isinstance(sglang_recorder, noop_cls)
+        bridge = RecorderBridge(sglang_recorder, rec, sglang_is_real=real, metadata=metadata, failsafe=handle.failsafe)
+        handle.recorder, handle.layer_ids, handle.bridge = rec, tuple(range(int(metadata.num_layers))), bridge
+        bridges.append(bridge)
+
+        def restore_global() -> str | None:
+            if module.get_global_expert_distribution_recorder() is bridge:
+                module.set_global_expert_distribution_recorder(sglang_recorder)
+            return None
+
+        hooks.on_remove("SGLang global recorder bridge", restore_global)
+        return bridge
+
+    return wrap
+
+
 def instrument(
     target: Any = None,
     recorder: Any = None,
@@ -249,13 +288,7 @@ def instrument(
         UnsupportedVersionError: SGLang missing or without the recorder API used here.
         AlreadyInstrumentedError: instrumented already with another recorder.
     """
-    if target is not None:
-        raise AdapterError(
-            f"moetrace.adapters.sglang.instrument() attaches to SGLang in this process and takes no target (got {type(target).__name__}); "
-            "pass the recorder as recorder=..."
-        )
-    refuse_capturer(capturer, "SGLang", "SGLang captures routed experts per request itself (--enable-return-routed-experts; "
-                    "read them with moetrace.adapters.sglang.read_routed_experts)")
+    _refuse_target_and_capturer(target, capturer)
     module, takes_server_args = _recorder_module()
     live = existing_instrumentation(module, recorder)
     if live is not None:
@@ -268,27 +301,8 @@ def instrument(
     )
     factory_cls = module.ExpertDistributionRecorder
     original_init_new = inspect.getattr_static(factory_cls, "init_new").__func__
-    noop_cls = getattr(module, "_ExpertDistributionRecorderNoop", None)
     bridges: list[RecorderBridge] = []
-
-    def wrap(sglang_recorder: Any, server_args: Any, metadata: Any, rank: int) -> Any:
-        if metadata is None:
-            logger.warning("moetrace: SGLang gave no expert location metadata (not an MoE model?); not recording")
-            return sglang_recorder
-        rec = _moetrace_recorder(recorder, _server_args(server_args), metadata, rank, recorder_options)
-        real = noop_cls is None or not isinstance(sglang_recorder, noop_cls)
-        bridge = RecorderBridge(sglang_recorder, rec, sglang_is_real=real, metadata=metadata, failsafe=handle.failsafe)
-        handle.recorder, handle.layer_ids, handle.bridge = rec, tuple(range(int(metadata.num_layers))), bridge
-        bridges.append(bridge)
-
-        def restore_global() -> str | None:
-            if module.get_global_expert_distribution_recorder() is bridge:
-                module.set_global_expert_distribution_recorder(sglang_recorder)
-            return None
-
-        hooks.on_remove("SGLang global recorder bridge", restore_global)
-        return bridge
-
+    wrap = _bridge_maker(module, handle, hooks, bridges, recorder, recorder_options)
     bridged = handle.failsafe.guard(wrap, "bridging the recorder SGLang built")
 
     def attach(built: Any, server_args: Any, metadata: Any, rank: int) -> Any:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .. import balance
-from ..labels import (
+from ..label_load import (
     OTHER,
     hot_cells,
     hot_excess_share,
@@ -79,7 +79,7 @@ class Attribution:
 
     @property
     def hot_excess_share(self) -> np.ndarray:
-        """``[G]`` share of the summed excess of every layer's hot experts (:func:`moetrace.labels.hot_excess_share`)."""
+        """``[G]`` share of the summed excess of every layer's hot experts (:func:`moetrace.label_load.hot_excess_share`)."""
         return hot_excess_share(self.group_counts, self.hot)
 
     @property

@@ -47,11 +47,11 @@ import numpy as np
 from ..ids import to_logical
 from ..layout import RankLayout, counted_rows
 from ..placement.series import PassSeries
-from ..trace.guarded import open_hdf5
 from ..trace.integrity import reading
 from ..trace.invariants import TokenTally
 from ..trace.merge import merge_traces
 from ..trace.reader import PassChunk, TokenChunk, Trace, open_trace
+from ..trace.safe_open import open_hdf5
 from ..trace.schema import (
     MERGED_DAMAGED_ATTR,
     PASS_FIELDS,

@@ -25,9 +25,9 @@ import numpy as np
 
 from ..ids import to_logical
 from ..placement.series import PassSeries
-from ..trace.guarded import open_hdf5
 from ..trace.integrity import reading
 from ..trace.reader import PassChunk, TokenChunk, Trace
+from ..trace.safe_open import open_hdf5
 from ..trace.schema import Data, TraceError
 
 __all__ = [

@@ -16,7 +16,7 @@ reference serving loop (with its prefix cache) on ``127.0.0.1:P``:
   ``finish`` (one clock for every process of the machine);
 - ``GET /moetrace_stats``: what this replica counted per request id.
 
-:func:`record_response` turns one answer into ``RoutingRecorder`` hooks: the
+:func:`record_response` turns one answer into ``ReplicaRecorder`` hooks: the
 router's decision is only observed (policy ``external``, reason ``other``, no
 candidates), the outcome is the replica's own.
 """
@@ -31,7 +31,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ..replicas.routing_recorder import RoutingRecorder
+from ..replicas.replica_recorder import ReplicaRecorder
 from .engine import REPLICA_LOOP, REPLICA_MODEL, build_loop, serve
 
 __all__ = ["ReplicaServer", "main", "parse_prompt", "record_response"]
@@ -163,7 +163,7 @@ def _handler(server: ReplicaServer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def record_response(recorder: RoutingRecorder, rid: str, response: dict[str, Any], *, session: str | None = None) -> None:
+def record_response(recorder: ReplicaRecorder, rid: str, response: dict[str, Any], *, session: str | None = None) -> None:
     """Record one ``/generate`` answer that an external router placed (``on_arrival`` already called)."""
     meta = response["meta_info"]
     recorder.on_decision(rid, int(meta["replica"]), "external", "other", (), t=meta["received"])

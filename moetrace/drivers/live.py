@@ -1,4 +1,4 @@
-"""Live routing: N reference replica processes behind a :class:`ReplicaRouter`, recorded.
+"""Live replicas: N reference replica processes behind a :class:`ReplicaRouter`, recorded.
 
 Each replica is a separate process running the reference serving loop
 (:class:`~moetrace.reference.ServingLoop`) with a prefix cache that really
@@ -8,7 +8,7 @@ pipe per replica; replicas send back events on one queue, each stamped with
 (admitted: prefill begins), ``first`` (first token), ``finish`` (output ids and
 the cached prompt tokens the replica counted) and KV events (blocks stored /
 evicted), which keep the router's view of each replica's cache exact, as
-Dynamo's KV events do. Everything goes through a :class:`RoutingRecorder`.
+Dynamo's KV events do. Everything goes through a :class:`ReplicaRecorder`.
 
 :func:`run_sessions` drives multi-turn sessions (turn ``k+1``'s prompt is turn
 ``k``'s prompt + its output + new user tokens) and :func:`run_unrouted` runs
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..replicas.prefix_cache import chain_hashes
+from ..replicas.replica_recorder import ReplicaRecorder
 from ..replicas.router import CostModel, ReplicaRouter, RouterConfig, RouteRequest
-from ..replicas.routing_recorder import RoutingRecorder
 from .engine import REPLICA_LOOP, REPLICA_MODEL, build_loop, serve
 
 __all__ = ["LiveCluster", "Session", "calibrate_cost_model", "run_sessions", "run_unrouted"]
@@ -95,13 +95,13 @@ class LiveCluster:
     """``num_replicas`` replica processes behind a :class:`ReplicaRouter`, recorded by ``recorder``.
 
     Args:
-        policy: routing policy.
-        recorder: a started :class:`RoutingRecorder` (``None``: not recorded).
+        policy: the router's policy.
+        recorder: a started :class:`ReplicaRecorder` (``None``: not recorded).
         cache_blocks: each replica's prefix-cache capacity in blocks.
         block_size: prefix block size in tokens.
     """
 
-    def __init__(self, num_replicas: int, policy: str, *, recorder: RoutingRecorder | None = None, cache_blocks: int = 256,
+    def __init__(self, num_replicas: int, policy: str, *, recorder: ReplicaRecorder | None = None, cache_blocks: int = 256,
                  block_size: int = 16, model: dict[str, Any] | None = None, loop: dict[str, Any] | None = None,
                  config: RouterConfig | None = None, cost: CostModel | None = None) -> None:
         self.router = ReplicaRouter(num_replicas, policy, block_size=block_size, config=config, cost=cost)

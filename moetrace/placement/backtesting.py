@@ -305,6 +305,51 @@ class BacktestResult:
         }
 
 
+def _rebalance_starts(series: PassSeries, window: int, every: int, config: PlacementConfig) -> list[int]:
+    """The bucket index of each rebalance; checks ``window`` and ``every`` (positive multiples of the buckets),
+    then ``series`` against ``config``, then that one rebalance fits."""
+    for name, value in (("window", window), ("every", every)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise PlacementError(f"`{name}` must be a positive number of passes, got {value!r}")
+        if value % series.bucket:
+            raise PlacementError(f"`{name}`={value} is not a multiple of the series' {series.bucket}-pass buckets")
+    _check(series, config)
+    w, s = window // series.bucket, every // series.bucket
+    starts = list(range(w, len(series) - s + 1, s))
+    if not starts:
+        raise PlacementError(
+            f"the trace has {int(series.passes.sum())} passes; a backtest needs at least `window` + `every` = {window + every}; "
+            "pass a smaller `window`/`every` or record longer"
+        )
+    return starts
+
+
+@dataclasses.dataclass
+class _PlannerTrack:
+    """One planner's replay: its deployed ``phy2log [L, P]`` and a value per rebalance of each series."""
+
+    deployed: np.ndarray | None
+    validated: bool
+    realized: list[float] = dataclasses.field(default_factory=list)
+    in_sample: list[float] = dataclasses.field(default_factory=list)
+    moved: list[int] = dataclasses.field(default_factory=list)
+    moved_peak: list[int] = dataclasses.field(default_factory=list)
+    kept: list[float] = dataclasses.field(default_factory=list)
+    chosen: list[str] = dataclasses.field(default_factory=list)
+    reason: str = ""
+
+    def deploy(self, phy2log: np.ndarray, recent: np.ndarray, nxt: np.ndarray, gpus: int) -> None:
+        """Score ``phy2log`` on the planning window ``recent [L, E]`` and the next deployment ``nxt [L, E]``, then deploy it."""
+        before = self.deployed
+        self.realized.append(_balance(nxt, phy2log, gpus))
+        self.in_sample.append(_balance(recent, phy2log, gpus))
+        per_gpu = np.zeros(gpus, dtype=np.int64) if before is None else moved_per_gpu(before, phy2log, gpus)
+        self.moved.append(int(per_gpu.sum()))
+        self.moved_peak.append(int(per_gpu.max()))
+        self.kept.append(np.nan if before is None else _balance(nxt, before, gpus))
+        self.deployed = phy2log
+
+
 def backtest(
     series: PassSeries,
     window: int,
@@ -330,74 +375,42 @@ def backtest(
     Raises:
         PlacementError: bad sizes, or a trace too short for one rebalance.
     """
-    for name, value in (("window", window), ("every", every)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise PlacementError(f"`{name}` must be a positive number of passes, got {value!r}")
-        if value % series.bucket:
-            raise PlacementError(f"`{name}`={value} is not a multiple of the series' {series.bucket}-pass buckets")
-    _check(series, config)
+    starts = _rebalance_starts(series, window, every, config)
     w, s = window // series.bucket, every // series.bucket
-    starts = list(range(w, len(series) - s + 1, s))
-    if not starts:
-        raise PlacementError(
-            f"the trace has {int(series.passes.sum())} passes; a backtest needs at least `window` + `every` = {window + every}; "
-            "pass a smaller `window`/`every` or record longer"
-        )
     planners = default_planners(s, series.bucket) if planners is None else planners
     validating = sum(len(p.candidates) for p in planners.values() if isinstance(p, ValidatedPlanner))  # each fold end is planned once per candidate
     config = config.sharing(work, len(starts) * (len(planners) + 1 + validating))
     deployed_start = series.physical_to_logical if series.physical_to_logical.shape[1] == config.replicas else None
-    realized: dict[str, list[float]] = {name: [] for name in planners}
-    in_sample: dict[str, list[float]] = {name: [] for name in planners}
-    moved: dict[str, list[int]] = {name: [] for name in planners}
-    moved_peak: dict[str, list[int]] = {name: [] for name in planners}
-    kept: dict[str, list[float]] = {name: [] for name in planners}
-    chosen: dict[str, list[str]] = {name: [] for name, p in planners.items() if isinstance(p, ValidatedPlanner)}
-    reasons: dict[str, str] = {}
-    deployed = {name: deployed_start for name in planners}
+    tracks = {name: _PlannerTrack(deployed_start, isinstance(p, ValidatedPlanner)) for name, p in planners.items()}
     current: list[float] = []
     oracle: list[float] = []
     for t in starts:
         history = series.logical[:t]
-        recent = history[-w:].sum(axis=0)
-        nxt = series.logical[t : t + s].sum(axis=0)
+        recent, nxt = history[-w:].sum(axis=0), series.logical[t : t + s].sum(axis=0)
         for name, planner in planners.items():
-            before = deployed[name]
-            phy2log = planner(history, w, config, before)
-            realized[name].append(_balance(nxt, phy2log, config.gpus))
-            in_sample[name].append(_balance(recent, phy2log, config.gpus))
-            per_gpu = np.zeros(config.gpus, dtype=np.int64) if before is None else moved_per_gpu(before, phy2log, config.gpus)
-            moved[name].append(int(per_gpu.sum()))
-            moved_peak[name].append(int(per_gpu.max()))
-            kept[name].append(np.nan if before is None else _balance(nxt, before, config.gpus))
-            if name in chosen:
-                selection = planner.selection
-                chosen[name].append(selection.chosen)
-                reasons[name] = selection.reason
-            deployed[name] = phy2log
+            track = tracks[name]
+            track.deploy(planner(history, w, config, track.deployed), recent, nxt, config.gpus)
+            if track.validated:
+                track.chosen.append(planner.selection.chosen)
+                track.reason = planner.selection.reason
         oracle.append(_balance(nxt, oracle_plan(nxt, config), config.gpus))
         figure = _current_balance(series.physical[t : t + s].sum(axis=0), config.gpus)
         if figure is not None:
             current.append(figure)
         if progress is not None:
             progress(len(oracle), len(starts))
-    out_realized = {k: np.asarray(v) for k, v in realized.items()}
-    out_realized["oracle"] = np.asarray(oracle)
+    realized = {k: np.asarray(track.realized) for k, track in tracks.items()}
+    realized["oracle"] = np.asarray(oracle)
     if len(current) == len(starts):
-        out_realized["current"] = np.asarray(current)
+        realized["current"] = np.asarray(current)
     return BacktestResult(
-        window=window,
-        every=every,
-        config=config,
-        first_pass=series.first_pass[starts],
-        realized=out_realized,
-        in_sample={k: np.asarray(v) for k, v in in_sample.items()},
-        moved={k: np.asarray(v) for k, v in moved.items()},
-        expert_bytes=expert_bytes,
-        moved_peak={k: np.asarray(v) for k, v in moved_peak.items()},
-        kept={k: np.asarray(v, dtype=np.float64) for k, v in kept.items()},
-        chosen=chosen,
-        reasons=reasons,
+        window=window, every=every, config=config, first_pass=series.first_pass[starts], realized=realized,
+        in_sample={k: np.asarray(track.in_sample) for k, track in tracks.items()},
+        moved={k: np.asarray(track.moved) for k, track in tracks.items()}, expert_bytes=expert_bytes,
+        moved_peak={k: np.asarray(track.moved_peak) for k, track in tracks.items()},
+        kept={k: np.asarray(track.kept, dtype=np.float64) for k, track in tracks.items()},
+        chosen={k: track.chosen for k, track in tracks.items() if track.validated},
+        reasons={k: track.reason for k, track in tracks.items() if track.validated and track.chosen},
     )
 
 

@@ -28,15 +28,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..config import RecorderConfig
+from ..config import RecorderConfig, rank_identity
 from ..trace.retention import Retention
 from .dump_files import (
     DumpQueue,
     PendingDump,
     TraceDump,
-    dist_world,
     gather_objects,
-    rank_world,
     stat_gathers,
 )
 from .pass_counter import PassCounter
@@ -171,10 +169,11 @@ class StatDumper:
     def cut(self, path: Path, at: CutPoint, prepared: object) -> tuple[Path, Outside]:
         """Device copies of the totals, the window's copy on write into ``prepared`` begun. What runs
         next copies the window a batch per lock hold, then gathers to rank 0 (collective)."""
-        rank, world = rank_world(self._config)
+        identity = rank_identity(self._config)
+        rank, world = identity.rank, identity.world_size
         gathered = stat_gathers(self._config)
         if gathered:
-            rank = dist_world()[0]  # the collective's rank 0 writes the file
+            rank = rank_identity().rank  # the collective's rank 0 writes the file
         target = path if gathered else _per_rank(path, rank, world)
         peers = world if gathered else 1
         cut = self._dump.stat_cut(self._counter, self._window, at.num_passes, prepared)  # type: ignore[arg-type]
@@ -226,7 +225,8 @@ class StreamDumper:
         handed over, then the dump thread joins the segments."""
         session = at.session
         assert session is not None, "the recorder checks needs_session"
-        rank, world = rank_world(self._config)
+        identity = rank_identity(self._config)
+        rank, world = identity.rank, identity.world_size
         target = _per_rank(path, rank, world)
         timing = self._timing.part(rows=False, resolve=not at.recording)
         cut = session.cut(at.last_pass_id, at.num_passes)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config import RecorderConfig
+from ..config import RecorderConfig, rank_identity
 from ..layout import RankLayout
 from ..pass_phase import PASS_PHASES
 from ..timing import HISTOGRAM_EDGES, PHASES
@@ -50,17 +50,10 @@ from .session import Cut, RecordingSession
 from .timing_state import TimingPart
 from .window import StatWindow, WindowCut
 
-__all__ = ["DumpQueue", "PendingDump", "StatCut", "TimingParts", "TraceDump", "dist_world", "gather", "gather_objects", "rank_world", "shared_run_id", "stat_gathers"]
+__all__ = ["DumpQueue", "PendingDump", "StatCut", "TimingParts", "TraceDump", "gather", "gather_objects", "shared_run_id", "stat_gathers"]
 
 #: Per rank, in rank order: timing aggregates ``{field: array}`` and (``stat`` dumps) the window's ``/timing`` rows.
 TimingParts = list[TimingPart]
-
-
-def dist_world() -> tuple[int, int]:
-    """(rank, world size) of the default process group, or (0, 1) without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def shared_run_id(config: RecorderConfig) -> str:
@@ -68,22 +61,9 @@ def shared_run_id(config: RecorderConfig) -> str:
     if config.run_id is not None:
         return config.run_id
     run_id = [uuid.uuid4().hex]
-    if dist_world()[1] > 1:
+    if rank_identity().world_size > 1:
         dist.broadcast_object_list(run_id, src=0)
     return run_id[0]
-
-
-def rank_world(config: RecorderConfig) -> tuple[int, int]:
-    """(rank, world size) this recorder's traces carry: its configured layout's when it has one, else the
-    default process group's, else (0, 1).
-
-    The layout's identity holds without a process group: vLLM tears its group down before the
-    workers' exit dumps, and a driver or converter may give a layout (rank 5 of 8) and never
-    start one.
-    """
-    if config.layout is not None:
-        return config.layout.rank, config.layout.world_size
-    return dist_world()
 
 
 def stat_gathers(config: RecorderConfig) -> bool:
@@ -91,8 +71,8 @@ def stat_gathers(config: RecorderConfig) -> bool:
     that rank 0 writes): only with ``config.gather_stat`` and while a group of this recorder's world
     size (> 1) is initialised. Otherwise each rank writes its own file (``moetrace merge`` / ``analyze``
     join them)."""
-    world = rank_world(config)[1]
-    return config.gather_stat and world > 1 and dist_world()[1] == world
+    world = rank_identity(config).world_size
+    return config.gather_stat and world > 1 and rank_identity().world_size == world
 
 
 def gather(tensor: torch.Tensor, world: int) -> torch.Tensor:
@@ -127,10 +107,10 @@ class StatCut:
     pass_id: np.ndarray
     timestamp: np.ndarray
     num_passes: int
-    phase_totals: torch.Tensor  # [Q, L, C]
-    phase_tokens: torch.Tensor  # [Q]
-    phase_host: np.ndarray  # [2, Q] passes, requests of each pass phase
-    window_phase: np.ndarray  # [W] pass phase of each window slot
+    pass_phase_totals: torch.Tensor  # [Q, L, C]
+    pass_phase_tokens: torch.Tensor  # [Q]
+    pass_phase_host: np.ndarray  # [2, Q] passes, requests of each pass phase
+    window_pass_phase: np.ndarray  # [W] pass phase of each window slot
     window_requests: np.ndarray  # [W]
 
 
@@ -252,7 +232,7 @@ class TraceDump:
 
     def header(self, run_id: str, rank: int, world_size: int, layouts: tuple[RankLayout, ...] | None = None) -> TraceHeader:
         """The trace header; ``layouts``: each rank row's layout (default: this rank's alone)."""
-        own = (self.config.rank_layout(*rank_world(self.config)),) if layouts is None else layouts
+        own = (rank_identity(self.config),) if layouts is None else layouts
         return TraceHeader.of_config(self.config, run_id, rank, world_size, own)
 
     # ------------------------------------------------------------------ pieces
@@ -296,8 +276,8 @@ class TraceDump:
         return StatCut(
             totals=counter.totals.clone(), token_total=counter.token_total.clone(), ring=window.cut(ring),
             tokens=window.tokens.clone(), order=window.order(), pass_id=window.pass_id.copy(), timestamp=window.timestamp.copy(),
-            num_passes=num_passes, phase_totals=counter.phase_totals.clone(), phase_tokens=counter.phase_tokens.clone(),
-            phase_host=counter.phase_host.copy(), window_phase=window.phase.copy(), window_requests=window.requests.copy(),
+            num_passes=num_passes, pass_phase_totals=counter.pass_phase_totals.clone(), pass_phase_tokens=counter.pass_phase_tokens.clone(),
+            pass_phase_host=counter.pass_phase_host.copy(), window_pass_phase=window.pass_phase.copy(), window_requests=window.requests.copy(),
         )
 
     def stat_gather(self, cut: StatCut, ring: np.ndarray, rank: int, world: int, peers: int) -> StatRows:
@@ -305,14 +285,14 @@ class TraceDump:
         caller's thread, outside the recorder lock); ``ring [W, L, P]``: the cut's window ring,
         copied to the host (slot-indexed)."""
         device = cut.totals.device
-        layouts = tuple(gather_objects(self.config.rank_layout(rank, world), peers))  # every rank row's layout
+        layouts = tuple(gather_objects(rank_identity(self.config), peers))  # every rank row's layout
         rows = gather(cut.totals, peers).cpu().numpy()
-        phase_rows = gather(cut.phase_totals, peers).cpu().numpy()
-        host = torch.as_tensor(cut.phase_host, dtype=torch.int64, device=device)
-        phase_counts = gather(torch.stack([host[0], cut.phase_tokens, host[1]]), peers).cpu().numpy()
+        phase_rows = gather(cut.pass_phase_totals, peers).cpu().numpy()
+        host = torch.as_tensor(cut.pass_phase_host, dtype=torch.int64, device=device)
+        phase_counts = gather(torch.stack([host[0], cut.pass_phase_tokens, host[1]]), peers).cpu().numpy()
         order, slots = cut.order, len(cut.pass_id)
         meta = np.full((slots, 5), -1.0)
-        meta[: len(order)] = np.stack([cut.pass_id, cut.timestamp, cut.tokens.cpu().numpy(), cut.window_phase, cut.window_requests], axis=1)[order]
+        meta[: len(order)] = np.stack([cut.pass_id, cut.timestamp, cut.tokens.cpu().numpy(), cut.window_pass_phase, cut.window_requests], axis=1)[order]
         passes = torch.cat([torch.tensor([cut.num_passes], dtype=torch.int64, device=device), cut.token_total])
         if peers == 1:
             # The ring as it is (no reordered copy): the oldest slots first, then the wrapped ones.

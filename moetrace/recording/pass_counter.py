@@ -57,7 +57,7 @@ class PassCounter:
 
     ``pass_tokens [1]`` (the tokens of the pass just folded) and ``token_total [1]`` (since the
     last reset) are updated on the device at pass end, and so are the same totals split by pass
-    phase, ``phase_totals [Q, L, C]`` and ``phase_tokens [Q]`` (their sums over ``Q`` are
+    phase, ``pass_phase_totals [Q, L, C]`` and ``pass_phase_tokens [Q]`` (their sums over ``Q`` are
     ``totals`` and ``token_total``).
 
     Args:
@@ -92,9 +92,9 @@ class PassCounter:
         self.rows = self.captured_rows = 0
         self.pass_tokens = torch.zeros(1, dtype=torch.int64, device=device)
         self.token_total = torch.zeros(1, dtype=torch.int64, device=device)
-        self.phase_totals = torch.zeros((len(PASS_PHASES), *shape), dtype=torch.int64, device=device)
-        self.phase_tokens = torch.zeros(len(PASS_PHASES), dtype=torch.int64, device=device)
-        self.phase_host = np.zeros((2, len(PASS_PHASES)), dtype=np.int64)  # host: passes, requests of each pass phase
+        self.pass_phase_totals = torch.zeros((len(PASS_PHASES), *shape), dtype=torch.int64, device=device)
+        self.pass_phase_tokens = torch.zeros(len(PASS_PHASES), dtype=torch.int64, device=device)
+        self.pass_phase_host = np.zeros((2, len(PASS_PHASES)), dtype=np.int64)  # host: passes, requests of each pass phase
 
     def set_gate(self, on: bool) -> None:
         """Switch counting on or off (also inside captured CUDA graphs)."""
@@ -184,14 +184,14 @@ class PassCounter:
         read), with the pass's ``requests`` (-1: unknown, adds nothing) on the host; the pass
         (its rows and stage) stays readable until :meth:`clear`."""
         self._count_tokens()
-        self.phase_host[0, phase] += 1
-        self.phase_host[1, phase] += max(requests, 0)
+        self.pass_phase_host[0, phase] += 1
+        self.pass_phase_host[1, phase] += max(requests, 0)
         self.totals.add_(self.current)
-        self.phase_totals[phase].add_(self.current)
+        self.pass_phase_totals[phase].add_(self.current)
         tokens = self.layout.tokens
         torch.amax(self.current[:, tokens : tokens + 1], dim=0, out=self.pass_tokens)
         self.token_total.add_(self.pass_tokens)
-        self.phase_tokens[phase : phase + 1].add_(self.pass_tokens)
+        self.pass_phase_tokens[phase : phase + 1].add_(self.pass_tokens)
 
     def clear(self) -> None:
         """Start the next pass empty: zero counts, the stage's rows back to the padding column."""
@@ -207,6 +207,6 @@ class PassCounter:
         self.totals.zero_()
         self.pass_tokens.zero_()
         self.token_total.zero_()
-        self.phase_totals.zero_()
-        self.phase_tokens.zero_()
-        self.phase_host[:] = 0
+        self.pass_phase_totals.zero_()
+        self.pass_phase_tokens.zero_()
+        self.pass_phase_host[:] = 0

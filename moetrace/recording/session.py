@@ -144,8 +144,8 @@ class RecordingSession:
                 self._checkpoint_buffers = (
                     HostBufferPool(tuple(counter.totals.shape), torch.int64, 1, self._cuda),
                     HostBufferPool(tuple(w.counts.shape), torch.int32, 1, self._cuda),
-                    HostBufferPool((slots + 1 + len(counter.phase_tokens),), torch.int64, 1, self._cuda),
-                    HostBufferPool(tuple(counter.phase_totals.shape), torch.int64, 1, self._cuda),
+                    HostBufferPool((slots + 1 + len(counter.pass_phase_tokens),), torch.int64, 1, self._cuda),
+                    HostBufferPool(tuple(counter.pass_phase_totals.shape), torch.int64, 1, self._cuda),
                 )
         totals_pool, window_pool, tokens_pool, phase_pool = self._checkpoint_buffers
         if wait:
@@ -157,17 +157,17 @@ class RecordingSession:
         assert window is not None and tokens is not None and phase_totals is not None
         totals.copy_(counter.totals, non_blocking=True)
         window.copy_(w.counts, non_blocking=True)
-        phase_totals.copy_(counter.phase_totals, non_blocking=True)
+        phase_totals.copy_(counter.pass_phase_totals, non_blocking=True)
         tokens[:slots].copy_(w.tokens, non_blocking=True)  # each window slot's tokens, the token total, each pass phase's
         tokens[slots : slots + 1].copy_(counter.token_total, non_blocking=True)
-        tokens[slots + 1 :].copy_(counter.phase_tokens, non_blocking=True)
+        tokens[slots + 1 :].copy_(counter.pass_phase_tokens, non_blocking=True)
         event = torch.cuda.Event() if self._cuda else None
         if event is not None:
             event.record()
         order = w.order()
         meta = np.stack([w.pass_id, w.timestamp], axis=1)[order]
-        window_phase = np.stack([w.phase, w.requests], axis=1)[order].astype(np.float64)
-        phase_host = counter.phase_host.copy()
+        window_phase = np.stack([w.pass_phase, w.requests], axis=1)[order].astype(np.float64)
+        phase_host = counter.pass_phase_host.copy()
         fill = self._fill_stat
 
         def build() -> tuple[object, int, int]:

@@ -58,7 +58,7 @@ class StatWindow(ModeSink):
         self.counts = torch.zeros((w, config.num_layers, config.num_physical_experts), dtype=torch.int32, device=config.device)
         self.pass_id = np.full(w, -1, dtype=np.int64)
         self.timestamp = np.zeros(w, dtype=np.float64)
-        self.phase = np.zeros(w, dtype=np.int8)
+        self.pass_phase = np.zeros(w, dtype=np.int8)
         self.requests = np.full(w, -1, dtype=np.int64)
         self.tokens = torch.zeros(w, dtype=torch.int64, device=config.device)
         self.pushed = 0
@@ -94,7 +94,7 @@ class StatWindow(ModeSink):
         self.counts[slot].copy_(counter.current[:, self.experts])
         self.tokens[slot : slot + 1].copy_(counter.pass_tokens)
         self.pass_id[slot], self.timestamp[slot] = pass_id, timestamp
-        self.phase[slot], self.requests[slot] = phase, requests
+        self.pass_phase[slot], self.requests[slot] = phase, requests
         self.pushed += 1
 
     def order(self) -> np.ndarray:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from ..batch import PassBatch
 from ..capturer import RoutedExpertsCapturer
-from ..labels import LabelLoad, check_labels
+from ..label_load import LabelLoad, check_labels
 from ..process_recorder import get_recorder
 from ..provenance import RouteProvenance
 from ..replicas.prefix_cache import PrefixCache, chain_hashes
@@ -72,7 +72,7 @@ class Request:
         return_routed_experts: return ``[n, L, k]`` routed experts with the result.
         routed_experts_start_len: first position to return (multi-turn: only the new part).
         labels: who sent it and why (``{"tenant": "a", "workload": "code"}``; bounded:
-            :func:`moetrace.labels.check_labels`), returned with the result and counted by
+            :func:`moetrace.label_load.check_labels`), returned with the result and counted by
             the loop's ``label_load``.
     """
 
@@ -176,7 +176,7 @@ class ServingLoop:
         rank: this rank (reported in results).
         prefix_cache_blocks: prefix-cache capacity in blocks (``None``: no prefix cache).
         block_size: tokens per prefix-cache block.
-        label_load: live per-label expert load (:class:`moetrace.labels.LabelLoad`): each
+        label_load: live per-label expert load (:class:`moetrace.label_load.LabelLoad`): each
             finished request that returns routed experts is added under its labels.
         weight_version: the model weights' version, written into the provenance of the
             routes the loop returns (:mod:`moetrace.provenance`).

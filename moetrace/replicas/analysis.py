@@ -1,7 +1,7 @@
-"""Routing evidence from a ``/requests`` table: per-policy summary, "why", plots.
+"""Replica evidence from a ``/requests`` table: per-policy summary, "why", plots.
 
 One definition of each figure, used by ``moetrace replicas replay/compare``,
-``moetrace analyze`` on a routing trace and the tests:
+``moetrace analyze`` on a replica trace and the tests:
 
 - ``hit_rate``: prompt tokens served from a prefix cache / prompt tokens
   (``cached_tokens`` as the replica counted them); ``block_hit_rate``: the same
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..trace.requests import RequestTable
+from ..trace.replica_requests import RequestTable
 
 __all__ = ["compare_table", "load_over_time", "plot_load", "plot_ttft_cdf", "summarize", "why", "why_text"]
 

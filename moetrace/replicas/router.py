@@ -34,7 +34,7 @@ holds. The driver keeps it true with :meth:`ReplicaRouter.assign`,
 :meth:`~ReplicaRouter.evicted` and :meth:`~ReplicaRouter.finished` (Dynamo's
 KV events); the trace replay shares the replicas' own caches instead.
 Every decision lists each replica's signals as
-:class:`~moetrace.replicas.Candidate` s, ready for the ``RoutingRecorder``.
+:class:`~moetrace.replicas.Candidate` s, ready for the ``ReplicaRecorder``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .prefix_cache import PrefixCache
-from .routing_recorder import Candidate
+from .replica_recorder import Candidate
 
 __all__ = ["POLICY_NAMES", "CostModel", "Decision", "ReplicaRouter", "ReplicaView", "RouteRequest", "RouterConfig"]
 
@@ -156,7 +156,7 @@ class ReplicaView:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """A routing decision: the replica, the rule that decided, every replica's signals."""
+    """The router's decision: the replica, the rule that decided, every replica's signals."""
 
     rid: str
     replica: int
@@ -188,7 +188,7 @@ class ReplicaRouter:
         if not isinstance(num_replicas, int) or num_replicas <= 0:
             raise ValueError(f"the router needs at least one replica, got {num_replicas!r}; pass --replicas N with N >= 1")
         if policy not in POLICY_NAMES:
-            raise ValueError(f"unknown routing policy {policy!r}; choose one of: {', '.join(POLICY_NAMES)}")
+            raise ValueError(f"unknown router policy {policy!r}; choose one of: {', '.join(POLICY_NAMES)}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if caches is not None and len(caches) != num_replicas:

@@ -11,7 +11,7 @@ it joins; further requests wait for a decode slot). The first token comes out
 at the end of the prefill. The router sees the replicas' real caches and
 counts (a global view, as Mooncake's conductor and Dynamo's KV events give).
 
-Everything is recorded through a :class:`~moetrace.replicas.RoutingRecorder`
+Everything is recorded through a :class:`~moetrace.replicas.ReplicaRecorder`
 on the simulated clock, so a replay and a live run give the same trace and the
 same analysis.
 """
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .prefix_cache import PrefixCache
+from .replica_recorder import ReplicaRecorder
 from .router import CostModel, ReplicaRouter, RouterConfig, RouteRequest
-from .routing_recorder import RoutingRecorder
 from .workload import TraceRequest
 
 __all__ = ["REFERENCE_COST", "SimulationResult", "offered_utilization", "scale_to_utilization", "simulate"]
@@ -38,7 +38,7 @@ REFERENCE_COST = CostModel(prefill_fixed=7.1e-3, prefill_per_token=1.7e-5, decod
 
 @dataclasses.dataclass(frozen=True)
 class SimulationResult:
-    """A finished simulation: where its routing trace is and what ran."""
+    """A finished simulation: where its replica trace is and what ran."""
 
     path: Path
     policy: str
@@ -78,7 +78,7 @@ _ARRIVE, _PREFILL_DONE, _FINISH = 0, 1, 2
 class _EventLoop:
     """The discrete-event simulation of one policy: arrivals, prefill completions and finishes, in time order."""
 
-    def __init__(self, replicas: list[_Replica], router: ReplicaRouter, rec: RoutingRecorder, policy: str,
+    def __init__(self, replicas: list[_Replica], router: ReplicaRouter, rec: ReplicaRecorder, policy: str,
                  block_size: int, cost: CostModel) -> None:
         self.replicas, self.router, self.rec, self.policy = replicas, router, rec, policy
         self.block_size, self.cost = block_size, cost
@@ -155,7 +155,7 @@ class _EventLoop:
 def simulate(requests: Sequence[TraceRequest], num_replicas: int, policy: str, *, block_size: int, cost: CostModel,
              cache_blocks: int | None = None, config: RouterConfig | None = None, out: str | Path | None = None,
              chunk_rows: int = 8192) -> SimulationResult:
-    """Simulate ``requests`` (sorted by arrival, by their timestamps) through a :class:`ReplicaRouter`; write the routing trace.
+    """Simulate ``requests`` (sorted by arrival, by their timestamps) through a :class:`ReplicaRouter`; write the replica trace.
 
     Args:
         cache_blocks: prefix-cache capacity of each replica in blocks (``None``: unlimited).
@@ -168,7 +168,7 @@ def simulate(requests: Sequence[TraceRequest], num_replicas: int, policy: str, *
     if out is None:
         out = Path(tempfile.mkdtemp(prefix="moetrace-replay-")) / f"replay-{policy}.h5"
     out = Path(out)
-    rec = RoutingRecorder(num_replicas, output_dir=out.parent, block_size=block_size, chunk_rows=chunk_rows,
+    rec = ReplicaRecorder(num_replicas, output_dir=out.parent, block_size=block_size, chunk_rows=chunk_rows,
                           clock=lambda: 0.0, clock_name="simulated", engine="moetrace.replicas.simulate")
     rec.start_record()
     _EventLoop(replicas, router, rec, policy, block_size, cost).run(requests)

@@ -121,7 +121,7 @@ def reusable_blocks(requests: list[TraceRequest]) -> tuple[int, int]:
 
     A block is reusable when the same leading run of hashes appeared in an
     earlier request (prefix semantics: reuse stops at the first new block).
-    No routing policy and no finite cache can reuse more.
+    No router policy and no finite cache can reuse more.
     """
     seen: set[int] = set()
     reusable = total = 0

@@ -38,10 +38,10 @@ def require_plotly() -> None:
 
 def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | str | None = None, top: int = 5,
                  phase: str | None = None, progress: Callable[[str, int, int], None] | None = None) -> Path:
-    """Write the HTML report of ``paths`` (expert traces of one run and / or routing traces) to ``out``.
+    """Write the HTML report of ``paths`` (expert traces of one run and / or replica traces) to ``out``.
 
     Args:
-        paths: traces: one file, a merged file, per-rank files or segments of one run, routing traces.
+        paths: traces: one file, a merged file, per-rank files or segments of one run, replica traces.
         out: the HTML file to write (atomically).
         routes: a routes file with per-request routed experts (``moetrace.routes.save_routes``).
         top: co-activated pairs and transitions per layer.

@@ -8,7 +8,7 @@ Inputs are sorted by what they hold:
   loads (:func:`~moetrace.placement.backtesting.load_series` /
   :func:`~moetrace.analysis.distributed.pass_series`) and, with EP ranks, a
   placement plan with its in-sample fit and held-out estimate;
-- routing traces (a ``/requests`` group): :func:`~moetrace.trace.requests.read_requests`
+- replica traces (a ``/requests`` group): :func:`~moetrace.trace.replica_requests.read_requests`
   and :func:`~moetrace.replicas.analysis.summarize`;
 - a routes file (``--routes``): per-request routed experts
   (:func:`~moetrace.routes.load_routes`).
@@ -38,7 +38,7 @@ from ..replicas.analysis import summarize
 from ..routes import RouteSet, load_routes, trace_route_set
 from ..trace.pass_phases import phase_of
 from ..trace.reader import open_trace
-from ..trace.requests import RequestTable, is_routing_trace, read_requests
+from ..trace.replica_requests import RequestTable, is_replica_trace, read_requests
 from ..trace.schema import TraceDamageError, TraceError
 from ..trace.token_routes import has_request_rows
 from ..words import counted
@@ -120,7 +120,7 @@ class ExpertEvidence:
 
 @dataclasses.dataclass(frozen=True)
 class RoutingEvidence:
-    """One routing trace: its request table and ``summarize``'s figures."""
+    """One replica trace: its request table and ``summarize``'s figures."""
 
     path: Path
     table: RequestTable
@@ -179,7 +179,7 @@ def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int 
     """Read and analyse the inputs of a report.
 
     Args:
-        paths: expert traces of one run and / or routing traces (files that exist).
+        paths: expert traces of one run and / or replica traces (files that exist).
         routes: a routes file (``moetrace.routes.save_routes``, an API response body, ``.npy``).
         top: pairs and transitions per layer.
         phase: the expert evidence of one pass phase only (``prefill``, ``decode``, ...; one expert trace).
@@ -193,7 +193,7 @@ def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int 
     if not paths and routes is None:
         raise ValueError("nothing to report on: give one or more traces (and / or --routes FILE)")
     files = [Path(p) for p in paths]
-    routing_files = [p for p in files if is_routing_trace(p)]
+    routing_files = [p for p in files if is_replica_trace(p)]
     expert_files = [p for p in files if p not in routing_files]
     routing = []
     for path in routing_files:

@@ -278,7 +278,7 @@ def _routes(ev: Evidence) -> Section | None:
     return Section("routes", "Per-request routes", reading, [("fig-routes", fig)], notes, RouteChoice("fig-routes", options))
 
 
-# ----------------------------------------------------------------------------- routing traces
+# ----------------------------------------------------------------------------- replica traces
 def _routing(runs: list[RoutingEvidence]) -> Section | None:
     if not runs:
         return None

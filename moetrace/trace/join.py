@@ -14,12 +14,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .guarded import open_hdf5
 from .integrity import reading
 from .pass_requests import check_stored_requests
 from .ranks import read_layouts
 from .reader import open_trace
 from .request_table import append_request_tables, check_rows, shift_requests
+from .safe_open import open_hdf5
 from .schema import RANKS_GROUP, SAME_SEGMENT_ATTRS, Data, TraceError, TraceHeader
 from .writer import TraceWriter
 

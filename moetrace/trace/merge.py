@@ -47,13 +47,13 @@ import h5py
 import numpy as np
 
 from ..layout import RankLayout
-from .guarded import open_hdf5
 from .integrity import reading
 from .invariants import TokenTally
 from .pass_requests import check_stored_requests
 from .ranks import read_layouts
 from .reader import open_trace
 from .request_table import append_request_tables, check_rows, shift_requests
+from .safe_open import open_hdf5
 from .schema import (
     MERGED_DAMAGED_ATTR,
     MERGED_RANKS_ATTR,
@@ -103,7 +103,7 @@ def _check_inputs(paths: Sequence[Path], damaged: dict[Path, str]) -> tuple[list
     first_path, first, layers, mapping = infos[0]
     for path, attrs, lay, mp in infos:
         if attrs[Attr.MODE] == "routing":
-            raise TraceError(f"{path}: a routing trace (one router's /requests); merge joins the per-rank traces of an expert recording")
+            raise TraceError(f"{path}: a replica trace (one router's /requests); merge joins the per-rank traces of an expert recording")
         if int(attrs[Attr.RANK]) < 0:
             raise TraceError(f"{path}: already holds every rank (rank=-1); merge joins per-rank traces")
         if attrs[Attr.RUN_ID] != first[Attr.RUN_ID]:

@@ -22,10 +22,10 @@ import numpy as np
 from ..layout import CountedRows, RankLayout
 from . import integrity, invariants
 from .files import parse_temporary, process_alive
-from .guarded import open_hdf5
 from .integrity import reading
 from .ranks import counted_of, read_layouts
 from .request_table import read_request_table
+from .safe_open import open_hdf5
 from .schema import (
     COMPLETE_ATTR,
     PADDING_IDS,

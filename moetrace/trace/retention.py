@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .files import exclusively
-from .guarded import open_hdf5
+from .safe_open import open_hdf5
 from .schema import (
     COMPACTED_FROM_ATTR,
     SCHEMA_NAME,

@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 
 from . import integrity, invariants
-from .guarded import open_hdf5
+from .safe_open import open_hdf5
 from .schema import SCHEMA_NAME, STREAM_GROUP, Attr, TraceError
 
 __all__ = ["DatasetStatus", "TraceReport", "verify_trace"]
@@ -199,11 +199,11 @@ def _check_datasets(file: h5py.File, report: TraceReport, meter: _Progress) -> N
 
 def _check_invariants(report: TraceReport, meter: _Progress) -> None:
     from .reader import open_trace
-    from .requests import is_routing_trace, read_requests
+    from .replica_requests import is_replica_trace, read_requests
 
     try:
         with open_trace(report.path) as trace:
-            if trace.mode == "routing" or is_routing_trace(report.path):
+            if trace.mode == "routing" or is_replica_trace(report.path):
                 read_requests(report.path)
                 return
             invariants.check_stat(trace)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from moetrace.exporters import labels as label_metrics
+from moetrace.exporters import label_load as label_metrics
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from moetrace.analysis.attribution import attribute
-from moetrace.labels import OTHER, LabelError, LabelLoad
+from moetrace.label_load import OTHER, LabelError, LabelLoad
 from moetrace.reference import ModelConfig, ReferenceMoEModel, Request, ServingLoop
 from moetrace.routes import load_routes, save_routes
 

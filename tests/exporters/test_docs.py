@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moetrace.exporters import catalog, labels, replay_audit, route_checks, routing
+from moetrace.exporters import catalog, label_load, replay_audit, replicas, route_checks
 from moetrace.exporters.catalog import ALL, INFO, METRICS, markdown_table
 from moetrace.exporters.spec import MetricSpec
 
@@ -28,9 +28,9 @@ def test_metric_names_follow_conventions():
 
 
 def test_one_spec_type_for_every_exported_metric():
-    """Recorder, routing, label, replay-audit and route-check metrics are all declared as one MetricSpec type, names unique."""
-    specs = (*catalog.ALL, *catalog.HISTOGRAMS, catalog.INFO, *routing.ROUTING_METRICS, *routing.ROUTING_HISTOGRAMS,
-             *labels.LABEL_METRICS, *replay_audit.REPLAY_METRICS, *route_checks.ROUTE_CHECK_METRICS)
+    """Recorder, replica, label, replay-audit and route-check metrics are all declared as one MetricSpec type, names unique."""
+    specs = (*catalog.ALL, *catalog.HISTOGRAMS, catalog.INFO, *replicas.REPLICA_METRICS, *replicas.REPLICA_HISTOGRAMS,
+             *label_load.LABEL_METRICS, *replay_audit.REPLAY_METRICS, *route_checks.ROUTE_CHECK_METRICS)
     assert all(type(spec) is MetricSpec for spec in specs)
     for names in ([s.prom_name for s in specs], [s.otel_name for s in specs]):
         assert len(names) == len(set(names))

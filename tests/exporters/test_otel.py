@@ -74,7 +74,7 @@ def _unknown(spec, snap) -> bool:
 
 def test_in_memory_reader_equals_snapshot(recorded):
     reader = InMemoryMetricReader()
-    handle = otel.instrument(MeterProvider(metric_readers=[reader]), recorded, per_expert=True, per_ep_rank=True)
+    handle = otel.create_otel_instruments(MeterProvider(metric_readers=[reader]), recorded, per_expert=True, per_ep_rank=True)
     for round_ in range(2):
         got, snap = read(reader), recorded.snapshot()
         for spec in ALL:
@@ -100,7 +100,7 @@ def test_in_memory_reader_equals_snapshot(recorded):
 
 def test_per_expert_only_when_asked(recorded):
     reader = InMemoryMetricReader()
-    otel.instrument(MeterProvider(metric_readers=[reader]), recorded)
+    otel.create_otel_instruments(MeterProvider(metric_readers=[reader]), recorded)
     snap = recorded.snapshot()  # no timing here: the histograms' counters and NaN gauges report no points
     assert set(read(reader)) == {spec.otel_name for spec in METRICS if not _unknown(spec, snap)} | {INFO.otel_name}
 
@@ -112,11 +112,11 @@ def test_library_never_sets_a_global_provider(recorded, monkeypatch):
     monkeypatch.setattr(metrics, "set_meter_provider", refuse)
     monkeypatch.setattr(trace, "set_tracer_provider", refuse)
     reader = InMemoryMetricReader()
-    otel.instrument(MeterProvider(metric_readers=[reader]), recorded)
-    otel.instrument(None, recorded)  # the global (no-op proxy) provider: accepted, nothing installed
+    otel.create_otel_instruments(MeterProvider(metric_readers=[reader]), recorded)
+    otel.create_otel_instruments(None, recorded)  # the global (no-op proxy) provider: accepted, nothing installed
     read(reader)
-    otel.stop_record(recorded)
-    otel.dump_record(recorded)
+    otel.traced_stop_record(recorded)
+    otel.traced_dump_record(recorded)
 
 
 def test_global_provider_is_used_when_none_is_passed(tmp_path):
@@ -135,7 +135,7 @@ def test_global_provider_is_used_when_none_is_passed(tmp_path):
         rec.start_record()
         with rec.with_forward_pass(), rec.with_current_layer(0):
             rec.on_select_experts(torch.tensor([[0], [3], [3]]))
-        otel.instrument(recorder=rec)
+        otel.create_otel_instruments(recorder=rec)
         data = reader.get_metrics_data()
         [scope] = [s for r in data.resource_metrics for s in r.scope_metrics if s.scope.name == "moetrace"]
         values = {{m.name: [p.value for p in m.data.data_points] for m in scope.metrics}}
@@ -175,7 +175,7 @@ def test_otlp_http_export_reaches_a_receiver(recorded):
     provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(
         OTLPMetricExporter(endpoint=f"http://127.0.0.1:{server.server_port}/v1/metrics"), export_interval_millis=3_600_000)])
     try:
-        otel.instrument(provider, recorded, per_expert=True, per_ep_rank=True)
+        otel.create_otel_instruments(provider, recorded, per_expert=True, per_ep_rank=True)
         assert provider.force_flush(timeout_millis=30_000)
     finally:
         provider.shutdown()
@@ -211,12 +211,12 @@ def test_lifecycle_spans(tmp_path):
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     rec = ExpertDistributionRecorder(rank_config(tmp_path, ep_size=1, ep_rank=0))
-    otel.start_record(rec, tracer_provider=provider)
+    otel.traced_start_record(rec, tracer_provider=provider)
     route_pass(rec, routers(), 8, torch.Generator().manual_seed(0))
-    otel.stop_record(rec, tracer_provider=provider)
-    path = otel.dump_record(rec, tmp_path / "t.h5", tracer_provider=provider)
+    otel.traced_stop_record(rec, tracer_provider=provider)
+    path = otel.traced_dump_record(rec, tmp_path / "t.h5", tracer_provider=provider)
     with pytest.raises(RecorderStateError):
-        otel.stop_record(rec, tracer_provider=provider)
+        otel.traced_stop_record(rec, tracer_provider=provider)
     spans = exporter.get_finished_spans()
     assert [s.name for s in spans] == ["moetrace.start_record", "moetrace.stop_record", "moetrace.dump_record", "moetrace.stop_record"]
     start, stop, dump, failed = spans

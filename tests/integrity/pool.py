@@ -42,7 +42,7 @@ OUT = "out/written.h5"
 PRISTINE = "pristine.h5"
 """The undamaged copy beside each kind's files (what ``diff`` compares with)."""
 WHY_REQUEST = "5"
-"""The request ``replicas why`` explains in the routing trace (the first row of the replay's ``/requests``)."""
+"""The request ``replicas why`` explains in the replica trace (the first row of the replay's ``/requests``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,12 +12,12 @@ Two tiers, so that over 1,000 damaged files fit in CI:
 
 - **Readers** (``READ_CASES`` per kind, env ``MOETRACE_FUZZ_READ_CASES``, default 100): the
   library entry point every command reads through (``open_trace`` and then every dataset it
-  holds; ``read_requests`` for routing traces; ``convert_sglang`` for ``.pt``) must raise a
+  holds; ``read_requests`` for replica traces; ``convert_sglang`` for ``.pt``) must raise a
   ``TraceError`` or return exactly what the undamaged file gives.
 - **Commands** (``FUZZ_CASES`` per kind, env ``MOETRACE_FUZZ_CASES``, default 4; ``report`` and
   ``plot`` on every ``REPORT_EVERY``-th case): every command that reads a trace (``analyze``,
   ``inspect``, ``diff``, ``placement``, ``plot``, ``merge``, ``recover`` on the run directory,
-  ``verify``, ``timeline``, ``report``, ``replicas why`` on the routing trace, ``convert`` of the
+  ``verify``, ``timeline``, ``report``, ``replicas why`` on the replica trace, ``convert`` of the
   ``.pt``) through the typer app, in ``WORKERS`` long-lived worker processes (``pool.Pool``); the
   parent kills a worker whose command runs past ``COMMAND_BOUND_S`` and records a hang. Each must
   exit 0 with exactly the output (and written files) it gives for the undamaged file, or exit 2
@@ -49,9 +49,9 @@ import pytest
 
 from moetrace.trace import open_trace
 from moetrace.trace.convert import convert_sglang
-from moetrace.trace.guarded import open_hdf5
 from moetrace.trace.integrity import reading
-from moetrace.trace.requests import read_requests
+from moetrace.trace.replica_requests import read_requests
+from moetrace.trace.safe_open import open_hdf5
 from moetrace.trace.schema import TraceError
 
 from .pool import COMMANDS, KINDS, Pool, build_sources, check, content, tasks_for

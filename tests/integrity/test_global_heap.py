@@ -18,7 +18,7 @@ from moetrace.cli.app import app
 from typer.testing import CliRunner
 
 from moetrace.trace import open_trace
-from moetrace.trace.guarded import collection_damage
+from moetrace.trace.safe_open import collection_damage
 from moetrace.trace.schema import TraceDamageError
 from moetrace.trace.verify import verify_trace
 from tests.servers import SUBPROCESS_BOUND_S

@@ -18,12 +18,11 @@ LIMIT = 60
 LONG: dict[str, str] = {
     # The instrument contract (moetrace.adapters): a docstring of every argument and option is a third
     # of each; the rest checks the target, then installs every hook under one rollback (unwinding).
-    "adapters/sglang/__init__.py:instrument": "the contract's docstring, then SGLang's init_new patched, rebalances and phases watched, a recorder SGLang built already bridged: one rollback",
     "adapters/hf/__init__.py:instrument": "the contract's docstring and its typed options, checks of the model, then every layer's hooks installed under one rollback",
     "adapters/megatron/__init__.py:instrument": "the contract's docstring and its typed options, checks of the model, then every layer's hooks installed under one rollback",
     # Rewritten by the placement package (issue 36).
     "moetrace/placement/plan.py:plan_experts": "argument checks, node candidates, EPLB's plan per layer, current/keep: one planner's steps over shared arrays; half of it is the docstring",
-    "moetrace/placement/backtesting.py:backtest": "the replay loop over rebalances, collecting six per-planner series at once",
+    "moetrace/placement/backtesting.py:backtest": "the replay loop over rebalances: each planner's track, the oracle and the current placement scored at each (half of it the docstring and the result)",
     "moetrace/analysis/source.py:load_series": "one streaming read of a trace into bucketed loads (bucket doubling inline)",
     "moetrace/placement/select.py:select_planner": "folds under the work budget, then the rule and its one-sentence reason",
     # Long for a reason.

@@ -28,16 +28,13 @@ SHARED: dict[str, str] = {
     "log": "each module's own logging.getLogger(__name__)",
     "logger": "each module's own logging.getLogger(__name__)",
     "main": "a module's command-line entry point (`moetrace`, `python -m moetrace.cli.reference`, `python -m moetrace.drivers.http_replica`)",
-    "instrument": "the adapter contract (moetrace.adapters: instrument(target, recorder=None, capturer=None, **options)) "
-                  "and the OpenTelemetry views' contract (exporters: instrument(recorder, meter_provider)): one function per engine or view",
+    "instrument": "the adapter contract (moetrace.adapters: instrument(target, recorder=None, capturer=None, **options)): one per engine",
+    "create_otel_instruments": "the OpenTelemetry views' contract (exporters: create_otel_instruments(source, meter_provider)): one per view",
     "register": "the Prometheus collectors' contract (exporters: register(recorder, registry)) and vLLM's plugin entry point, "
                 "whose name vLLM fixes (vllm.general_plugins)",
     "replay": "the routing-replay contract, one per runtime (reference, Hugging Face, Megatron-Core): replay(model, routes) -> handle",
     "find_moe_layers": "each engine adapter's discovery of its MoE layers (vLLM, Megatron-Core), one per engine",
     "installed_version": "each engine adapter's installed-version probe (transformers, Megatron-Core), one per engine",
-    "start_record": "process_recorder's call on the process-wide recorder (moetrace.start_record) and exporters.otel's spanned version of the same call",
-    "stop_record": "process_recorder's call on the process-wide recorder (moetrace.stop_record) and exporters.otel's spanned version of the same call",
-    "dump_record": "process_recorder's call on the process-wide recorder (moetrace.dump_record) and exporters.otel's spanned version of the same call",
     "PHASE_METHODS": "per-engine tables of the methods timed as phases (Megatron-Core, SGLang)",
     "Record": "per-engine records of one MoE layer's routing (Hugging Face, vLLM)",
 }

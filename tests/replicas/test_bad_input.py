@@ -8,7 +8,7 @@ import pytest
 from moetrace.cli.app import app
 from typer.testing import CliRunner
 
-from moetrace.replicas import RoutingRecorder, RoutingStateError
+from moetrace.replicas import ReplicaRecorder, ReplicaStateError
 from moetrace.replicas.router import ReplicaRouter
 from moetrace.replicas.workload import TraceFormatError, load_trace
 
@@ -47,17 +47,17 @@ def test_duplicate_request_ids(tmp_path):
         load_trace(path)
     result = runner.invoke(app, ["replicas", "compare", str(path), "--replicas", "2"])
     assert result.exit_code == 2 and "duplicate request_id" in result.output
-    rec = RoutingRecorder(1, output_dir=tmp_path)
+    rec = ReplicaRecorder(1, output_dir=tmp_path)
     rec.start_record()
     rec.on_arrival("x", 10)
-    with pytest.raises(RoutingStateError, match="arrived twice"):
+    with pytest.raises(ReplicaStateError, match="arrived twice"):
         rec.on_arrival("x", 10)
     rec.close()
 
 
 def test_unknown_policy_and_zero_replicas(tmp_path):
     path = _write(tmp_path / "t.jsonl", [GOOD])
-    with pytest.raises(ValueError, match="unknown routing policy 'fastest'; choose one of"):
+    with pytest.raises(ValueError, match="unknown router policy 'fastest'; choose one of"):
         ReplicaRouter(2, "fastest", block_size=512)
     with pytest.raises(ValueError, match="at least one replica"):
         ReplicaRouter(0, "random", block_size=512)

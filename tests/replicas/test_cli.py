@@ -1,4 +1,4 @@
-"""``moetrace replicas replay/compare/why/calibrate`` and ``moetrace analyze`` on a routing trace."""
+"""``moetrace replicas replay/compare/why/calibrate`` and ``moetrace analyze`` on a replica trace."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from moetrace.cli.app import app
 from typer.testing import CliRunner
 
 from moetrace.replicas.router import CostModel
-from moetrace.trace.requests import read_requests
+from moetrace.trace.replica_requests import read_requests
 
 runner = CliRunner()
 SLICE = ["--limit", "600", "--replicas", "4", "--utilization", "0.8"]
@@ -21,7 +21,7 @@ def routing_trace(tmp_path_factory):
     result = runner.invoke(app, ["replicas", "replay", "mooncake", "--policy", "constrained_locality", "--out", str(out),
                                  "--plot-load", str(out.with_suffix(".png")), *SLICE])
     assert result.exit_code == 0, result.output
-    assert "constrained_locality" in result.output and f"routing trace: {out}" in result.output
+    assert "constrained_locality" in result.output and f"replica trace: {out}" in result.output
     return out
 
 
@@ -40,7 +40,7 @@ def test_analyze_prints_the_same_evidence_as_replay(routing_trace):
     replay = json.loads(runner.invoke(app, ["replicas", "replay", "mooncake", "--policy", "constrained_locality", "--json", *SLICE]).output)["summary"]
     assert summary == replay
     text = runner.invoke(app, ["analyze", str(routing_trace)]).output
-    assert "routing trace, 600 requests" in text and "min_est_ttft" in text
+    assert "replica trace, 600 requests" in text and "min_est_ttft" in text
 
 
 def test_why(routing_trace):
@@ -114,3 +114,23 @@ def test_sessions_stick_and_migrate(tmp_path):
     rid = table.requests["id"][table.requests["reason"] == table.reasons.index("session_migrated")][0]
     text = runner.invoke(app, ["replicas", "why", str(tmp_path / "moved.h5"), rid]).output
     assert "reason=session_migrated" in text and "yes" in text  # the owner is marked among the candidates
+
+
+def test_replay_and_compare_take_one_definition_of_each_shared_option():
+    """The 14 options ``replay`` and ``compare`` share are one definition each (``_SHARED_OPTIONS``): the same flags,
+    defaults and help in both commands, and the fields of ``ReplaySettings``; each command's own options stay its own."""
+    import dataclasses
+
+    from moetrace.cli.replicas import _SHARED_OPTIONS, ReplaySettings, replicas_app
+    from typer.main import get_command
+
+    commands = get_command(replicas_app).commands  # type: ignore[attr-defined]
+    params = {name: {p.name: p for p in commands[name].params} for name in ("replay", "compare")}
+    shared = [param.name for param in _SHARED_OPTIONS]
+    assert len(shared) == 14 and [f.name for f in dataclasses.fields(ReplaySettings)] == shared
+    for name in shared:
+        replay, compare = params["replay"][name], params["compare"][name]
+        assert (replay.opts, replay.default, getattr(replay, "help", None)) == (compare.opts, compare.default, getattr(compare, "help", None))
+    # Negative control: what only one command takes is not shared.
+    assert {"policy", "out", "plot_load"} <= set(params["replay"]) - set(params["compare"])
+    assert {"policies", "plot_ttft"} <= set(params["compare"]) - set(params["replay"])

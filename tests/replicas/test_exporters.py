@@ -1,15 +1,15 @@
-"""Routing metrics: Prometheus exposition (bounded labels, histograms) and OpenTelemetry, from one snapshot."""
+"""Replica metrics: Prometheus exposition (bounded labels, histograms) and OpenTelemetry, from one snapshot."""
 
 from __future__ import annotations
 
-from moetrace.exporters import routing
+from moetrace.exporters import replicas
 from prometheus_client import generate_latest
 
-from moetrace.replicas import Candidate, RoutingRecorder
+from moetrace.replicas import Candidate, ReplicaRecorder
 
 
-def _recorder(tmp_path) -> RoutingRecorder:
-    rec = RoutingRecorder(2, output_dir=tmp_path)
+def _recorder(tmp_path) -> ReplicaRecorder:
+    rec = ReplicaRecorder(2, output_dir=tmp_path)
     rec.start_record()
     for i in range(6):
         rid = f"r{i}"
@@ -24,7 +24,7 @@ def _recorder(tmp_path) -> RoutingRecorder:
 
 def test_prometheus(tmp_path):
     rec = _recorder(tmp_path)
-    text = generate_latest(routing.register(rec)).decode()
+    text = generate_latest(replicas.register(rec)).decode()
     rec.close()
     assert 'moetrace_replica_decisions_total{policy="cache_aware",reason="prefix_match",replica="0"} 2.0' in text
     assert 'moetrace_replica_decisions_total{policy="cache_aware",reason="smallest_cache",replica="1"} 1.0' in text
@@ -45,7 +45,7 @@ def test_opentelemetry(tmp_path):
 
     rec = _recorder(tmp_path)
     reader = InMemoryMetricReader()
-    handle = routing.instrument(rec, meter_provider=MeterProvider(metric_readers=[reader]))
+    handle = replicas.create_otel_instruments(rec, meter_provider=MeterProvider(metric_readers=[reader]))
     data = reader.get_metrics_data()
     points = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
     decisions = {(p.attributes["replica"], p.attributes["reason"]): p.value for p in points["moetrace.replica.decisions"].data.data_points}
@@ -62,11 +62,11 @@ def test_grafana_routing_dashboard_uses_exported_metrics(tmp_path):
     import re
     from pathlib import Path
 
-    dashboard = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana-routing-dashboard.json").read_text())
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana-replicas-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]] + [v["query"]["query"] for v in dashboard["templating"]["list"]]
     used = {re.sub(r"_(bucket|count|sum)$", "", m) for e in exprs for m in re.findall(r"\bmoetrace_[a-z0-9_]+\b", e)}
     rec = _recorder(tmp_path)
-    text = generate_latest(routing.register(rec)).decode()
+    text = generate_latest(replicas.register(rec)).decode()
     rec.close()
     exposed = set(re.findall(r"^# TYPE (moetrace_[a-z0-9_]+)", text, re.M))
     exposed |= {f"{name}_total" for name in exposed}

@@ -1,6 +1,6 @@
 """Live: 3 reference replica processes behind the router serve 48 requests (shared prefixes, 3-turn sessions).
 
-The routing trace must hold exactly what the replicas counted (decisions per
+The replica trace must hold exactly what the replicas counted (decisions per
 replica, cached tokens, queue waits and TTFTs), the prefix cache must really be
 used, and every output must equal a plain unrouted run.
 """
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from moetrace.drivers.live import LiveCluster, Session, run_sessions, run_unrouted
-from moetrace.replicas import RoutingRecorder
-from moetrace.trace.requests import read_requests
+from moetrace.replicas import ReplicaRecorder
+from moetrace.trace.replica_requests import read_requests
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def _sessions() -> list[Session]:
 def live_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("live")
     sessions = _sessions()
-    rec = RoutingRecorder(3, output_dir=out, block_size=16, engine="moetrace.reference")
+    rec = ReplicaRecorder(3, output_dir=out, block_size=16, engine="moetrace.reference")
     rec.start_record()
     with LiveCluster(3, "cache_aware", recorder=rec, cache_blocks=64, block_size=16) as cluster:
         outputs = run_sessions(cluster, sessions)

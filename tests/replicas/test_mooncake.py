@@ -17,7 +17,7 @@ import pytest
 from moetrace.replicas.analysis import summarize
 from moetrace.replicas.simulate import REFERENCE_COST, scale_to_utilization, simulate
 from moetrace.replicas.workload import load_trace
-from moetrace.trace.requests import read_requests
+from moetrace.trace.replica_requests import read_requests
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""RoutingRecorder: lifecycle, trace round trip, snapshot counters, threads, bounded memory."""
+"""ReplicaRecorder: lifecycle, trace round trip, snapshot counters, threads, bounded memory."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import moetrace
-from moetrace.replicas import LATENCY_BUCKETS, Candidate, RoutingRecorder, RoutingStateError
-from moetrace.trace.requests import read_requests
+from moetrace.replicas import LATENCY_BUCKETS, Candidate, ReplicaRecorder, ReplicaStateError
+from moetrace.trace.replica_requests import read_requests
 
 
-def _drive(rec: RoutingRecorder, rid: str, replica: int, t: float, finish: bool = True) -> None:
+def _drive(rec: ReplicaRecorder, rid: str, replica: int, t: float, finish: bool = True) -> None:
     cands = [Candidate(r, queue=r, match_tokens=10 * r, match_blocks=r) for r in range(rec.num_replicas)]
     rec.on_arrival(rid, 100, session="s", t=t)
     rec.on_decision(rid, replica, "cache_aware", "prefix_match", cands, t=t + 0.01)
@@ -26,7 +26,7 @@ def _drive(rec: RoutingRecorder, rid: str, replica: int, t: float, finish: bool 
 
 
 def test_round_trip_and_snapshot(tmp_path):
-    rec = RoutingRecorder(3, output_dir=tmp_path, chunk_rows=4, block_size=16)
+    rec = ReplicaRecorder(3, output_dir=tmp_path, chunk_rows=4, block_size=16)
     _drive(rec, "ignored", 0, 0.0)  # not recording: a no-op
     rec.start_record()
     for i in range(10):
@@ -60,24 +60,24 @@ def test_round_trip_and_snapshot(tmp_path):
 
 
 def test_state_errors(tmp_path):
-    rec = RoutingRecorder(2, output_dir=tmp_path)
-    with pytest.raises(RoutingStateError, match="start_record"):
+    rec = ReplicaRecorder(2, output_dir=tmp_path)
+    with pytest.raises(ReplicaStateError, match="start_record"):
         rec.dump_record()
     rec.start_record()
-    with pytest.raises(RoutingStateError, match="not in flight"):
+    with pytest.raises(ReplicaStateError, match="not in flight"):
         rec.on_decision("nope", 0, "random", "random")
     rec.on_arrival("a", 1)
-    with pytest.raises(RoutingStateError, match="outside"):
+    with pytest.raises(ReplicaStateError, match="outside"):
         rec.on_decision("a", 5, "random", "random")
-    with pytest.raises(RoutingStateError, match="unknown"):
+    with pytest.raises(ReplicaStateError, match="unknown"):
         rec.on_decision("a", 0, "fastest", "random")
     with pytest.raises(ValueError, match="positive"):
-        RoutingRecorder(0)
+        ReplicaRecorder(0)
     rec.close()
 
 
 def test_threads(tmp_path):
-    rec = RoutingRecorder(4, output_dir=tmp_path, chunk_rows=64)
+    rec = ReplicaRecorder(4, output_dir=tmp_path, chunk_rows=64)
     rec.start_record()
 
     def worker(k: int) -> None:
@@ -98,7 +98,7 @@ def test_threads(tmp_path):
 
 def test_memory_is_bounded(tmp_path):
     """Host memory after 25k decisions is no larger than after 5k: rows stream to the segment file."""
-    rec = RoutingRecorder(8, output_dir=tmp_path, chunk_rows=1024)
+    rec = ReplicaRecorder(8, output_dir=tmp_path, chunk_rows=1024)
     rec.start_record()
     cands = [Candidate(r) for r in range(8)]
 
@@ -133,8 +133,8 @@ def test_import_moetrace_stays_lean():
 
 
 def test_writer_failure_is_reported_at_dump_and_reset_recovers(tmp_path, monkeypatch):
-    """A failed background append surfaces as RoutingStateError at dump_record; after reset() recording works again."""
-    rec = RoutingRecorder(2, output_dir=tmp_path, chunk_rows=64)
+    """A failed background append surfaces as ReplicaStateError at dump_record; after reset() recording works again."""
+    rec = ReplicaRecorder(2, output_dir=tmp_path, chunk_rows=64)
     rec.start_record()
     _drive(rec, "a", 0, 0.0)
 
@@ -142,7 +142,7 @@ def test_writer_failure_is_reported_at_dump_and_reset_recovers(tmp_path, monkeyp
         raise OSError("disk full")
 
     monkeypatch.setattr(rec._segment.writer, "append", broken)
-    with pytest.raises(RoutingStateError, match=r"background trace writer failed \(disk full\); call reset\(\)"):
+    with pytest.raises(ReplicaStateError, match=r"background trace writer failed \(disk full\); call reset\(\)"):
         rec.dump_record(tmp_path / "bad.h5")
     assert not (tmp_path / "bad.h5").exists()
     rec.reset()
@@ -154,7 +154,7 @@ def test_writer_failure_is_reported_at_dump_and_reset_recovers(tmp_path, monkeyp
 
 def test_reset_while_recording_keeps_recording_and_dumps(tmp_path):
     """reset() while recording forgets what was recorded and goes on recording; the next dump holds what followed."""
-    rec = RoutingRecorder(2, output_dir=tmp_path)
+    rec = ReplicaRecorder(2, output_dir=tmp_path)
     rec.start_record()
     _drive(rec, "a", 0, 0.0)
     rec.reset()

@@ -22,8 +22,8 @@ import pytest
 from moetrace.drivers.http_replica import record_response
 from moetrace.drivers.live import run_unrouted
 from moetrace.reference import free_port
-from moetrace.replicas import RoutingRecorder
-from moetrace.trace.requests import read_requests
+from moetrace.replicas import ReplicaRecorder
+from moetrace.trace.replica_requests import read_requests
 
 from .test_live import _sessions
 
@@ -79,7 +79,7 @@ def deployment(tmp_path_factory):
             except OSError:
                 time.sleep(0.5)
         sessions = _sessions()
-        rec = RoutingRecorder(3, output_dir=out, block_size=16, engine="sglang-router")
+        rec = ReplicaRecorder(3, output_dir=out, block_size=16, engine="sglang-router")
         rec.start_record()
         outputs: dict[str, list[int]] = {}
         lock = threading.Lock()

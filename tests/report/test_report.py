@@ -1,4 +1,4 @@
-"""``moetrace report`` in a real headless Chromium: an HF adapter trace with routes, a routing trace,
+"""``moetrace report`` in a real headless Chromium: an HF adapter trace with routes, a replica trace,
 sections only where the data is, bounded size, and the same errors as ``analyze``.
 
 The demo's own report (reference runtime, 2 EP ranks, per-rank files and merged) is opened in

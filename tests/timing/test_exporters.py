@@ -65,7 +65,7 @@ def test_no_timing_no_histogram_series(tmp_path):
 def test_otel_phase_time_and_count(tmp_path):
     rec = _recorder(tmp_path)
     reader = InMemoryMetricReader()
-    otel.instrument(MeterProvider(metric_readers=[reader]), rec)
+    otel.create_otel_instruments(MeterProvider(metric_readers=[reader]), rec)
     points = {}
     for resource in reader.get_metrics_data().resource_metrics:
         for scope in resource.scope_metrics:

@@ -2,14 +2,14 @@
 
 Usage::
 
-    from moetrace.labels import LabelLoad
-    from moetrace.exporters import labels
+    from moetrace.label_load import LabelLoad
+    from moetrace.exporters import label_load
     load = LabelLoad(num_layers=L, num_experts=E, key="tenant")
     registry = labels.register(load, top=10)           # Prometheus, a private registry by default
-    handle = labels.instrument(load, top=10)           # OpenTelemetry observable gauges
+    handle = labels.create_otel_instruments(load, top=10)  # OpenTelemetry observable instruments
 
 Cardinality is bounded: the ``top`` labels by tokens, plus ``other`` for the
-rest (and :class:`~moetrace.labels.LabelLoad` tracks at most ``max_tracked``
+rest (and :class:`~moetrace.label_load.LabelLoad` tracks at most ``max_tracked``
 values exactly). Every series carries ``label_key`` (the label name) and
 ``label`` (its value). Values come from the snapshot; nothing is computed here.
 """
@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import Metric
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import CollectorRegistry
 
-from moetrace.labels import LabelLoad, LabelLoadSnapshot
+from moetrace.label_load import LabelLoad, LabelLoadSnapshot
+from moetrace.lazy import renamed_attributes
 
-from .spec import MetricSpec, otel_instrument, prom_family
+from .spec import MetricSpec, SnapshotCollector, moetrace_meter, observe_specs
 
-__all__ = ["LABEL_METRICS", "LabelCollector", "instrument", "register"]
+__all__ = ["LABEL_METRICS", "LabelCollector", "create_otel_instruments", "register"]
 
 _DIMS = ("label_key", "label")
 
@@ -49,27 +49,13 @@ def _samples(spec: MetricSpec, snap: LabelLoadSnapshot) -> Iterator[tuple[dict[s
         yield {"label_key": snap.key, "label": name}, float(value)
 
 
-class LabelCollector(Collector):
+class LabelCollector(SnapshotCollector):
     """Prometheus collector: one ``load.snapshot(top)`` per scrape."""
 
     def __init__(self, load: LabelLoad, top: int = 10) -> None:
         if top < 1:
             raise ValueError(f"top must be positive, got {top}")
-        self._load, self._top = load, top
-
-    def describe(self) -> Iterator[Metric]:
-        return self._families(None)
-
-    def collect(self) -> Iterator[Metric]:
-        return self._families(self._load.snapshot(self._top))
-
-    def _families(self, snap: LabelLoadSnapshot | None) -> Iterator[Metric]:
-        for spec in LABEL_METRICS:
-            family = prom_family(spec, spec.dims)
-            if snap is not None:
-                for labels, value in _samples(spec, snap):
-                    family.add_metric(list(labels.values()), value)
-            yield family
+        super().__init__(LABEL_METRICS, _samples, lambda: load.snapshot(top))
 
 
 def register(load: LabelLoad, registry: CollectorRegistry | None = None, top: int = 10) -> CollectorRegistry:
@@ -79,18 +65,10 @@ def register(load: LabelLoad, registry: CollectorRegistry | None = None, top: in
     return registry
 
 
-def instrument(load: LabelLoad, top: int = 10, meter_provider: object | None = None) -> dict[str, object]:
-    """Observable OpenTelemetry instruments on the ``moetrace`` meter (API only; no global provider is set)."""
-    from opentelemetry import metrics
-    from opentelemetry.metrics import CallbackOptions, Observation
+def create_otel_instruments(load: LabelLoad, top: int = 10, meter_provider: object | None = None) -> dict[str, object]:
+    """Observable OpenTelemetry instruments on the ``moetrace`` meter, one ``load.snapshot(top)`` per callback
+    (API only; no global provider is set). Returns ``{instrument name: instrument}``."""
+    return observe_specs(moetrace_meter(meter_provider), LABEL_METRICS, _samples, lambda: load.snapshot(top))
 
-    from moetrace._version import __version__
 
-    provider = meter_provider if meter_provider is not None else metrics.get_meter_provider()
-    meter = provider.get_meter("moetrace", __version__)  # type: ignore[attr-defined]
-    out: dict[str, object] = {}
-    for spec in LABEL_METRICS:
-        def callback(options: CallbackOptions, spec: MetricSpec = spec) -> list[Observation]:
-            return [Observation(v, labels) for labels, v in _samples(spec, load.snapshot(top))]
-        _, out[spec.otel_name] = otel_instrument(meter, spec, callback)
-    return out
+__getattr__ = renamed_attributes(__name__, {"instrument": "create_otel_instruments"}, globals().__getitem__)

@@ -1,4 +1,4 @@
-"""``RoutingRecorder``: request→replica routing decisions and their outcomes.
+"""``ReplicaRecorder``: request→replica decisions and their outcomes.
 
 Same lifecycle as the expert recorder (``start_record`` / ``stop_record`` /
 ``dump_record`` / ``snapshot``). A router calls the hooks::
@@ -19,9 +19,9 @@ segment file next to the dumps. Memory is bounded by the requests in flight
 plus two chunks, however many requests pass. Live counters (decisions by
 replica/policy/reason, hit/miss/regret tokens, queue length and running
 requests per replica, wait and TTFT histograms per replica) back
-:meth:`RoutingRecorder.snapshot` for the exporters.
+:meth:`ReplicaRecorder.snapshot` for the exporters.
 
-Over 500 lines: the RoutingRecorder's lifecycle, its bounded row buffers and the builder of
+Over 500 lines: the ReplicaRecorder's lifecycle, its bounded row buffers and the builder of
 its ``/requests`` columns share one record layout.
 """
 
@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..trace.requests import RoutingHeader, routing_attrs
+from ..trace.replica_requests import ReplicaHeader, replica_attrs
 from ..trace.schema import CANDIDATE_FIELDS, MIGRATION_FIELDS, REQUEST_FIELDS, Data, dataset
 from ..trace.stream import BackgroundTraceWriter, StreamJob
 from ..trace.writer import TraceWriter, check_writable_dir
@@ -51,9 +51,9 @@ __all__ = [
     "POLICIES",
     "REASONS",
     "Candidate",
-    "RoutingRecorder",
-    "RoutingSnapshot",
-    "RoutingStateError",
+    "ReplicaRecorder",
+    "ReplicaSnapshot",
+    "ReplicaStateError",
 ]
 
 #: Policy codes stored in ``/requests/policy`` (``external``: a router we only observe).
@@ -77,7 +77,7 @@ REASONS = (
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
 
 
-class RoutingStateError(RuntimeError):
+class ReplicaStateError(RuntimeError):
     """A hook or lifecycle call that does not fit the recorder's state; the message says what to do."""
 
 
@@ -101,7 +101,7 @@ class Candidate(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class RoutingSnapshot:
+class ReplicaSnapshot:
     """Host copy of the live counters (cumulative since ``start_record``).
 
     Attributes:
@@ -139,7 +139,7 @@ class _Segment:
 
     def __init__(self, writer: TraceWriter, max_pending: int = 2) -> None:
         self.writer = writer
-        self._background = BackgroundTraceWriter(self, max_pending=max_pending, name="moetrace-routing-writer")
+        self._background = BackgroundTraceWriter(self, max_pending=max_pending, name="moetrace-replicas-writer")
 
     @property
     def error(self) -> BaseException | None:
@@ -168,8 +168,8 @@ _ID, _SEQ, _SESSION, _ARR, _DEC, _START, _FIRST, _FIN, _REP, _POL, _REA, _IN, _C
 _NAN = math.nan
 
 
-class RoutingRecorder:
-    """Records request→replica routing; see the module docstring.
+class ReplicaRecorder:
+    """Records which replica each request goes to, and why; see the module docstring.
 
     Args:
         num_replicas: replicas behind the router (sizes the counters; replica ids ``0..R-1``).
@@ -268,8 +268,8 @@ class RoutingRecorder:
 
     def _open_segment(self) -> None:
         directory = check_writable_dir(self.output_dir)
-        path = directory / f".moetrace-routing-segment-{os.getpid()}-{uuid.uuid4().hex[:8]}.h5"
-        self._segment = _Segment(TraceWriter(path, RoutingHeader.make(self.engine, self.model)))
+        path = directory / f".moetrace-replicas-segment-{os.getpid()}-{uuid.uuid4().hex[:8]}.h5"
+        self._segment = _Segment(TraceWriter(path, ReplicaHeader.make(self.engine, self.model)))
         self._cand_rows = 0
 
     def _close_segment(self, discard: bool) -> TraceWriter | None:
@@ -290,7 +290,7 @@ class RoutingRecorder:
         t = self.clock() if t is None else t
         with self._lock:
             if request_id in self._pending:
-                raise RoutingStateError(f"request id {request_id!r} arrived twice while in flight; request ids must be unique")
+                raise ReplicaStateError(f"request id {request_id!r} arrived twice while in flight; request ids must be unique")
             self._pending[request_id] = [request_id, self._seq, session or "", t, _NAN, _NAN, _NAN, _NAN, -1, -1, -1,
                                          int(input_tokens), -1, -1, -1, -1, ()]
             self._seq += 1
@@ -304,11 +304,11 @@ class RoutingRecorder:
         with self._lock:
             rec = self._record(request_id, "on_decision")
             if not 0 <= replica < self.num_replicas:
-                raise RoutingStateError(f"replica {replica} is outside [0, num_replicas={self.num_replicas})")
+                raise ReplicaStateError(f"replica {replica} is outside [0, num_replicas={self.num_replicas})")
             pol = self._policy_code.get(policy)
             rea = self._reason_code.get(reason)
             if pol is None or rea is None:
-                raise RoutingStateError(f"policy {policy!r} / reason {reason!r} unknown; use one of {POLICIES} / {REASONS}")
+                raise ReplicaStateError(f"policy {policy!r} / reason {reason!r} unknown; use one of {POLICIES} / {REASONS}")
             predicted = best = 0
             for c in candidates:
                 if c[0] == replica:
@@ -360,7 +360,7 @@ class RoutingRecorder:
         with self._lock:
             rec = self._pending.pop(request_id, None)
             if rec is None:
-                raise RoutingStateError(f"on_finish for request {request_id!r}, which is not in flight; call on_arrival first")
+                raise ReplicaStateError(f"on_finish for request {request_id!r}, which is not in flight; call on_arrival first")
             rec[_FIN], rec[_OUT], rec[_CACHED] = t, int(output_tokens), int(cached_tokens)
             r = rec[_REP]
             if r >= 0:
@@ -387,7 +387,7 @@ class RoutingRecorder:
     def _record(self, request_id: str, hook: str) -> list:
         rec = self._pending.get(request_id)
         if rec is None:
-            raise RoutingStateError(f"{hook} for request {request_id!r}, which is not in flight; call on_arrival first")
+            raise ReplicaStateError(f"{hook} for request {request_id!r}, which is not in flight; call on_arrival first")
         return rec
 
     # ------------------------------------------------------------------ streaming
@@ -406,7 +406,7 @@ class RoutingRecorder:
 
     # ------------------------------------------------------------------ dump
     def dump_record(self, path: str | Path | None = None) -> Path:
-        """Write a routing trace atomically: the requests since the previous dump.
+        """Write a replica trace atomically: the requests since the previous dump.
 
         Requests still in flight are included with ``finished = 0`` (their
         missing times ``nan``) and stay in flight: a later dump has them again,
@@ -414,24 +414,24 @@ class RoutingRecorder:
         """
         with self._lock:
             if not self._started or self._segment is None:
-                raise RoutingStateError("nothing recorded yet: call start_record() before dump_record()")
-            target = Path(path) if path is not None else self.output_dir / f"moetrace-routing-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.h5"
+                raise ReplicaStateError("nothing recorded yet: call start_record() before dump_record()")
+            target = Path(path) if path is not None else self.output_dir / f"moetrace-replicas-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.h5"
             if target.suffix != ".h5":
                 target = target.with_name(target.name + ".h5")
             self._flush(include_pending=True)
             segment = self._segment
             segment.drain()
             if segment.error is not None:
-                raise RoutingStateError(f"the background trace writer failed ({segment.error}); call reset() and record again") from segment.error
+                raise ReplicaStateError(f"the background trace writer failed ({segment.error}); call reset() and record again") from segment.error
             source = segment.writer
             for group, fields in ((Data.REQUESTS, REQUEST_FIELDS), (Data.REQUESTS_CANDIDATES, CANDIDATE_FIELDS), (Data.REQUESTS_MIGRATIONS, MIGRATION_FIELDS)):
                 for name, dtype in fields.items():
                     source.ensure_empty(dataset(group, name), (), dtype)
             source.flush()
-            writer = TraceWriter(target, RoutingHeader.make(self.engine, self.model))
+            writer = TraceWriter(target, ReplicaHeader.make(self.engine, self.model))
             try:
                 writer.copy_group(source, Data.REQUESTS)
-                for key, value in routing_attrs(list(POLICIES), list(REASONS), self.num_replicas, self.block_size, self.clock_name).items():
+                for key, value in replica_attrs(list(POLICIES), list(REASONS), self.num_replicas, self.block_size, self.clock_name).items():
                     writer.set_attr(key, value)
                 written = writer.commit()
             except BaseException:
@@ -443,10 +443,10 @@ class RoutingRecorder:
             return written
 
     # ------------------------------------------------------------------ snapshot
-    def snapshot(self) -> RoutingSnapshot:
+    def snapshot(self) -> ReplicaSnapshot:
         """Copies of the live counters (cheap; never waits for the writer)."""
         with self._lock:
-            return RoutingSnapshot(
+            return ReplicaSnapshot(
                 timestamp=time.time(), recording=self._recording, num_replicas=self.num_replicas,
                 decisions=self._decisions.copy(), hit_tokens=np.array(self._hit), miss_tokens=np.array(self._miss),
                 regret_tokens=np.array(self._regret), queue_length=np.array(self._queue), running=np.array(self._running),

@@ -1,10 +1,10 @@
-"""Request→replica routing metrics for Prometheus and OpenTelemetry, read from ``RoutingRecorder.snapshot()``.
+"""Request→replica metrics for Prometheus and OpenTelemetry, read from ``ReplicaRecorder.snapshot()``.
 
 Usage::
 
-    from moetrace.exporters import routing
-    registry = routing.register(recorder)                    # Prometheus: a collector on a (private) registry
-    handle = routing.instrument(recorder, meter_provider=p)  # OpenTelemetry: observable instruments
+    from moetrace.exporters import replicas
+    registry = replicas.register(recorder)                                 # Prometheus: a collector on a (private) registry
+    handle = replicas.create_otel_instruments(recorder, meter_provider=p)  # OpenTelemetry: observable instruments
 
 Same conventions as :mod:`moetrace.exporters.catalog`: one
 :class:`~moetrace.exporters.spec.MetricSpec` per metric names it for both exporters (Prometheus:
@@ -27,18 +27,27 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 from prometheus_client.core import HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import CollectorRegistry
 
-from moetrace.replicas import LATENCY_BUCKETS, POLICIES, REASONS, RoutingRecorder, RoutingSnapshot
+from moetrace.lazy import renamed_attributes
+from moetrace.replicas import LATENCY_BUCKETS, POLICIES, REASONS, ReplicaRecorder, ReplicaSnapshot
 
-from .spec import MetricSpec, otel_instrument, prom_family
+from .spec import (
+    MetricSpec,
+    SnapshotCollector,
+    moetrace_meter,
+    observe_specs,
+    otel_instrument,
+    prom_family,
+)
 
-__all__ = ["ROUTING_HISTOGRAMS", "ROUTING_METRICS", "RoutingCollector", "instrument", "register", "routing_samples"]
+__all__ = ["REPLICA_HISTOGRAMS", "REPLICA_METRICS", "ReplicaCollector", "ReplicaInstruments", "create_otel_instruments", "register",
+           "replica_samples"]
 
 
-ROUTING_METRICS: tuple[MetricSpec, ...] = (
+REPLICA_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("moetrace_replica_decisions_total", "moetrace.replica.decisions", "counter", "{decision}", ("replica", "policy", "reason"),
-                      "Routing decisions by chosen replica, policy and the rule that decided.", "", lambda s: s.decisions),
+                      "The router's decisions by chosen replica, policy and the rule that decided.", "", lambda s: s.decisions),
     MetricSpec("moetrace_replica_hit_tokens_total", "moetrace.replica.hit_tokens", "counter", "{token}", ("replica",),
                       "Prompt tokens the replica served from its prefix cache (as it counted them).", "", lambda s: s.hit_tokens),
     MetricSpec("moetrace_replica_miss_tokens_total", "moetrace.replica.miss_tokens", "counter", "{token}", ("replica",),
@@ -56,7 +65,7 @@ ROUTING_METRICS: tuple[MetricSpec, ...] = (
 )
 """Counters and gauges."""
 
-ROUTING_HISTOGRAMS: tuple[MetricSpec, ...] = (
+REPLICA_HISTOGRAMS: tuple[MetricSpec, ...] = (
     MetricSpec("moetrace_replica_queue_wait_seconds", "moetrace.replica.queue_wait", "histogram", "s", ("replica",),
                       "Arrival at the router to prefill start, per replica.", "", lambda s: (s.wait_buckets, s.wait_sum)),
     MetricSpec("moetrace_replica_ttft_seconds", "moetrace.replica.ttft", "histogram", "s", ("replica",),
@@ -67,7 +76,7 @@ ROUTING_HISTOGRAMS: tuple[MetricSpec, ...] = (
 _NAMES = {"policy": POLICIES, "reason": REASONS}
 
 
-def routing_samples(spec: MetricSpec, snap: RoutingSnapshot) -> Iterator[tuple[dict[str, str], int | float]]:
+def replica_samples(spec: MetricSpec, snap: ReplicaSnapshot) -> Iterator[tuple[dict[str, str], int | float]]:
     """``(labels, value)`` of each series of a counter/gauge ``spec``; decision series only where non-zero."""
     value = spec.value(snap)
     if not spec.dims:
@@ -80,7 +89,7 @@ def routing_samples(spec: MetricSpec, snap: RoutingSnapshot) -> Iterator[tuple[d
         yield labels, int(item) if array.dtype.kind in "iub" else float(item)
 
 
-def _histogram(spec: MetricSpec, snap: RoutingSnapshot) -> Iterator[tuple[str, list[tuple[str, float]], float]]:
+def _histogram(spec: MetricSpec, snap: ReplicaSnapshot) -> Iterator[tuple[str, list[tuple[str, float]], float]]:
     buckets, sums = spec.value(snap)  # type: ignore[misc]
     for r in range(snap.num_replicas):
         cumulative = np.cumsum(buckets[r])
@@ -88,26 +97,16 @@ def _histogram(spec: MetricSpec, snap: RoutingSnapshot) -> Iterator[tuple[str, l
         yield str(r), pairs, float(sums[r])
 
 
-class RoutingCollector(Collector):
+class ReplicaCollector(SnapshotCollector):
     """Prometheus collector: one ``recorder.snapshot()`` per scrape."""
 
-    def __init__(self, recorder: RoutingRecorder) -> None:
-        self._recorder = recorder
+    def __init__(self, recorder: ReplicaRecorder) -> None:
+        super().__init__(REPLICA_METRICS, replica_samples, recorder.snapshot)
 
-    def describe(self) -> Iterator[Metric]:
-        return self._families(None)
-
-    def collect(self) -> Iterator[Metric]:
-        return self._families(self._recorder.snapshot())
-
-    def _families(self, snap: RoutingSnapshot | None) -> Iterator[Metric]:
-        for spec in ROUTING_METRICS:
-            family = prom_family(spec, spec.dims)
-            if snap is not None:
-                for labels, value in routing_samples(spec, snap):
-                    family.add_metric(list(labels.values()), value)
-            yield family
-        for spec in ROUTING_HISTOGRAMS:
+    def families(self, snap: ReplicaSnapshot | None) -> Iterator[Metric]:
+        """The counters' and gauges' families, then the wait and TTFT histograms."""
+        yield from super().families(snap)
+        for spec in REPLICA_HISTOGRAMS:
             hist = prom_family(spec, spec.dims)
             assert isinstance(hist, HistogramMetricFamily)
             if snap is not None:
@@ -116,15 +115,15 @@ class RoutingCollector(Collector):
             yield hist
 
 
-def register(recorder: RoutingRecorder, registry: CollectorRegistry | None = None) -> CollectorRegistry:
-    """Register a :class:`RoutingCollector` for ``recorder`` on ``registry`` (a new private one when ``None``)."""
+def register(recorder: ReplicaRecorder, registry: CollectorRegistry | None = None) -> CollectorRegistry:
+    """Register a :class:`ReplicaCollector` for ``recorder`` on ``registry`` (a new private one when ``None``)."""
     registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-    registry.register(RoutingCollector(recorder))
+    registry.register(ReplicaCollector(recorder))
     return registry
 
 
 @dataclasses.dataclass
-class RoutingInstruments:
+class ReplicaInstruments:
     """Handle of the OpenTelemetry instruments; ``close()`` stops reporting."""
 
     instruments: dict[str, object]
@@ -134,27 +133,21 @@ class RoutingInstruments:
         self.closed = True
 
 
-def instrument(recorder: RoutingRecorder, meter_provider: object | None = None) -> RoutingInstruments:
+def create_otel_instruments(recorder: ReplicaRecorder, meter_provider: object | None = None) -> ReplicaInstruments:
     """Observable OpenTelemetry instruments on the ``moetrace`` meter for ``recorder`` (API only; no global provider is set)."""
-    from opentelemetry import metrics
     from opentelemetry.metrics import CallbackOptions, Observation
 
-    from moetrace._version import __version__
+    meter = moetrace_meter(meter_provider)
+    handle = ReplicaInstruments({})
+    handle.instruments.update(observe_specs(meter, REPLICA_METRICS, replica_samples, recorder.snapshot, closed=lambda: handle.closed))
 
-    provider = meter_provider if meter_provider is not None else metrics.get_meter_provider()
-    meter = provider.get_meter("moetrace", __version__)  # type: ignore[attr-defined]
-    handle = RoutingInstruments({})
-
-    def observe(produce: Callable[[RoutingSnapshot], Iterable[Observation]]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def observe(produce: Callable[[ReplicaSnapshot], Iterable[Observation]]) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def callback(options: CallbackOptions) -> Iterable[Observation]:
             return [] if handle.closed else list(produce(recorder.snapshot()))
         return callback
 
-    for spec in ROUTING_METRICS:
-        cb = observe(lambda snap, spec=spec: (Observation(v, labels) for labels, v in routing_samples(spec, snap)))
-        _, handle.instruments[spec.otel_name] = otel_instrument(meter, spec, cb)
-    for spec in ROUTING_HISTOGRAMS:
-        def parts(snap: RoutingSnapshot, spec: MetricSpec = spec) -> Iterator[tuple[str, Observation]]:
+    for spec in REPLICA_HISTOGRAMS:
+        def parts(snap: ReplicaSnapshot, spec: MetricSpec = spec) -> Iterator[tuple[str, Observation]]:
             for replica, pairs, total in _histogram(spec, snap):
                 for le, count in pairs:
                     yield "bucket", Observation(count, {"replica": replica, "le": le})
@@ -165,3 +158,9 @@ def instrument(recorder: RoutingRecorder, meter_provider: object | None = None) 
             name, instrument = otel_instrument(meter, spec, cb, suffix=f".{part}", unit=unit)
             handle.instruments[name] = instrument
     return handle
+
+
+__getattr__ = renamed_attributes(__name__, {
+    "instrument": "create_otel_instruments", "routing_samples": "replica_samples", "ROUTING_METRICS": "REPLICA_METRICS",
+    "ROUTING_HISTOGRAMS": "REPLICA_HISTOGRAMS", "RoutingCollector": "ReplicaCollector", "RoutingInstruments": "ReplicaInstruments",
+}, globals().__getitem__)

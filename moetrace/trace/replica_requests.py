@@ -1,6 +1,6 @@
-"""The ``/requests`` group of an HDF5 trace: request→replica routing decisions and outcomes.
+"""The ``/requests`` group of an HDF5 trace: request→replica decisions and outcomes.
 
-:class:`~moetrace.replicas.RoutingRecorder` writes it; :func:`read_requests`
+:class:`~moetrace.replicas.ReplicaRecorder` writes it; :func:`read_requests`
 reads it back. One row per request in ``/requests/*`` (finish order), one row
 per candidate replica considered at its decision in ``/requests/candidates/*``
 (``cand_start .. cand_start+cand_count-1`` of its request), one row per session
@@ -17,8 +17,8 @@ import h5py
 import numpy as np
 
 from . import integrity
-from .guarded import open_hdf5
 from .integrity import reading
+from .safe_open import open_hdf5
 from .schema import (
     CANDIDATE_FIELDS,
     MIGRATION_FIELDS,
@@ -32,25 +32,25 @@ from .schema import (
 
 __all__ = [
     "ROUTING_MODE",
+    "ReplicaHeader",
     "RequestTable",
-    "RoutingHeader",
-    "is_routing_trace",
+    "is_replica_trace",
     "read_requests",
-    "routing_attrs",
+    "replica_attrs",
 ]
 
 ROUTING_MODE = "routing"
 
 @dataclasses.dataclass(frozen=True)
-class RoutingHeader(TraceHeader):
-    """Root attributes of a routing trace (no expert layers: ``num_logical_experts`` is 0)."""
+class ReplicaHeader(TraceHeader):
+    """Root attributes of a replica trace (no expert layers: ``num_logical_experts`` is 0)."""
 
     @property
     def num_logical_experts(self) -> int:
         return 0
 
     @classmethod
-    def make(cls, engine: str = "", model: str = "") -> RoutingHeader:
+    def make(cls, engine: str = "", model: str = "") -> ReplicaHeader:
         return cls(mode=ROUTING_MODE, id_space="replica", num_layers=0, num_physical_experts=0, top_k=0, ep_size=1,
                    layer_ids=np.zeros(0, np.int32), physical_to_logical=np.zeros((0, 0), np.int32), model=model, engine=engine)
 
@@ -91,13 +91,13 @@ class RequestTable:
         return int(hits[0])
 
 
-def routing_attrs(policies: list[str], reasons: list[str], num_replicas: int, block_size: int, clock: str) -> dict[str, object]:
-    """Root attributes a routing trace carries (prefix ``routing_``; see :class:`RequestTable`)."""
+def replica_attrs(policies: list[str], reasons: list[str], num_replicas: int, block_size: int, clock: str) -> dict[str, object]:
+    """Root attributes a replica trace carries (prefix ``routing_``; see :class:`RequestTable`)."""
     return {Attr.ROUTING_POLICIES: policies, Attr.ROUTING_REASONS: reasons, Attr.ROUTING_NUM_REPLICAS: num_replicas,
             Attr.ROUTING_BLOCK_SIZE: block_size, Attr.ROUTING_CLOCK: clock}
 
 
-def is_routing_trace(path: str | Path) -> bool:
+def is_replica_trace(path: str | Path) -> bool:
     """Whether ``path`` is a moetrace trace holding a ``/requests`` group."""
     try:
         with open_hdf5(path) as f:
@@ -110,7 +110,7 @@ def _columns(group: h5py.Group, fields: dict[str, np.dtype], where: str) -> dict
     out = {}
     for name, dtype in fields.items():
         if name not in group:
-            raise TraceError(f"{where}/{name} is missing; the trace is not a complete routing trace")
+            raise TraceError(f"{where}/{name} is missing; the trace is not a complete replica trace")
         dset = group[name]
         out[name] = dset.asstr()[...] if dtype == STRING_DTYPE else dset[...]
         if dtype == STRING_DTYPE:
@@ -126,7 +126,7 @@ def read_requests(path: str | Path) -> RequestTable:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; pass a routing trace written by `moetrace replicas replay --out` or RoutingRecorder.dump_record()")
+        raise FileNotFoundError(f"{path} does not exist; pass a replica trace written by `moetrace replicas replay --out` or ReplicaRecorder.dump_record()")
     try:
         f = open_hdf5(path)
     except OSError as exc:
@@ -138,12 +138,12 @@ def read_requests(path: str | Path) -> RequestTable:
                 name, problem = next(iter(problems.items()))
                 raise TraceError(integrity.damage_message(path, "the root" if name == "/" else name, problem))
         if Data.REQUESTS not in f:
-            raise TraceError(f"{path} has no /requests group; it is not a routing trace (record one with RoutingRecorder or `moetrace replicas replay --out`)")
+            raise TraceError(f"{path} has no /requests group; it is not a replica trace (record one with ReplicaRecorder or `moetrace replicas replay --out`)")
         g = f[Data.REQUESTS]
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
         missing = [k for k in (Attr.ROUTING_POLICIES, Attr.ROUTING_REASONS, Attr.ROUTING_NUM_REPLICAS, Attr.ROUTING_BLOCK_SIZE, Attr.ROUTING_CLOCK) if k not in attrs]
         if missing:
-            raise TraceError(f"{path} lacks the root attributes {missing}; it is not a complete routing trace")
+            raise TraceError(f"{path} lacks the root attributes {missing}; it is not a complete replica trace")
         return RequestTable(
             requests=_columns(g, REQUEST_FIELDS, f"/{Data.REQUESTS}"),
             candidates=_columns(f[Data.REQUESTS_CANDIDATES], CANDIDATE_FIELDS, Data.REQUESTS_CANDIDATES),
