@@ -18,6 +18,7 @@ from . import (
     timeline,
     top,
     traces,
+    traffic,
     verify,
 )
 
@@ -38,6 +39,7 @@ app.command("diff")(diff.diff)
 app.command("audit")(audit.audit)
 app.command("timeline")(timeline.timeline)
 app.command("report")(report.report)
+app.command("traffic")(traffic.traffic)
 # Producing and examining trace files.
 app.command("convert")(traces.convert_to_trace)
 app.command("merge")(traces.merge)

@@ -55,6 +55,7 @@ __all__ = [
     "moved_per_gpu",
     "plan_experts",
     "predicted_gpu_load",
+    "replica_load",
     "replicas_moved",
 ]
 
@@ -115,19 +116,25 @@ def colocated(phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
     return (per_gpu[:, :, 1:] == per_gpu[:, :, :-1]).sum(axis=(1, 2))
 
 
-def predicted_gpu_load(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
-    """Tokens per GPU ``[L, K]`` for loads ``weight [L, E]`` and a placement ``phy2log [L, N]``.
-
-    Each logical expert's load splits evenly over its replicas.
-    """
+def replica_load(weight: np.ndarray, phy2log: np.ndarray) -> np.ndarray:
+    """Tokens per physical slot ``[L, N]`` for loads ``weight [..., L, E]`` and a placement ``phy2log [L, N]``
+    (``[..., L, N]``): each logical expert's load splits evenly over its replicas."""
     weight = np.asarray(weight, dtype=np.float64)
     phy2log = np.asarray(phy2log, dtype=np.int64)
-    num_layers, num_experts = weight.shape
+    num_layers, num_experts = weight.shape[-2:]
     logcnt = np.zeros((num_layers, num_experts), dtype=np.int64)
     np.add.at(logcnt, (np.arange(num_layers)[:, None], phy2log), 1)
     per_replica = np.divide(weight, logcnt, out=np.zeros_like(weight), where=logcnt > 0)
-    slot_load = np.take_along_axis(per_replica, phy2log, axis=1)
-    return slot_load.reshape(num_layers, num_gpus, -1).sum(axis=2)
+    return np.take_along_axis(per_replica, np.broadcast_to(phy2log, (*weight.shape[:-2], *phy2log.shape)), axis=-1)
+
+
+def predicted_gpu_load(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Tokens per GPU ``[L, K]`` for loads ``weight [L, E]`` and a placement ``phy2log [L, N]``.
+
+    Each logical expert's load splits evenly over its replicas (:func:`replica_load`).
+    """
+    slot_load = replica_load(weight, phy2log)
+    return slot_load.reshape(slot_load.shape[0], num_gpus, -1).sum(axis=2)
 
 
 def log2phy_from_phy2log(phy2log: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
