@@ -42,7 +42,7 @@ def read_placement_file(path: Path | str, layer_ids: Sequence[int], num_experts:
     path = Path(path)
     try:
         document = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PlacementError(f"{path}: not a readable JSON placement file ({exc}); give a plan from `moetrace placement --out` or an SGLang --init-expert-location .json") from None
     if isinstance(document, dict) and SGLANG_MAP_KEY in document:
         mapping = read_sglang_plan(path, num_experts)
