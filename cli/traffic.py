@@ -12,7 +12,15 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import CommandError, guarded
-from .options import PHASE_HELP, existing_file, output_path, parse_layers, pass_phase_option, progress_meter, stdout_console
+from .options import (
+    PHASE_HELP,
+    existing_file,
+    output_path,
+    parse_layers,
+    pass_phase_option,
+    progress_meter,
+    stdout_console,
+)
 
 __all__ = ["print_traffic", "traffic"]
 

@@ -8,13 +8,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from moetrace.cli.app import app
 from typer.testing import CliRunner
 
 from moetrace.analysis.traffic import inter_node_share, trace_traffic
-from moetrace.cli.app import app
 from moetrace.placement.sglang_plan import write_sglang_plan
 
-from .traffic_runs import GPUS_PER_NODE, LAYER_IDS, NODES, RANKS, SLOTS, hand_count, local_routes, spread_routes, write_rank_traces
+from .traffic_runs import (
+    GPUS_PER_NODE,
+    LAYER_IDS,
+    NODES,
+    RANKS,
+    SLOTS,
+    hand_count,
+    local_routes,
+    spread_routes,
+    write_rank_traces,
+)
 
 SLOT_RANK = [slot // (SLOTS // RANKS) for slot in range(SLOTS)]
 runner = CliRunner()

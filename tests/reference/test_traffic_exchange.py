@@ -31,7 +31,7 @@ def _capture_splits(calls: list[list[int]]):
     """Wrap ``dist.all_to_all_single``: append each call's ``input_split_sizes`` (when given) to ``calls``, change nothing."""
     real = dist.all_to_all_single
 
-    def capturing(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):  # noqa: A002 (torch's names)
+    def capturing(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
         if input_split_sizes is not None:
             calls.append(list(input_split_sizes))
         return real(output, input, output_split_sizes, input_split_sizes, **kwargs)
@@ -101,7 +101,7 @@ def test_rank_tokens_equal_the_split_sizes_passed_to_all_to_all(tmp_path: Path) 
     assert both.tolist() == hand.tolist()
     tokens = trace_traffic([r["per_token"]["path"] for r in ranks], GPUS_PER_NODE).to_dict()
     half = np.zeros((layers, 3), dtype=np.int64)  # the per_token run is the first half of each rank's routed ids
-    for source, r in enumerate(ranks):
+    for r in ranks:
         for layer, ids in enumerate(r["ids"]):
             for token in ids[: len(ids) // 2]:
                 half[layer, len({int(e) // per_rank // GPUS_PER_NODE for e in token})] += 1
