@@ -288,6 +288,9 @@ def _placement(traces: list[Path], gpus: int, replicas: int | None, groups: int 
     plan = outcome.written or outcome.plan
     document.update(phy2log=plan.phy2log.tolist(), log2phy=plan.log2phy.tolist(), logcnt=plan.logcnt.tolist(),
                     gpu_load=predicted_gpu_load(loads.weight, plan.phy2log, loads.config.gpus).tolist())
+    from moetrace.analysis.traffic import plan_inter_node_share
+
+    document["inter_node_share"] = plan_inter_node_share(traces, loads.layer_ids, plan.phy2log, loads.config.gpus, loads.config.nodes)
     if outcome.replay is not None and plot is not None:
         from moetrace.placement.plot import plot_backtest
 
@@ -495,5 +498,7 @@ def _print_text(console: Console, loads: _Loads, outcome: _Outcome, plot: Path |
         extra = f" ({document['bytes_moved_from_current']:,} bytes)" if "bytes_moved_from_current" in document else ""
         console.print(f"replicas moved from --current: {moved}{extra}")
     print_replan(console, document.get("recommendation"))
+    if document.get("inter_node_share"):
+        console.print("inter-node share of token copies: " + ", ".join(f"{k} {_share(v)}" for k, v in document["inter_node_share"].items() if k != "note"))
     if out is not None:
         console.print(f"wrote {out}")

@@ -40,7 +40,17 @@ from ..trace.reader import Trace, open_trace
 from ..trace.schema import Attr, TraceError
 from .source import iter_pass_blocks, select_layers
 
-__all__ = ["HOTTEST_LINKS", "Fabric", "Traffic", "TrafficCounter", "hottest_links", "inter_node_share", "node_matrix", "trace_traffic"]
+__all__ = [
+    "HOTTEST_LINKS",
+    "Fabric",
+    "Traffic",
+    "TrafficCounter",
+    "hottest_links",
+    "inter_node_share",
+    "node_matrix",
+    "plan_inter_node_share",
+    "trace_traffic",
+]
 
 #: Links listed by :meth:`Traffic.to_dict` (``hottest_links``).
 HOTTEST_LINKS = 10
@@ -268,6 +278,8 @@ def _check_same(run: _Run, trace: Trace, layer_index: np.ndarray) -> None:
     if ours != theirs:
         raise TraceError(f"{trace.path}: mode, EP size, slots and layers {ours} differ from the first trace's {theirs}; "
                          "give the per-rank files of one run")
+    if trace.run_id != run.attrs.get(Attr.RUN_ID):
+        raise TraceError(f"{trace.path}: run_id {trace.run_id} differs from the first trace's {run.attrs.get(Attr.RUN_ID)}; give the traces of one run")
 
 
 def _slot_counts(trace: Trace, run: _Run, plan: np.ndarray | None, phase: int | None, row: int) -> np.ndarray:
@@ -329,6 +341,7 @@ def trace_traffic(
     layers: Sequence[int] | None = None,
     phase: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    token_rows: bool = True,
 ) -> Traffic:
     """The traffic of one run's traces (per-rank files, or merged ones), read one rank row or token chunk at a time.
 
@@ -339,6 +352,8 @@ def trace_traffic(
         layers: model layer ids (default: all).
         phase: only the passes of this pass phase (``prefill``, ``decode``, ...; per-rank files).
         progress: called ``(files done, files)``.
+        token_rows: read ``per_token`` traces row by row (nodes per token; a plan's replica picked per row as SGLang
+            does); ``False``: from their per-slot counts like the other modes (faster; a plan's replicas share evenly).
 
     Raises:
         TraceError: unreadable or mismatched traces, a rank given twice, sizes that do not fit (names the file and fix).
@@ -356,7 +371,7 @@ def trace_traffic(
             _check_same(run, trace, select_layers(trace, layers))
             assert counter is not None
             code = None if phase is None else phase_of(trace, phase)
-            if trace.mode == "per_token":
+            if trace.mode == "per_token" and token_rows:
                 ranks = _add_token_rows(trace, run, counter, plan, code)
             else:
                 ranks = set()
@@ -373,3 +388,27 @@ def trace_traffic(
     assert run is not None and counter is not None
     hidden, width = (int(run.attrs.get(key) or 0) or None for key in (Attr.HIDDEN_SIZE, Attr.DTYPE_BYTES))  # type: ignore[call-overload]
     return Traffic(run.layers, run.fabric, tuple(sorted(seen)), counter, hidden, width, plan is not None)
+
+
+def plan_inter_node_share(paths: Sequence[Path | str], layer_ids: Sequence[int], phy2log: np.ndarray, num_gpus: int,
+                          num_nodes: int) -> dict[str, float | str | None] | None:
+    """The inter-node share of the run's routes as recorded (``current``) and on ``phy2log [L, N]`` (``plan``), for
+    ``moetrace placement``: a plan that balances load but sends more across nodes shows it before it is deployed.
+
+    Read from the per-slot counts (a plan's replicas share an expert's copies evenly, as the planner predicts).
+    ``None`` when there is nothing to compare: one node, or a plan for another GPU count than the traces' EP size.
+    When the traces cannot give the matrix (e.g. one rank's segments given twice) the figures are ``None`` and
+    ``note`` says why.
+    """
+    if num_nodes <= 1:
+        return None
+    with open_trace(paths[0]) as first:
+        if first.ep_size != num_gpus:
+            return None
+    try:
+        current = trace_traffic(paths, num_gpus // num_nodes, layers=layer_ids, token_rows=False)
+        planned = trace_traffic(paths, num_gpus // num_nodes, plan=phy2log, layers=layer_ids, token_rows=False)
+    except TraceError as exc:
+        return {"current": None, "plan": None, "note": str(exc)}
+    return {"current": inter_node_share(current.node_tokens.sum(axis=0)), "plan": inter_node_share(planned.node_tokens.sum(axis=0)),
+            "note": None if current.to_dict()["complete"] else f"only EP ranks {list(current.sources)} of {num_gpus} were read"}

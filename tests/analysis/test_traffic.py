@@ -126,7 +126,29 @@ def test_command_json_keys_layers_and_refusals(tmp_path: Path) -> None:
         assert bad.exit_code == 2 and message in bad.output, bad.output
     twice = runner.invoke(app, ["traffic", *map(str, paths), str(paths[1]), "--gpus-per-node", "2"])
     assert twice.exit_code == 2 and "EP rank 1's routing is also in" in twice.output
+    (tmp_path / "other").mkdir()
+    other = write_rank_traces(tmp_path / "other", "per_token", {3: passes[3]})
+    mixed = runner.invoke(app, ["traffic", *map(str, paths[:3]), str(other[0]), "--gpus-per-node", "2"])
+    assert mixed.exit_code == 2 and "give the traces of one run" in mixed.output
+    partial = json.loads(runner.invoke(app, ["traffic", *map(str, paths[:3]), "--gpus-per-node", "2", "--json"]).stdout)
+    assert not partial["complete"] and partial["sources"] == [0, 1, 2]
 
 
 def test_inter_node_share_of_an_empty_matrix_is_none() -> None:
     assert inter_node_share(np.zeros((2, 2))) is None and inter_node_share(np.array([[1, 1], [0, 2]])) == 0.25
+
+
+def test_placement_reports_the_inter_node_share_of_the_plan_beside_the_current_one(tmp_path: Path) -> None:
+    recorded = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # the groups interleaved over the nodes, as in the what-if above
+    physical = {rank: [np.argsort(recorded)[ids] for ids in own] for rank, own in _passes("local", seed=2).items()}
+    paths = write_rank_traces(tmp_path, "per_pass", physical, phy2log=np.tile(recorded, (len(LAYER_IDS), 1)))
+    out = tmp_path / "plan.json"
+    done = runner.invoke(app, ["placement", *map(str, paths), "--gpus", "4", "--nodes", "2", "--groups", "2", "--json", "-o", str(out)])
+    assert done.exit_code == 0, done.output
+    shares = json.loads(done.stdout)["inter_node_share"]
+    assert shares["current"] == pytest.approx(trace_traffic(paths, GPUS_PER_NODE).to_dict()["inter_node_share"]) and shares["current"] > 0.4
+    replayed = runner.invoke(app, ["traffic", *map(str, paths), "--gpus-per-node", "2", "--plan", str(out), "--json"])
+    assert shares["plan"] == pytest.approx(json.loads(replayed.stdout)["inter_node_share"])
+    assert shares["plan"] == pytest.approx(0.0)  # hierarchical: each group's experts on one node, and each node's ranks route to its own group
+    one_node = runner.invoke(app, ["placement", *map(str, paths), "--gpus", "4", "--json"])
+    assert json.loads(one_node.stdout)["inter_node_share"] is None  # negative control: nothing to compare on one node

@@ -35,11 +35,12 @@ def local_routes(rng: np.random.Generator, tokens: int, rank: int) -> np.ndarray
 
 
 def write_rank_traces(out: Path, mode: str, passes: dict[int, list[np.ndarray]], phy2log: np.ndarray | None = None) -> list[Path]:
-    """One trace per rank: rank ``r`` replays ``passes[r]`` (``[T, L, k]`` physical ids each) through its own recorder."""
+    """One trace per rank of one run (``run_id`` from ``out`` and ``mode``): rank ``r`` replays ``passes[r]`` (``[T, L, k]``
+    physical ids each) through its own recorder."""
     paths = []
     for rank, own in passes.items():
         cfg = RecorderConfig(num_layers=len(LAYER_IDS), num_physical_experts=SLOTS, top_k=TOP_K, ep_size=RANKS, ep_rank=rank, mode=mode,
-                             layer_ids=LAYER_IDS, physical_to_logical=phy2log, output_dir=out, hidden_size=16, dtype_bytes=2,
+                             layer_ids=LAYER_IDS, physical_to_logical=phy2log, output_dir=out, run_id=f"{out.name}-{mode}", hidden_size=16, dtype_bytes=2,
                              max_tokens_per_pass=max(len(p) for p in own), stream_chunk_passes=4,
                              layout=RankLayout.independent(rank, RANKS, ep_size=RANKS, ep_rank=rank, source="reference"))
         rec = ExpertDistributionRecorder(cfg)

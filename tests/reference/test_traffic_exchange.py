@@ -62,7 +62,8 @@ def _worker(rank: int, world: int, out: str) -> dict:
     results = {}
     for mode in ("per_token", "per_pass"):
         calls.clear()
-        recorder = ExpertDistributionRecorder(model.recorder_config(mode=mode, layout=layout, output_dir=out, max_tokens_per_pass=64))
+        recorder = ExpertDistributionRecorder(model.recorder_config(mode=mode, layout=layout, output_dir=out, max_tokens_per_pass=64,
+                                                                            run_id=f"traffic-{mode}"))
         recorder.start_record()
         with torch.inference_mode():
             for step in range(PASSES):
