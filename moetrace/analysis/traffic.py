@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..dispatch import exchanged_bytes
+from ..balance import rank_load
+from ..dispatch import exchanged_bytes, node_copies
 from ..ids import to_logical
 from ..placement.plan import replica_load
 from ..placement.sglang_plan import sglang_slots
@@ -89,9 +90,7 @@ class Fabric:
 
 def node_matrix(rank_tokens: np.ndarray, gpus_per_node: int) -> np.ndarray:
     """``[..., R, R]`` rank-pair copies -> ``[..., N, N]`` node-pair copies (``N = R / G``)."""
-    lead, ranks = rank_tokens.shape[:-2], rank_tokens.shape[-1]
-    nodes = ranks // gpus_per_node
-    return rank_tokens.reshape(*lead, nodes, gpus_per_node, nodes, gpus_per_node).sum(axis=(-3, -1))
+    return node_copies(node_copies(rank_tokens, gpus_per_node, axis=-1), gpus_per_node, axis=-2)
 
 
 def inter_node_share(node_tokens: np.ndarray) -> float | None:
@@ -145,8 +144,7 @@ class TrafficCounter:
 
     def add_slot_counts(self, source: int, slot_count: np.ndarray) -> None:
         """Copies rank ``source`` routed to each slot, ``[L, P]``."""
-        per_rank = np.asarray(slot_count, dtype=np.float64).reshape(self.num_layers, self.fabric.ranks, -1).sum(axis=2)
-        self.rank_tokens[:, source, :] += per_rank
+        self.rank_tokens[:, source, :] += rank_load(np.asarray(slot_count, dtype=np.float64), self.fabric.ranks)
 
     def add_token_slots(self, source: np.ndarray, slots: np.ndarray) -> None:
         """Token rows: the source rank of each ``[M]`` and its slots ``[M, L, k]`` (``< 0``: no copy)."""
