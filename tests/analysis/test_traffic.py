@@ -152,3 +152,20 @@ def test_placement_reports_the_inter_node_share_of_the_plan_beside_the_current_o
     assert shares["plan"] == pytest.approx(0.0)  # hierarchical: each group's experts on one node, and each node's ranks route to its own group
     one_node = runner.invoke(app, ["placement", *map(str, paths), "--gpus", "4", "--json"])
     assert json.loads(one_node.stdout)["inter_node_share"] is None  # negative control: nothing to compare on one node
+
+
+def test_chunks_smaller_than_a_pass_give_the_same_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token rows read 64 at a time (passes of 150 tokens split over chunks) give what one chunk gives, with a plan too."""
+    from moetrace.analysis import traffic
+
+    rng = np.random.default_rng(9)
+    passes = {rank: [spread_routes(rng, 150), local_routes(rng, 150, rank)] for rank in range(RANKS)}
+    paths = write_rank_traces(tmp_path, "per_token", passes)
+    plan = np.tile(np.array([0, 4, 1, 5, 2, 6, 3, 7]), (len(LAYER_IDS), 1))
+    whole = [trace_traffic(paths, GPUS_PER_NODE, plan=p).to_dict() for p in (None, plan)]
+    monkeypatch.setattr(traffic, "TOKEN_CHUNK_CELLS", 1)  # the floor: 64 tokens a chunk
+    chunked = [trace_traffic(paths, GPUS_PER_NODE, plan=p).to_dict() for p in (None, plan)]
+    assert chunked == whole
+    expected, nodes = hand_count(passes, SLOT_RANK)
+    assert whole[0]["rank_tokens"] == expected.sum(axis=0).tolist() and whole[0]["nodes_per_token"] == nodes.sum(axis=0).tolist()
+    assert whole[1]["inter_node_share"] != whole[0]["inter_node_share"]  # negative control: the plan changes the answer
