@@ -1,6 +1,8 @@
 """``moetrace traffic`` at DeepSeek-V3 size: 72 per-rank traces (58 MoE layers, 288 slots, top-8) on 9 nodes of 8 GPUs.
 
-Run: ``.venv/bin/python benchmarks/traffic_fleet.py [--passes 25 100] [--modes per_pass per_token] [--keep DIR]``
+Run: ``.venv/bin/python benchmarks/traffic_fleet.py [--passes 20 80] [--modes per_pass per_token] [--keep DIR] [--quick]``
+(``--quick``: 4 and 8 passes; writing 72 ``per_token`` traces of 80 passes takes about 6 minutes and about 12 GB of
+memory in this process, 72 recorders at once).
 
 For each mode and pass count, the real recorder writes 72 per-rank traces of one run in this process (the fleet's
 deterministic skewed routing, :mod:`tests.exporters.fleet`; DP attention, each rank routes its own 128 tokens a
@@ -67,11 +69,14 @@ def measure(mode: str, passes: int, work: Path, limit: float) -> dict[str, objec
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--passes", type=int, nargs="+", default=[25, 100])
+    parser.add_argument("--passes", type=int, nargs="+", default=[20, 80])
+    parser.add_argument("--quick", action="store_true", help="4 and 8 passes")
     parser.add_argument("--modes", nargs="+", default=["per_pass", "per_token"], choices=["stat", "per_pass", "per_token"])
     parser.add_argument("--limit", type=float, default=600.0, help="seconds before a traffic run is stopped")
     parser.add_argument("--keep", type=Path, default=None, help="keep the traces in this directory")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.passes = [4, 8]
     work = args.keep or Path(tempfile.mkdtemp(prefix="moetrace-traffic-"))
     rows = []
     try:
