@@ -41,7 +41,8 @@ def _bytes(x: float | None) -> str:
 def print_traffic(d: dict[str, Any], console: Console) -> None:
     """The traffic as text: head, node x node matrix, per-layer shares, hottest links, nodes per token."""
     console.print(f"{d['ranks']} EP ranks on {d['nodes']} nodes of {d['gpus_per_node']} GPUs, {d['slots']} slots"
-                  f"{' (re-projected onto --plan)' if d['plan'] else ''}; sources read: {len(d['sources'])}/{d['ranks']}")
+                  f"{' (re-projected onto --plan)' if d['plan'] else ''}; source ranks read: {len(d['sources'])}"
+                  f"{'' if d['complete'] else ' (not every token group)'}")
     if not d["complete"]:
         missing = sorted(set(range(d["ranks"])) - set(d["sources"]))
         console.print(f"note: no trace of EP ranks {missing[:16]}{' ...' if len(missing) > 16 else ''}: their tokens are missing from the matrices")

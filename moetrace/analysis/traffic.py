@@ -177,10 +177,12 @@ class Traffic:
     Attributes:
         layers: model layer ids ``[L]``.
         fabric: ranks, GPUs per node and slots.
-        sources: EP ranks whose routing was read (all of them for an exact matrix).
+        sources: EP ranks whose routing was read (one per token group for an exact matrix).
         counter: the accumulated matrices (:class:`TrafficCounter`).
         hidden_size, dtype_bytes: ``H`` and ``b`` for the bytes (``None``: unknown, no bytes).
         plan: whether the routes were re-projected onto another placement.
+        token_groups: groups of ranks that route their own tokens in the run's layout (every EP rank under
+            DP attention; one a TP group under TP attention, whose lowest rank is counted).
     """
 
     layers: np.ndarray
@@ -190,6 +192,12 @@ class Traffic:
     hidden_size: int | None
     dtype_bytes: int | None
     plan: bool = False
+    token_groups: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Whether every token group's routing was read (the matrix holds every routed copy)."""
+        return len(self.sources) == (self.fabric.ranks if self.token_groups is None else self.token_groups)
 
     @property
     def rank_tokens(self) -> np.ndarray:
@@ -244,7 +252,7 @@ class Traffic:
             per_layer.append({"layer": int(layer), **figures})
         f = self.fabric
         head = {"ranks": f.ranks, "gpus_per_node": f.gpus_per_node, "nodes": f.nodes, "slots": f.num_slots,
-                "sources": list(self.sources), "complete": len(self.sources) == f.ranks, "plan": self.plan,
+                "sources": list(self.sources), "complete": self.complete, "plan": self.plan,
                 "hidden_size": self.hidden_size, "dtype_bytes": self.dtype_bytes}
         return {**head, **top, "layers": per_layer}
 
@@ -259,6 +267,7 @@ class _Run:
     fabric: Fabric
     physical_to_logical: np.ndarray
     attrs: dict[str, object]
+    token_groups: int | None
 
 
 def _row_sources(trace: Trace) -> list[tuple[int, int, bool]]:
@@ -331,7 +340,12 @@ def _open_run(trace: Trace, gpus_per_node: int, layers: Sequence[int] | None, pl
         fabric = Fabric(trace.ep_size, gpus_per_node, slots)
     except ValueError as exc:
         raise TraceError(f"{trace.path}: {exc}") from None
-    return _Run(trace.layers[index], index, trace.mode, fabric, trace.physical_to_logical[index], trace.attrs)
+    groups = None
+    if trace.layouts:
+        first = trace.layouts[0]
+        replicas = first.dp_size if first.attention == "tp" else 1
+        groups = replicas * first.tp_size // int(first.router_tp_size or 1)
+    return _Run(trace.layers[index], index, trace.mode, fabric, trace.physical_to_logical[index], trace.attrs, groups)
 
 
 def trace_traffic(
@@ -387,7 +401,7 @@ def trace_traffic(
             progress(done + 1, len(paths))
     assert run is not None and counter is not None
     hidden, width = (int(run.attrs.get(key) or 0) or None for key in (Attr.HIDDEN_SIZE, Attr.DTYPE_BYTES))  # type: ignore[call-overload]
-    return Traffic(run.layers, run.fabric, tuple(sorted(seen)), counter, hidden, width, plan is not None)
+    return Traffic(run.layers, run.fabric, tuple(sorted(seen)), counter, hidden, width, plan is not None, run.token_groups)
 
 
 def plan_inter_node_share(paths: Sequence[Path | str], layer_ids: Sequence[int], phy2log: np.ndarray, num_gpus: int,
@@ -411,4 +425,4 @@ def plan_inter_node_share(paths: Sequence[Path | str], layer_ids: Sequence[int],
     except TraceError as exc:
         return {"current": None, "plan": None, "note": str(exc)}
     return {"current": inter_node_share(current.node_tokens.sum(axis=0)), "plan": inter_node_share(planned.node_tokens.sum(axis=0)),
-            "note": None if current.to_dict()["complete"] else f"only EP ranks {list(current.sources)} of {num_gpus} were read"}
+            "note": None if current.complete else f"only EP ranks {list(current.sources)} of {num_gpus} were read"}

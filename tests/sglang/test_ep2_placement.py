@@ -200,7 +200,7 @@ def test_traffic_equals_sglangs_own_count_and_the_hf_count(checkpoint: Path, tri
     not counted (one source row); the copies to each rank equal SGLang's own recorder (trivial location: slot = expert)
     and the Hugging Face router's count put into slots; the what-if of the trivial run on the plan equals the planned run."""
     result = trace_traffic(trivial.files, 1)
-    assert result.sources == (0,) and not result.rank_tokens[:, 1].any()
+    assert result.sources == (0,) and result.complete and not result.rank_tokens[:, 1].any()
     sglang = np.pad(sglang_recorder_count(trivial.sglang_files, RANKS), ((0, 0), (0, REDUNDANT)))  # redundant slots idle
     np.testing.assert_array_equal(result.rank_tokens[:, 0], balance.rank_load(sglang, RANKS))
     np.testing.assert_array_equal(result.rank_tokens[:, 0], balance.rank_load(_independent(checkpoint, trivial, None), RANKS))
