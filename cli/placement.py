@@ -37,6 +37,7 @@ from rich.table import Table
 
 from moetrace import balance
 from moetrace.analysis.source import load_series, select_layers
+from moetrace.analysis.traffic import plan_inter_node_share
 from moetrace.ids import to_logical
 from moetrace.placement.backtesting import (
     BacktestResult,
@@ -287,10 +288,7 @@ def _placement(traces: list[Path], gpus: int, replicas: int | None, groups: int 
         moved_from_current(document, outcome.deployed, written, loads.config.gpus, expert_bytes)
     plan = outcome.written or outcome.plan
     document.update(phy2log=plan.phy2log.tolist(), log2phy=plan.log2phy.tolist(), logcnt=plan.logcnt.tolist(),
-                    gpu_load=predicted_gpu_load(loads.weight, plan.phy2log, loads.config.gpus).tolist())
-    from moetrace.analysis.traffic import plan_inter_node_share
-
-    document["inter_node_share"] = plan_inter_node_share(traces, loads.layer_ids, plan.phy2log, loads.config.gpus, loads.config.nodes)
+                    gpu_load=predicted_gpu_load(loads.weight, plan.phy2log, loads.config.gpus).tolist(), inter_node_share=plan_inter_node_share(traces, loads.layer_ids, plan.phy2log, loads.config.gpus, loads.config.nodes))
     if outcome.replay is not None and plot is not None:
         from moetrace.placement.plot import plot_backtest
 
@@ -472,7 +470,7 @@ def _print_text(console: Console, loads: _Loads, outcome: _Outcome, plot: Path |
         console.print(f"defaults used: {', '.join(loads.defaults)}")
     _in_sample_table(console, loads.layer_ids, outcome.loads, outcome.plan, loads.config)
     figures = "  ".join(f"{k} {_fmt(outcome.in_sample[k])}" for k in ("current", "greedy", "moetrace"))
-    console.print(f"in-sample (planned and scored on the same passes; a fit, not a forecast): {figures}")
+    console.print(f"in-sample (planned and scored on the same passes; a fit, not a forecast): {figures}" + ("; inter-node share of token copies: " + ", ".join(f"{k} {_share(v)}" for k, v in document["inter_node_share"].items() if k != "note") if document.get("inter_node_share") else ""))
     print_selection(console, outcome.selection)
     if "preferred_reason" in document:
         console.print(f"deployed instead: [bold]greedy[/bold] ({document['preferred_reason']})")
@@ -498,7 +496,5 @@ def _print_text(console: Console, loads: _Loads, outcome: _Outcome, plot: Path |
         extra = f" ({document['bytes_moved_from_current']:,} bytes)" if "bytes_moved_from_current" in document else ""
         console.print(f"replicas moved from --current: {moved}{extra}")
     print_replan(console, document.get("recommendation"))
-    if document.get("inter_node_share"):
-        console.print("inter-node share of token copies: " + ", ".join(f"{k} {_share(v)}" for k, v in document["inter_node_share"].items() if k != "note"))
     if out is not None:
         console.print(f"wrote {out}")

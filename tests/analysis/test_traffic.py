@@ -150,6 +150,8 @@ def test_placement_reports_the_inter_node_share_of_the_plan_beside_the_current_o
     replayed = runner.invoke(app, ["traffic", *map(str, paths), "--gpus-per-node", "2", "--plan", str(out), "--json"])
     assert shares["plan"] == pytest.approx(json.loads(replayed.stdout)["inter_node_share"])
     assert shares["plan"] == pytest.approx(0.0)  # hierarchical: each group's experts on one node, and each node's ranks route to its own group
+    text = runner.invoke(app, ["placement", *map(str, paths), "--gpus", "4", "--nodes", "2", "--groups", "2"], env={"COLUMNS": "1000"}).stdout
+    assert f"inter-node share of token copies: current {shares['current']:.0%}, plan 0%" in text
     one_node = runner.invoke(app, ["placement", *map(str, paths), "--gpus", "4", "--json"])
     assert json.loads(one_node.stdout)["inter_node_share"] is None  # negative control: nothing to compare on one node
 
