@@ -171,3 +171,14 @@ def test_chunks_smaller_than_a_pass_give_the_same_answer(tmp_path: Path, monkeyp
     expected, nodes = hand_count(passes, SLOT_RANK)
     assert whole[0]["rank_tokens"] == expected.sum(axis=0).tolist() and whole[0]["nodes_per_token"] == nodes.sum(axis=0).tolist()
     assert whole[1]["inter_node_share"] != whole[0]["inter_node_share"]  # negative control: the plan changes the answer
+
+
+@pytest.mark.parametrize("mode", ["per_token", "per_pass", "stat"])
+def test_phase_keeps_the_passes_of_one_pass_phase(tmp_path: Path, mode: str) -> None:
+    rng = np.random.default_rng(11)
+    passes = {rank: [spread_routes(rng, 5), local_routes(rng, 3 + rank, rank)] for rank in range(RANKS)}
+    paths = write_rank_traces(tmp_path, mode, passes, phases=["prefill", "decode"])
+    for phase, index in (("prefill", 0), ("decode", 1)):
+        expected, _ = hand_count({rank: [own[index]] for rank, own in passes.items()}, SLOT_RANK)
+        assert trace_traffic(paths, GPUS_PER_NODE, phase=phase).rank_tokens.tolist() == expected.tolist(), phase
+    assert trace_traffic(paths, GPUS_PER_NODE, phase="decode").to_dict()["inter_node_share"] == 0.0  # the local passes only

@@ -34,9 +34,10 @@ def local_routes(rng: np.random.Generator, tokens: int, rank: int) -> np.ndarray
     return base + pairs[rng.integers(0, len(pairs), size=(tokens, len(LAYER_IDS)))]
 
 
-def write_rank_traces(out: Path, mode: str, passes: dict[int, list[np.ndarray]], phy2log: np.ndarray | None = None) -> list[Path]:
+def write_rank_traces(out: Path, mode: str, passes: dict[int, list[np.ndarray]], phy2log: np.ndarray | None = None,
+                      phases: list[str] | None = None) -> list[Path]:
     """One trace per rank of one run (``run_id`` from ``out`` and ``mode``): rank ``r`` replays ``passes[r]`` (``[T, L, k]``
-    physical ids each) through its own recorder."""
+    physical ids each) through its own recorder; ``phases``: the pass phase of each pass index (default: unknown)."""
     paths = []
     for rank, own in passes.items():
         cfg = RecorderConfig(num_layers=len(LAYER_IDS), num_physical_experts=SLOTS, top_k=TOP_K, ep_size=RANKS, ep_rank=rank, mode=mode,
@@ -45,7 +46,9 @@ def write_rank_traces(out: Path, mode: str, passes: dict[int, list[np.ndarray]],
                              layout=RankLayout.independent(rank, RANKS, ep_size=RANKS, ep_rank=rank, source="reference"))
         rec = ExpertDistributionRecorder(cfg)
         rec.start_record()
-        for ids in own:
+        for index, ids in enumerate(own):
+            if phases is not None:
+                rec.set_pass_phase(phases[index])
             replay_pass(rec, ids)
         rec.stop_record()
         paths.append(rec.dump_record(out / f"{mode}-rank{rank}.h5"))
