@@ -34,6 +34,7 @@ import numpy as np
 from ..balance import rank_load
 from ..dispatch import exchanged_bytes, node_copies
 from ..ids import to_logical
+from ..layout import RankLayout, counted_rows
 from ..placement.plan import replica_load
 from ..placement.sglang_plan import sglang_slots
 from ..trace.pass_phases import phase_of
@@ -331,6 +332,23 @@ def _logical_ids(ids: np.ndarray, physical_to_logical: np.ndarray) -> np.ndarray
     return np.where(ids >= 0, physical_to_logical[layer, np.maximum(ids, 0)], -1)
 
 
+def _replica_files(paths: Sequence[Path | str]) -> set[int]:
+    """Indices of the per-rank files whose rank routes the same tokens as another given file's lower rank (TP attention:
+    that rank's file is the one counted), from their layouts alone; none unless every file holds one rank row."""
+    layouts: list[RankLayout] = []
+    for path in paths:
+        with open_trace(path) as trace:
+            rows = trace.layouts
+        if len(rows) != 1:
+            return set()
+        twice = [i for i, x in enumerate(layouts) if x.rank == rows[0].rank]
+        if twice:
+            raise TraceError(f"{path}: rank {rows[0].rank}'s routing is also in {paths[twice[0]]}; give each rank's trace once")
+        layouts.append(rows[0])
+    counted = counted_rows([x.token_group for x in layouts], [x.rank for x in layouts], [x.pp_rank for x in layouts])
+    return {i for i, keep in enumerate(counted.assignments) if not keep}
+
+
 def _open_run(trace: Trace, gpus_per_node: int, layers: Sequence[int] | None, plan: np.ndarray | None) -> _Run:
     index = select_layers(trace, layers)
     slots = trace.num_physical_experts if plan is None else int(plan.shape[1])
@@ -377,7 +395,12 @@ def trace_traffic(
     counter: TrafficCounter | None = None
     run: _Run | None = None
     seen: dict[int, Path] = {}
+    replicas = _replica_files(paths) if len(paths) > 1 else set()
     for done, path in enumerate(paths):
+        if done in replicas:  # its routing is a lower rank's, counted from that rank's file
+            if progress is not None:
+                progress(done + 1, len(paths))
+            continue
         with open_trace(path) as trace:
             if run is None:
                 run = _open_run(trace, gpus_per_node, layers, plan)

@@ -125,7 +125,7 @@ def test_command_json_keys_layers_and_refusals(tmp_path: Path) -> None:
         bad = runner.invoke(app, ["traffic", *map(str, paths), *args])
         assert bad.exit_code == 2 and message in bad.output, bad.output
     twice = runner.invoke(app, ["traffic", *map(str, paths), str(paths[1]), "--gpus-per-node", "2"])
-    assert twice.exit_code == 2 and "EP rank 1's routing is also in" in twice.output
+    assert twice.exit_code == 2 and "rank 1's routing is also in" in twice.output
     (tmp_path / "other").mkdir()
     other = write_rank_traces(tmp_path / "other", "per_token", {3: passes[3]})
     mixed = runner.invoke(app, ["traffic", *map(str, paths[:3]), str(other[0]), "--gpus-per-node", "2"])
@@ -182,3 +182,13 @@ def test_phase_keeps_the_passes_of_one_pass_phase(tmp_path: Path, mode: str) -> 
         expected, _ = hand_count({rank: [own[index]] for rank, own in passes.items()}, SLOT_RANK)
         assert trace_traffic(paths, GPUS_PER_NODE, phase=phase).rank_tokens.tolist() == expected.tolist(), phase
     assert trace_traffic(paths, GPUS_PER_NODE, phase="decode").to_dict()["inter_node_share"] == 0.0  # the local passes only
+
+
+def test_tp_attention_counts_each_token_group_once(tmp_path: Path) -> None:
+    """Four ranks of one TP group route the same tokens: rank 0's file is the one counted, the others replicate it."""
+    own = [spread_routes(np.random.default_rng(4), 6)]
+    paths = write_rank_traces(tmp_path, "per_pass", {rank: own for rank in range(RANKS)}, tp_attention=True)
+    result = trace_traffic(paths, GPUS_PER_NODE)
+    expected, _ = hand_count({0: own}, SLOT_RANK)
+    assert result.sources == (0,) and result.complete and result.rank_tokens.tolist() == expected.tolist()
+    assert trace_traffic(paths[1:], GPUS_PER_NODE).sources == (1,)  # negative control: without rank 0, rank 1 is the view counted

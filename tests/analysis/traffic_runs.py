@@ -35,15 +35,17 @@ def local_routes(rng: np.random.Generator, tokens: int, rank: int) -> np.ndarray
 
 
 def write_rank_traces(out: Path, mode: str, passes: dict[int, list[np.ndarray]], phy2log: np.ndarray | None = None,
-                      phases: list[str] | None = None) -> list[Path]:
+                      phases: list[str] | None = None, tp_attention: bool = False) -> list[Path]:
     """One trace per rank of one run (``run_id`` from ``out`` and ``mode``): rank ``r`` replays ``passes[r]`` (``[T, L, k]``
-    physical ids each) through its own recorder; ``phases``: the pass phase of each pass index (default: unknown)."""
+    physical ids each) through its own recorder; ``phases``: the pass phase of each pass index (default: unknown);
+    ``tp_attention``: the ranks form one TP group whose routers see the same tokens (default: each its own, DP attention)."""
     paths = []
     for rank, own in passes.items():
         cfg = RecorderConfig(num_layers=len(LAYER_IDS), num_physical_experts=SLOTS, top_k=TOP_K, ep_size=RANKS, ep_rank=rank, mode=mode,
                              layer_ids=LAYER_IDS, physical_to_logical=phy2log, output_dir=out, run_id=f"{out.name}-{mode}", hidden_size=16, dtype_bytes=2,
                              max_tokens_per_pass=max(len(p) for p in own), stream_chunk_passes=4,
-                             layout=RankLayout.independent(rank, RANKS, ep_size=RANKS, ep_rank=rank, source="reference"))
+                             layout=(RankLayout.tensor_parallel if tp_attention else RankLayout.independent)(
+                                 rank, RANKS, ep_size=RANKS, ep_rank=rank, source="reference"))
         rec = ExpertDistributionRecorder(cfg)
         rec.start_record()
         for index, ids in enumerate(own):
