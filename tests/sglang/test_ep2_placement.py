@@ -42,13 +42,7 @@ from moetrace.trace.reader import open_trace
 from ..servers import moetrace_cli
 from .checkpoint import NUM_EXPERTS, NUM_LAYERS, build_checkpoint
 from .engine import GENERATION, PROMPTS, engine
-from .multirank import (
-    TWO_RANKS,
-    expert_count,
-    generate_sequentially,
-    hf_computed_routes,
-    sglang_recorder_count,
-)
+from .multirank import TWO_RANKS, expert_count, generate_sequentially, hf_computed_routes
 
 pytestmark = pytest.mark.slow
 
@@ -201,7 +195,7 @@ def test_traffic_equals_sglangs_own_count_and_the_hf_count(checkpoint: Path, tri
     and the Hugging Face router's count put into slots; the what-if of the trivial run on the plan equals the planned run."""
     result = trace_traffic(trivial.files, 1)
     assert result.sources == (0,) and result.complete and not result.rank_tokens[:, 1].any()
-    sglang = np.pad(sglang_recorder_count(trivial.sglang_files, RANKS), ((0, 0), (0, REDUNDANT)))  # redundant slots idle
+    sglang = np.pad(_sglang_own_count(trivial), ((0, 0), (0, REDUNDANT)))  # trivial location: slot = expert, redundant slots idle
     np.testing.assert_array_equal(result.rank_tokens[:, 0], balance.rank_load(sglang, RANKS))
     np.testing.assert_array_equal(result.rank_tokens[:, 0], balance.rank_load(_independent(checkpoint, trivial, None), RANKS))
     assert 0 < result.to_dict()["inter_node_share"] < 1  # negative control: copies go to both ranks
@@ -211,6 +205,17 @@ def test_traffic_equals_sglangs_own_count_and_the_hf_count(checkpoint: Path, tri
     predicted = trace_traffic(trivial.files, 1, plan=mapping).rank_tokens  # token rows pick replicas as SGLang does
     np.testing.assert_array_equal(predicted, live)
     assert not np.array_equal(predicted, result.rank_tokens)  # the plan moved copies between the ranks
+
+
+def _sglang_own_count(run: Run) -> np.ndarray:
+    """``[L, E]`` from SGLang's own ``stat`` recorder: with EP one rank dumps the TP group's all-reduced count (each of the
+    ``RANKS`` ranks routed every token under TP attention, so it holds ``RANKS`` x the count)."""
+    import torch
+
+    (dump,) = run.sglang_files
+    total = torch.load(dump, weights_only=True)["logical_count"].numpy().sum(axis=0)
+    assert (total % RANKS == 0).all()
+    return total // RANKS
 
 
 def _tokens(path: Path) -> np.ndarray:
