@@ -193,6 +193,11 @@ def _report(d: dict) -> list[Row]:
             for r in d["rows"]]
 
 
+def _traffic(d: dict) -> list[Row]:
+    return [("traffic", f"moetrace traffic of {d['ranks']} DeepSeek-V3 per-rank {r['mode']} traces x {r['passes']} passes",
+             f"{r['seconds']:.1f} s, {r['peak_rss_mib']:.0f} MiB, {'exact' if r['exact'] else 'NOT exact'}") for r in d["rows"]]
+
+
 #: name -> (script arguments in full / quick runs, headline extractor)
 BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] = {
     "recorder_overhead": ([], ["--quick"], _recorder),
@@ -214,6 +219,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str], Callable[[dict], list[Row]]]] 
     "analysis_dask": ([], ["--quick"], _analysis_dask),
     "placement_backtest": ([], ["--quick"], _placement),
     "report_size": ([], ["--quick"], _report),
+    "traffic_fleet": ([], ["--quick"], _traffic),
 }
 
 

@@ -17,6 +17,7 @@ from . import (
     timeline,
     top,
     traces,
+    traffic,
     verify,
 )
 from .errors import exit_when_reader_leaves
@@ -43,6 +44,7 @@ app.command("diff")(diff.diff)
 app.command("audit")(audit.audit)
 app.command("timeline")(timeline.timeline)
 app.command("report")(report.report)
+app.command("traffic")(traffic.traffic)
 # Producing and examining trace files.
 app.command("convert")(traces.convert_to_trace)
 app.command("merge")(traces.merge)

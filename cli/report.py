@@ -23,6 +23,7 @@ def report(
     top: Annotated[int, typer.Option("--top", min=1, help="Co-activated pairs and transitions per layer.")] = 5,
     phase: Annotated[str | None, typer.Option("--phase", help=PHASE_HELP)] = None,
     progress: Annotated[bool | None, typer.Option("--progress/--no-progress", help="Progress bar on stderr (default: when stderr is a terminal).")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option("--gpus-per-node", min=1, help="EP ranks per node: adds who sends to whom (node x node traffic).")] = None,
 ) -> None:
     """Write one HTML file (opens offline, plotly embedded) with a figure and a one-line reading per section."""
     from moetrace.report import build_report, require_plotly
@@ -38,7 +39,7 @@ def report(
         existing_file(routes, "routes")
     try:
         with stage_meter(progress) as update, writing(out):
-            written = build_report(files, out, routes=routes, top=top, phase=phase, progress=update)
+            written = build_report(files, out, routes=routes, top=top, phase=phase, progress=update, gpus_per_node=gpus_per_node)
     except RoutesError as exc:
         raise CommandError(str(exc)) from None
         raise CommandError(str(exc)) from None

@@ -18,6 +18,12 @@ with ``per_expert=True``), never on the number of recorded passes. The metric se
 :data:`moetrace.exporters.catalog.METRICS`; every sample has a ``rank`` label
 (this process's EP rank): run one exporter per rank, each on its own port.
 
+With ``gpus_per_node=G`` the collector also emits :data:`NODE_PAIRS`: the token copies this rank
+routed to each node's experts, all layers summed (``N`` series per process, ``N²`` over the fleet),
+computed at scrape time from the snapshot's per-slot counts and the contiguous placement (rank ``r``
+holds slots ``[r·P/R, (r+1)·P/R)``; ranks ``[n·G, (n+1)·G)`` form node ``n``); the recorder's hook
+does nothing more. The shipped rules turn them into the fleet's inter-node share.
+
 :func:`start_http_server` serves ``prometheus_client``'s own WSGI application
 (content negotiation, OpenMetrics, gzip) on a
 :class:`moetrace.http.GuardedServerMixin` server instead of
@@ -35,10 +41,12 @@ from collections.abc import Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
+import numpy as np
 import prometheus_client
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from moetrace.dispatch import node_copies
 from moetrace.http import GuardedServerMixin, ServerHandle, ServerLimits
 from moetrace.process_recorder import Recorder, get_recorder
 from moetrace.recorder import RecorderStateError
@@ -47,9 +55,32 @@ from moetrace.snapshot import RecorderSnapshot
 from .catalog import HISTOGRAMS, INFO, histogram_samples, info_labels, samples, selected
 from .spec import MetricSpec, prom_family, str_labels
 
-__all__ = ["MetricsServer", "MoetraceCollector", "register", "start_http_server"]
+__all__ = ["NODE_PAIRS", "MetricsServer", "MoetraceCollector", "node_pair_samples", "register", "start_http_server"]
 
 log = logging.getLogger("moetrace.exporters.prometheus")
+
+NODE_PAIRS = MetricSpec(
+    "moetrace_node_pair_token_copies_total", "moetrace.node_pair.token_copies", "counter", "{token}",
+    ("source_node", "destination_node", "link"),
+    "Token copies this rank routed (source_node: its node) to the experts on destination_node, all layers; link is "
+    "intra_node or inter_node (only with gpus_per_node: N series per process, N squared over the fleet).",
+    "Σ_l counted(rank_load)[l, r] over the ranks r of destination_node; node n holds ranks [n·G, (n+1)·G)",
+    lambda s: s.counted(s.rank_load), opt_in="gpus_per_node",
+)
+"""The node-pair counters (Prometheus only, with ``gpus_per_node``); ``moetrace:inter_node_share`` reads them."""
+
+
+def node_pair_samples(snap: RecorderSnapshot, gpus_per_node: int) -> Iterator[tuple[dict[str, int | str], int]]:
+    """``(labels, copies)`` of :data:`NODE_PAIRS` for one snapshot: one sample per destination node.
+
+    Raises:
+        ValueError: ``gpus_per_node`` does not divide the snapshot's EP size.
+    """
+    per_node = node_copies(np.asarray(NODE_PAIRS.value(snap)).sum(axis=0), gpus_per_node)  # [N]
+    source = snap.rank // gpus_per_node
+    for node, copies in enumerate(per_node.tolist()):
+        yield {"rank": snap.rank, "source_node": source, "destination_node": node,
+               "link": "intra_node" if node == source else "inter_node"}, int(copies)
 
 
 def _histogram(spec: MetricSpec, snap: RecorderSnapshot | None) -> Metric:
@@ -78,11 +109,16 @@ class MoetraceCollector(Collector):
         per_ep_rank: also emit the ``[layer, ep_rank]`` matrices
             (:data:`~moetrace.exporters.catalog.PER_EP_RANK`: 3 x layers x EP
             ranks series; off by default, the fleet rules need only the per-layer series).
+        gpus_per_node: also emit :data:`NODE_PAIRS` for nodes of this many EP ranks (``None``: not).
     """
 
-    def __init__(self, recorder: Recorder | None = None, per_expert: bool = False, per_ep_rank: bool = False) -> None:
+    def __init__(self, recorder: Recorder | None = None, per_expert: bool = False, per_ep_rank: bool = False,
+                 gpus_per_node: int | None = None) -> None:
+        if gpus_per_node is not None and (isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1):
+            raise ValueError(f"gpus_per_node must be a positive integer (the EP ranks of one node) or None, got {gpus_per_node!r}")
         self._recorder = recorder
         self._specs = selected(per_expert=per_expert, per_ep_rank=per_ep_rank)
+        self._gpus_per_node = gpus_per_node
 
     def _snapshot(self) -> RecorderSnapshot | None:
         recorder = self._recorder if self._recorder is not None else get_recorder()
@@ -96,6 +132,8 @@ class MoetraceCollector(Collector):
         yield from (prom_family(spec, ["rank", *spec.dims]) for spec in self._specs)
         yield from (_histogram(spec, None) for spec in HISTOGRAMS)
         yield prom_family(INFO, ["rank", *INFO.dims])
+        if self._gpus_per_node is not None:
+            yield prom_family(NODE_PAIRS, ["rank", *NODE_PAIRS.dims])
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
@@ -111,13 +149,26 @@ class MoetraceCollector(Collector):
         info = prom_family(INFO, [])
         info.add_metric([], info_labels(snap))  # type: ignore[attr-defined]
         yield info
+        if self._gpus_per_node is not None:
+            yield self._node_pairs(snap, self._gpus_per_node)
+
+    @staticmethod
+    def _node_pairs(snap: RecorderSnapshot, gpus_per_node: int) -> Metric:
+        """:data:`NODE_PAIRS` of ``snap``; no samples (and one warning) when the nodes do not divide its EP ranks."""
+        family = prom_family(NODE_PAIRS, ["rank", *NODE_PAIRS.dims])
+        try:
+            for labels, value in node_pair_samples(snap, gpus_per_node):
+                family.add_metric(str_labels(labels), value)
+        except ValueError as exc:
+            log.warning("moetrace_node_pair_token_copies_total left out: %s", exc)
+        return family
 
 
 def register(recorder: Recorder | None = None, registry: CollectorRegistry | None = None,
-             per_expert: bool = False, per_ep_rank: bool = False) -> CollectorRegistry:
+             per_expert: bool = False, per_ep_rank: bool = False, gpus_per_node: int | None = None) -> CollectorRegistry:
     """Register a :class:`MoetraceCollector` on ``registry`` (a new private one when ``None``) and return it."""
     registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-    registry.register(MoetraceCollector(recorder, per_expert=per_expert, per_ep_rank=per_ep_rank))
+    registry.register(MoetraceCollector(recorder, per_expert=per_expert, per_ep_rank=per_ep_rank, gpus_per_node=gpus_per_node))
     return registry
 
 
@@ -148,7 +199,7 @@ class MetricsServer(ServerHandle):
 
 def start_http_server(port: int, addr: str = "127.0.0.1", recorder: Recorder | None = None,
                       registry: CollectorRegistry | None = None, per_expert: bool = False,
-                      limits: ServerLimits | None = None, per_ep_rank: bool = False) -> MetricsServer:
+                      limits: ServerLimits | None = None, per_ep_rank: bool = False, gpus_per_node: int | None = None) -> MetricsServer:
     """Serve moetrace's metrics over HTTP in a daemon thread.
 
     Args:
@@ -160,6 +211,7 @@ def start_http_server(port: int, addr: str = "127.0.0.1", recorder: Recorder | N
             private one when ``None``.
         per_expert: also emit per-expert series.
         per_ep_rank: also emit the ``[layer, ep_rank]`` matrices.
+        gpus_per_node: also emit the node-pair counters (:data:`NODE_PAIRS`).
         limits: connection limits (read timeout, open connections, worker
             threads, head size, request and CPU budgets); ``None``:
             :class:`ServerLimits` defaults.
@@ -168,7 +220,7 @@ def start_http_server(port: int, addr: str = "127.0.0.1", recorder: Recorder | N
         a :class:`MetricsServer` with ``.port``, ``.url`` and ``.close()``.
     """
     registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-    collector = MoetraceCollector(recorder, per_expert=per_expert, per_ep_rank=per_ep_rank)
+    collector = MoetraceCollector(recorder, per_expert=per_expert, per_ep_rank=per_ep_rank, gpus_per_node=gpus_per_node)
     registry.register(collector)
     try:
         server = _Server((addr, port), _Handler, limits)

@@ -19,6 +19,7 @@ __all__ = [
     "ep_padded_bytes",
     "exchanged_bytes",
     "expert_capacity",
+    "node_copies",
     "remote_copies",
     "tp_bytes",
 ]
@@ -63,3 +64,16 @@ def remote_copies(send_count: np.ndarray, rank: int) -> np.ndarray:
     """
     send_count = np.asarray(send_count)
     return send_count.sum(axis=-1) - send_count[..., rank]
+
+
+def node_copies(rank_copies: np.ndarray, gpus_per_node: int, axis: int = -1) -> np.ndarray:
+    """Copies per node from copies per EP rank along ``axis``: ``[..., R, ...]`` -> ``[..., R / G, ...]``.
+
+    Ranks ``[n·G, (n+1)·G)`` form node ``n`` (``G`` = ``gpus_per_node``, which must divide ``R``).
+    """
+    rank_copies = np.moveaxis(np.asarray(rank_copies), axis, -1)
+    ranks = rank_copies.shape[-1]
+    if gpus_per_node < 1 or ranks % gpus_per_node:
+        raise ValueError(f"gpus_per_node={gpus_per_node} must divide the {ranks} EP ranks; pass the GPUs each node holds")
+    nodes = rank_copies.reshape(*rank_copies.shape[:-1], ranks // gpus_per_node, gpus_per_node).sum(axis=-1)
+    return np.moveaxis(nodes, -1, axis)

@@ -30,6 +30,7 @@ from typing import Annotated, Any
 
 import typer
 
+from moetrace.analysis.traffic import plan_inter_node_share
 from moetrace.placement.backtesting import backtest, bucket_for, held_out_estimate, holdout
 from moetrace.placement.checks import PlacementError
 from moetrace.placement.plan import predicted_gpu_load
@@ -141,7 +142,8 @@ def _placement(traces: list[Path], gpus: int, slots: int | None, groups: int | N
         moved_from_current(document, outcome.deployed, written, loads.config.gpus, expert_bytes)
     plan = outcome.written or outcome.plan
     document.update(phy2log=plan.phy2log.tolist(), log2phy=plan.log2phy.tolist(), logcnt=plan.logcnt.tolist(),
-                    gpu_load=predicted_gpu_load(loads.weight, plan.phy2log, loads.config.gpus).tolist())
+                    gpu_load=predicted_gpu_load(loads.weight, plan.phy2log, loads.config.gpus).tolist(),
+                    inter_node_share=plan_inter_node_share(traces, loads.layer_ids, plan.phy2log, loads.config.gpus, loads.config.nodes))
     if outcome.replay is not None and plot is not None:
         from moetrace.placement.plot import plot_backtest
 

@@ -105,6 +105,9 @@ def print_text(console: Console, loads: Loads, outcome: Outcome, plot: Path | No
     _in_sample_table(console, loads.layer_ids, outcome.loads, outcome.plan, loads.config)
     figures = "  ".join(f"{k} {_fmt(outcome.in_sample[k])}" for k in ("current", "greedy", "moetrace"))
     console.print(f"in-sample (planned and scored on the same passes; a fit, not a forecast): {figures}")
+    shares = document.get("inter_node_share")
+    if shares:
+        console.print("inter-node share of token copies: " + ", ".join(f"{k} {_share(v)}" for k, v in shares.items() if k != "note"))
     print_selection(console, outcome.selection, document["planner"], document.get("preferred_reason"))
     if outcome.held is not None:
         _holdout_table(console, outcome.held)

@@ -24,7 +24,8 @@ replicate-then-pack on the same loads):
    lowers the larger of the two GPUs' loads. Each swap strictly lowers the sum
    of squared loads, so the search ends.
 4. Of the candidate node assignments, each layer keeps the one with the
-   smallest peak GPU load.
+   smallest peak GPU load, and EPLB's own plan whenever the search cannot beat
+   it: the plan's peak is never above EPLB's on the same loads.
 
 Predicted load assumes a logical expert's tokens split evenly over its
 replicas: GPU load ``= sum over its slots of w[e] / logcnt[e]``.
@@ -55,6 +56,7 @@ __all__ = [
     "moved_per_gpu",
     "plan_experts",
     "predicted_gpu_load",
+    "replica_load",
     "replicas_moved",
 ]
 
@@ -115,19 +117,25 @@ def colocated(phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
     return (per_gpu[:, :, 1:] == per_gpu[:, :, :-1]).sum(axis=(1, 2))
 
 
-def predicted_gpu_load(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
-    """Tokens per GPU ``[L, K]`` for loads ``weight [L, E]`` and a placement ``phy2log [L, N]``.
-
-    Each logical expert's load splits evenly over its replicas.
-    """
+def replica_load(weight: np.ndarray, phy2log: np.ndarray) -> np.ndarray:
+    """Tokens per physical slot ``[L, N]`` for loads ``weight [..., L, E]`` and a placement ``phy2log [L, N]``
+    (``[..., L, N]``): each logical expert's load splits evenly over its replicas."""
     weight = np.asarray(weight, dtype=np.float64)
     phy2log = np.asarray(phy2log, dtype=np.int64)
-    num_layers, num_experts = weight.shape
+    num_layers, num_experts = weight.shape[-2:]
     logcnt = np.zeros((num_layers, num_experts), dtype=np.int64)
     np.add.at(logcnt, (np.arange(num_layers)[:, None], phy2log), 1)
     per_replica = np.divide(weight, logcnt, out=np.zeros_like(weight), where=logcnt > 0)
-    slot_load = np.take_along_axis(per_replica, phy2log, axis=1)
-    return slot_load.reshape(num_layers, num_gpus, -1).sum(axis=2)
+    return np.take_along_axis(per_replica, np.broadcast_to(phy2log, (*weight.shape[:-2], *phy2log.shape)), axis=-1)
+
+
+def predicted_gpu_load(weight: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Tokens per GPU ``[L, K]`` for loads ``weight [L, E]`` and a placement ``phy2log [L, N]``.
+
+    Each logical expert's load splits evenly over its replicas (:func:`replica_load`).
+    """
+    slot_load = replica_load(weight, phy2log)
+    return slot_load.reshape(slot_load.shape[0], num_gpus, -1).sum(axis=2)
 
 
 def log2phy_from_phy2log(phy2log: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -598,14 +606,35 @@ def plan_experts(
         A :class:`PlacementPlan` with ``phy2log [L, N]``, ``log2phy [L, E, X]``
         (``-1`` padded), ``logcnt [L, E]`` and the predicted ``gpu_load [L, K]``
         (under ``weight``). Hierarchical (groups packed onto nodes) when
-        ``G % M == 0``, global otherwise. Without ``scenarios`` and ``current``
-        no layer's heaviest GPU is heavier than greedy replicate-then-pack's.
+        ``G % M == 0``, global otherwise. EPLB's plan (:func:`greedy_rebalance`)
+        replaces a layer whenever the search cannot beat it, so without
+        ``scenarios`` and ``current`` no layer's heaviest GPU is heavier than
+        EPLB's (with ``scenarios``: no layer's mean heaviest GPU over them).
 
     Raises:
         PlacementError: inconsistent sizes (see :func:`check_placement_args`),
         scenarios of another shape, or an invalid ``current``.
     """
     w = check_placement_args(weight, num_replicas, num_groups, num_nodes, num_gpus)
+    scenarios = _check_plan_options(w, scenarios, keep_tolerance, budget_s, refine_work)
+    judged = w[None] if scenarios is None else scenarios
+    groups, nodes = eplb_policy(w.shape[1], num_groups, num_nodes)
+    limits = _plan_limits(w.shape[0], groups, nodes, num_replicas, budget_s, refine_work)
+    best_plan, best_peak = _best_node_assignment(w, num_replicas, groups, nodes, num_gpus, scenarios, judged, limits)
+    eplb = greedy_rebalance(w, num_replicas, num_groups, num_nodes, num_gpus)
+    best_plan, best_peak = _lower_peak_per_layer(best_plan, best_peak, eplb, expected_peak(judged, eplb, num_gpus), tolerance=0.0)
+    if current is not None:
+        deployed = check_current(current, *w.shape, num_replicas)
+        best_plan = _keep_deployed(align_to(deployed, best_plan, nodes, num_gpus), best_peak, deployed, judged, num_gpus, keep_tolerance)
+    log2phy, logcnt = log2phy_from_phy2log(best_plan, w.shape[1])
+    return PlacementPlan(phy2log=best_plan, log2phy=log2phy, logcnt=logcnt, gpu_load=predicted_gpu_load(w, best_plan, num_gpus),
+                         hierarchical=nodes == num_nodes and groups == num_groups, within_budget=not (limits.cut or limits.late()),
+                         refine_work=limits.spent)
+
+
+def _check_plan_options(w: np.ndarray, scenarios: np.ndarray | None, keep_tolerance: float, budget_s: float | None,
+                        refine_work: int | None) -> np.ndarray | None:
+    """The options of :func:`plan_experts` beside the sizes, checked; returns ``scenarios`` as float64 ``[S, L, E]``."""
     num_layers, num_experts = w.shape
     if scenarios is not None:
         scenarios = np.asarray(scenarios, dtype=np.float64)
@@ -619,51 +648,49 @@ def plan_experts(
         raise PlacementError(f"budget_s must be a positive number of seconds or None, got {budget_s!r}")
     if refine_work is not None and (isinstance(refine_work, bool) or not isinstance(refine_work, (int, np.integer)) or refine_work < 0):
         raise PlacementError(f"refine_work must be a non-negative number of swap evaluations or None, got {refine_work!r}")
-    judged = w[None] if scenarios is None else scenarios
-    groups, nodes = eplb_policy(num_experts, num_groups, num_nodes)
-    # the work is shared per slot over what may be refined: the groups over nodes, then the replicas over GPUs once per node assignment
+    return scenarios
+
+
+def _plan_limits(num_layers: int, groups: int, nodes: int, num_replicas: int, budget_s: float | None, refine_work: int | None) -> _Limits:
+    """The refinement's limits: the work shared per slot over what may be refined (the groups over nodes, then the
+    replicas over GPUs once per node assignment)."""
     cells = num_layers * (groups + 2 * num_replicas) if 1 < nodes < groups else num_layers * num_replicas
-    limits = _Limits(deadline=None if budget_s is None else time.perf_counter() + budget_s, per_slot=None if refine_work is None else refine_work / cells)
-    hierarchical = nodes == num_nodes and groups == num_groups
-    group_weight = w.reshape(num_layers, groups, -1).sum(axis=2)
+    return _Limits(deadline=None if budget_s is None else time.perf_counter() + budget_s, per_slot=None if refine_work is None else refine_work / cells)
+
+
+def _lower_peak_per_layer(plan: np.ndarray, peak: np.ndarray, other: np.ndarray, other_peak: np.ndarray,
+                          tolerance: float = 1e-9) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, ``other``'s rows of ``phy2log [L, N]`` where its peak ``[L]`` is lower by more than ``tolerance`` (relative)."""
+    better = other_peak < peak - tolerance * np.maximum(peak, 1.0)
+    plan = plan.copy()
+    plan[better] = other[better]
+    return plan, np.where(better, other_peak, peak)
+
+
+def _best_node_assignment(w: np.ndarray, num_replicas: int, groups: int, nodes: int, num_gpus: int, scenarios: np.ndarray | None,
+                          judged: np.ndarray, limits: _Limits) -> tuple[np.ndarray, np.ndarray]:
+    """``(phy2log [L, N], expected peak [L])``: per layer the better of the greedy group-to-node packing and its refinement."""
+    group_weight = w.reshape(w.shape[0], groups, -1).sum(axis=2)
     greedy_nodes = _greedy_pack(group_weight, nodes)
     candidates = [greedy_nodes]
     if 1 < nodes < groups:
         refined = _pack(group_weight, nodes, limits=limits)
         if (refined != greedy_nodes).any():
             candidates.append(refined)
-    best_plan = best_peak = None
-    for node_of_group in candidates:
+    best_plan = _place_in_nodes(w, candidates[0], num_replicas, groups, nodes, num_gpus, scenarios, limits)
+    best_peak = expected_peak(judged, best_plan, num_gpus)
+    for node_of_group in candidates[1:]:
         phy2log = _place_in_nodes(w, node_of_group, num_replicas, groups, nodes, num_gpus, scenarios, limits)
-        peak = expected_peak(judged, phy2log, num_gpus)
-        if best_plan is None:
-            best_plan, best_peak = phy2log, peak
-        else:
-            better = peak < best_peak - 1e-9 * np.maximum(best_peak, 1.0)
-            best_plan[better] = phy2log[better]
-            best_peak = np.where(better, peak, best_peak)
-    assert best_plan is not None and best_peak is not None
-    # EPLB's own plan replaces a layer it packs better without more replicas sharing a GPU: never behind the baseline but by its wasted slots
-    eplb = greedy_rebalance(w, num_replicas, num_groups, num_nodes, num_gpus)
-    eplb_peak = expected_peak(judged, eplb, num_gpus)
-    better = (eplb_peak < best_peak - 1e-9 * np.maximum(best_peak, 1.0)) & (colocated(eplb, num_gpus) <= colocated(best_plan, num_gpus))
-    best_plan[better] = eplb[better]
-    best_peak = np.where(better, eplb_peak, best_peak)
-    if current is not None:
-        deployed = check_current(current, num_layers, num_experts, num_replicas)
-        best_plan = align_to(deployed, best_plan, nodes, num_gpus)
-        stay = expected_peak(judged, deployed, num_gpus) * (1 - keep_tolerance) <= best_peak + 1e-9 * np.maximum(best_peak, 1.0)
-        best_plan[stay] = deployed[stay]
-    log2phy, logcnt = log2phy_from_phy2log(best_plan, num_experts)
-    return PlacementPlan(
-        phy2log=best_plan,
-        log2phy=log2phy,
-        logcnt=logcnt,
-        gpu_load=predicted_gpu_load(w, best_plan, num_gpus),
-        hierarchical=hierarchical,
-        within_budget=not (limits.cut or limits.late()),
-        refine_work=limits.spent,
-    )
+        best_plan, best_peak = _lower_peak_per_layer(best_plan, best_peak, phy2log, expected_peak(judged, phy2log, num_gpus))
+    return best_plan, best_peak
+
+
+def _keep_deployed(plan: np.ndarray, peak: np.ndarray, deployed: np.ndarray, judged: np.ndarray, num_gpus: int, keep_tolerance: float) -> np.ndarray:
+    """Per layer, the deployed rows unless ``plan`` lowers the expected heaviest GPU by more than ``keep_tolerance``."""
+    stay = expected_peak(judged, deployed, num_gpus) * (1 - keep_tolerance) <= peak + 1e-9 * np.maximum(peak, 1.0)
+    plan = plan.copy()
+    plan[stay] = deployed[stay]
+    return plan
 
 
 def moved_per_gpu(before: np.ndarray, after: np.ndarray, num_gpus: int) -> np.ndarray:

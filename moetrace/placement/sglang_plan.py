@@ -33,7 +33,7 @@ from ..trace.writer import write_json_atomic
 from .checks import PlacementError
 from .plan import log2phy_from_phy2log
 
-__all__ = ["SGLANG_MAP_KEY", "read_sglang_plan", "rows_in_pass", "sglang_expert_location", "sglang_physical_count", "write_sglang_plan"]
+__all__ = ["SGLANG_MAP_KEY", "read_sglang_plan", "rows_in_pass", "sglang_expert_location", "sglang_physical_count", "sglang_slots", "write_sglang_plan"]
 
 SGLANG_MAP_KEY = "physical_to_logical_map"
 """The one key of SGLang's ``--init-expert-location`` document."""
@@ -114,8 +114,9 @@ def rows_in_pass(pass_ids: np.ndarray) -> np.ndarray:
     return np.arange(len(pass_ids)) - np.flatnonzero(first)[np.cumsum(first) - 1]
 
 
-def sglang_physical_count(topk_ids: np.ndarray, rows: np.ndarray, phy2log: np.ndarray) -> np.ndarray:
-    """Token copies each physical slot computes ``[L, N]`` under SGLang's rank-invariant dynamic dispatch.
+def sglang_slots(topk_ids: np.ndarray, rows: np.ndarray, phy2log: np.ndarray) -> np.ndarray:
+    """The physical slot of every token copy ``[T, L, k]`` (``-1`` where the id is ``-1``) under SGLang's
+    rank-invariant dynamic dispatch.
 
     Args:
         topk_ids: logical expert ids of every computed token ``[T, L, k]`` (``-1`` = none).
@@ -124,19 +125,28 @@ def sglang_physical_count(topk_ids: np.ndarray, rows: np.ndarray, phy2log: np.nd
 
     SGLang sends token row ``t`` of a pass (all its top-k slots) to replica ``t mod n`` of
     each chosen expert, its ``n`` replicas ordered by physical slot id
-    (``_topk_ids_logical_to_physical_dynamic`` with ``rank_invariant``). Rank ``r``'s load
-    is the sum of its ``N / R`` slots (:func:`moetrace.balance.rank_load`).
+    (``_topk_ids_logical_to_physical_dynamic`` with ``rank_invariant``).
     """
     ids = np.asarray(topk_ids, dtype=np.int64)
     mapping = np.asarray(phy2log, dtype=np.int64)
-    num_layers, num_slots = mapping.shape
     log2phy, logcnt = log2phy_from_phy2log(mapping, int(mapping.max()) + 1)
     rows = np.asarray(rows, dtype=np.int64)[:, None]
+    slots = np.full(ids.shape, -1, dtype=np.int64)
+    for layer in range(mapping.shape[0]):
+        chosen = ids[:, layer]  # [T, k]
+        expert = np.where(chosen >= 0, chosen, 0)
+        slots[:, layer] = np.where(chosen >= 0, log2phy[layer, expert, rows % logcnt[layer, expert]], -1)
+    return slots
+
+
+def sglang_physical_count(topk_ids: np.ndarray, rows: np.ndarray, phy2log: np.ndarray) -> np.ndarray:
+    """Token copies each physical slot computes ``[L, N]`` under SGLang's rank-invariant dynamic dispatch
+    (the slots of :func:`sglang_slots`, counted). Rank ``r``'s load is the sum of its ``N / R`` slots
+    (:func:`moetrace.balance.rank_load`)."""
+    slots = sglang_slots(topk_ids, rows, phy2log)
+    num_layers, num_slots = np.asarray(phy2log).shape
     count = np.zeros((num_layers, num_slots), dtype=np.int64)
     for layer in range(num_layers):
-        chosen = ids[:, layer]  # [T, k]
-        valid = chosen >= 0
-        expert = np.where(valid, chosen, 0)
-        slot = log2phy[layer, expert, rows % logcnt[layer, expert]]
-        np.add.at(count[layer], slot[valid], 1)
+        chosen = slots[:, layer]
+        np.add.at(count[layer], chosen[chosen >= 0], 1)
     return count

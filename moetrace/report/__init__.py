@@ -37,7 +37,8 @@ def require_plotly() -> None:
 
 
 def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | str | None = None, top: int = 5,
-                 phase: str | None = None, progress: Callable[[str, int, int], None] | None = None) -> Path:
+                 phase: str | None = None, progress: Callable[[str, int, int], None] | None = None,
+                 gpus_per_node: int | None = None) -> Path:
     """Write the HTML report of ``paths`` (expert traces of one run and / or replica traces) to ``out``.
 
     Args:
@@ -47,6 +48,7 @@ def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | st
         top: co-activated pairs and transitions per layer.
         phase: the expert sections of one pass phase only (``prefill``, ``decode``, ...: one expert trace).
         progress: ``progress(stage, done, total)`` while the placement section plans (:func:`.evidence.gather_evidence`).
+        gpus_per_node: EP ranks per node: adds the "who sends to whom" section (``None``: left out).
 
     Raises:
         TraceError: an input is not a readable trace (the error ``moetrace analyze`` gives).
@@ -55,7 +57,9 @@ def build_report(paths: Sequence[Path | str], out: Path | str, routes: Path | st
     """
     from .evidence import gather_evidence
 
-    return write_report(gather_evidence([Path(p) for p in paths], None if routes is None else Path(routes), top=top, phase=phase, progress=progress), out)
+    evidence = gather_evidence([Path(p) for p in paths], None if routes is None else Path(routes), top=top, phase=phase, progress=progress,
+                               gpus_per_node=gpus_per_node)
+    return write_report(evidence, out)
 
 
 def write_report(evidence: Evidence, out: Path | str) -> Path:

@@ -30,6 +30,7 @@ import numpy as np
 from .. import balance
 from ..analysis.source import load_series
 from ..analysis.summary import AnalysisReport, analyze_trace
+from ..analysis.traffic import Traffic, trace_traffic
 from ..placement.backtesting import BacktestResult, held_out_estimate, plan_placement
 from ..placement.checks import PlacementConfig
 from ..placement.plan import PlacementPlan, predicted_gpu_load
@@ -110,12 +111,16 @@ class ExpertEvidence:
         report: the analysis (what ``moetrace analyze`` prints).
         series: time-ordered loads in buckets of passes (``None``: fewer than two passes, or none).
         placement: a plan for the trace's EP ranks (``None`` with one rank).
+        traffic: who sends to whom (:func:`~moetrace.analysis.traffic.trace_traffic`; ``None`` without
+            ``gpus_per_node``, with one EP rank, or when the traces cannot give it: ``traffic_note`` says why).
     """
 
     paths: list[Path]
     report: AnalysisReport
     series: PassSeries | None
     placement: PlacementView | None
+    traffic: Traffic | None = None
+    traffic_note: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +163,20 @@ def _series(paths: list[Path], phase: str | None = None) -> PassSeries | None:
         return None
 
 
-def _expert(paths: list[Path], top: int, phase: str | None = None, progress: Callable[[str, int, int], None] | None = None) -> ExpertEvidence:
+def _traffic(paths: list[Path], report: AnalysisReport, gpus_per_node: int | None, phase: str | None) -> tuple[Traffic | None, str | None]:
+    """The run's traffic over ``gpus_per_node``-GPU nodes, or ``None`` and the reason."""
+    if gpus_per_node is None or report.ep_size <= 1:
+        return None, None
+    try:
+        return trace_traffic(paths, gpus_per_node, phase=phase), None
+    except TraceDamageError:
+        raise
+    except TraceError as exc:
+        return None, f"who sends to whom: not shown ({exc})"
+
+
+def _expert(paths: list[Path], top: int, phase: str | None = None, progress: Callable[[str, int, int], None] | None = None,
+            gpus_per_node: int | None = None) -> ExpertEvidence:
     if phase is not None and len(paths) != 1:
         raise ValueError(f"a report of pass phase {phase!r} reads one trace (merge per-rank files first: moetrace merge), got {len(paths)}")
     if len(paths) == 1:
@@ -171,11 +189,12 @@ def _expert(paths: list[Path], top: int, phase: str | None = None, progress: Cal
     placement = None
     if report.ep_size > 1 and report.logical_count.any():
         placement = placement_view(report.logical_count.astype(np.float64), report.physical_count, series, report.ep_size, progress)
-    return ExpertEvidence(paths=paths, report=report, series=series, placement=placement)
+    traffic, note = _traffic(paths, report, gpus_per_node, phase)
+    return ExpertEvidence(paths=paths, report=report, series=series, placement=placement, traffic=traffic, traffic_note=note)
 
 
 def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int = 5, phase: str | None = None,
-                    progress: Callable[[str, int, int], None] | None = None) -> Evidence:
+                    progress: Callable[[str, int, int], None] | None = None, gpus_per_node: int | None = None) -> Evidence:
     """Read and analyse the inputs of a report.
 
     Args:
@@ -184,6 +203,7 @@ def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int 
         top: pairs and transitions per layer.
         phase: the expert evidence of one pass phase only (``prefill``, ``decode``, ...; one expert trace).
         progress: ``progress(stage, done, total)`` while the placement is planned and estimated (:func:`placement_view`).
+        gpus_per_node: EP ranks per node: adds who sends to whom (the traffic section); ``None``: not.
 
     Raises:
         TraceError: an input is not a readable trace (the error ``moetrace analyze`` gives).
@@ -200,7 +220,7 @@ def gather_evidence(paths: Sequence[Path], routes: Path | None = None, top: int 
         table = read_requests(path)
         routing.append(RoutingEvidence(path, table, summarize(table)))
     return Evidence(
-        expert=_expert(expert_files, top, phase, progress) if expert_files else None,
+        expert=_expert(expert_files, top, phase, progress, gpus_per_node) if expert_files else None,
         routing=routing,
         routes=load_routes(routes).logical() if routes is not None else _trace_routes(expert_files),
         routes_path=routes,

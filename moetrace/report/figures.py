@@ -17,6 +17,7 @@ __all__ = [
     "expert_heatmap",
     "headline",
     "lines",
+    "node_heatmap",
     "pairs_bars",
     "phase_stack",
     "rank_heatmap",
@@ -81,6 +82,20 @@ def rank_heatmap(layer_ids: np.ndarray, load: np.ndarray) -> go.Figure:
         hovertemplate="%{x}<br>layer %{y}<br>count %{z:,.0f}<br>x mean %{customdata:.2f}<extra></extra>",
     ))
     return _layout(fig, "Token copies per EP rank and layer (x layer mean)", height=max(240, 60 + 26 * load.shape[0]),
+                   yaxis={"autorange": "reversed", "type": "category"})
+
+
+def node_heatmap(node_tokens: np.ndarray) -> go.Figure:
+    """Token copies from each source node (rows) to each destination node ``[N, N]``; hover gives the share of all copies."""
+    counts = np.asarray(node_tokens, dtype=np.float64)
+    share = counts / max(float(counts.sum()), 1.0)
+    names = [f"node {n}" for n in range(counts.shape[0])]
+    fig = _figure(go.Heatmap(
+        z=counts, x=names, y=names, customdata=share, colorscale="Viridis", colorbar={"title": {"text": "copies"}},
+        hovertemplate="from %{y}<br>to %{x}<br>copies %{z:,.0f}<br>%{customdata:.1%} of all<extra></extra>",
+    ))
+    return _layout(fig, "Token copies, source node (rows) x destination node (the diagonal stays inside a node)",
+                   height=max(300, 80 + 30 * counts.shape[0]), xaxis={"type": "category"},
                    yaxis={"autorange": "reversed", "type": "category"})
 
 

@@ -223,6 +223,38 @@ def _placement_figures(view: PlacementView) -> list[tuple[str, go.Figure]]:
     return figs
 
 
+def _traffic(ev: ExpertEvidence) -> Section | None:
+    """Who sends to whom: the node x node heatmap, nodes per token (token rows) and the hottest inter-node links."""
+    if ev.traffic is None:
+        return None
+    d = ev.traffic.to_dict()
+    if not d["copies"]:
+        return None
+    figs = [("fig-traffic-nodes", figures.node_heatmap(np.asarray(d["node_tokens"])))]
+    share = d["inter_node_share"]
+    parts = [f"{share:.1%} of {d['copies']:,.0f} token copies cross nodes ({d['nodes']} nodes of {d['gpus_per_node']} GPUs)"]
+    links = d["hottest_node_links"]
+    if links:
+        inter = np.asarray(d["node_tokens"], dtype=np.float64)
+        mean = (inter.sum() - np.trace(inter)) / max(d["nodes"] * (d["nodes"] - 1), 1)
+        top = links[0]
+        parts.append(f"hottest link node {top['source']} -> {top['destination']} carries {top['tokens']:,.0f} ({top['tokens'] / mean:.2f}x the mean inter-node link)")
+        figs.append(("fig-traffic-links", figures.bar_groups(
+            [f"{x['source']} -> {x['destination']}" for x in links], {"token copies": [x["tokens"] for x in links]},
+            f"Hottest inter-node links (source node -> destination node), of {d['nodes'] * (d['nodes'] - 1)}", "token copies")))
+    histogram = d["nodes_per_token"]
+    if histogram is not None and sum(histogram):
+        mean_nodes = sum(i * c for i, c in enumerate(histogram)) / sum(histogram)
+        remote = d["remote_nodes_per_token"]
+        parts.append(f"a token reaches {mean_nodes:.2f} nodes on average, {sum(i * c for i, c in enumerate(remote)) / sum(remote):.2f} remote "
+                     "(one RDMA copy each under DeepEP's node de-duplication)")
+        figs.append(("fig-traffic-nodes-per-token", figures.bar_groups(
+            [str(i) for i in range(len(histogram))], {"all nodes": histogram, "remote nodes": remote},
+            "Nodes per token: distinct nodes a token's top-k reaches (tokens x layers)", "tokens x layers")))
+    notes = [] if d["complete"] else [f"only EP ranks {d['sources']} of {d['ranks']} were read: the others' tokens are missing"]
+    return Section("traffic", "Who sends to whom", "; ".join(parts), figs, notes)
+
+
 def _coactivation(ev: ExpertEvidence) -> Section | None:
     d = ev.report.to_dict()
     co, transitions = d["coactivation"], d["transitions"]
@@ -317,7 +349,7 @@ def build_sections(ev: Evidence) -> list[Section]:
     out: list[Section | None] = []
     if ev.expert is not None:
         e = ev.expert
-        out += [_headline(e), _expert_load(e), _rank_load(e), _timing(e), _placement(e)]
+        out += [_headline(e), _expert_load(e), _rank_load(e), _traffic(e), _timing(e), _placement(e)]
     out.append(_routes(ev))
     out.append(_routing(ev.routing))
     if ev.expert is not None:

@@ -71,6 +71,7 @@ def test_no_command_module_imports_torch() -> None:
     ["verify", "{trace}"],
     ["report", "{trace}", "-o", "report.html"],
     ["placement", "{trace}", "--gpus", "4"],
+    ["traffic", "{trace}", "--gpus-per-node", "2", "-o", "traffic.png"],
     ["plot", "{trace}", "-o", "plot.png"],
     ["routes", "{trace}", "-o", "routes.json"],
     ["inspect", "{trace}"],

@@ -36,7 +36,7 @@ def test_rules_file_is_valid_promql():
     assert promtool, "promtool is missing beside prometheus"
     result = subprocess.run([promtool, "check", "rules", str(rules_path())], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 8 rules found" in result.stdout
+    assert "SUCCESS: 11 rules found" in result.stdout
 
 
 def _by_layer(result: list[tuple[dict[str, str], float]]) -> dict[int, float]:

@@ -35,6 +35,8 @@ PARALLEL: dict[str, tuple[str, frozenset[str]]] = {
     # One subject, one module per layer: what it is, its offline analysis, its metrics, its command.
     "timing": ("timing phases: names and clocks (core), the analysis of a trace's /timing, the `timing` command",
                frozenset({"moetrace/timing.py", "moetrace/analysis/timing.py", "cli/timing.py"})),
+    "traffic": ("who sends to whom: its analysis of traces and the `traffic` command",
+                frozenset({"moetrace/analysis/traffic.py", "cli/traffic.py"})),
     "analysis": ("offline analysis: of the replica traces (replicas) and the `analyze` command over moetrace/analysis/",
                  frozenset({"moetrace/replicas/analysis.py", "cli/analysis.py"})),
     "attribution": ("per-label attribution: the analysis and its command", frozenset({"moetrace/analysis/attribution.py", "cli/attribution.py"})),

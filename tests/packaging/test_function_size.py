@@ -21,7 +21,7 @@ LONG: dict[str, str] = {
     "adapters/hf/__init__.py:instrument": "the contract's docstring and its typed options, checks of the model, then every layer's hooks installed under one rollback",
     "adapters/megatron/__init__.py:instrument": "the contract's docstring and its typed options, checks of the model, then every layer's hooks installed under one rollback",
     # Rewritten by the placement package (issue 36).
-    "moetrace/placement/plan.py:plan_experts": "argument checks, node candidates, EPLB's plan per layer, current/keep: one planner's steps over shared arrays; half of it is the docstring",
+    "moetrace/placement/plan.py:plan_experts": "the planner's contract: a 50-line docstring over 14 lines that call its named steps (options, limits, node assignment, EPLB per layer, keep deployed)",
     "moetrace/placement/backtesting.py:backtest": "the replay loop over rebalances: each planner's track, the oracle and the current placement scored at each (half of it the docstring and the result)",
     "moetrace/analysis/source.py:load_series": "one streaming read of a trace into bucketed loads (bucket doubling inline)",
     "moetrace/placement/select.py:select_planner": "folds under the work budget, then the rule and its one-sentence reason",

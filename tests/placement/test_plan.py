@@ -7,7 +7,7 @@ import pytest
 
 from moetrace.placement.checks import PlacementError
 from moetrace.placement.eplb import greedy_rebalance
-from moetrace.placement.plan import colocated, plan_experts, predicted_gpu_load
+from moetrace.placement.plan import plan_experts, predicted_gpu_load
 
 from ..analysis.helpers import olmoe
 
@@ -50,12 +50,10 @@ def check_plan(plan, weight, replicas, groups, nodes, gpus):
 
 
 def assert_not_behind_eplb(plan, weight: np.ndarray, eplb: np.ndarray, gpus: int) -> None:
-    """Per layer, the peak is no higher than EPLB's, except where EPLB gets lower by putting more replicas of an expert on one GPU."""
+    """Per layer, the peak is no higher than EPLB's (EPLB's plan is kept wherever the search cannot beat it)."""
     ours, theirs = plan.gpu_load.max(axis=1), predicted_gpu_load(weight, eplb, gpus).max(axis=1)
-    exempt = colocated(eplb, gpus) > plan.colocated
-    assert ((ours <= theirs * (1 + 1e-12)) | exempt).all()
-    if not exempt.any():
-        assert plan.balancedness >= weight.sum(axis=1).sum() / gpus / theirs.sum() - 1e-12
+    assert (ours <= theirs).all()
+    assert plan.balancedness >= weight.sum(axis=1).sum() / gpus / theirs.sum() - 1e-12
 
 
 CONFIGS = [(r, 8, 2, 8) for r in (64, 72, 80, 96, 128)] + [(r, 4, 1, 8) for r in (64, 72, 80, 96, 128)] + [(72, 8, 3, 24), (96, 8, 3, 24)]
@@ -82,6 +80,30 @@ def test_random_skewed_loads_never_worse_than_greedy(seed):
         plan = plan_experts(weight, replicas, groups, nodes, gpus)
         check_plan(plan, weight, replicas, groups, nodes, gpus)
         assert_not_behind_eplb(plan, weight, greedy_rebalance(weight, replicas, groups, nodes, gpus), gpus)
+
+
+#: Inputs where moetrace's search alone ends above EPLB's peak (found over seeds 0-299: 1.30x and 1.03x before EPLB's
+#: plan was kept regardless of co-located replicas): vLLM's small hierarchical size and a 64-expert one.
+BEHIND_EPLB = [
+    pytest.param(16, 24, 8, 4, 8, 183, id="E16-N24-G8-M4-K8"),
+    pytest.param(64, 96, 8, 2, 16, 198, id="E64-N96-G8-M2-K16"),
+]
+
+
+@pytest.mark.parametrize(("experts", "replicas", "groups", "nodes", "gpus", "seed"), BEHIND_EPLB)
+def test_eplbs_plan_is_kept_where_the_search_cannot_beat_it(experts, replicas, groups, nodes, gpus, seed):
+    from moetrace.placement.plan import _best_node_assignment, _plan_limits
+
+    rng = np.random.default_rng(seed)
+    weight = rng.integers(1, 1000, (2, experts)).astype(float) if seed % 2 else rng.lognormal(0, 1.5, (2, experts))
+    eplb = greedy_rebalance(weight, replicas, groups, nodes, gpus)
+    plan = plan_experts(weight, replicas, groups, nodes, gpus)
+    check_plan(plan, weight, replicas, groups, nodes, gpus)
+    assert_not_behind_eplb(plan, weight, eplb, gpus)
+    # Negative control: the search's own plan on these loads is above EPLB's peak in some layer.
+    limits = _plan_limits(2, groups, nodes, replicas, None, None)
+    _, search_peak = _best_node_assignment(weight, replicas, groups, nodes, gpus, None, weight[None], limits)
+    assert (search_peak > predicted_gpu_load(weight, eplb, gpus).max(axis=1) * 1.01).any()
 
 
 def test_more_replicas_help_and_uniform_is_perfect():

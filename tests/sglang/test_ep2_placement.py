@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from moetrace import balance
+from moetrace.analysis.traffic import trace_traffic
 from moetrace.placement.plan import replicas_moved
 from moetrace.placement.sglang_plan import (
     SGLANG_MAP_KEY,
@@ -54,10 +55,12 @@ HOT = (0, 1)
 class Run:
     answers: list[dict[str, Any]]
     files: list[Path]  # per_token trace of rank 0, rank 1
+    sglang_files: list[Path]  # SGLang's own stat recorder dumps, one per rank
 
 
 def _record(checkpoint: Path, out: Path, **engine_args: Any) -> Run:
-    env = {**TWO_RANKS, "MOETRACE_ENABLED": "1", "MOETRACE_MODE": "per_token", "MOETRACE_OUTPUT_DIR": str(out)}
+    env = {**TWO_RANKS, "MOETRACE_ENABLED": "1", "MOETRACE_MODE": "per_token", "MOETRACE_OUTPUT_DIR": str(out),
+           "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR": str(out / "sglang")}
     args = dict(tp_size=RANKS, ep_size=RANKS, ep_num_redundant_experts=REDUNDANT, expert_distribution_recorder_mode="stat", **engine_args)
     with engine(str(checkpoint), env, **args) as llm:
         llm.start_expert_distribution_record()
@@ -66,7 +69,7 @@ def _record(checkpoint: Path, out: Path, **engine_args: Any) -> Run:
         llm.dump_expert_distribution_record()
     files = sorted(out.glob("moetrace-per_token-*.h5"), key=lambda p: p.stem.rsplit("-rank", 1)[1])
     assert len(files) == RANKS, f"a per_token dump writes one file per rank; found {files}"
-    return Run(answers, files)
+    return Run(answers, files, sorted((out / "sglang").glob("*")))
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +187,35 @@ def test_realised_balance_equals_the_prediction_and_beats_trivial(checkpoint: Pa
     for layer in range(NUM_LAYERS):
         print(f"layer {layer}: slots of rank 0 {mapping[layer, :5].tolist()} rank 1 {mapping[layer, 5:].tolist()}; "
               f"load trivial {_realised_rank_load(trivial)[layer].tolist()} predicted {predicted[layer].tolist()} realised {realised[layer].tolist()}")
+
+
+def test_traffic_equals_sglangs_own_count_and_the_hf_count(checkpoint: Path, trivial: Run, plan: dict[str, Any], planned: Run) -> None:
+    """``moetrace traffic`` of both ranks' traces, one rank a node: under TP attention rank 1 routes rank 0's tokens and is
+    not counted (one source row); the copies to each rank equal SGLang's own recorder (trivial location: slot = expert)
+    and the Hugging Face router's count put into slots; the what-if of the trivial run on the plan equals the planned run."""
+    result = trace_traffic(trivial.files, 1)
+    assert result.sources == (0,) and result.complete and not result.rank_tokens[:, 1].any()
+    sglang = np.pad(_sglang_own_count(trivial), ((0, 0), (0, REDUNDANT)))  # trivial location: slot = expert, redundant slots idle
+    np.testing.assert_array_equal(result.rank_tokens[:, 0], balance.rank_load(sglang, RANKS))
+    np.testing.assert_array_equal(result.rank_tokens[:, 0], balance.rank_load(_independent(checkpoint, trivial, None), RANKS))
+    assert 0 < result.to_dict()["inter_node_share"] < 1  # negative control: copies go to both ranks
+    mapping = read_sglang_plan(plan["path"], NUM_EXPERTS)
+    live = trace_traffic(planned.files, 1).rank_tokens
+    np.testing.assert_array_equal(live[:, 0], balance.rank_load(_independent(checkpoint, planned, mapping), RANKS))
+    predicted = trace_traffic(trivial.files, 1, plan=mapping).rank_tokens  # token rows pick replicas as SGLang does
+    np.testing.assert_array_equal(predicted, live)
+    assert not np.array_equal(predicted, result.rank_tokens)  # the plan moved copies between the ranks
+
+
+def _sglang_own_count(run: Run) -> np.ndarray:
+    """``[L, E]`` from SGLang's own ``stat`` recorder: with EP one rank dumps the TP group's all-reduced count (each of the
+    ``RANKS`` ranks routed every token under TP attention, so it holds ``RANKS`` x the count)."""
+    import torch
+
+    (dump,) = run.sglang_files
+    total = torch.load(dump, weights_only=True)["logical_count"].numpy().sum(axis=0)
+    assert (total % RANKS == 0).all()
+    return total // RANKS
 
 
 def _tokens(path: Path) -> np.ndarray:
