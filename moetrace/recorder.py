@@ -55,7 +55,7 @@ from .graphs import is_capturing
 from .pass_phase import UNKNOWN, pass_phase_code, pass_requests
 from .recording import session as sessions
 from .recording.accumulators import PassCounter, mode_sink
-from .recording.dump import TraceDump, rank_world, shared_run_id, streamed_schema
+from .recording.dump import TraceDump, rank_world, shared_start, streamed_schema
 from .recording.dumper import CutPoint, DumpLedger, mode_dumper
 from .recording.hook_args import checked_batch, checked_dispatch, checked_ids, checked_layer
 from .recording.session import RecordingSession, Staged
@@ -134,6 +134,7 @@ class ExpertDistributionRecorder:
         self._disabled = 0
         self._num_passes = 0
         self._run_id = uuid.uuid4().hex
+        self._period = cfg.rotation_passes  # passes between rotations / checkpoints, agreed at start_record
         self._staged = Staged(self._counter, self._sink, self._timing.flush_rows)
         streamed = streamed_schema(cfg, self._layout, self._sink.token_dtype, self._timing.row_schema())
         self._dump = TraceDump(cfg, self._layout, streamed, self._timing.kind, compression_options(cfg.resolved_compression))
@@ -357,7 +358,9 @@ class ExpertDistributionRecorder:
             counter.clear()
             self._num_passes += 1
             self._snapshots.publish(counter.phase_totals, counter.phase_tokens, self._num_passes, timestamp, counter.phase_host)
-            self._files.after_pass(pass_id, self._num_passes)
+            if self._files.after_pass(pass_id, self._num_passes):  # the writer failed: stop, the engine goes on
+                self._recording = False
+                self._counter.set_gate(False)
 
     def _discard_pass(self) -> None:
         self._pass_phase, self._pass_requests = UNKNOWN, -1
@@ -374,7 +377,7 @@ class ExpertDistributionRecorder:
             if self._recording:
                 raise RecorderStateError("already recording; call stop_record() first")
             self._clear()
-            self._run_id = shared_run_id(self.config)
+            self._run_id, self._period = shared_start(self.config)
             self._open_session()
             self._started = True
             self._recording = True
@@ -414,7 +417,7 @@ class ExpertDistributionRecorder:
         rank, world = rank_world(self.config)
         header = self._dump.header(self._run_id, rank, world)
         self._files.open(RecordingSession(self.config, header, self._layout, self._dump.streamed, self._staged,
-                                          self._dump.write_stat_file, self._dump.compression))
+                                          self._dump.compression, self._period))
 
     def _close_session(self, keep: bool) -> None:
         """Stop the writer thread. ``keep``: close the open segment (or write a last checkpoint) and
