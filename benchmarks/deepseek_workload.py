@@ -22,14 +22,14 @@ __all__ = ["LAYERS", "SLOTS", "TOKENS", "TOP_K", "forward", "recorder", "routes"
 LAYERS, SLOTS, TOP_K, TOKENS = 58, 288, 8, 256
 
 
-def routes(seed: int = 0) -> list[torch.Tensor]:
-    """One ``[TOKENS, TOP_K]`` int64 id tensor per layer: distinct ids per token, Zipf-skewed slots."""
+def routes(seed: int = 0, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """One ``[TOKENS, TOP_K]`` int64 id tensor per layer on ``device``: distinct ids per token, Zipf-skewed slots."""
     rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, SLOTS + 1)
     out = []
     for _ in range(LAYERS):
         keys = rng.random((TOKENS, SLOTS)) ** (1.0 / weights)
-        out.append(torch.as_tensor(np.argsort(-keys, axis=1)[:, :TOP_K].astype(np.int64)))
+        out.append(torch.as_tensor(np.argsort(-keys, axis=1)[:, :TOP_K].astype(np.int64), device=device))
     return out
 
 

@@ -47,9 +47,9 @@ def figures(times: list[float]) -> dict[str, float]:
     }
 
 
-def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float) -> list[float]:
-    """Forward passes for ``seconds`` of wall time; each one's seconds."""
-    ids = routes()
+def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float, device: str) -> list[float]:
+    """Forward passes for ``seconds`` of wall time; each one's seconds (host time: what the engine's forward thread spends)."""
+    ids = routes(device=device)
     for _ in range(20):  # warm-up: first-call allocations
         forward(rec, ids)
     times: list[float] = []
@@ -59,14 +59,14 @@ def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float) -> li
     return times
 
 
-def mode_cases(tmp: Path, mode: str, seconds: float, segment_seconds: list[float]) -> dict[str, dict[str, float]]:
-    """Recording off, then on with each ``segment_seconds``: one mode's figures."""
-    rec = recorder(mode, tmp)
-    out = {"off": figures(timed_passes(rec, seconds))}
+def mode_cases(tmp: Path, mode: str, seconds: float, segment_seconds: list[float], device: str = "cpu") -> dict[str, dict[str, float]]:
+    """Recording off, then on with each ``segment_seconds``: one mode's figures (hooks on ``device``)."""
+    rec = recorder(mode, tmp, device=device)
+    out = {"off": figures(timed_passes(rec, seconds, device))}
     for setting in segment_seconds:
-        rec = recorder(mode, tmp, segment_seconds=setting)
+        rec = recorder(mode, tmp, segment_seconds=setting, device=device)
         rec.start_record()
-        times = timed_passes(rec, seconds)
+        times = timed_passes(rec, seconds, device)
         rec.stop_record()
         rec.reset()  # the run's files go
         out[f"on_segment_seconds_{setting:g}"] = figures(times)
