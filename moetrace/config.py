@@ -34,6 +34,15 @@ def _positive_int(name: str, value: object) -> int:
     return int(value)
 
 
+def _checked_period(seconds: object, passes: object) -> float:
+    """``segment_seconds`` as a float, once it and ``segment_passes`` are checked."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)) or not 0 <= seconds < float("inf"):
+        raise ValueError(f"segment_seconds must be a number of seconds >= 0 (0 = no periodic work), got {seconds!r}")
+    if passes is not None and (isinstance(passes, bool) or not isinstance(passes, (int, np.integer)) or passes < 0):
+        raise ValueError(f"segment_passes must be a number of passes >= 0 (0 = no periodic work) or None (from segment_seconds), got {passes!r}")
+    return float(seconds)
+
+
 @dataclasses.dataclass(frozen=True)
 class RecorderConfig:
     """What the recorder records and where it keeps it.
@@ -165,13 +174,7 @@ class RecorderConfig:
             raise ValueError(f"timing must be True or False, got {self.timing!r}")
         for name in ("window", "max_tokens_per_pass", "stream_chunk_passes", "stream_chunk_tokens", "dtype_bytes", "timing_ring", "segment_bytes"):
             set_(self, name, _positive_int(name, getattr(self, name)))
-        seconds = self.segment_seconds
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)) or not 0 <= seconds < float("inf"):
-            raise ValueError(f"segment_seconds must be a number of seconds >= 0 (0 = no time bound), got {seconds!r}")
-        set_(self, "segment_seconds", float(seconds))
-        passes = self.segment_passes
-        if passes is not None and (isinstance(passes, bool) or not isinstance(passes, (int, np.integer)) or passes < 0):
-            raise ValueError(f"segment_passes must be a number of passes >= 0 (0 = no periodic work) or None (from segment_seconds), got {passes!r}")
+        set_(self, "segment_seconds", _checked_period(self.segment_seconds, self.segment_passes))
         from .trace.writer import compression_options
 
         compression_options(self.resolved_compression)  # raises ValueError naming the accepted specs

@@ -52,3 +52,14 @@ def test_negative_control_without_agreement_ranks_differ(tmp_path):
     """The check can fail: with a run id given (no collective at start), each rank keeps its own period."""
     rank0, rank1 = launch(worker, 2, "per_token", str(tmp_path), [PERIOD, 5], "fixedrun", backend="gloo", threads_per_rank=1, timeout=300)
     assert rank0 == [16, 32, 48, 64] and rank1 == list(range(5, PASSES + 1, 5)) and rank0 != rank1
+
+
+def test_the_period_comes_from_segment_passes_or_segment_seconds():
+    config = dict(num_layers=LAYERS, num_physical_experts=16, top_k=2)
+    assert RecorderConfig(**config).rotation_passes == 1000  # the default 10 s at 100 passes a second
+    assert RecorderConfig(**config, segment_seconds=2).rotation_passes == 200
+    assert RecorderConfig(**config, segment_seconds=0).rotation_passes == 0
+    assert RecorderConfig(**config, segment_seconds=2, segment_passes=7).rotation_passes == 7
+    for bad in (-1, 2.5, True, "10"):
+        with pytest.raises(ValueError, match=r"segment_passes must be a number of passes >= 0 .* got"):
+            RecorderConfig(**config, segment_passes=bad)
