@@ -51,6 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from deepseek_workload import LAYERS, SLOTS, TOKENS, TOP_K, forward, routes
 from harness import write_results
 
 import moetrace
@@ -60,31 +61,9 @@ from moetrace.trace import integrity, join, offload, open_trace
 from moetrace.trace.stream import HostBufferPool
 from moetrace.trace.writer import TraceWriter
 
-LAYERS, SLOTS, TOP_K, TOKENS = 58, 288, 8, 256
 #: ``--writers``: the smallest dump file sent to a child process (``offload.CHILD_MIN_BYTES``).
 WRITERS = {"child": offload.CHILD_MIN_BYTES, "in-process": 1 << 62}
 NORMAL = 300  # passes before each dump that give "a normal forward pass"
-
-
-def routes(seed: int = 0) -> list[torch.Tensor]:
-    """One ``[TOKENS, TOP_K]`` id tensor per layer: distinct ids per token, Zipf-skewed slots."""
-    rng = np.random.default_rng(seed)
-    weights = 1.0 / np.arange(1, SLOTS + 1)
-    out = []
-    for _ in range(LAYERS):
-        keys = rng.random((TOKENS, SLOTS)) ** (1.0 / weights)
-        out.append(torch.as_tensor(np.argsort(-keys, axis=1)[:, :TOP_K].astype(np.int64)))
-    return out
-
-
-def forward(rec: ExpertDistributionRecorder, ids: list[torch.Tensor]) -> float:
-    """One forward pass through the hooks; its seconds."""
-    start = time.perf_counter()
-    with rec.with_forward_pass():
-        for layer in range(LAYERS):
-            with rec.with_current_layer(layer):
-                rec.on_select_experts(ids[layer])
-    return time.perf_counter() - start
 
 
 class TimedLock:

@@ -59,6 +59,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import write_results
+from pass_bound import mode_cases
 
 from moetrace import ExpertDistributionRecorder, NoOpRecorder, RecorderConfig
 from moetrace.capturer import RoutedExpertsCapturer
@@ -82,6 +83,7 @@ START, END = "<!-- gpu:start -->", "<!-- gpu:end -->"
 # Thresholds shrunk so that SYNC_PASSES passes reach every flush, checkpoint, window wrap and rotation.
 SHRUNK = {"window": 8, "stream_chunk_passes": 4, "stream_chunk_tokens": 96, "segment_seconds": 0.002, "on_overflow": "drop"}
 SYNC_PASSES = 60
+PASS_BOUND_SECONDS = 60.0  # per case of the pass-bound row (a quarter with --quick)
 PASS_GAP_S = 0.001  # host time between the sync check's passes (60 ms in all: about 30 rotations of 2 ms)
 
 
@@ -697,6 +699,18 @@ def check_overhead(sizes: Sizes, rounds: int, out_dir: Path) -> tuple[list[Check
     return rows, {"sizes": asdict(sizes), "rounds": rounds, "dtype": str(dtype), "figures": figures}
 
 
+def check_pass_bound(device: torch.device, out_dir: Path, seconds: float) -> list[CheckResult]:
+    """Row 6: recording off and on (``segment_seconds`` 2) for ``seconds`` each, per mode, on ``device``."""
+    rows = []
+    for mode in MODES:
+        cases = mode_cases(out_dir, mode, seconds, [2.0], device=str(device))
+        off, on = cases["off"], cases["on_segment_seconds_2"]
+        rows.append(CheckResult("pass-bound", f"{mode}: off / on (segment_seconds 2), {on['passes']} passes", None,
+                                f"median {off['median_ms']:.2f}/{on['median_ms']:.2f} p99 {off['p99_ms']:.2f}/{on['p99_ms']:.2f} "
+                                f"max {off['max_ms']:.1f}/{on['max_ms']:.1f} ms; {on['over_median_5ms']} over median+5 ms"))
+    return rows
+
+
 def _timed_call(layer: EPMoELayer, x: torch.Tensor, rec: Any, graphed: bool) -> Callable[[], None]:
     recording = isinstance(rec, ExpertDistributionRecorder)
     if not graphed:
@@ -813,6 +827,12 @@ def run_checks(args: argparse.Namespace, out: Path) -> tuple[list[CheckResult], 
         return f"{args.rounds} interleaved rounds"
 
     results.append(_guarded("overhead", f"{args.sizes} sizes", timed))
+
+    def bound() -> str:
+        results.extend(check_pass_bound(cuda, out, PASS_BOUND_SECONDS / (4 if args.rounds < 20 else 1)))
+        return "DeepSeek-V3 decode hooks"
+
+    results.append(_guarded("pass-bound", "recording off vs on", bound))
     return results, overhead
 
 

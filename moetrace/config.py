@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 from pathlib import Path
 from typing import Literal
@@ -19,16 +20,28 @@ import torch.distributed as dist
 from .layout import RankLayout
 from .trace.retention import RetentionPolicy
 
-__all__ = ["MODES", "CaptureConfig", "RecorderConfig", "RecorderMode", "rank_identity"]
+__all__ = ["MODES", "NOMINAL_PASSES_PER_SECOND", "CaptureConfig", "RecorderConfig", "RecorderMode", "rank_identity"]
 
 RecorderMode = Literal["stat", "per_pass", "per_token"]
 MODES: tuple[str, ...] = ("stat", "per_pass", "per_token")
+#: Passes a second that ``segment_seconds`` maps to when ``segment_passes`` is not given (a 10 ms
+#: pass; the period is a pass count so that every rank's periodic work falls on the same pass).
+NOMINAL_PASSES_PER_SECOND = 100
 
 
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def _checked_period(seconds: object, passes: object) -> float:
+    """``segment_seconds`` as a float, once it and ``segment_passes`` are checked."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)) or not 0 <= seconds < float("inf"):
+        raise ValueError(f"segment_seconds must be a number of seconds >= 0 (0 = no periodic work), got {seconds!r}")
+    if passes is not None and (isinstance(passes, bool) or not isinstance(passes, (int, np.integer)) or passes < 0):
+        raise ValueError(f"segment_passes must be a number of passes >= 0 (0 = no periodic work) or None (from segment_seconds), got {passes!r}")
+    return float(seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +74,19 @@ class RecorderConfig:
             and pass); off by default, and then free.
         timing_ring: passes whose CUDA timing events may be in flight at
             once (CUDA only; a pass finding every slot busy is not timed).
-        segment_seconds: crash safety. Streaming modes close their open
-            segment file (complete, fsynced, renamed) at the first pass end
-            after this many seconds; ``stat`` mode writes a checkpoint of its
-            totals and window on the same schedule. ``0`` turns the time bound
-            (and stat checkpoints) off. See docs/trace-format.md.
+        segment_seconds: crash safety, the period of the recording's periodic
+            work: streaming modes close their open segment file (complete,
+            fsynced, renamed), ``stat`` mode writes a checkpoint of its totals
+            and window. The period is counted in passes, not on the clock, so
+            that every rank of a fleet does it at the same pass (under expert
+            parallelism one rank's pause is every rank's): ``segment_passes``
+            when given, else ``segment_seconds`` times
+            :data:`NOMINAL_PASSES_PER_SECOND` (10 s: every 1,000th pass). ``0``
+            turns the periodic work (and stat checkpoints) off. See
+            docs/trace-format.md.
+        segment_passes: the period in passes itself (``None``: from
+            ``segment_seconds``; ``0``: off). Rank 0's value holds for every
+            rank of a process group (agreed at ``start_record``).
         segment_bytes: streaming modes also close the open segment once it
             holds this many bytes of raw rows, whichever comes first.
         compression: filter for streamed rows and large ``/stat`` and
@@ -124,6 +145,7 @@ class RecorderConfig:
     timing: bool = False
     timing_ring: int = 4
     segment_seconds: float = 10.0
+    segment_passes: int | None = None
     segment_bytes: int = 256 * 2**20
     compression: str = "auto"
     on_overflow: str = "block"
@@ -153,10 +175,7 @@ class RecorderConfig:
             raise ValueError(f"timing must be True or False, got {self.timing!r}")
         for name in ("window", "max_tokens_per_pass", "stream_chunk_passes", "stream_chunk_tokens", "dtype_bytes", "timing_ring", "segment_bytes"):
             set_(self, name, _positive_int(name, getattr(self, name)))
-        seconds = self.segment_seconds
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)) or not 0 <= seconds < float("inf"):
-            raise ValueError(f"segment_seconds must be a number of seconds >= 0 (0 = no time bound), got {seconds!r}")
-        set_(self, "segment_seconds", float(seconds))
+        set_(self, "segment_seconds", _checked_period(self.segment_seconds, self.segment_passes))
         from .trace.writer import compression_options
 
         if self.compression != "auto":  # "auto": each mode's default (moetrace.recording.modes)
@@ -234,6 +253,14 @@ class RecorderConfig:
         assert self.physical_to_logical is not None
         identity = np.arange(self.num_physical_experts)
         return not bool((self.physical_to_logical == identity).all())
+
+    @property
+    def rotation_passes(self) -> int:
+        """The period of the recording's periodic work in passes (``0``: none): ``segment_passes``, else
+        ``segment_seconds`` at :data:`NOMINAL_PASSES_PER_SECOND`."""
+        if self.segment_passes is not None:
+            return int(self.segment_passes)
+        return math.ceil(self.segment_seconds * NOMINAL_PASSES_PER_SECOND)
 
 
     @property

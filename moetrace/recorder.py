@@ -10,23 +10,21 @@ Runtimes call the hooks from inside every MoE layer::
                 rec.on_select_experts(topk_ids)
                 rec.on_dispatch(send_counts)       # [R], optional
 
-Hooks check cheap metadata only (dtype, rank, device, layer index) and count with three
-fixed-shape device ops into the pass counter (:mod:`moetrace.recording.pass_counter`); they
-never read tensor values on the host, and return at once when not recording.
+Hooks check cheap metadata only (dtype, rank, device, layer index) and count with three fixed-shape device
+ops into the pass counter (:mod:`moetrace.recording.pass_counter`); they never read tensor values on the
+host, and return at once when not recording.
 
-Lifecycle: ``start_record()`` begins a fresh recording (counts zeroed), ``stop_record()`` ends
-it, ``dump_record()`` writes what was recorded (while recording or after stop; a failed dump can
-be retried), ``reset()`` discards everything. ``start`` while recording, ``stop`` while stopped
-and ``dump`` before any ``start`` raise :class:`RecorderStateError`.
+Lifecycle: ``start_record()`` begins a fresh recording (counts zeroed), ``stop_record()`` ends it,
+``dump_record()`` writes what was recorded (while recording or after stop; a failed dump can be retried),
+``reset()`` discards everything. ``start`` while recording, ``stop`` while stopped and ``dump`` before any
+``start`` raise :class:`RecorderStateError`.
 
-This module holds the hooks and the recording state machine; nothing in it asks for the mode:
-everything that differs between modes is the mode's object (:mod:`moetrace.recording.modes`),
-built once (its sink, its dumper in :mod:`moetrace.recording.dump_cuts`, its schema and files).
-The hooks' argument checks are :mod:`moetrace.recording.hook_args`; the phase timing
-:mod:`moetrace.recording.timing_state`; the recording's files while it runs
-:mod:`moetrace.recording.session`; writing the dumps' files :mod:`moetrace.recording.dump_files`;
-the host copy that ``snapshot()`` reads :mod:`moetrace.snapshot`; the process-wide recorder
-:mod:`moetrace.process_recorder`.
+This module holds the hooks and the recording state machine; nothing in it asks for the mode: everything
+that differs between modes is the mode's object (:mod:`moetrace.recording.modes`), built once (its sink, its
+dumper in :mod:`moetrace.recording.dump_cuts`, its schema and files). The hooks' argument checks are
+:mod:`moetrace.recording.hook_args`; the phase timing :mod:`moetrace.recording.timing_state`; the recording's
+files while it runs :mod:`moetrace.recording.session`; writing the dumps' files :mod:`moetrace.recording.dump_files`;
+the host copy that ``snapshot()`` reads :mod:`moetrace.snapshot`; the process-wide recorder :mod:`moetrace.process_recorder`.
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ from .devices import resolve_device
 from .graphs import is_capturing
 from .pass_phase import UNKNOWN, pass_phase_code, pass_requests
 from .recording.dump_cuts import CutPoint, DumpLedger
-from .recording.dump_files import TraceDump, shared_run_id
+from .recording.dump_files import TraceDump, shared_start
 from .recording.hook_args import checked_batch, checked_dispatch, checked_ids, checked_layer
 from .recording.modes import recording_mode
 from .recording.pass_counter import PassCounter
@@ -122,6 +120,7 @@ class ExpertDistributionRecorder:
         self._layer: int | None = None
         self._disabled = self._num_passes = 0
         self._run_id = uuid.uuid4().hex
+        self._period = cfg.rotation_passes  # passes between rotations / checkpoints, agreed at start_record
         self._staged = Staged(self._counter, self._sink, self._timing.flush_rows)
         streamed = self._mode.streamed_schema(self._layout, self._timing.row_schema())
         self._dump = TraceDump(cfg, self._layout, streamed, self._timing.kind, compression_options(self._mode.compression()))
@@ -335,7 +334,9 @@ class ExpertDistributionRecorder:
             counter.clear()
             self._num_passes += 1
             self._snapshots.publish(counter.pass_phase_totals, counter.pass_phase_tokens, self._num_passes, timestamp, counter.pass_phase_host)
-            self._files.after_pass(pass_id, self._num_passes)
+            if self._files.after_pass(pass_id, self._num_passes):  # the writer failed: stop, the engine goes on
+                self._recording = False
+                self._counter.set_gate(False)
 
     def _discard_pass(self) -> None:
         self._pass_phase, self._pass_requests = UNKNOWN, -1
@@ -351,7 +352,7 @@ class ExpertDistributionRecorder:
             if self._recording:
                 raise RecorderStateError("already recording; call stop_record() first")
             self._clear()
-            self._run_id = shared_run_id(self.config)
+            self._run_id, self._period = shared_start(self.config)
             self._open_session()
             self._started = True
             self._recording = True
@@ -390,12 +391,11 @@ class ExpertDistributionRecorder:
             return
         identity = rank_identity(self.config)
         header = self._dump.header(self._run_id, identity.rank, identity.world_size)
-        open_files = self._mode.session_files(self._layout, self._dump.streamed, self._dump.compression)
-        self._files.open(RecordingSession(self.config, header, open_files, self._staged, self._dump.write_stat_file))
+        spec_for = self._mode.session_files(self._layout, self._dump.streamed, self._dump.compression)
+        self._files.open(RecordingSession(self.config, header, spec_for, self._staged, self._period))
 
     def _close_session(self, keep: bool) -> None:
-        """Stop the writer thread. ``keep``: close the open segment (or write a last checkpoint) and
-        leave the files for ``moetrace recover``; else delete every file of the run not dumped yet."""
+        """Stop the writer. ``keep``: close the open segment (or write a last checkpoint) and leave the files for ``moetrace recover``; else delete every file of the run not dumped yet."""
         self._files.close(keep, self._next_pass_id - 1, self._num_passes, self.undumped_passes)
 
     def _close_at_exit(self) -> None:

@@ -43,27 +43,29 @@ from ..pass_phase import PASS_PHASES
 from ..timing import HISTOGRAM_EDGES, PHASES
 from ..trace.offload import join_segments, write_stat_trace
 from ..trace.schema import PHASE_COUNTS, Attr, Data, TraceHeader, dataset
-from ..trace.stat import CounterLayout, StatRows, write_stat, write_stat_window
+from ..trace.stat import CounterLayout, StatRows, ring_pieces, write_stat
 from ..trace.writer import TraceWriter
 from .pass_counter import PassCounter
 from .session import Cut, RecordingSession
 from .timing_state import TimingPart
 from .window import StatWindow, WindowCut
 
-__all__ = ["DumpQueue", "PendingDump", "StatCut", "TimingParts", "TraceDump", "gather", "gather_objects", "shared_run_id", "stat_gathers"]
+__all__ = ["DumpQueue", "PendingDump", "StatCut", "TimingParts", "TraceDump", "gather", "gather_objects", "shared_start", "stat_gathers"]
 
 #: Per rank, in rank order: timing aggregates ``{field: array}`` and (``stat`` dumps) the window's ``/timing`` rows.
 TimingParts = list[TimingPart]
 
 
-def shared_run_id(config: RecorderConfig) -> str:
-    """A new recording's run id: ``config.run_id``, else a fresh one from rank 0 (collective under a process group)."""
+def shared_start(config: RecorderConfig) -> tuple[str, int]:
+    """A new recording's run id and the period of its periodic work in passes (``config.rotation_passes``):
+    ``config.run_id`` and this rank's period when a run id is given (a launcher gives every rank the same
+    configuration), else rank 0's of both (collective under a process group)."""
     if config.run_id is not None:
-        return config.run_id
-    run_id = [uuid.uuid4().hex]
+        return config.run_id, config.rotation_passes
+    agreed: list[object] = [uuid.uuid4().hex, config.rotation_passes]
     if rank_identity().world_size > 1:
-        dist.broadcast_object_list(run_id, src=0)
-    return run_id[0]
+        dist.broadcast_object_list(agreed, src=0)
+    return str(agreed[0]), int(agreed[1])  # type: ignore[call-overload]
 
 
 def stat_gathers(config: RecorderConfig) -> bool:
@@ -241,10 +243,6 @@ class TraceDump:
         """Write ``/stat`` from counter rows ``[R, L, C]`` (and, split by pass phase, ``[R, Q, L, C]`` with ``[R, 3, Q]`` counts)."""
         write_stat(writer, self.layout, self.config.physical_to_logical, rows, num_passes, num_tokens, phase_rows, phase_counts)  # type: ignore[arg-type]
 
-    def write_stat_file(self, writer: TraceWriter, stat: StatRows) -> None:
-        """``/stat`` and ``/window`` of a ``stat`` checkpoint (:func:`~moetrace.trace.stat.write_stat_window` with this recorder's layout)."""
-        write_stat_window(writer, self.layout, self.config.physical_to_logical, stat)  # type: ignore[arg-type]
-
     def write_timing(self, writer: TraceWriter, parts: TimingParts | None) -> None:
         """Root ``timing_*`` attributes, ``/stat`` timing aggregates ``[R, ...]`` and (gathered window) ``/timing`` rows."""
         attrs, datasets = self.timing_contents(parts)
@@ -296,10 +294,7 @@ class TraceDump:
         passes = torch.cat([torch.tensor([cut.num_passes], dtype=torch.int64, device=device), cut.token_total])
         if peers == 1:
             # The ring as it is (no reordered copy): the oldest slots first, then the wrapped ones.
-            ring = ring[None]
-            wrap = min(len(order), slots - int(order[0])) if len(order) else 0
-            counts = [ring[:, int(order[0]) : int(order[0]) + wrap], ring[:, : len(order) - wrap]] if len(order) else [ring[:, :0]]
-            return StatRows(rows, passes.cpu().numpy()[None], meta[None], counts, layouts, phase_rows, phase_counts)  # type: ignore[arg-type]
+            return StatRows(rows, passes.cpu().numpy()[None], meta[None], ring_pieces(ring, order), layouts, phase_rows, phase_counts)  # type: ignore[arg-type]
         ordered = torch.zeros(ring.shape, dtype=torch.int32, device=device)
         ordered[: len(order)] = torch.as_tensor(ring[order], device=device)
         return StatRows(rows, gather(passes, peers).cpu().numpy(), gather(torch.as_tensor(meta, dtype=torch.float64, device=device), peers).cpu().numpy(),

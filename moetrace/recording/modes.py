@@ -25,16 +25,15 @@ from typing import ClassVar
 import numpy as np
 
 from ..config import RecorderConfig
-from ..trace.files import checkpoint_path
-from ..trace.journal import Journal
+from ..trace.files import checkpoint_path, journal_path
 from ..trace.schema import STRING_DTYPE, Data, TraceHeader, dataset
-from ..trace.segments import CheckpointWriter, SegmentWriter
 from ..trace.stat import CounterLayout
 from ..trace.writer import token_id_dtype
+from ..trace.writer_process import WriterSpec
 from .dump_cuts import DumpLedger, HandSession, ModeDumper, StatDumper, StreamDumper
 from .dump_files import TraceDump
 from .pass_counter import PassCounter
-from .session import OpenFiles
+from .session import WriterSpecFor
 from .sink import ModeSink, Submit
 from .streams import PassStream, RowStream, TokenStream
 from .timing_state import NoTiming
@@ -90,7 +89,7 @@ class RecordingMode:
         ``timing_fields`` (the timing row fields) are given; empty when it streams nothing."""
         return {}
 
-    def session_files(self, layout: CounterLayout, streamed: Schema, compression: Mapping[str, object]) -> OpenFiles:
+    def session_files(self, layout: CounterLayout, streamed: Schema, compression: Mapping[str, object]) -> WriterSpecFor:
         """What the recording's session opens while it runs (h5py filter keywords ``compression``)."""
         raise NotImplementedError
 
@@ -102,21 +101,24 @@ class RecordingMode:
 
 class StatMode(RecordingMode):
     """``stat``: totals and a ring of the last ``window`` passes; cumulative, collective dumps with
-    a rank axis; checkpoints every ``segment_seconds`` (none when 0)."""
+    a rank axis; checkpoints every ``rotation_passes`` passes (none when 0)."""
 
     name = "stat"
 
     def keeps_files(self) -> bool:
-        return bool(self.config.segment_seconds)
+        return bool(self.config.rotation_passes)
 
     def sink(self, layout: CounterLayout, submit: Submit, settle: Callable[[], None]) -> StatWindow:
         return StatWindow(self.config, layout)
 
-    def session_files(self, layout: CounterLayout, streamed: Schema, compression: Mapping[str, object]) -> OpenFiles:
-        def open_files(directory: Path, header: TraceHeader, journal: Journal) -> CheckpointWriter:
-            return CheckpointWriter(checkpoint_path(directory, header.run_id, header.rank), header, journal, compression)
+    def session_files(self, layout: CounterLayout, streamed: Schema, compression: Mapping[str, object]) -> WriterSpecFor:
+        segment_bytes = self.config.segment_bytes
 
-        return open_files
+        def spec_for(directory: Path, header: TraceHeader) -> WriterSpec:
+            return WriterSpec(journal_path(directory, header.run_id, header.rank), checkpoint_path(directory, header.run_id, header.rank),
+                              directory, header, {}, layout, segment_bytes, compression)
+
+        return spec_for
 
     def dumper(self, dump: TraceDump, counter: PassCounter, sink: ModeSink, timing: NoTiming,
                ledger: DumpLedger, lock: threading.RLock, hand_session: HandSession) -> StatDumper:
@@ -143,13 +145,14 @@ class _StreamingMode(RecordingMode):
         """The mode's own streamed rows (no ``/timing``)."""
         raise NotImplementedError
 
-    def session_files(self, layout: CounterLayout, streamed: Schema, compression: Mapping[str, object]) -> OpenFiles:
+    def session_files(self, layout: CounterLayout, streamed: Schema, compression: Mapping[str, object]) -> WriterSpecFor:
         config = self.config
 
-        def open_files(directory: Path, header: TraceHeader, journal: Journal) -> SegmentWriter:
-            return SegmentWriter(directory, header, streamed, layout, config.physical_to_logical, config.segment_bytes, journal, compression)  # type: ignore[arg-type]
+        def spec_for(directory: Path, header: TraceHeader) -> WriterSpec:
+            return WriterSpec(journal_path(directory, header.run_id, header.rank), None, directory, header, streamed, layout,
+                              config.segment_bytes, compression)
 
-        return open_files
+        return spec_for
 
     def dumper(self, dump: TraceDump, counter: PassCounter, sink: ModeSink, timing: NoTiming,
                ledger: DumpLedger, lock: threading.RLock, hand_session: HandSession) -> StreamDumper:

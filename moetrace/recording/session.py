@@ -1,12 +1,20 @@
 """The recording session: one recording's files while it runs, for crash safety.
 
 From ``start_record`` to the dump that ends it, a streaming recording writes
-rotating segment files and a ``stat`` recording writes checkpoints, both
-through one background writer thread, and notes each step in the run's
-journal (:mod:`moetrace.trace.segments`, :mod:`moetrace.trace.journal`).
-:class:`RecordingSession` owns that thread, the journal, the rotation
-schedule, the checkpoint host buffers and the closed segments a dump took but
-has not consumed yet. The recorder's state machine opens one at
+rotating segment files and a ``stat`` recording writes checkpoints, and notes
+each step in the run's journal (:mod:`moetrace.trace.segments`,
+:mod:`moetrace.trace.journal`). Those files are written by the recording's
+writer process (:mod:`moetrace.trace.writer_process`), never in the engine's
+interpreter; a background thread here waits for each hand-off's device copy
+and sends its host arrays there. :class:`RecordingSession` owns that thread,
+the writer process, the rotation schedule, the checkpoint host buffers and the
+closed segments a dump took but has not consumed yet.
+
+The schedule is a pass count agreed at ``start_record``
+(``RecorderConfig.rotation_passes``, rank 0's under a process group): a
+segment closes, or a checkpoint is written, at the first pass end on a chunk
+boundary once the recording's pass count reaches a multiple of the period, so
+every rank of a fleet in lockstep does it at the same pass. The recorder's state machine opens one at
 ``start_record`` and closes it at ``reset`` or after the last dump; at
 interpreter exit the sessions still open are closed (:func:`close_at_exit`),
 keeping passes never dumped on disk for ``moetrace recover``.
@@ -16,10 +24,10 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import os
 import socket
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,26 +37,26 @@ import numpy as np
 import torch
 
 from ..config import RecorderConfig
-from ..trace.files import journal_path, sweep_dead_temporaries
+from ..trace.files import sweep_dead_temporaries
 from ..trace.journal import Journal
 from ..trace.schema import TraceHeader, TraceWriteError
 from ..trace.segments import CheckpointWriter, SegmentInfo, SegmentWriter
-from ..trace.stat import StatRows
+from ..trace.stat import StatRows, ring_pieces
 from ..trace.stream import BackgroundTraceWriter, HostBufferPool, StreamJob
-from ..trace.writer import TraceWriter, check_writable_dir
+from ..trace.writer import check_writable_dir
+from ..trace.writer_process import RemoteJournal, RemoteSink, WriterProcess, WriterSpec
 from .pass_counter import PassCounter
 from .sink import ModeSink
 from .window import StatWindow
 
-__all__ = ["Cut", "OpenFiles", "RecordingSession", "SessionSlot", "Staged", "close_at_exit"]
+__all__ = ["Cut", "RecordingSession", "SessionSlot", "Staged", "WriterSpecFor", "close_at_exit"]
 
-#: ``fill(writer, stat)``: a checkpoint's ``/stat`` and ``/window`` from its host arrays (one rank row).
-FillStat = Callable[[TraceWriter, StatRows], None]
+_log = logging.getLogger("moetrace")
 
 
-#: ``open_files(directory, header, journal)``: the writer of a recording's files, the mode's
+#: ``spec_for(directory, header)``: what the recording's writer process builds, the mode's
 #: (:meth:`moetrace.recording.modes.RecordingMode.session_files`): checkpoints or segments.
-OpenFiles = Callable[[Path, TraceHeader, Journal], "CheckpointWriter | SegmentWriter"]
+WriterSpecFor = Callable[[Path, TraceHeader], WriterSpec]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,42 +76,56 @@ class Staged:
 
 
 class RecordingSession:
-    """The writer thread, journal and rotation schedule of one recording (see the module docstring).
+    """The writer thread and process, journal and rotation schedule of one recording (see the module docstring).
 
     Args:
-        config: the recorder's configuration (``output_dir``, ``segment_seconds``, ``segment_bytes``).
+        config: the recorder's configuration (``output_dir``, ``segment_bytes``).
         header: the header of every segment / checkpoint (carries run id and rank).
-        open_files: opens the writer of the recording's files (the mode's checkpoints or segments).
+        spec_for: what the writer process opens for the recording's files (the mode's checkpoints or segments).
         staged: the parts a rotation flushes.
-        fill_stat: writes a checkpoint's ``/stat`` and ``/window`` from host arrays.
+        period: passes between rotations / checkpoints, agreed by the ranks (``0``: none).
     """
 
     def __init__(
         self,
         config: RecorderConfig,
         header: TraceHeader,
-        open_files: OpenFiles,
+        spec_for: WriterSpecFor,
         staged: Staged,
-        fill_stat: FillStat,
+        period: int,
     ) -> None:
         self.config = config
         self._staged = staged
-        self._fill_stat = fill_stat
         self._cuda = torch.device(config.device).type == "cuda"  # type: ignore[arg-type]
         directory = check_writable_dir(Path(config.output_dir))
         sweep_dead_temporaries(directory)
         rank = header.rank
-        self.journal = Journal(journal_path(directory, header.run_id, rank))
-        self.journal.note("start", pid=os.getpid(), host=socket.gethostname(), run_id=header.run_id, rank=rank, world_size=header.world_size, mode=config.mode, segment_seconds=config.segment_seconds, segment_bytes=config.segment_bytes)
-        self.writer = BackgroundTraceWriter(open_files(directory, header, self.journal))
-        self._rotate_at = time.monotonic() + (config.segment_seconds or float("inf"))
+        spec = spec_for(directory, header)
+        self._checkpoint_path = spec.checkpoint
+        self._process, self.journal, sink = _open_files(spec)
+        self.journal.note("start", pid=os.getpid(), writer_pid=self._process.pid if self._process is not None else None, host=socket.gethostname(),
+                          run_id=header.run_id, rank=rank, world_size=header.world_size, mode=config.mode, segment_passes=period,
+                          segment_bytes=config.segment_bytes)
+        self.writer = BackgroundTraceWriter(sink)  # type: ignore[arg-type]
+        self._period = period
+        self._warned = False
+        self._rotate_at = period or None  # the pass count of the next rotation
         self._checkpoint_buffers: tuple[HostBufferPool, HostBufferPool, HostBufferPool, HostBufferPool] | None = None
         self._undumped: list[SegmentInfo] = []  # closed segments taken by a dump that failed
 
     @property
     def error(self) -> BaseException | None:
-        """The writer thread's first error, if any."""
+        """The writer's first error, if any."""
         return self.writer.error
+
+    def failed_once(self) -> bool:
+        """``True`` (with one warning) the first time it is asked after the writer failed."""
+        if self._warned:
+            return False
+        self._warned = True
+        _log.warning("moetrace: the recording's writer failed (%s); recording stopped, the engine goes on; the closed segments or "
+                     "checkpoint in %s stay for `moetrace recover`", self.writer.error, self.config.output_dir)
+        return True
 
     def submit(self, job: StreamJob) -> None:
         self.writer.submit(job)
@@ -116,16 +138,18 @@ class RecordingSession:
         """Wait for every copy in flight and hand it to the writer (a lifecycle call, or before blocking)."""
         self.writer.settle()
 
-    def due(self) -> bool:
-        """Whether ``segment_seconds`` have passed since the last rotation and every stream's staged
-        rows end on a chunk boundary (so that segments join by copying chunks; a few passes later)."""
-        return time.monotonic() >= self._rotate_at and self._staged.sink.at_boundary()
+    def due(self, passes: int) -> bool:
+        """Whether the recording's pass count ``passes`` reached the next multiple of the period and every
+        stream's staged rows end on a chunk boundary (so that segments join by copying chunks; a few
+        passes later, the same ones on every rank)."""
+        return self._rotate_at is not None and passes >= self._rotate_at and self._staged.sink.at_boundary()
 
     def rotate(self, pass_id: int, passes: int, wait: bool = False) -> None:
         """Hand what is staged to the writer thread, which closes the segment (streaming) or writes a
         checkpoint (``stat``: totals of ``passes`` passes up to ``pass_id``; tokens from the device).
         Only enqueues (``wait``: block for a free checkpoint buffer instead of skipping)."""
-        self._rotate_at = time.monotonic() + (self.config.segment_seconds or float("inf"))  # 0: no time bound
+        if self._period:  # the next multiple of the period: a dump's cut in between leaves the schedule where it was
+            self._rotate_at = (passes // self._period + 1) * self._period
         if not self._staged.sink.streamed:
             self._checkpoint(pass_id, passes, wait)
             return
@@ -168,16 +192,16 @@ class RecordingSession:
         meta = np.stack([w.pass_id, w.timestamp], axis=1)[order]
         window_phase = np.stack([w.pass_phase, w.requests], axis=1)[order].astype(np.float64)
         phase_host = counter.pass_phase_host.copy()
-        fill = self._fill_stat
 
-        def build() -> tuple[object, int, int]:
-            rows, counts = totals.numpy()[None].copy(), [window.numpy()[order][None]]
+        def build() -> tuple[StatRows, int, int]:
+            # The window goes to the writer process as the ring's views (no reordered copy here).
+            rows, counts = totals.numpy()[None].copy(), ring_pieces(window.numpy(), order)
             host_tokens = tokens.numpy()
             full = np.concatenate([meta, host_tokens[order][:, None].astype(np.float64), window_phase], axis=1)
             phase_rows = phase_totals.numpy()[None].copy()
             phase_counts = np.stack([phase_host[0], host_tokens[slots + 1 :], phase_host[1]])[None]
             stat = StatRows(rows, np.array([[passes, int(host_tokens[slots])]]), full[None], counts, phase_rows=phase_rows, phase_counts=phase_counts)
-            return (lambda writer: fill(writer, stat)), pass_id, passes
+            return stat, pass_id, passes
 
         def done() -> None:
             phase_pool.release(phase_totals)
@@ -195,19 +219,25 @@ class RecordingSession:
         self.rotate(pass_id, passes)
         cut = Cut()
         sink = self.writer.sink
-        assert isinstance(sink, SegmentWriter)
-        self.writer.submit(StreamJob(event=None, done=lambda: cut.reached(sink.next_index)))
+
+        def reached() -> None:  # on the writer thread, once every job before it is written
+            try:
+                cut.reached(sink.next_index)  # type: ignore[union-attr]
+            except TraceWriteError as exc:  # the writer process died
+                cut.failed(exc)
+
+        self.writer.submit(StreamJob(event=None, done=reached))
         return cut
 
     def take_segments(self, cut: Cut) -> list[SegmentInfo]:
         """The closed segments up to ``cut`` not consumed yet (oldest first), with those of a dump
         that failed. Waits until the writer thread has closed them (call :meth:`settle` first)."""
         cut.wait()
-        if self.writer.error is not None:
-            raise TraceWriteError(f"the background trace writer failed earlier ({self.writer.error}); the passes since then are lost, call reset() or start_record()") from self.writer.error
+        error = self.writer.error or cut.error
+        if error is not None:
+            raise TraceWriteError(f"the background trace writer failed earlier ({error}); the passes since then are lost, call reset() or start_record()") from error
         sink = self.writer.sink
-        assert isinstance(sink, SegmentWriter)
-        self._undumped = self._undumped + sink.take_completed(before=cut.index)
+        self._undumped = self._undumped + sink.take_completed(before=cut.index)  # type: ignore[union-attr]
         return list(self._undumped)
 
     def consumed(self, taken: Sequence[SegmentInfo], written: Path) -> None:
@@ -222,21 +252,42 @@ class RecordingSession:
         or checkpoint) and the files stay for ``moetrace recover``; else every file of the run not dumped
         yet is deleted."""
         self.writer.close()
+        try:
+            self._close_files(keep, undumped_passes)
+        except TraceWriteError as exc:  # the writer process died: its closed files stay for `moetrace recover`
+            _log.warning("moetrace: closing the recording's files failed: %s", exc)
+        finally:
+            if self._process is not None:
+                self._process.close()
+
+    def _close_files(self, keep: bool, undumped_passes: int) -> None:
         sink = self.writer.sink
-        if isinstance(sink, SegmentWriter):
+        if self._checkpoint_path is None:
             if not keep:
-                sink.abort()
-                for info in [*self._undumped, *sink.take_completed()]:
+                sink.abort()  # type: ignore[union-attr]
+                for info in [*self._undumped, *sink.take_completed()]:  # type: ignore[union-attr]
                     info.path.unlink(missing_ok=True)
                 self._undumped = []
         elif not keep:
-            sink.path.unlink(missing_ok=True)
+            self._checkpoint_path.unlink(missing_ok=True)
         if keep:
             self.journal.note("closed", undumped_passes=undumped_passes)
             self.journal.close()
         else:
             self.journal.close()
             self.journal.path.unlink(missing_ok=True)
+
+
+def _open_files(spec: WriterSpec) -> tuple[WriterProcess | None, Journal | RemoteJournal, SegmentWriter | CheckpointWriter | RemoteSink]:
+    """The recording's writer process and its journal and sink there; in this process (as before the
+    writer process) only when no Python can be started (an embedded interpreter)."""
+    try:
+        process = WriterProcess(spec)
+    except OSError as exc:
+        _log.warning("moetrace: no writer process could be started (%s); the recording's files are written in this process", exc)
+        journal, sink = spec.build()
+        return None, journal, sink
+    return process, RemoteJournal(process, spec.journal), RemoteSink(process, spec.checkpoint)
 
 
 class Cut:
@@ -246,9 +297,15 @@ class Cut:
     def __init__(self) -> None:
         self._done = threading.Event()
         self.index = -1
+        self.error: BaseException | None = None
 
     def reached(self, index: int) -> None:
         self.index = index
+        self._done.set()
+
+    def failed(self, error: BaseException) -> None:
+        """The writer could not say where the cut is (its process died)."""
+        self.error = error
         self._done.set()
 
     def wait(self) -> None:
@@ -298,13 +355,19 @@ class SessionSlot:
         if self.session is not None:
             self.session.settle()
 
-    def after_pass(self, pass_id: int, passes: int) -> None:
-        """A pass ended (lock held): note what the writer finished; rotate when a segment is due
-        (``segment_seconds``). Only enqueues: never waits."""
-        if self.session is not None:
-            self.session.poll()
-            if self.session.due():
-                self.session.rotate(pass_id, passes, False)
+    def after_pass(self, pass_id: int, passes: int) -> bool:
+        """A pass ended (lock held): note what the writer finished; rotate when the agreed pass count
+        is reached. Only enqueues: never waits. ``True`` once, with one warning, when the recording's
+        writer failed (its process died, the disk is full): the caller stops recording."""
+        session = self.session
+        if session is None:
+            return False
+        session.poll()
+        if session.error is not None:
+            return session.failed_once()
+        if session.due(passes):
+            session.rotate(pass_id, passes, False)
+        return False
 
     def rotate(self, pass_id: int, passes: int) -> None:
         """Everything recorded up to ``pass_id`` into closed segments or a checkpoint (waits for a

@@ -38,19 +38,15 @@ about a second.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import pickle
-import signal
-import struct
-import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 
+from .child import die_with_starter, receive, send, start_child
 from .files import temporary_path
 from .join import concat_segments
 from .schema import TraceError, TraceHeader, TraceWriteError
@@ -64,18 +60,6 @@ __all__ = ["CHILD_MIN_BYTES", "join_segments", "promote", "write_stat_trace"]
 #: DeepSeek-V3 size, ``docs/benchmarks.md``), less than a child's start costs (0.6-2 s of a core:
 #: a Python with numpy and h5py).
 CHILD_MIN_BYTES = 8 << 20
-
-#: ``python -c`` source of the child: make ``moetrace`` a bare namespace over its folder (argv[1])
-#: so that importing ``moetrace.trace`` does not run the package root's torch imports.
-_BOOTSTRAP = (
-    "import sys, types; package = types.ModuleType('moetrace'); package.__path__ = [sys.argv[1]]; "
-    "sys.modules['moetrace'] = package; from moetrace.trace.offload import main; main()"
-)
-_PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
-_PR_SET_PDEATHSIG = 1
-_NICE = 10  # the child's niceness increment: about a tenth of a core's share against the engine's threads
-_SIZE = struct.Struct("<Q")
-
 
 def join_segments(
     paths: Sequence[Path],
@@ -159,10 +143,10 @@ def _place(job: dict[str, object], target: Path, size: int, what: str, kept: str
     if not sys.executable or size < CHILD_MIN_BYTES:  # no Python to start (embedded), or small
         _run(job)
         return promote(staging, target)
-    child = subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, _PACKAGE_DIR], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child = start_child(__name__, capture_stderr=True)
     assert child.stdin is not None
     with contextlib.suppress(BrokenPipeError):  # a child that died early: its exit status says why
-        _send(child.stdin, job)
+        send(child.stdin, job)
     out, err = child.communicate()
     result = _result(out)
     if child.returncode != 0 or "path" not in result:
@@ -181,37 +165,6 @@ def _discard(staging: Path) -> None:
     """Remove ``staging`` if it is there (an error removing it must not hide the error being raised)."""
     with contextlib.suppress(OSError):
         staging.unlink()
-
-
-def _send(stream: IO[bytes], job: Mapping[str, object]) -> None:
-    """Write ``job`` as a pickle whose contiguous arrays follow it out of band: the number of parts,
-    each part's size, the pickle, then each array's memory as it is (no copy)."""
-    buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(job, protocol=5, buffer_callback=buffers.append)
-    parts = [memoryview(head), *(b.raw() for b in buffers)]
-    stream.write(_SIZE.pack(len(parts)) + b"".join(_SIZE.pack(part.nbytes) for part in parts))
-    for part in parts:
-        stream.write(part)  # a blocking write releases the GIL
-    stream.flush()
-
-
-def _receive(stream: IO[bytes]) -> dict[str, object]:
-    """What :func:`_send` wrote (the arrays over writable buffers of their own)."""
-    (count,) = _SIZE.unpack(_read(stream, _SIZE.size))
-    sizes = struct.unpack(f"<{count}Q", _read(stream, count * _SIZE.size))
-    head, *buffers = (_read(stream, size) for size in sizes)
-    return pickle.loads(head, buffers=buffers)  # type: ignore[no-any-return]
-
-
-def _read(stream: IO[bytes], size: int) -> bytearray:
-    data = bytearray(size)
-    view, at = memoryview(data), 0
-    while at < size:
-        got = stream.readinto(view[at:])  # type: ignore[attr-defined]
-        if not got:
-            raise EOFError(f"the job ended after {at} of {size} bytes")
-        at += got
-    return data
 
 
 def _result(out: bytes) -> dict[str, object]:
@@ -255,22 +208,12 @@ def _run(job: Mapping[str, object]) -> Path:
     return _JOBS[str(job["kind"])](job)
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: be killed when the thread that started this process dies (a killed engine leaves no write running)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the line above: nobody waits for this write
-        os._exit(1)
-
-
 def main() -> None:
     """The child: read the job (:func:`_send`'s framing on stdin), run it, write ``{"path"}`` or ``{"error"}`` (a pickle on stdout)."""
     result_fd = os.dup(1)
     os.dup2(2, 1)  # anything a library prints goes to stderr, never into the result
-    job = _receive(sys.stdin.buffer)
-    _die_with_parent(int(job["parent"]))  # type: ignore[call-overload]
-    with contextlib.suppress(OSError):
-        os.nice(_NICE)  # a background job: where cores are short, the engine's threads (and its segment writer) go first
+    job: dict[str, object] = receive(sys.stdin.buffer)  # type: ignore[assignment]
+    die_with_starter(int(job["parent"]))  # type: ignore[call-overload]
     try:
         result: dict[str, object] = {"path": str(_run(job))}
     except BaseException as exc:  # handed to the parent, which raises it

@@ -210,8 +210,12 @@ def recover(directory: Path | str, out: Path | str | None = None, run_id: str | 
     if not force:
         for rank, events in journals.items():
             start = next((e for e in events if e.get("event") == "start"), None)
-            if start and process_alive(int(start["pid"]), str(start["host"])) and events[-1].get("event") != "closed":  # type: ignore[call-overload]
-                raise TraceError(f"rank {rank} of run {run_id} is still being recorded by process {start['pid']}; recover is for dead runs (pass --force to copy what is complete now)")
+            if start is None or events[-1].get("event") == "closed":
+                continue
+            writers = [int(start["pid"]), *([int(start["writer_pid"])] if start.get("writer_pid") else [])]  # type: ignore[call-overload]
+            for pid in writers:  # the recording process, and its writer process (it closes its open segment when that one dies)
+                if process_alive(pid, str(start["host"])):
+                    raise TraceError(f"rank {rank} of run {run_id} is still being recorded by process {pid}; recover is for dead runs (pass --force to copy what is complete now)")
     target = Path(out) if out is not None else directory / f"moetrace-recovered-{run_id[:12]}.h5"
     results = []
     for rank in sorted(ranks):

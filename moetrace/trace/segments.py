@@ -1,13 +1,17 @@
 """Crash-safe streaming: a recording as a sequence of complete segment files.
 
 Streaming modes never keep more than one *open* file. Rows go into the open
-segment (a :class:`~moetrace.trace.writer.TraceWriter` temporary); at least
-every ``segment_seconds`` (at the first pass end after the deadline, see the
-recorder) or ``segment_bytes`` of raw rows, the writer thread closes it: it
-writes the segment's own ``/stat`` (the totals of exactly the passes in it),
-marks it complete, ``fsync``s and renames it to::
+segment (a :class:`~moetrace.trace.writer.TraceWriter` temporary); once the
+recording's pass count reaches a multiple of its period
+(``RecorderConfig.rotation_passes``, the same pass on every rank, see
+:mod:`moetrace.recording.session`) or the segment holds ``segment_bytes`` of raw
+rows, the writer closes it: it writes the segment's own ``/stat`` (the totals
+of exactly the passes in it), marks it complete, ``fsync``s and renames it to::
 
     .moetrace-<run_id>-rank<r>-seg<index:06d>.h5
+
+These writers run in the recording's writer process
+(:mod:`moetrace.trace.writer_process`), never in the engine's interpreter.
 
 Every closed segment is a valid trace on its own. A SIGKILL therefore loses at
 most the open segment plus the rows still staged in memory. ``stat`` mode
@@ -24,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +37,7 @@ from ..pass_phase import PASS_PHASES
 from .files import segment_path
 from .journal import Journal
 from .schema import PHASE_COUNTS, STRING_DTYPE, Attr, Data, TraceHeader
-from .stat import CounterLayout, write_stat
+from .stat import CounterLayout, StatRows, write_stat, write_stat_window
 from .writer import TraceWriter
 
 __all__ = ["CheckpointWriter", "SegmentInfo", "SegmentWriter", "StreamRows"]
@@ -236,23 +240,25 @@ class SegmentWriter:
 class CheckpointWriter:
     """``stat`` mode's sink: each job writes a complete checkpoint trace, replacing the previous one atomically.
 
-    A job builds ``(fill, last_pass, passes)``: ``fill(writer)`` writes ``/stat``
-    and ``/window``; the checkpoint gets root attributes ``checkpoint_unix`` and
-    ``last_pass``.
+    A job builds ``(stat, last_pass, passes)``: ``stat`` (:class:`~moetrace.trace.stat.StatRows`, one
+    rank row) gives ``/stat`` and ``/window`` (:func:`~moetrace.trace.stat.write_stat_window`); the
+    checkpoint gets root attributes ``checkpoint_unix`` and ``last_pass``.
     """
 
-    def __init__(self, path: Path, header: TraceHeader, journal: Journal, compression: Mapping[str, object] | None = None) -> None:
+    def __init__(self, path: Path, header: TraceHeader, journal: Journal, layout: CounterLayout,
+                 compression: Mapping[str, object] | None = None) -> None:
         self.path = Path(path)
         self.header = header
         self.journal = journal
+        self.layout = layout
         self.compression = compression
 
-    def write(self, part: tuple[Callable[[TraceWriter], None], int, int] | None) -> None:
+    def write(self, part: tuple[StatRows, int, int] | None) -> None:
         if part is None:
             return
-        fill, last_pass, passes = part
+        stat, last_pass, passes = part
         with TraceWriter(self.path, self.header, compression=self.compression) as writer:
-            fill(writer)
+            write_stat_window(writer, self.layout, self.header.physical_to_logical, stat)
             now = time.time()
             writer.set_attr(Attr.CHECKPOINT_UNIX, now)
             writer.set_attr(Attr.LAST_PASS, last_pass)

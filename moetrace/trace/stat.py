@@ -18,7 +18,7 @@ from ..layout import RankLayout
 from .schema import PADDING_IDS, PHASE_COUNTS, Data
 from .writer import TraceWriter
 
-__all__ = ["CounterLayout", "StatRows", "write_stat", "write_stat_window"]
+__all__ = ["CounterLayout", "StatRows", "ring_pieces", "write_stat", "write_stat_window"]
 
 
 class CounterLayout:
@@ -105,6 +105,20 @@ class StatRows:
     layouts: tuple[RankLayout, ...] = ()
     phase_rows: np.ndarray | None = None
     phase_counts: np.ndarray | None = None
+
+
+def ring_pieces(ring: np.ndarray, order: np.ndarray) -> list[np.ndarray]:
+    """The live slots of a window ring ``[W, ...]``, oldest first, as at most two views ``[1, n, ...]``
+    (no copy: what :func:`write_stat_window` takes as ``StatRows.counts``).
+
+    ``order``: the live slots oldest first, consecutive slots from ``order[0]`` wrapping to 0.
+    """
+    ring = ring[None]
+    if not len(order):
+        return [ring[:, :0]]
+    first = int(order[0])
+    wrap = min(len(order), ring.shape[1] - first)
+    return [ring[:, first : first + wrap], ring[:, : len(order) - wrap]]
 
 
 def write_stat_window(writer: TraceWriter, layout: CounterLayout, physical_to_logical: np.ndarray, stat: StatRows) -> None:

@@ -11,7 +11,9 @@ blocks the forward thread (``on_overflow="block"``) or reports that no buffer
 is free (``"drop"``) rather than growing.
 
 Everything slow (HDF5 appends, compression, closing, fsync and renaming a
-segment) happens on the writer thread; the forward thread only enqueues.
+segment) happens behind the writer thread, in a recording's writer process
+(:mod:`moetrace.trace.writer_process`: the sink the thread feeds is that
+process's proxy); the forward thread only enqueues.
 
 The writer thread makes no CUDA call. Under the default (global) capture mode
 a CUDA event query or synchronize from any thread while another captures a

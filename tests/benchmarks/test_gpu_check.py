@@ -37,6 +37,13 @@ def test_arguments(gpu_check):
 
 
 
+def test_the_pass_bound_row_runs_on_cpu(gpu_check, tmp_path):
+    """Row 6's figures come from benchmarks/pass_bound.py's cases: one row per mode, with the off / on figures."""
+    rows = gpu_check.check_pass_bound(torch.device("cpu"), tmp_path, seconds=0.3)
+    assert [r.case.split(":")[0] for r in rows] == ["stat", "per_pass", "per_token"]
+    assert all(r.check == "pass-bound" and r.ok is None and "over median+5 ms" in r.detail for r in rows)
+
+
 @pytest.mark.parametrize("mode", ["stat", "per_pass", "per_token"])
 def test_tiny_workload_builds_runs_and_matches_the_oracle(gpu_check, mode, tmp_path):
     sizes = gpu_check.SIZES["tiny"]

@@ -38,6 +38,30 @@ def make_recorder(mode: str, output_dir: Path, **rotation: float) -> ExpertDistr
     return ExpertDistributionRecorder(config)
 
 
+def writer_pid(output_dir: Path) -> int | None:
+    """The recording's writer process, as its journal's ``start`` event names it (``None``: no journal yet)."""
+    from moetrace.trace.journal import Journal
+
+    for journal in Path(output_dir).glob(".moetrace-*.journal"):
+        start = next((e for e in Journal.read(journal) if e.get("event") == "start"), None)
+        if start is not None:
+            return int(start["writer_pid"])  # type: ignore[call-overload]
+    return None
+
+
+def wait_gone(pid: int, seconds: float = 60.0) -> None:
+    """Wait (bounded) until process ``pid`` of this host has exited (a zombie counts as gone)."""
+    import socket
+    import time
+
+    from moetrace.trace.files import process_alive
+
+    deadline = time.monotonic() + seconds
+    while process_alive(pid, socket.gethostname()):
+        assert time.monotonic() < deadline, f"process {pid} still runs after {seconds} s"
+        time.sleep(0.02)
+
+
 def feed(rec: ExpertDistributionRecorder, pass_id: int, rank: int = 0) -> None:
     ids = torch.as_tensor(pass_ids(pass_id, rank))
     with rec.with_forward_pass(pass_id):

@@ -29,6 +29,8 @@ from tests.faults.recording import (
     feed,
     make_recorder,
     pass_ids,
+    wait_gone,
+    writer_pid,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +56,9 @@ def run_and_kill(tmp_path: Path, mode: str, seed: int) -> tuple[Path, list[int]]
         child.send_signal(signal.SIGKILL)
         child.wait()
     assert child.returncode == -signal.SIGKILL
+    writer = writer_pid(out)
+    assert writer is not None, "the recording's journal names no writer process"
+    wait_gone(writer)  # the writer dies with the recording process, after closing the segment it held
     logged = [int(line) for line in log.read_text().split()]
     return out, logged
 
@@ -238,6 +243,7 @@ def test_sigkill_during_a_background_dump_loses_nothing_recover_cannot_bring_bac
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
+    wait_gone(writer_pid(out))  # the writer process closes what it holds, then follows its parent
     assert not (out / "cut.h5").exists()
     logged = [int(line) for line in log.read_text().split()]
     [rank] = recover(out, tmp_path / "recovered.h5")

@@ -28,6 +28,7 @@ import torch
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.pass_phase import PASS_PHASES
 from moetrace.trace import TraceWriteError, offload, open_trace
+from moetrace.trace import child as child_process
 from moetrace.trace.files import process_alive
 from moetrace.trace.join import concat_segments
 from moetrace.trace.schema import TraceDamageError, TraceHeader
@@ -154,9 +155,9 @@ def test_the_hand_over_keeps_every_array():
     job = {"c": base, "view": base[:, 1:3], "fortran": np.asfortranarray(base), "strided": base[:, :, ::2], "empty": np.zeros((0, 5)),
            "scalar": np.float64(2.5), "text": "x", "nested": [base[0], {"b": np.ones(3, dtype=bool)}]}
     stream = io.BytesIO()
-    offload._send(stream, job)
+    child_process.send(stream, job)
     stream.seek(0)
-    back = offload._receive(stream)
+    back = child_process.receive(stream)
     assert back.keys() == job.keys() and back["text"] == "x" and back["scalar"] == 2.5
     for key in ("c", "view", "fortran", "strided", "empty"):
         np.testing.assert_array_equal(back[key], job[key], err_msg=key)
@@ -166,8 +167,8 @@ def test_the_hand_over_keeps_every_array():
     back["c"][0, 0, 0] = -1  # writable, and its own memory
     assert base[0, 0, 0] == 0
     stream.seek(0)
-    with pytest.raises(EOFError, match="the job ended"):
-        offload._receive(io.BytesIO(stream.read()[:-7]))
+    with pytest.raises(EOFError, match="the message ended"):
+        child_process.receive(io.BytesIO(stream.read()[:-7]))
 
 
 def test_a_stat_write_that_fails_in_the_child_is_raised(tmp_path):
@@ -195,7 +196,7 @@ def test_the_childs_error_is_raised_and_nothing_is_left(tmp_path):
 
 def test_a_child_that_dies_is_reported(tmp_path, monkeypatch):
     _rec, paths = segments(tmp_path, "per_pass")
-    monkeypatch.setattr(offload, "_BOOTSTRAP", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    monkeypatch.setattr(child_process, "_BOOTSTRAP", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     with pytest.raises(TraceWriteError, match=r"exit status -9.*the segments are kept"):
         offload.join_segments(paths, tmp_path / "out.h5")
     assert not (tmp_path / "out.h5").exists() and all(p.exists() for p in paths)
@@ -228,11 +229,12 @@ def test_a_small_join_runs_on_the_calling_thread(tmp_path, monkeypatch):
 
 
 def test_the_child_imports_no_torch():
-    source = offload._BOOTSTRAP.replace("from moetrace.trace.offload import main; main()",
-                                             "import moetrace.trace.offload; print('torch' in sys.modules)")
-    assert source != offload._BOOTSTRAP
-    done = subprocess.run([sys.executable, "-c", source, offload._PACKAGE_DIR], capture_output=True, text=True, timeout=WAIT_S, check=True)
-    assert done.stdout.strip() == "False"
+    source = child_process._BOOTSTRAP.replace("importlib.import_module(sys.argv[2]).main()",
+                                      "importlib.import_module(sys.argv[2]); print('torch' in sys.modules)")
+    assert source != child_process._BOOTSTRAP
+    for module in ("moetrace.trace.offload", "moetrace.trace.writer_process"):
+        done = subprocess.run([sys.executable, "-c", source, child_process._PACKAGE_DIR, module], capture_output=True, text=True, timeout=WAIT_S, check=True)
+        assert done.stdout.strip() == "False", module
 
 
 def orphan(tmp_path: Path, die_with_parent: bool) -> int:
@@ -240,14 +242,14 @@ def orphan(tmp_path: Path, die_with_parent: bool) -> int:
     ``die_with_parent``, ``_die_with_parent`` as ``main`` calls it), SIGKILL the parent once the
     child runs; the child's pid."""
     pid_file = tmp_path / "child.pid"
-    setup = "from moetrace.trace.offload import _die_with_parent; _die_with_parent({parent}); " if die_with_parent else ""
-    child_source = offload._BOOTSTRAP.replace(
-        "from moetrace.trace.offload import main; main()",
+    setup = "from moetrace.trace.child import die_with_starter; die_with_starter({parent}); " if die_with_parent else ""
+    child_source = child_process._BOOTSTRAP.replace(
+        "importlib.import_module(sys.argv[2]).main()",
         f"import os, time; {setup}open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep({WAIT_S})",
     )
     parent_source = (
         "import os, subprocess, sys, time; "
-        f"subprocess.Popen([sys.executable, '-c', {child_source!r}.replace('{{parent}}', str(os.getpid())), {offload._PACKAGE_DIR!r}]); "
+        f"subprocess.Popen([sys.executable, '-c', {child_source!r}.replace('{{parent}}', str(os.getpid())), {child_process._PACKAGE_DIR!r}, 'moetrace.trace.offload']); "
         f"time.sleep({WAIT_S})"
     )
     parent = subprocess.Popen([sys.executable, "-c", parent_source], cwd=ROOT)

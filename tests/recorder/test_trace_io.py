@@ -15,6 +15,7 @@ from moetrace import ExpertDistributionRecorder, RecorderConfig, RecorderStateEr
 from moetrace.trace import SCHEMA_VERSION, TraceError, TraceWriteError, offload, open_trace
 from moetrace.trace.recover import recover
 from moetrace.trace.writer import TraceWriter, write_json_atomic
+from moetrace.trace.writer_process import RemoteSink
 from tests.recorder.helpers import random_passes, replay
 
 
@@ -127,10 +128,10 @@ def test_streaming_writer_failure_is_reported(tmp_path, monkeypatch):
     rec = ExpertDistributionRecorder(RecorderConfig(num_layers=1, num_physical_experts=4, top_k=1, mode="per_pass", output_dir=tmp_path, stream_chunk_passes=2))
     rec.start_record()
 
-    def broken(self, name, rows):
-        raise TraceWriteError(f"writing trace {self.path} failed: {os.strerror(errno.ENOSPC)}")
+    def broken(self, part):  # the writer process's answer to a write on a full disk
+        raise TraceWriteError(f"writing trace segment failed: {os.strerror(errno.ENOSPC)}")
 
-    monkeypatch.setattr(TraceWriter, "append", broken)
+    monkeypatch.setattr(RemoteSink, "write", broken)
     replay(rec, [[np.array([[1]])]] * 4)
     rec._files.session.writer.drain()
     assert any("No space left" in e for e in rec.status()["errors"])

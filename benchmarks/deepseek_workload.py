@@ -1,0 +1,51 @@
+"""DeepSeek-V3's decode shape through the recorder's hooks: the workload the recording benchmarks share.
+
+58 MoE layers, 288 physical slots (256 experts + 32 redundant), top-8, 256 tokens a pass. A pass
+is the 58 ``on_select_experts`` calls inside ``with_forward_pass`` and the pass end, on this
+machine's CPU: the forward thread does the hooks and almost nothing else, so what a recording
+costs is what is timed. Only the public recorder API is used, so a script built on this module
+measures an older checkout too (``PYTHONPATH`` or that checkout's virtualenv).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moetrace import ExpertDistributionRecorder, RecorderConfig
+
+__all__ = ["LAYERS", "SLOTS", "TOKENS", "TOP_K", "forward", "recorder", "routes"]
+
+LAYERS, SLOTS, TOP_K, TOKENS = 58, 288, 8, 256
+
+
+def routes(seed: int = 0, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """One ``[TOKENS, TOP_K]`` int64 id tensor per layer on ``device``: distinct ids per token, Zipf-skewed slots."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, SLOTS + 1)
+    out = []
+    for _ in range(LAYERS):
+        keys = rng.random((TOKENS, SLOTS)) ** (1.0 / weights)
+        out.append(torch.as_tensor(np.argsort(-keys, axis=1)[:, :TOP_K].astype(np.int64), device=device))
+    return out
+
+
+def forward(rec: ExpertDistributionRecorder, ids: list[torch.Tensor]) -> float:
+    """One forward pass through the hooks; its seconds."""
+    start = time.perf_counter()
+    with rec.with_forward_pass():
+        for layer in range(LAYERS):
+            with rec.with_current_layer(layer):
+                rec.on_select_experts(ids[layer])
+    return time.perf_counter() - start
+
+
+def recorder(mode: str, output_dir: Path, **settings: object) -> ExpertDistributionRecorder:
+    """A recorder of the DeepSeek-V3 decode shape in ``mode`` writing to ``output_dir`` (``settings``: other config fields)."""
+    return ExpertDistributionRecorder(RecorderConfig(
+        num_layers=LAYERS, num_physical_experts=SLOTS, top_k=TOP_K, mode=mode, output_dir=output_dir,
+        max_tokens_per_pass=TOKENS, **settings,  # type: ignore[arg-type]
+    ))

@@ -1,0 +1,108 @@
+"""What recording costs a fleet in lockstep (issue 50, item 2): R ranks, a gloo barrier per pass.
+
+Run: ``.venv/bin/python benchmarks/fleet_lockstep.py [--ranks 2 4 8] [--modes stat per_pass per_token]
+[--passes 300] [--rounds 3] [--pass-ms 0 30] [--label NAME]``
+
+Each of R processes runs the DeepSeek-V3 decode workload through the hooks (:mod:`deepseek_workload`:
+58 MoE layers, 288 slots, top-8, 256 tokens a pass), then ``dist.barrier()`` (gloo), which stands in for
+the all-to-all: under expert parallelism the next pass waits for the slowest rank, so one rank's pause is
+every rank's. ``--pass-ms`` adds that many milliseconds of waiting per pass on every rank, standing in for
+the forward's device time (0: the issue's bare workload, where the hooks are the whole pass). Recording
+off and on alternate, ``--rounds`` times ``--passes`` passes each, in one launch (side by side); the figure
+per mode and R is the fleet's throughput with recording on over off (medians of the rounds), with the
+longest pass and the passes over the median + 5 ms on rank 0 (the fleet's hiccups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from deepseek_workload import forward, recorder, routes
+from harness import write_results
+
+from moetrace.reference.launcher import launch
+
+
+def passes(rec: object, ids: list, count: int, pass_s: float) -> list[float]:
+    """``count`` lockstep passes (hooks, the stand-in wait, the barrier); each one's seconds."""
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        forward(rec, ids)  # type: ignore[arg-type]
+        if pass_s:
+            time.sleep(pass_s)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def rank_main(rank: int, world: int, mode: str, output_dir: str, count: int, rounds: int, pass_s: float, settings: dict[str, object]) -> dict[str, object]:
+    """One rank: ``rounds`` of recording off then on, ``count`` passes each (``settings``: recorder config fields); its pass times."""
+    out = Path(output_dir) / f"rank{rank}"
+    out.mkdir(parents=True, exist_ok=True)
+    ids = routes(seed=rank)
+    rec = recorder(mode, out, **settings)
+    passes(rec, ids, 20, pass_s)  # warm-up
+    off: list[list[float]] = []
+    on: list[list[float]] = []
+    for _ in range(rounds):
+        off.append(passes(rec, ids, count, pass_s))
+        rec.start_record()  # collective: the run id and the rotation period from rank 0
+        on.append(passes(rec, ids, count, pass_s))
+        rec.stop_record()
+        rec.reset()
+    return {"off": off, "on": on}
+
+
+def summary(result: dict[str, list[list[float]]]) -> dict[str, float]:
+    """Rank 0's rounds: throughput on / off (median of rounds), pass-time figures with recording on."""
+    off = [len(r) / sum(r) for r in result["off"]]
+    on = [len(r) / sum(r) for r in result["on"]]
+    on_times = np.concatenate(result["on"])
+    median = float(np.median(on_times))
+    return {
+        "passes_per_s_off": statistics.median(off), "passes_per_s_on": statistics.median(on), "on_over_off": statistics.median(on) / statistics.median(off),
+        "median_on_ms": 1e3 * median, "p99_on_ms": 1e3 * float(np.percentile(on_times, 99)), "max_on_ms": 1e3 * float(on_times.max()),
+        "over_median_5ms_on": int((on_times > median + 5e-3).sum()), "median_off_ms": 1e3 * float(np.median(np.concatenate(result["off"]))),
+        "load_average": os.getloadavg()[0],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4, 8])
+    parser.add_argument("--modes", nargs="*", default=["stat", "per_pass", "per_token"])
+    parser.add_argument("--passes", type=int, default=300, help="passes per round and case")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pass-ms", type=float, nargs="*", default=[0.0], help="stand-in device time per pass (ms)")
+    parser.add_argument("--segment-seconds", type=float, default=None, help="RecorderConfig.segment_seconds (default: the recorder's)")
+    parser.add_argument("--label", default="now")
+    args = parser.parse_args()
+    settings = {} if args.segment_seconds is None else {"segment_seconds": args.segment_seconds}
+    results: dict[str, object] = {"settings": settings, "passes": args.passes, "rounds": args.rounds, "load_average_start": os.getloadavg()[0]}
+    for pass_ms in args.pass_ms:
+        for world in args.ranks:
+            for mode in args.modes:
+                with tempfile.TemporaryDirectory(prefix="moetrace-lockstep-") as tmp:
+                    [first, *_] = launch(rank_main, world, mode, tmp, args.passes, args.rounds, pass_ms / 1e3, settings, backend="gloo", threads_per_rank=1, timeout=3600)
+                figures = summary(first)
+                results[f"pass_ms_{pass_ms:g}/R{world}/{mode}"] = figures
+                print(f"pass {pass_ms:4g} ms  R={world}  {mode:<10} on/off {figures['on_over_off']:.3f}  ({figures['passes_per_s_on']:.1f} vs {figures['passes_per_s_off']:.1f} passes/s;"
+                      f" on: median {figures['median_on_ms']:.1f} p99 {figures['p99_on_ms']:.1f} max {figures['max_on_ms']:.1f} ms,"
+                      f" {figures['over_median_5ms_on']} over median+5 ms; load {figures['load_average']:.2f})", flush=True)
+    print(write_results(f"fleet_lockstep-{args.label}", results))
+
+
+if __name__ == "__main__":
+    main()
