@@ -28,9 +28,12 @@ from typing import IO
 
 __all__ = ["NICE", "die_with_starter", "receive", "send", "start_child"]
 
-#: ``python -c`` source of a child: ``moetrace`` as a bare namespace over its folder (argv[1]), then
-#: ``main()`` of the module named by argv[2].
+#: ``python -c`` source of a child: Ctrl-C ignored (a terminal sends SIGINT to its whole foreground
+#: process group, and what a Ctrl-C stops is the engine's to decide: its recording is dumped while
+#: the child still runs, and the child ends with its parent), ``moetrace`` as a bare namespace over
+#: its folder (argv[1]), then ``main()`` of the module named by argv[2].
 _BOOTSTRAP = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
     "import sys, types, importlib; package = types.ModuleType('moetrace'); package.__path__ = [sys.argv[1]]; "
     "sys.modules['moetrace'] = package; importlib.import_module(sys.argv[2]).main()"
 )

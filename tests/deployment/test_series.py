@@ -1,7 +1,10 @@
 """Analysis across recordings: 52 recordings of one deployment, with restarts and an EPLB-style remap.
 
 Each recording is a fresh recorder (a restart: its own run id) dumped at a known
-wall-clock time (a fast clock: ``time.time`` advanced by 20 minutes per recording).
+wall-clock time (a fast clock: ``time.time`` advanced by 20 minutes per recording). The fast
+clock runs in this process only, so the streamed recordings write their segments here too
+(the recording's fallback when no writer process can be started, as under an embedded
+interpreter): a writer process would stamp its segments with the real clock.
 Half-way the deployment is remapped: 18 physical slots on 3 EP ranks with two
 redundant replicas instead of 16 slots on 2 ranks. The series is recomputed by
 hand from the ids each recording was fed, with numpy loops written from the
@@ -81,7 +84,7 @@ def deployment(tmp_path_factory):
         skew = 0.5 + 1.5 * (i % 4) / 3  # the load changes between recordings
         passes = random_passes(rng, int(rng.integers(3, 7)), L, slots, K, skew=skew, max_tokens=6)
         now = START + i * STEP
-        with mock.patch("time.time", lambda now=now: now):
+        with mock.patch("time.time", lambda now=now: now), mock.patch("moetrace.recording.session.WriterProcess", side_effect=OSError("the fast clock")):
             paths.append(record(tmp, "stat" if i % 5 else "per_pass", passes, slots, ep_size=ep, name=f"rec{i:02d}.h5",
                                 physical_to_logical=mapping))
         hand.append({**_hand(passes, mapping, ep), "created": now, "ep": ep})

@@ -280,3 +280,30 @@ def test_negative_control_a_child_without_the_death_signal_outlives_its_parent(t
         assert process_alive(child, socket.gethostname())
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def _answer_after_sigint(bootstrap: str) -> tuple[str, int]:
+    """Start a child with ``bootstrap`` (its ``main`` replaced by: say ready, read a line, say
+    alive), send it SIGINT once ready, then a line; what it printed and its exit status."""
+    source = bootstrap.replace("importlib.import_module(sys.argv[2]).main()",
+                               "print('ready', flush=True); sys.stdin.readline(); print('alive', flush=True)")
+    child = subprocess.Popen([sys.executable, "-c", source, child_process._PACKAGE_DIR, "moetrace.trace.writer_process"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    child.send_signal(signal.SIGINT)  # what a Ctrl-C at the terminal sends every process of the foreground group
+    printed, _ = child.communicate("go\n", timeout=WAIT_S)
+    return printed.strip(), child.returncode
+
+
+def test_a_ctrl_c_leaves_the_child_running():
+    """A Ctrl-C reaches the engine and its writer and dump children alike: the children ignore it
+    (the engine dumps its recording while they still run, and they end with it)."""
+    assert _answer_after_sigint(child_process._BOOTSTRAP) == ("alive", 0)
+
+
+def test_negative_control_a_child_without_the_shield_dies_of_a_ctrl_c():
+    """The check above can fail: the same child without the bootstrap's SIGINT line dies of it."""
+    shield = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    assert shield in child_process._BOOTSTRAP
+    printed, status = _answer_after_sigint(child_process._BOOTSTRAP.replace(shield, ""))
+    assert printed == "" and status != 0
