@@ -185,7 +185,7 @@ class StatDumper:
             parts = gather_objects(timing, peers) if timing is not None else None
             if peers > 1 and rank != 0:
                 return lambda: target  # rank 0 writes the file
-            return self._ledger.finished(target, lambda: self._dump.stat(target, at.run_id, rank, world, peers, rows, parts), undo=None)  # type: ignore[arg-type]
+            return self._ledger.finished(target, lambda: self._dump.stat(target, at.run_id, rank, world, peers, rows, parts, at.session), undo=None)  # type: ignore[arg-type]
 
         return target, gather
 

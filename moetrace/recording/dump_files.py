@@ -300,12 +300,15 @@ class TraceDump:
         return StatRows(rows, gather(passes, peers).cpu().numpy(), gather(torch.as_tensor(meta, dtype=torch.float64, device=device), peers).cpu().numpy(),
                         [gather(ordered, peers).cpu().numpy()], layouts, phase_rows, phase_counts)  # type: ignore[arg-type]
 
-    def stat(self, target: Path, run_id: str, rank: int, world: int, peers: int, rows: StatRows, timing: TimingParts | None) -> Path:
+    def stat(self, target: Path, run_id: str, rank: int, world: int, peers: int, rows: StatRows, timing: TimingParts | None,
+             session: RecordingSession | None) -> Path:
         """Write a ``stat`` dump of ``rows`` (``peers`` ranks' rows: one file with a rank axis when > 1,
-        written by rank 0) to ``target`` (any thread)."""
+        written by rank 0) to ``target`` (any thread); ``session``: the recording's open one, whose
+        writer process writes a small dump."""
         header = self.header(run_id, rank=-1 if peers > 1 else rank, world_size=world, layouts=rows.layouts)
         attrs, datasets = self.timing_contents(timing)  # written in a child process: this process's GIL stays with the forward thread
-        return write_stat_trace(target, header, self.layout, rows, attrs=attrs, datasets=datasets, compression=self.compression)
+        return write_stat_trace(target, header, self.layout, rows, attrs=attrs, datasets=datasets, compression=self.compression,
+                                small_jobs=session.run_small_job if session is not None else None)
 
     def stream(self, target: Path, run_id: str, rank: int, world: int, session: RecordingSession, cut: Cut, timing: TimingParts | None) -> Path:
         """Join the closed segments up to ``cut`` (and those of an earlier dump that failed) into
@@ -316,7 +319,8 @@ class TraceDump:
             written = target  # one closed segment is already a complete trace of these passes
         elif taken:  # joined in a child process: this process's GIL stays with the forward thread
             attrs, datasets = self.timing_contents(timing)
-            written = join_segments([info.path for info in taken], target, attrs=attrs, datasets=datasets, compression=self.compression)
+            written = join_segments([info.path for info in taken], target, attrs=attrs, datasets=datasets, compression=self.compression,
+                                    small_jobs=session.run_small_job)
         else:
             written = self._empty_stream(target, run_id, rank, world, timing)
         session.consumed(taken, written)  # the segments' rows are now in a complete trace

@@ -29,7 +29,7 @@ import os
 import socket
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -39,6 +39,7 @@ import torch
 from ..config import RecorderConfig
 from ..trace.files import sweep_dead_temporaries
 from ..trace.journal import Journal
+from ..trace.offload import run_job
 from ..trace.schema import TraceHeader, TraceWriteError
 from ..trace.segments import CheckpointWriter, SegmentInfo, SegmentWriter
 from ..trace.stat import StatRows, ring_pieces
@@ -239,6 +240,19 @@ class RecordingSession:
         sink = self.writer.sink
         self._undumped = self._undumped + sink.take_completed(before=cut.index)  # type: ignore[union-attr]
         return list(self._undumped)
+
+    def run_small_job(self, job: Mapping[str, object]) -> Path:
+        """A small dump's file job (:data:`moetrace.trace.offload.SmallJobs`): in the recording's writer
+        process while it runs, so this interpreter writes no dump either; on this thread once it is
+        gone (closed, died, or never started)."""
+        process = self._process
+        if process is not None and process.alive:
+            try:
+                return process.run_job(job)
+            except TraceWriteError:
+                if process.alive:
+                    raise  # the job's own failure
+        return run_job(job)
 
     def consumed(self, taken: Sequence[SegmentInfo], written: Path) -> None:
         """``taken``'s rows are now in the complete trace ``written``: note it and delete the segments."""

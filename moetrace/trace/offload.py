@@ -12,7 +12,10 @@ stall"). Both writes run here in a child Python process with its own GIL:
 * :func:`write_stat_trace` writes a ``stat`` dump from its gathered host arrays
   (:func:`~moetrace.trace.stat.write_stat_window`).
 
-A job under :data:`CHILD_MIN_BYTES` runs on the calling thread: it is short. The calling
+A job under :data:`CHILD_MIN_BYTES` is short and not worth a child's start: it runs where the
+caller's ``small_jobs`` says, the recording's long-lived writer process
+(:meth:`moetrace.recording.session.RecordingSession.run_small_job`), or on the calling thread
+when there is none (no recording open, or no Python to start). The calling
 thread (the recorder's dump thread) only hands the job over and waits; then it renames the
 child's file into place (:func:`promote`), so the dump is placed, and the segments noted
 consumed in the journal, by the recording process alone.
@@ -53,13 +56,16 @@ from .schema import TraceError, TraceHeader, TraceWriteError
 from .stat import CounterLayout, StatRows, write_stat_window
 from .writer import TraceWriter
 
-__all__ = ["CHILD_MIN_BYTES", "join_segments", "promote", "write_stat_trace"]
+__all__ = ["CHILD_MIN_BYTES", "SmallJobs", "join_segments", "promote", "run_job", "write_stat_trace"]
 
 #: Jobs smaller than this in all (segment files, or a ``stat`` dump's arrays) run on the calling
 #: thread: they hold the GIL for milliseconds (a join: about 0.25 s per 45 MB segment at
 #: DeepSeek-V3 size, ``docs/benchmarks.md``), less than a child's start costs (0.6-2 s of a core:
 #: a Python with numpy and h5py).
 CHILD_MIN_BYTES = 8 << 20
+
+#: ``small_jobs(job) -> path``: where a job under :data:`CHILD_MIN_BYTES` runs (:func:`run_job` there).
+SmallJobs = Callable[[Mapping[str, object]], Path]
 
 def join_segments(
     paths: Sequence[Path],
@@ -68,9 +74,10 @@ def join_segments(
     attrs: Mapping[str, object] | None = None,
     datasets: Mapping[str, np.ndarray] | None = None,
     compression: Mapping[str, object] | None = None,
+    small_jobs: SmallJobs | None = None,
 ) -> Path:
-    """Join the segments ``paths`` into ``target`` in a child process (on this thread when they are
-    under :data:`CHILD_MIN_BYTES` in all, or no Python can be started) and rename it into place.
+    """Join the segments ``paths`` into ``target`` in a child process (by ``small_jobs`` when they
+    are under :data:`CHILD_MIN_BYTES` in all, or no Python can be started) and rename it into place.
 
     Args:
         paths: consecutive segments of one rank, oldest first.
@@ -79,6 +86,7 @@ def join_segments(
         datasets: ``{name: array}`` to write besides the joined rows (the dump's ``/stat``
             timing aggregates ``[R, ...]``).
         compression: h5py filter keywords for what the join writes.
+        small_jobs: where a small join runs (``None``: on this thread).
 
     Returns:
         ``target``, complete.
@@ -90,7 +98,8 @@ def join_segments(
     job = {"kind": "join", "paths": [str(p) for p in paths], "attrs": dict(attrs or {}), "datasets": dict(datasets or {}),
            "compression": dict(compression or {})}
     size = sum(Path(p).stat().st_size for p in paths)
-    return _place(job, Path(target), size, f"joining {len(paths)} segments", "the segments are kept: dump again, or run `moetrace recover` on the output directory")
+    return _place(job, Path(target), size, f"joining {len(paths)} segments", "the segments are kept: dump again, or run `moetrace recover` on the output directory",
+                  small_jobs)
 
 
 def write_stat_trace(
@@ -102,15 +111,16 @@ def write_stat_trace(
     attrs: Mapping[str, object] | None = None,
     datasets: Mapping[str, np.ndarray] | None = None,
     compression: Mapping[str, object] | None = None,
+    small_jobs: SmallJobs | None = None,
 ) -> Path:
     """Write a ``stat`` dump of ``rows`` (:func:`~moetrace.trace.stat.write_stat_window`) to ``target``
-    in a child process (on this thread when its arrays are under :data:`CHILD_MIN_BYTES`, or no
+    in a child process (by ``small_jobs`` when its arrays are under :data:`CHILD_MIN_BYTES`, or no
     Python can be started) and rename it into place.
 
     Args:
         header: the trace's header (its ``physical_to_logical`` maps ``/stat/logical_count``).
         layout: the columns of ``rows.rows [R, L, C]``.
-        attrs, datasets, compression: as for :func:`join_segments` (the dump's timing).
+        attrs, datasets, compression, small_jobs: as for :func:`join_segments` (the dump's timing).
 
     Returns:
         ``target``, complete.
@@ -122,7 +132,7 @@ def write_stat_trace(
     job = {"kind": "stat", "header": header, "layout": layout, "rows": rows, "attrs": dict(attrs or {}),
            "datasets": dict(datasets or {}), "compression": dict(compression or {})}
     size = sum(a.nbytes for a in (rows.rows, rows.passes, rows.meta, *rows.counts))
-    return _place(job, Path(target), size, "writing a stat dump", "the recording is kept: dump again")
+    return _place(job, Path(target), size, "writing a stat dump", "the recording is kept: dump again", small_jobs)
 
 
 def promote(staging: Path, target: Path) -> Path:
@@ -135,13 +145,17 @@ def promote(staging: Path, target: Path) -> Path:
     return target
 
 
-def _place(job: dict[str, object], target: Path, size: int, what: str, kept: str) -> Path:
+def _place(job: dict[str, object], target: Path, size: int, what: str, kept: str, small_jobs: SmallJobs | None) -> Path:
     """Run ``job`` into a temporary named after this process (in a child when ``size`` bytes are
-    worth one), then :func:`promote` it to ``target``."""
+    worth one, else by ``small_jobs``), then :func:`promote` it to ``target``."""
     staging = temporary_path(target)
     job.update(out=str(staging), parent=os.getpid())
     if not sys.executable or size < CHILD_MIN_BYTES:  # no Python to start (embedded), or small
-        _run(job)
+        try:
+            (small_jobs or run_job)(job)
+        except BaseException:
+            _discard(staging)  # what a writer that died half-way left; this name is ours
+            raise
         return promote(staging, target)
     child = start_child(__name__, capture_stderr=True)
     assert child.stdin is not None
@@ -204,7 +218,9 @@ def _write_stat(job: Mapping[str, object]) -> Path:
 _JOBS: dict[str, Callable[[Mapping[str, object]], Path]] = {"join": _join, "stat": _write_stat}
 
 
-def _run(job: Mapping[str, object]) -> Path:
+def run_job(job: Mapping[str, object]) -> Path:
+    """Run ``job`` (a ``join`` or a ``stat`` dump, as :func:`join_segments` or :func:`write_stat_trace`
+    made it) here, into its ``out`` path; returns that path."""
     return _JOBS[str(job["kind"])](job)
 
 
@@ -215,7 +231,7 @@ def main() -> None:
     job: dict[str, object] = receive(sys.stdin.buffer)  # type: ignore[assignment]
     die_with_starter(int(job["parent"]))  # type: ignore[call-overload]
     try:
-        result: dict[str, object] = {"path": str(_run(job))}
+        result: dict[str, object] = {"path": str(run_job(job))}
     except BaseException as exc:  # handed to the parent, which raises it
         try:
             pickle.loads(pickle.dumps(exc))  # the parent must be able to rebuild it

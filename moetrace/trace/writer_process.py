@@ -1,9 +1,9 @@
 """A recording's writer process: its segment files (or checkpoints) and its journal, outside the engine.
 
 Every file a recording writes while it runs (segment appends and rotations, ``stat`` checkpoints,
-the journal's notes and compactions) is written by one long-lived child process per recording,
-started with ``sys.executable`` (:func:`~moetrace.trace.child.start_child`: never a fork, the engine
-may hold CUDA). The engine's interpreter keeps no file open and holds its GIL for none of that
+the journal's notes and compactions, and the small dumps: :meth:`WriterProcess.run_job`) is written
+by one long-lived child process per recording, started with ``sys.executable``
+(:func:`~moetrace.trace.child.start_child`: never a fork, the engine may hold CUDA). The engine's interpreter keeps no file open and holds its GIL for none of that
 work: its writer thread (:class:`~moetrace.trace.stream.BackgroundTraceWriter`) builds each
 hand-off's host arrays and sends them down a pipe (:func:`~moetrace.trace.child.send`: the arrays'
 memory as it is, the GIL released while the write blocks), then waits for the child's answer.
@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from . import offload
 from .child import lower_priority, receive, send, start_child
 from .journal import Journal
 from .schema import TraceError, TraceHeader, TraceWriteError
@@ -110,6 +111,11 @@ class WriterProcess:
     def call(self, target: str, name: str, *args: object, **kwargs: object) -> Any:
         """``target.name(*args, **kwargs)`` in the child (``target``: ``"journal"`` or ``"sink"``); its result or its exception."""
         return self._exchange((target, name, args, kwargs))
+
+    def run_job(self, job: Mapping[str, object]) -> Path:
+        """A small dump's job (:func:`moetrace.trace.offload.run_job`) in the child, between two calls
+        of the writer thread (milliseconds: jobs over ``CHILD_MIN_BYTES`` get a child of their own)."""
+        return Path(self.call("offload", "run_job", job))
 
     def attribute(self, target: str, name: str) -> Any:
         """``target.name`` in the child."""
@@ -223,7 +229,7 @@ def main() -> None:
         send(stdout, {"error": TraceWriteError(f"the recording's writer process could not open its files: {exc}")})
         return
     send(stdout, {"ok": None})
-    objects = {"journal": journal, "sink": sink}
+    objects = {"journal": journal, "sink": sink, "offload": offload}
     while (message := _next_message(stdin, parent)) is not None:
         send(stdout, _answer(objects, message))  # type: ignore[arg-type]
     if isinstance(sink, SegmentWriter):

@@ -27,6 +27,8 @@ import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.pass_phase import PASS_PHASES
+from moetrace.recording import dump_files
+from moetrace.recording import session as session_module
 from moetrace.trace import TraceWriteError, offload, open_trace
 from moetrace.trace import child as child_process
 from moetrace.trace.files import process_alive
@@ -132,14 +134,14 @@ def test_the_child_writes_the_stat_dump_written_in_process(tmp_path, monkeypatch
 
 
 def test_the_work_happens_in_the_child(tmp_path, monkeypatch):
-    """Above CHILD_MIN_BYTES this process runs neither job itself (its ``_run`` would fail)."""
+    """Above CHILD_MIN_BYTES this process runs neither job itself (its ``run_job`` would fail)."""
     header, layout, rows = stat_rows()
     _rec, paths = segments(tmp_path, "per_pass")
 
     def not_here(job):
         raise AssertionError(f"the {job['kind']} job ran in the recording process")
 
-    monkeypatch.setattr(offload, "_run", not_here)
+    monkeypatch.setattr(offload, "run_job", not_here)
     with open_trace(offload.write_stat_trace(tmp_path / "stat.h5", header, layout, rows)) as trace:
         assert int(trace.num_passes().sum()) == 4
     with open_trace(offload.join_segments(paths, tmp_path / "joined.h5")) as trace:
@@ -307,3 +309,64 @@ def test_negative_control_a_child_without_the_shield_dies_of_a_ctrl_c():
     assert shield in child_process._BOOTSTRAP
     printed, status = _answer_after_sigint(child_process._BOOTSTRAP.replace(shield, ""))
     assert printed == "" and status != 0
+
+
+def _record_and_dump(tmp_path: Path, mode: str, monkeypatch, **files: float) -> tuple[list[str], Path, np.ndarray]:
+    """Record 20 passes (``files``: the recording's rotation settings), dump while recording with every
+    job small; the kinds of the jobs run in this interpreter, the dump, and the ids' count ``[L, E]``.
+    A streaming dump must be a join (of more than one segment), not a rename."""
+    monkeypatch.setattr(offload, "CHILD_MIN_BYTES", 1 << 40)  # every dump job is small
+    here: list[str] = []
+    real, real_join = offload.run_job, dump_files.join_segments
+
+    def spy(job):
+        here.append(str(job["kind"]))
+        return real(job)
+
+    def join(paths, *args, **kwargs):
+        assert len(paths) > 1
+        joined.append(len(paths))
+        return real_join(paths, *args, **kwargs)
+
+    joined: list[int] = []
+    monkeypatch.setattr(offload, "run_job", spy)
+    monkeypatch.setattr(session_module, "run_job", spy)
+    monkeypatch.setattr(dump_files, "join_segments", join)
+    rec = ExpertDistributionRecorder(RecorderConfig(
+        num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K, mode=mode, output_dir=tmp_path, max_tokens_per_pass=TOKENS,
+        stream_chunk_passes=4, stream_chunk_tokens=32, **files,  # type: ignore[arg-type]
+    ))
+    rec.start_record()
+    rng = np.random.default_rng(1)
+    counts = np.zeros((LAYERS, EXPERTS), dtype=np.int64)
+    for pass_id in range(20):
+        with rec.with_forward_pass(pass_id):
+            for layer in range(LAYERS):
+                ids = rng.integers(-1, EXPERTS, (TOKENS, TOP_K))
+                np.add.at(counts[layer], ids[ids >= 0], 1)
+                rec.on_select_experts(torch.as_tensor(ids), layer=layer)
+    try:
+        path = rec.dump_record(tmp_path / f"{mode}.h5")
+    finally:
+        rec.reset()
+    assert len(joined) == (mode != "stat")
+    return here, path, counts
+
+
+@pytest.mark.parametrize("mode", ["stat", "per_pass", "per_token"])
+def test_a_small_dump_while_recording_is_written_by_the_writer_process(tmp_path, monkeypatch, mode):
+    """Issue 50: a dump too small for a child of its own is written by the recording's writer
+    process, not on the dump thread, so the engine's interpreter writes no dump file either."""
+    here, path, counts = _record_and_dump(tmp_path, mode, monkeypatch, segment_passes=8)
+    assert here == []
+    with open_trace(path) as trace:
+        np.testing.assert_array_equal(trace.physical_count(), counts)
+
+
+def test_negative_control_without_a_writer_process_the_small_dump_runs_here(tmp_path, monkeypatch):
+    """The check above can fail: a ``stat`` recording that keeps no files has no writer process, and
+    its small dump runs on the dump thread (the spy sees it)."""
+    here, path, counts = _record_and_dump(tmp_path, "stat", monkeypatch, segment_passes=0)
+    assert here == ["stat"]
+    with open_trace(path) as trace:
+        np.testing.assert_array_equal(trace.physical_count(), counts)
