@@ -58,14 +58,15 @@ from .writer import TraceWriter
 
 __all__ = ["CHILD_MIN_BYTES", "SmallJobs", "join_segments", "promote", "run_job", "write_stat_trace"]
 
-#: Jobs smaller than this in all (segment files, or a ``stat`` dump's arrays) run on the calling
-#: thread: they hold the GIL for milliseconds (a join: about 0.25 s per 45 MB segment at
+#: Jobs smaller than this in all (segment files, or a ``stat`` dump's arrays) get no child of their
+#: own (they run by ``small_jobs``): they hold a GIL for milliseconds (a join: about 0.25 s per 45 MB segment at
 #: DeepSeek-V3 size, ``docs/benchmarks.md``), less than a child's start costs (0.6-2 s of a core:
 #: a Python with numpy and h5py).
 CHILD_MIN_BYTES = 8 << 20
 
 #: ``small_jobs(job) -> path``: where a job under :data:`CHILD_MIN_BYTES` runs (:func:`run_job` there).
 SmallJobs = Callable[[Mapping[str, object]], Path]
+
 
 def join_segments(
     paths: Sequence[Path],
