@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -10,6 +13,16 @@ import torch
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 from moetrace.data import olmoe_counts as olmoe
 from moetrace.trace import TraceHeader, TraceWriter
+
+
+@contextlib.contextmanager
+def files_written_here() -> Iterator[None]:
+    """Recordings started in the block write their files (segments, checkpoints, small dumps) in
+    this process, the recorder's fallback when no writer process can be started (an embedded
+    interpreter): for tests that patch this process's writing (a fast clock, :func:`~moetrace.trace.integrity.unsealed`),
+    which a writer process would not see."""
+    with mock.patch("moetrace.recording.session.WriterProcess", side_effect=OSError("written in the test's process")):
+        yield
 
 
 def random_passes(rng: np.random.Generator, num_passes: int, num_layers: int, num_experts: int, top_k: int, skew: float = 1.5, max_tokens: int = 16) -> list[np.ndarray]:

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from moetrace.analysis.deployment import analyze_deployment, group_recordings
 from moetrace.trace.schema import TraceError
-from tests.analysis.helpers import random_passes, record
+from tests.analysis.helpers import files_written_here, random_passes, record
 
 E, L, K = 16, 3, 2
 START = 1_790_000_000.0  # wall-clock of the first recording
@@ -84,7 +84,7 @@ def deployment(tmp_path_factory):
         skew = 0.5 + 1.5 * (i % 4) / 3  # the load changes between recordings
         passes = random_passes(rng, int(rng.integers(3, 7)), L, slots, K, skew=skew, max_tokens=6)
         now = START + i * STEP
-        with mock.patch("time.time", lambda now=now: now), mock.patch("moetrace.recording.session.WriterProcess", side_effect=OSError("the fast clock")):
+        with mock.patch("time.time", lambda now=now: now), files_written_here():
             paths.append(record(tmp, "stat" if i % 5 else "per_pass", passes, slots, ep_size=ep, name=f"rec{i:02d}.h5",
                                 physical_to_logical=mapping))
         hand.append({**_hand(passes, mapping, ep), "created": now, "ep": ep})

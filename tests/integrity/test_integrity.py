@@ -26,7 +26,7 @@ from moetrace.trace.schema import (
 )
 from moetrace.trace.verify import verify_trace
 from moetrace.trace.writer import TraceWriter
-from tests.analysis.helpers import record
+from tests.analysis.helpers import files_written_here, record
 
 from .traces import dumped, per_rank_pair, run_directory
 
@@ -67,7 +67,7 @@ def test_flipped_logical_count_bit_is_detected(tmp_path):
 
 def test_without_checksums_the_invariants_catch_the_flip(tmp_path):
     """An older trace (no checksums) stays readable, is flagged unverified, and the count invariant still refuses the flip."""
-    with unsealed():
+    with unsealed(), files_written_here():  # unsealed() reaches this process only
         path = qwen_like_stat(tmp_path, "old.h5")
     with open_trace(path) as trace:
         assert not trace.verified and int(trace.logical_count().sum()) == 992
@@ -85,7 +85,7 @@ def test_without_checksums_the_invariants_catch_the_flip(tmp_path):
 
 
 def test_assignment_bound_names_the_figures(tmp_path):
-    with unsealed():
+    with unsealed(), files_written_here():  # unsealed() reaches this process only
         path = qwen_like_stat(tmp_path, "old.h5")
     with h5py.File(path, "a") as f:  # a consistent rewrite: physical and logical both +8, beyond tokens x top_k
         for name in ("stat/physical_count", "stat/logical_count"):

@@ -20,6 +20,7 @@ from moetrace.timing import HISTOGRAM_EDGES, bucket_quantile
 from moetrace.trace.integrity import reseal, unsealed
 from moetrace.trace.merge import merge_traces
 from moetrace.trace.reader import open_trace
+from tests.analysis.helpers import files_written_here
 
 MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_experts=8, top_k=2, dense_layers=(1,))
 
@@ -175,8 +176,9 @@ def test_streaming_modes_write_timing_rows_and_merge_joins_them(tmp_path, mode):
 
 
 def test_version_1_traces_stay_readable(tmp_path):
-    recorder = ExpertDistributionRecorder(_config(tmp_path, timing=False))
-    recorder.start_record()
+    with files_written_here():  # unsealed() reaches this process only
+        recorder = ExpertDistributionRecorder(_config(tmp_path, timing=False))
+        recorder.start_record()
     _sleepy_pass(recorder, 0.0)
     with unsealed():  # version 1 traces predate checksums too
         path = recorder.dump_record(tmp_path / "v1.h5")
