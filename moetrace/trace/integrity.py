@@ -94,7 +94,8 @@ def sealing() -> bool:
 @contextlib.contextmanager
 def unsealed() -> Iterator[None]:
     """Traces written in this process while the block runs (by any thread) carry no checksums,
-    as before moetrace had them: they read back as unverified. For the benchmark's
+    as before moetrace had them: they read back as unverified. A recording's writer process and a
+    dump's child are other processes: they still seal what they write. For the benchmark's
     with/without ratio and the tests of older traces; never needed otherwise."""
     _state.off = True
     try:

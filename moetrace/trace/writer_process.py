@@ -3,8 +3,8 @@
 Every file a recording writes while it runs (segment appends and rotations, ``stat`` checkpoints,
 the journal's notes and compactions, and the small dumps: :meth:`WriterProcess.run_job`) is written
 by one long-lived child process per recording, started with ``sys.executable``
-(:func:`~moetrace.trace.child.start_child`: never a fork, the engine may hold CUDA). The engine's interpreter keeps no file open and holds its GIL for none of that
-work: its writer thread (:class:`~moetrace.trace.stream.BackgroundTraceWriter`) builds each
+(:func:`~moetrace.trace.child.start_child`: never a fork, the engine may hold CUDA). The engine's
+interpreter keeps no file open and holds its GIL for none of that work: its writer thread (:class:`~moetrace.trace.stream.BackgroundTraceWriter`) builds each
 hand-off's host arrays and sends them down a pipe (:func:`~moetrace.trace.child.send`: the arrays'
 memory as it is, the GIL released while the write blocks), then waits for the child's answer.
 
@@ -109,7 +109,7 @@ class WriterProcess:
         return self._dead is None and self._child.poll() is None
 
     def call(self, target: str, name: str, *args: object, **kwargs: object) -> Any:
-        """``target.name(*args, **kwargs)`` in the child (``target``: ``"journal"`` or ``"sink"``); its result or its exception."""
+        """``target.name(*args, **kwargs)`` in the child (``target``: ``"journal"``, ``"sink"`` or ``"offload"``); its result or its exception."""
         return self._exchange((target, name, args, kwargs))
 
     def run_job(self, job: Mapping[str, object]) -> Path:

@@ -317,6 +317,7 @@ def _record_and_dump(tmp_path: Path, mode: str, monkeypatch, **files: float) -> 
     A streaming dump must be a join (of more than one segment), not a rename."""
     monkeypatch.setattr(offload, "CHILD_MIN_BYTES", 1 << 40)  # every dump job is small
     here: list[str] = []
+    joined: list[int] = []
     real, real_join = offload.run_job, dump_files.join_segments
 
     def spy(job):
@@ -328,7 +329,6 @@ def _record_and_dump(tmp_path: Path, mode: str, monkeypatch, **files: float) -> 
         joined.append(len(paths))
         return real_join(paths, *args, **kwargs)
 
-    joined: list[int] = []
     monkeypatch.setattr(offload, "run_job", spy)
     monkeypatch.setattr(session_module, "run_job", spy)
     monkeypatch.setattr(dump_files, "join_segments", join)
