@@ -14,7 +14,8 @@ The schedule is a pass count agreed at ``start_record``
 (``RecorderConfig.rotation_passes``, rank 0's under a process group): a
 segment closes, or a checkpoint is written, at the first pass end on a chunk
 boundary once the recording's pass count reaches a multiple of the period, so
-every rank of a fleet in lockstep does it at the same pass. The recorder's state machine opens one at
+every rank of a fleet in lockstep does it at the same pass. A ``stat`` checkpoint copies its window
+a part at each pass end (:data:`CHECKPOINT_COPY_BYTES`), never all at one. The recorder's state machine opens one at
 ``start_record`` and closes it at ``reset`` or after the last dump; at
 interpreter exit the sessions still open are closed (:func:`close_at_exit`),
 keeping passes never dumped on disk for ``moetrace recover``.
@@ -48,11 +49,15 @@ from ..trace.writer import check_writable_dir
 from ..trace.writer_process import RemoteJournal, RemoteSink, WriterProcess, WriterSpec
 from .pass_counter import PassCounter
 from .sink import ModeSink
-from .window import StatWindow
+from .window import StatWindow, WindowCut
 
 __all__ = ["Cut", "RecordingSession", "SessionSlot", "Staged", "WriterSpecFor", "close_at_exit"]
 
 _log = logging.getLogger("moetrace")
+
+#: At most this many bytes of a checkpoint's window are copied at one pass end (4 MiB: 64 of
+#: DeepSeek-V3's 67 KB slots, so its 67 MB window takes 16 pass ends; a small window, at once).
+CHECKPOINT_COPY_BYTES = 4 << 20
 
 
 #: ``spec_for(directory, header)``: what the recording's writer process builds, the mode's
@@ -112,6 +117,7 @@ class RecordingSession:
         self._warned = False
         self._rotate_at = period or None  # the pass count of the next rotation
         self._checkpoint_buffers: tuple[HostBufferPool, HostBufferPool, HostBufferPool, HostBufferPool] | None = None
+        self._window_copy: _WindowCopy | None = None  # a checkpoint whose window is being copied
         self._undumped: list[SegmentInfo] = []  # closed segments taken by a dump that failed
 
     @property
@@ -132,7 +138,9 @@ class RecordingSession:
         self.writer.submit(job)
 
     def poll(self) -> None:
-        """Pass end (forward thread): hand the writer the copies that have finished (never blocks)."""
+        """Pass end (forward thread): copy the next part of a checkpoint's window (:meth:`advance`) and
+        hand the writer the copies that have finished (never blocks)."""
+        self.advance()
         self.writer.poll()
 
     def settle(self) -> None:
@@ -160,10 +168,19 @@ class RecordingSession:
     def _checkpoint(self, pass_id: int, passes: int, wait: bool) -> None:
         """Stat mode: copy totals and window to host buffers (asynchronously) and let the
         writer thread write the checkpoint; skipped when the previous one is still being
-        written, unless ``wait``."""
+        copied or written, unless ``wait``.
+
+        The window ``[W, L, P]`` (67 MB at DeepSeek-V3 size) is copied as a
+        :class:`~moetrace.recording.window.WindowCut`: at most :data:`CHECKPOINT_COPY_BYTES` of
+        it at this pass end and at each of the next ones (:meth:`advance`), a slot about to be
+        overwritten first, so the checkpoint holds the window as it was at ``pass_id`` and no
+        pass end carries one large copy (on a GPU, a burst the engine's own copies would queue
+        behind; on a CPU, a copy the forward thread makes). ``wait`` copies it all now."""
         counter, w = self._staged.counter, self._staged.sink
         assert isinstance(w, StatWindow)
         slots = len(w.pass_id)
+        if wait:
+            self._finish_window_copy()  # the previous checkpoint's buffers come back once it is written
         if self._checkpoint_buffers is None:
             with torch.inference_mode(False):  # normal tensors, even when the first checkpoint runs under it
                 self._checkpoint_buffers = (
@@ -181,15 +198,12 @@ class RecordingSession:
         window, tokens, phase_totals = window_pool.acquire(), tokens_pool.acquire(), phase_pool.acquire()
         assert window is not None and tokens is not None and phase_totals is not None
         totals.copy_(counter.totals, non_blocking=True)
-        window.copy_(w.counts, non_blocking=True)
         phase_totals.copy_(counter.pass_phase_totals, non_blocking=True)
         tokens[:slots].copy_(w.tokens, non_blocking=True)  # each window slot's tokens, the token total, each pass phase's
         tokens[slots : slots + 1].copy_(counter.token_total, non_blocking=True)
         tokens[slots + 1 :].copy_(counter.pass_phase_tokens, non_blocking=True)
-        event = torch.cuda.Event() if self._cuda else None
-        if event is not None:
-            event.record()
-        order = w.order()
+        cut = w.cut(window)
+        order = cut.order
         meta = np.stack([w.pass_id, w.timestamp], axis=1)[order]
         window_phase = np.stack([w.pass_phase, w.requests], axis=1)[order].astype(np.float64)
         phase_host = counter.pass_phase_host.copy()
@@ -210,7 +224,43 @@ class RecordingSession:
             window_pool.release(window)
             totals_pool.release(totals)
 
-        self.writer.submit(StreamJob(event=event, build=build, done=done))
+        slot_bytes = max(1, w.counts[0].numel() * w.counts.element_size())
+        self._window_copy = _WindowCopy(cut, max(1, CHECKPOINT_COPY_BYTES // slot_bytes), StreamJob(event=None, build=build, done=done))
+        if wait:
+            self._finish_window_copy()
+        else:
+            self.advance()
+
+    def advance(self) -> None:
+        """Pass end (lock held): copy the next slots of a checkpoint's window; once all are
+        copied, hand the checkpoint to the writer thread."""
+        copy = self._window_copy
+        if copy is None:
+            return
+        w = self._staged.sink
+        assert isinstance(w, StatWindow)
+        w.copy_cut(copy.cut, copy.cut.order[copy.at : copy.at + copy.step])
+        copy.at += copy.step
+        if copy.at >= len(copy.cut.order):
+            self._window_copy = None
+            copy.job.event = w.end_cut(copy.cut)
+            self.writer.submit(copy.job)
+
+    def _finish_window_copy(self) -> None:
+        """Copy what is left of a checkpoint's window now and hand the checkpoint over."""
+        copy = self._window_copy
+        if copy is not None:
+            copy.step = len(copy.cut.order)
+            self.advance()
+
+    def _drop_window_copy(self) -> None:
+        """Closing without keeping files: a checkpoint still being copied is not written."""
+        copy, self._window_copy = self._window_copy, None
+        if copy is not None:
+            w = self._staged.sink
+            assert isinstance(w, StatWindow)
+            w.end_cut(copy.cut)
+            copy.job.done()
 
     def cut(self, pass_id: int, passes: int) -> Cut:
         """A dump's cut (recorder lock held, between two pass ends): hand what is staged to the
@@ -265,6 +315,10 @@ class RecordingSession:
         """Stop the writer thread. ``keep``: the caller rotated last (every pass is in a closed segment
         or checkpoint) and the files stay for ``moetrace recover``; else every file of the run not dumped
         yet is deleted."""
+        if keep:
+            self._finish_window_copy()
+        else:
+            self._drop_window_copy()
         self.writer.close()
         try:
             self._close_files(keep, undumped_passes)
@@ -302,6 +356,17 @@ def _open_files(spec: WriterSpec) -> tuple[WriterProcess | None, Journal | Remot
         journal, sink = spec.build()
         return None, journal, sink
     return process, RemoteJournal(process, spec.journal), RemoteSink(process, spec.checkpoint)
+
+
+@dataclasses.dataclass
+class _WindowCopy:
+    """A checkpoint whose window is being copied: ``step`` slots of ``cut.order`` a pass end from
+    ``at`` on, then ``job`` (its event set then) goes to the writer thread."""
+
+    cut: WindowCut
+    step: int
+    job: StreamJob
+    at: int = 0
 
 
 class Cut:

@@ -11,12 +11,14 @@ the engine's threads go first.
 Messages are pickles (protocol 5) whose contiguous arrays travel out of band: :func:`send` writes the
 number of parts, each part's size, the pickle, then each array's memory as it is (no copy; a
 blocking write releases the GIL), and :func:`receive` reads them back over buffers of their own.
+A child's pipes hold :data:`PIPE_BYTES` (Linux), so a checkpoint's window crosses in few writes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
 import pickle
 import signal
@@ -42,6 +44,10 @@ _PR_SET_PDEATHSIG = 1
 #: A child's niceness increment: about a tenth of a core's share against the engine's threads.
 NICE = 10
 _SIZE = struct.Struct("<Q")
+#: Bytes a child's pipes hold (Linux's ``F_SETPIPE_SZ``; the default ``/proc/sys/fs/pipe-max-size``): a
+#: 64 MiB checkpoint crosses in 64 writes and reads instead of 1,024 (each a context switch on both sides).
+PIPE_BYTES = 1 << 20
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 def start_child(module: str, capture_stderr: bool) -> subprocess.Popen[bytes]:
@@ -53,8 +59,12 @@ def start_child(module: str, capture_stderr: bool) -> subprocess.Popen[bytes]:
     """
     if not sys.executable:
         raise OSError("no Python executable to start (an embedded interpreter)")
-    return subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, _PACKAGE_DIR, module], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE if capture_stderr else None)
+    child = subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, _PACKAGE_DIR, module], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE if capture_stderr else None)
+    for pipe in (child.stdin, child.stdout):
+        with contextlib.suppress(OSError):  # not Linux, or a lower pipe-max-size: the default size still works
+            fcntl.fcntl(pipe.fileno(), _F_SETPIPE_SZ, PIPE_BYTES)  # type: ignore[union-attr]
+    return child
 
 
 def send(stream: IO[bytes], message: object) -> None:

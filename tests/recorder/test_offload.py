@@ -11,12 +11,14 @@ is killed.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import io
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -171,6 +173,41 @@ def test_the_hand_over_keeps_every_array():
     stream.seek(0)
     with pytest.raises(EOFError, match="the message ended"):
         child_process.receive(io.BytesIO(stream.read()[:-7]))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="F_SETPIPE_SZ is Linux's")
+def test_a_childs_pipes_hold_a_mebibyte_and_carry_a_checkpoint_sized_message_intact():
+    """The writer's pipes are widened to ``PIPE_BYTES`` (a 64 MiB checkpoint crosses in 64 writes, not
+    1,024), and a message many times that size still arrives whole; the default 64 KiB pipe is
+    what the widening changes (negative control: a pipe of this process's own)."""
+    get_size = getattr(fcntl, "F_GETPIPE_SZ", 1032)
+    with open("/proc/sys/fs/pipe-max-size") as limit:
+        if int(limit.read()) < child_process.PIPE_BYTES:
+            pytest.skip("this kernel's pipe-max-size is below PIPE_BYTES: the default pipe is kept")
+    read_end, write_end = os.pipe()
+    try:
+        assert fcntl.fcntl(write_end, get_size) < child_process.PIPE_BYTES  # what an unwidened pipe holds
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    child = child_process.start_child("moetrace.trace.writer_process", capture_stderr=False)
+    try:
+        assert fcntl.fcntl(child.stdin.fileno(), get_size) == child_process.PIPE_BYTES
+        assert fcntl.fcntl(child.stdout.fileno(), get_size) == child_process.PIPE_BYTES
+    finally:
+        child.kill()
+        child.wait()
+    read_end, write_end = os.pipe()
+    big = np.random.default_rng(0).integers(0, 1 << 30, size=(5, 1 << 20), dtype=np.int32)  # 20 MiB
+    with os.fdopen(read_end, "rb") as reader, os.fdopen(write_end, "wb") as writer:
+        fcntl.fcntl(write_end, child_process._F_SETPIPE_SZ, child_process.PIPE_BYTES)
+        got: list[object] = []
+        thread = threading.Thread(target=lambda: got.append(child_process.receive(reader)))
+        thread.start()
+        child_process.send(writer, {"window": big, "pass": 7})
+        thread.join(WAIT_S)
+    assert got and got[0]["pass"] == 7
+    np.testing.assert_array_equal(got[0]["window"], big)
 
 
 def test_a_stat_write_that_fails_in_the_child_is_raised(tmp_path):
