@@ -1,14 +1,22 @@
 """What a recording adds to a forward pass, at the median, p99 and the worst (issue 50, item 4).
 
 Run: ``.venv/bin/python benchmarks/pass_bound.py [--seconds 600] [--modes stat per_pass per_token]
-[--segment-seconds 10 2] [--label NAME]``
+[--segment-seconds 10 2] [--pass-ms 0] [--torch-threads N] [--label NAME]``
 
 For every mode, one process runs the DeepSeek-V3 decode workload (:mod:`deepseek_workload`: 58 MoE
 layers, 288 slots, top-8, 256 tokens a pass, the hooks on this machine's CPU) for ``--seconds``
 with recording off, then for ``--seconds`` recording with each ``segment_seconds`` setting (the
 default 10, then 2), side by side in one run. Per case: the median, p99 and longest pass, the
 passes over 20 ms, and the passes more than 5 ms over the case's own median (the bound issue 50
-asks: none). The script uses only the public recorder API, so the code before a change is
+asks: none). ``--pass-ms`` adds that many milliseconds of waiting after the hooks of every pass,
+standing in for the forward's device time (0, the default: the issue's bare workload, 700-900
+passes a second here, 20-90x what a DeepSeek-V3 rank runs on a GPU, so the streaming modes hand the
+writer process more rows a second than one niced core writes, and ``on_overflow="block"`` makes the
+engine wait for it). ``--torch-threads`` sets torch's intra-op threads, which run the hooks'
+device ops on this CPU (default: torch's own, one per core): with two, each op's parallel region
+waits for a second thread that the writer process may hold, an artifact of the CPU standing in for
+the device (paced at 20 ms, 131 of 400 passes' hooks took over 5 ms with 2 threads, 2-3 with 1).
+The script uses only the public recorder API, so the code before a change is
 measured with the very same script: ``cd <old checkout> && .venv/bin/python <this script>``.
 """
 
@@ -23,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -47,26 +56,31 @@ def figures(times: list[float]) -> dict[str, float]:
     }
 
 
-def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float, device: str) -> list[float]:
-    """Forward passes for ``seconds`` of wall time; each one's seconds (host time: what the engine's forward thread spends)."""
+def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float, device: str, pass_s: float = 0.0) -> list[float]:
+    """Forward passes for ``seconds`` of wall time, each the hooks then ``pass_s`` of stand-in device
+    time; each one's seconds (host time: what the engine's forward thread spends)."""
     ids = routes(device=device)
     for _ in range(20):  # warm-up: first-call allocations
         forward(rec, ids)
     times: list[float] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        times.append(forward(rec, ids))
+        start = time.perf_counter()
+        forward(rec, ids)
+        if pass_s:
+            time.sleep(pass_s)
+        times.append(time.perf_counter() - start)
     return times
 
 
-def mode_cases(tmp: Path, mode: str, seconds: float, segment_seconds: list[float], device: str = "cpu") -> dict[str, dict[str, float]]:
-    """Recording off, then on with each ``segment_seconds``: one mode's figures (hooks on ``device``)."""
+def mode_cases(tmp: Path, mode: str, seconds: float, segment_seconds: list[float], device: str = "cpu", pass_s: float = 0.0) -> dict[str, dict[str, float]]:
+    """Recording off, then on with each ``segment_seconds``: one mode's figures (hooks on ``device``, ``pass_s`` stand-in device time a pass)."""
     rec = recorder(mode, tmp, device=device)
-    out = {"off": figures(timed_passes(rec, seconds, device))}
+    out = {"off": figures(timed_passes(rec, seconds, device, pass_s))}
     for setting in segment_seconds:
         rec = recorder(mode, tmp, segment_seconds=setting, device=device)
         rec.start_record()
-        times = timed_passes(rec, seconds, device)
+        times = timed_passes(rec, seconds, device, pass_s)
         rec.stop_record()
         rec.reset()  # the run's files go
         out[f"on_segment_seconds_{setting:g}"] = figures(times)
@@ -81,13 +95,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=600.0, help="seconds per case (the issue asks 600 on an idle machine)")
     parser.add_argument("--modes", nargs="*", default=["stat", "per_pass", "per_token"])
     parser.add_argument("--segment-seconds", type=float, nargs="*", default=[10.0, 2.0], help="RecorderConfig.segment_seconds of the recording-on cases")
+    parser.add_argument("--pass-ms", type=float, default=0.0, help="stand-in device time after each pass's hooks (ms; 0: the bare workload)")
+    parser.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads for the hooks' CPU ops (default: torch's)")
     parser.add_argument("--label", default="now", help="results go to benchmarks/results/pass_bound-LABEL.json")
     args = parser.parse_args()
-    results: dict[str, object] = {"seconds_per_case": args.seconds, "moetrace": str(Path(moetrace.__file__).parent),
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    results: dict[str, object] = {"seconds_per_case": args.seconds, "pass_ms": args.pass_ms, "torch_threads": torch.get_num_threads(), "moetrace": str(Path(moetrace.__file__).parent),
                                   "load_average_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix="moetrace-pass-bound-") as tmp:
         for mode in args.modes:
-            results[mode] = mode_cases(Path(tmp), mode, args.seconds, args.segment_seconds)
+            results[mode] = mode_cases(Path(tmp), mode, args.seconds, args.segment_seconds, pass_s=args.pass_ms / 1e3)
     print(write_results(f"pass_bound-{args.label}", results))
 
 
