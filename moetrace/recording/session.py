@@ -181,15 +181,7 @@ class RecordingSession:
         slots = len(w.pass_id)
         if wait:
             self._finish_window_copy()  # the previous checkpoint's buffers come back once it is written
-        if self._checkpoint_buffers is None:
-            with torch.inference_mode(False):  # normal tensors, even when the first checkpoint runs under it
-                self._checkpoint_buffers = (
-                    HostBufferPool(tuple(counter.totals.shape), torch.int64, 1, self._cuda),
-                    HostBufferPool(tuple(w.counts.shape), torch.int32, 1, self._cuda),
-                    HostBufferPool((slots + 1 + len(counter.pass_phase_tokens),), torch.int64, 1, self._cuda),
-                    HostBufferPool(tuple(counter.pass_phase_totals.shape), torch.int64, 1, self._cuda),
-                )
-        totals_pool, window_pool, tokens_pool, phase_pool = self._checkpoint_buffers
+        totals_pool, window_pool, tokens_pool, phase_pool = self._checkpoint_pools(counter, w)
         if wait:
             self.settle()  # the previous checkpoint's copy, so that its buffers come back
         totals = totals_pool.acquire(block=wait)
@@ -230,6 +222,19 @@ class RecordingSession:
             self._finish_window_copy()
         else:
             self.advance()
+
+    def _checkpoint_pools(self, counter: PassCounter, w: StatWindow) -> tuple[HostBufferPool, HostBufferPool, HostBufferPool, HostBufferPool]:
+        """The checkpoint's host buffers, one each (made on first use): totals ``[L, C]``, window
+        ``[W, L, P]``, tokens ``[W + 1 + Q]`` (each slot's, the total, each pass phase's), phase totals ``[Q, L, C]``."""
+        if self._checkpoint_buffers is None:
+            with torch.inference_mode(False):  # normal tensors, even when the first checkpoint runs under it
+                self._checkpoint_buffers = (
+                    HostBufferPool(tuple(counter.totals.shape), torch.int64, 1, self._cuda),
+                    HostBufferPool(tuple(w.counts.shape), torch.int32, 1, self._cuda),
+                    HostBufferPool((len(w.pass_id) + 1 + len(counter.pass_phase_tokens),), torch.int64, 1, self._cuda),
+                    HostBufferPool(tuple(counter.pass_phase_totals.shape), torch.int64, 1, self._cuda),
+                )
+        return self._checkpoint_buffers
 
     def advance(self) -> None:
         """Pass end (lock held): copy the next slots of a checkpoint's window; once all are

@@ -323,11 +323,14 @@ def test_negative_control_a_child_without_the_death_signal_outlives_its_parent(t
 
 def _answer_after_sigint(bootstrap: str) -> tuple[str, int]:
     """Start a child with ``bootstrap`` (its ``main`` replaced by: say ready, read a line, say
-    alive), send it SIGINT once ready, then a line; what it printed and its exit status."""
+    alive), send it SIGINT once ready, then a line; what it printed and its exit status. The child
+    starts with SIGINT's default action whatever this process inherited (a shell runs a background
+    job with SIGINT ignored, and a child would inherit that)."""
     source = bootstrap.replace("importlib.import_module(sys.argv[2]).main()",
                                "print('ready', flush=True); sys.stdin.readline(); print('alive', flush=True)")
     child = subprocess.Popen([sys.executable, "-c", source, child_process._PACKAGE_DIR, "moetrace.trace.writer_process"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert child.stdout is not None and child.stdout.readline().strip() == "ready"
     child.send_signal(signal.SIGINT)  # what a Ctrl-C at the terminal sends every process of the foreground group
     printed, _ = child.communicate("go\n", timeout=WAIT_S)
