@@ -176,14 +176,12 @@ class RecordingSession:
         overwritten first, so the checkpoint holds the window as it was at ``pass_id`` and no
         pass end carries one large copy (on a GPU, a burst the engine's own copies would queue
         behind; on a CPU, a copy the forward thread makes). ``wait`` copies it all now."""
-        counter, w = self._staged.counter, self._staged.sink
-        assert isinstance(w, StatWindow)
+        counter, w = self._staged.counter, self._window()
         slots = len(w.pass_id)
-        if wait:
-            self._finish_window_copy()  # the previous checkpoint's buffers come back once it is written
+        if wait:  # the previous checkpoint's copy finished and handed over, so that its buffers come back once written
+            self._finish_window_copy()
+            self.settle()
         totals_pool, window_pool, tokens_pool, phase_pool = self._checkpoint_pools(counter, w)
-        if wait:
-            self.settle()  # the previous checkpoint's copy, so that its buffers come back
         totals = totals_pool.acquire(block=wait)
         if totals is None:
             return
@@ -242,8 +240,7 @@ class RecordingSession:
         copy = self._window_copy
         if copy is None:
             return
-        w = self._staged.sink
-        assert isinstance(w, StatWindow)
+        w = self._window()
         w.copy_cut(copy.cut, copy.cut.order[copy.at : copy.at + copy.step])
         copy.at += copy.step
         if copy.at >= len(copy.cut.order):
@@ -262,10 +259,14 @@ class RecordingSession:
         """Closing without keeping files: a checkpoint still being copied is not written."""
         copy, self._window_copy = self._window_copy, None
         if copy is not None:
-            w = self._staged.sink
-            assert isinstance(w, StatWindow)
-            w.end_cut(copy.cut)
+            self._window().end_cut(copy.cut)
             copy.job.done()
+
+    def _window(self) -> StatWindow:
+        """``stat`` mode's sink, the window a checkpoint copies."""
+        w = self._staged.sink
+        assert isinstance(w, StatWindow)
+        return w
 
     def cut(self, pass_id: int, passes: int) -> Cut:
         """A dump's cut (recorder lock held, between two pass ends): hand what is staged to the

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
-__all__ = ["NICE", "die_with_starter", "receive", "send", "start_child"]
+__all__ = ["NICE", "PIPE_BYTES", "die_with_starter", "receive", "send", "start_child", "widen_pipe"]
 
 #: ``python -c`` source of a child: Ctrl-C ignored (a terminal sends SIGINT to its whole foreground
 #: process group, and what a Ctrl-C stops is the engine's to decide: its recording is dumped while
@@ -62,9 +62,15 @@ def start_child(module: str, capture_stderr: bool) -> subprocess.Popen[bytes]:
     child = subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, _PACKAGE_DIR, module], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE if capture_stderr else None)
     for pipe in (child.stdin, child.stdout):
-        with contextlib.suppress(OSError):  # not Linux, or a lower pipe-max-size: the default size still works
-            fcntl.fcntl(pipe.fileno(), _F_SETPIPE_SZ, PIPE_BYTES)  # type: ignore[union-attr]
+        widen_pipe(pipe.fileno())  # type: ignore[union-attr]
     return child
+
+
+def widen_pipe(fd: int) -> None:
+    """Make the pipe ``fd`` hold :data:`PIPE_BYTES`; where it cannot (not Linux, a lower
+    ``pipe-max-size``) it keeps its default size, which still works."""
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
 
 
 def send(stream: IO[bytes], message: object) -> None:

@@ -51,22 +51,24 @@ def checkpoint_after(tmp_path, monkeypatch, copy_bytes: int) -> tuple[list[int],
     return copied, totals, window.pass_id[0], window.physical_count[0]
 
 
-def test_a_checkpoint_copies_its_window_a_part_a_pass_end_and_holds_it_as_at_its_pass(tmp_path, monkeypatch):
-    slot_bytes = LAYERS * EXPERTS * 4
-    copied, totals, pass_id, counts = checkpoint_after(tmp_path, monkeypatch, SLOTS_PER_PASS_END * slot_bytes)
-    assert copied == [SLOTS_PER_PASS_END] * (WINDOW // SLOTS_PER_PASS_END), copied  # spread over 8 pass ends
+def assert_as_at_its_pass(totals: np.ndarray, pass_id: np.ndarray, counts: np.ndarray) -> None:
+    """The checkpoint holds the first ``PERIOD`` passes' totals and the last ``WINDOW`` of them in its window."""
     fed = expected_counts(0, PERIOD - 1)
     np.testing.assert_array_equal(totals, fed.sum(axis=0))
     np.testing.assert_array_equal(pass_id, np.arange(PERIOD - WINDOW, PERIOD))
     np.testing.assert_array_equal(counts, fed[-WINDOW:])  # slots overwritten meanwhile were copied before
 
 
+def test_a_checkpoint_copies_its_window_a_part_a_pass_end_and_holds_it_as_at_its_pass(tmp_path, monkeypatch):
+    slot_bytes = LAYERS * EXPERTS * 4
+    copied, *checkpoint = checkpoint_after(tmp_path, monkeypatch, SLOTS_PER_PASS_END * slot_bytes)
+    assert copied == [SLOTS_PER_PASS_END] * (WINDOW // SLOTS_PER_PASS_END), copied  # spread over 8 pass ends
+    assert_as_at_its_pass(*checkpoint)
+
+
 def test_negative_control_a_large_allowance_copies_the_window_at_once(tmp_path, monkeypatch):
     """The check above can fail: with room for the whole window, one pass end copies all of it (the
     same checkpoint)."""
-    copied, totals, pass_id, counts = checkpoint_after(tmp_path, monkeypatch, 1 << 30)
+    copied, *checkpoint = checkpoint_after(tmp_path, monkeypatch, 1 << 30)
     assert copied == [WINDOW]
-    fed = expected_counts(0, PERIOD - 1)
-    np.testing.assert_array_equal(totals, fed.sum(axis=0))
-    np.testing.assert_array_equal(pass_id, np.arange(PERIOD - WINDOW, PERIOD))
-    np.testing.assert_array_equal(counts, fed[-WINDOW:])
+    assert_as_at_its_pass(*checkpoint)

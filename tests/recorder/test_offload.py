@@ -200,7 +200,7 @@ def test_a_childs_pipes_hold_a_mebibyte_and_carry_a_checkpoint_sized_message_int
     read_end, write_end = os.pipe()
     big = np.random.default_rng(0).integers(0, 1 << 30, size=(5, 1 << 20), dtype=np.int32)  # 20 MiB
     with os.fdopen(read_end, "rb") as reader, os.fdopen(write_end, "wb") as writer:
-        fcntl.fcntl(write_end, child_process._F_SETPIPE_SZ, child_process.PIPE_BYTES)
+        child_process.widen_pipe(write_end)
         got: list[object] = []
         thread = threading.Thread(target=lambda: got.append(child_process.receive(reader)))
         thread.start()
