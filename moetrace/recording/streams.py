@@ -1,9 +1,12 @@
 """The streaming modes' sinks: ``per_pass``'s :class:`PassStream` and ``per_token``'s :class:`TokenStream`.
 
-Both stage rows on the device and hand them to the segment writer through their shared base
-(:class:`RowStream`): one of two host buffers, an asynchronous copy, a CUDA event and a
+Both stage rows and hand them to the segment writer through their shared base
+(:class:`RowStream`): a host buffer of a fixed pool and a
 :class:`~moetrace.trace.stream.StreamJob`, with the chunk's totals by pass phase and the
-``on_overflow`` policy.
+``on_overflow`` policy. On CUDA the rows are staged on the device and the hand-off is an
+asynchronous copy into a free pinned buffer and a CUDA event. On a CPU device the staging buffer
+is a pool buffer itself: the hand-off gives it to the writer and stages on in a free one (no copy
+on the forward thread, which a 17-61 MB staging buffer at DeepSeek-V3 size made 10-40 ms).
 """
 
 from __future__ import annotations
@@ -102,17 +105,35 @@ class _Overflow:
         self.dropped_ranges = []
 
 
+def stages_in_host_buffers(device: torch.device) -> bool:
+    """Whether a stream on ``device`` stages its rows in a host buffer of its pool and hands that
+    buffer itself to the writer (a CPU device, whose memory is host memory) rather than staging
+    on the device and copying into a free host buffer (CUDA)."""
+    return device.type == "cpu"
+
+
 class RowStream(ModeSink):
-    """The hand-off the streaming sinks share: their staged rows go to the segment writer in one
-    of two host buffers (an asynchronous copy, a CUDA event, a job), with the chunk's totals by
-    pass phase and the passes dropped since the last hand-off; ``on_overflow="drop"`` drops the
-    whole hand-off when the writer is behind. Subclasses say what is staged."""
+    """The hand-off the streaming sinks share: their staged rows (``staging``, the first
+    ``filled`` rows of a ``shape`` buffer) go to the segment writer in a host buffer of a fixed
+    pool, with the chunk's totals by pass phase and the passes dropped since the last hand-off;
+    ``on_overflow="drop"`` drops the whole hand-off when the writer is behind. Subclasses say what
+    is staged.
+
+    Two buffers can be with the writer at once. On CUDA ``staging`` lives on the device and a
+    hand-off copies it asynchronously into a free host buffer (a CUDA event says when it is
+    there). Where :func:`stages_in_host_buffers`, ``staging`` is one of three pool buffers and a
+    hand-off swaps it for a free one: the same memory, and no copy on the forward thread."""
 
     streamed = True
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout, submit: Submit, settle: Callable[[], None], shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.device = config.device
-        self.pool = HostBufferPool(shape, dtype, count=2, pin=config.device.type == "cuda")
+        self.swaps = stages_in_host_buffers(config.device)
+        self.pool = HostBufferPool(shape, dtype, count=3 if self.swaps else 2, pin=config.device.type == "cuda")
+        staging = self.pool.acquire(block=False) if self.swaps else torch.empty(shape, dtype=dtype, device=config.device)
+        assert staging is not None  # a new pool has every buffer free
+        self.staging = staging
+        self.filled = 0  # rows staged since the last hand-off
         self.totals = _ChunkTotals(config, layout)
         self.overflow = _Overflow(config, settle)
         self.submit = submit
@@ -128,14 +149,15 @@ class RowStream(ModeSink):
         if passes == 0:
             _submit_empty(self.submit, self.overflow, rotate)
             return
-        host = self.overflow.acquire(self.pool, wait)
-        if host is None:  # on_overflow="drop": the writer is behind, these whole passes are dropped
+        free = self.overflow.acquire(self.pool, wait)
+        if free is None:  # on_overflow="drop": the writer is behind, these whole passes are dropped
             self.overflow.dropped(passes, *self._pass_span())
             self.totals.reset()
             self._forget()
             _submit_empty(self.submit, None, rotate)
             return
         dropped = self.overflow.take_pending()
+        host = self._rows_into(free)
         rows_of = self._copy_out(host)
         totals, release_totals = self.totals.take()
         event = copy_event(self.device)
@@ -152,6 +174,16 @@ class RowStream(ModeSink):
         self.totals.reset()
         self.overflow.reset()
 
+    def _rows_into(self, free: torch.Tensor) -> torch.Tensor:
+        """The host buffer that holds the staged rows for the writer, given a ``free`` one: the
+        staging buffer itself, ``free`` becoming the next (:func:`stages_in_host_buffers`), or
+        ``free`` with an asynchronous copy of the rows begun (record the copy's event after it)."""
+        if self.swaps:
+            rows, self.staging = self.staging, free
+            return rows
+        free[: self.filled].copy_(self.staging[: self.filled], non_blocking=True)
+        return free
+
     def _staged_passes(self) -> int:
         """Passes staged since the last hand-off."""
         raise NotImplementedError
@@ -161,8 +193,8 @@ class RowStream(ModeSink):
         raise NotImplementedError
 
     def _copy_out(self, host: torch.Tensor) -> Callable[[np.ndarray, int], StreamRows]:
-        """Begin the staged rows' copy into ``host`` (asynchronous) and take copies of their host
-        metadata; returns what builds the hand-off's rows on the writer thread from the chunk's
+        """Take copies of the staged rows' host metadata, the rows being in (or on their way to)
+        ``host``; returns what builds the hand-off's rows on the writer thread from the chunk's
         totals by pass phase ``[Q, L, C]`` and the passes dropped before it."""
         raise NotImplementedError
 
@@ -179,9 +211,7 @@ class PassStream(RowStream):
         shape = (s, config.num_layers, layout.width)
         super().__init__(config, layout, submit, settle, shape, torch.int32)
         self.layout = layout
-        self.staging = torch.zeros(shape, dtype=torch.int32, device=config.device)
         self.meta = np.zeros((s, 4), dtype=np.float64)  # pass_id, timestamp, pass phase, requests (tokens are in the rows)
-        self.filled = 0
         # Hand-offs of a multiple of the counts' chunk rows keep segments on the chunk grid, so a dump
         # joins them by copying chunks (when the full hand-off is such a multiple itself).
         align = chunk_rows((config.num_layers, config.num_physical_experts), np.int32)
@@ -208,7 +238,6 @@ class PassStream(RowStream):
 
     def _copy_out(self, host: torch.Tensor) -> Callable[[np.ndarray, int], StreamRows]:
         n = self.filled
-        host[:n].copy_(self.staging[:n], non_blocking=True)
         meta = self.meta[:n].copy()
         layout = self.layout
 
@@ -250,7 +279,7 @@ class TokenStream(RowStream):
     At pass end the first ``counter.pass_rows`` rows of each layer of the pass counter's stage
     (:class:`~moetrace.recording.pass_counter.PassCounter`: every id the hooks gave, as its counter
     column, layer by layer in call order, so a token's position in the pass is its row) move
-    into ``chunk [chunk_tokens, L, k]`` in one ``gather`` through ``lut`` (counter column ->
+    into ``staging [chunk_tokens, L, k]`` in one ``gather`` through ``lut`` (counter column ->
     stored id: the expert id, -1 for padding, -2 for an invalid id), which also turns
     ``[L, T, k]`` into ``[T, L, k]``. A layer (or a replayed CUDA graph) that wrote fewer rows
     reads -1 there. The writer keeps only the rows that are not all -1 (padding rows of a
@@ -275,7 +304,6 @@ class TokenStream(RowStream):
         # Stored id of counter column c (id c - 2, clamped at both ends): c - 2, except both invalid columns -> -2.
         self.lut = torch.arange(-2, p + 1, dtype=dtype, device=config.device)
         self.lut[0] = self.lut[p + 2] = -2
-        self.chunk = torch.full((config.stream_chunk_tokens, *row), -1, dtype=dtype, device=config.device)
         self.pass_id = np.zeros(config.stream_chunk_tokens, dtype=np.int64)
         self.position = np.zeros(config.stream_chunk_tokens, dtype=np.int32)
         self.pass_phase = np.zeros(config.stream_chunk_tokens, dtype=np.int8)
@@ -284,12 +312,11 @@ class TokenStream(RowStream):
         self.request = np.full(config.stream_chunk_tokens, -1, dtype=np.int32)
         self.request_position = np.full(config.stream_chunk_tokens, -1, dtype=np.int32)
         self.request_table: dict[str, int] = {}  # request id -> index, this hand-off's requests
-        self.filled = 0
         self.passes = 0  # passes (with or without tokens) since the last hand-off
         self.first_pass = self.last_pass = -1
 
     def end_pass(self, counter: PassCounter, pass_id: int, timestamp: float, phase: int, requests: int, batch: PassBatch | None) -> None:
-        """Move the pass's rows of the counter's stage into the chunk (each row's request from
+        """Move the pass's rows of the counter's stage into ``staging`` (each row's request from
         ``batch``; ``None``: rows of no known request)."""
         rows = counter.pass_rows
         if self.filled + rows > len(self.pass_id):
@@ -304,7 +331,7 @@ class TokenStream(RowStream):
         if rows == 0:
             return
         columns = counter.stage[:, :rows].transpose(0, 1)  # [rows, L, k]
-        torch.gather(self.lut.expand(*columns.shape[:2], -1), 2, columns, out=self.chunk[self.filled : self.filled + rows])
+        torch.gather(self.lut.expand(*columns.shape[:2], -1), 2, columns, out=self.staging[self.filled : self.filled + rows])
         span = slice(self.filled, self.filled + rows)
         self.pass_id[span] = pass_id
         self.position[span] = np.arange(rows, dtype=np.int32)
@@ -326,7 +353,6 @@ class TokenStream(RowStream):
 
     def _copy_out(self, host: torch.Tensor) -> Callable[[np.ndarray, int], StreamRows]:
         n, passes = self.filled, self.passes
-        host[:n].copy_(self.chunk[:n], non_blocking=True)
         pass_phase = self.pass_phase[:n].copy()
         phase_passes, phase_requests = self.phase_passes.copy(), self.phase_requests.copy()
         pass_id, position = self.pass_id[:n].copy(), self.position[:n].copy()
