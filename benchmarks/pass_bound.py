@@ -56,31 +56,37 @@ def figures(times: list[float]) -> dict[str, float]:
     }
 
 
-def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float, device: str, pass_s: float = 0.0) -> list[float]:
+def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float, device: str, pass_s: float = 0.0) -> list[tuple[float, float]]:
     """Forward passes for ``seconds`` of wall time, each the hooks then ``pass_s`` of stand-in device
-    time; each one's seconds (host time: what the engine's forward thread spends)."""
+    time; each one's start (``time.perf_counter``) and seconds (host time: what the engine's forward
+    thread spends)."""
     ids = routes(device=device)
     for _ in range(20):  # warm-up: first-call allocations
         forward(rec, ids)
-    times: list[float] = []
+    passes: list[tuple[float, float]] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         start = time.perf_counter()
         forward(rec, ids)
         if pass_s:
             time.sleep(pass_s)
-        times.append(time.perf_counter() - start)
-    return times
+        passes.append((start, time.perf_counter() - start))
+    return passes
+
+
+def seconds_of(passes: list[tuple[float, float]]) -> list[float]:
+    """The seconds of :func:`timed_passes`' passes."""
+    return [seconds for _, seconds in passes]
 
 
 def mode_cases(tmp: Path, mode: str, seconds: float, segment_seconds: list[float], device: str = "cpu", pass_s: float = 0.0) -> dict[str, dict[str, float]]:
     """Recording off, then on with each ``segment_seconds``: one mode's figures (hooks on ``device``, ``pass_s`` stand-in device time a pass)."""
     rec = recorder(mode, tmp, device=device)
-    out = {"off": figures(timed_passes(rec, seconds, device, pass_s))}
+    out = {"off": figures(seconds_of(timed_passes(rec, seconds, device, pass_s)))}
     for setting in segment_seconds:
         rec = recorder(mode, tmp, segment_seconds=setting, device=device)
         rec.start_record()
-        times = timed_passes(rec, seconds, device, pass_s)
+        times = seconds_of(timed_passes(rec, seconds, device, pass_s))
         rec.stop_record()
         rec.reset()  # the run's files go
         out[f"on_segment_seconds_{setting:g}"] = figures(times)

@@ -1,10 +1,10 @@
 """Where the long passes of a recording come from (issue 50): each one set against what ran meanwhile.
 
 Run: ``.venv/bin/python benchmarks/pass_breakdown.py [--seconds 20] [--modes stat per_pass per_token]
-[--segment-seconds 2] [--label NAME]``
+[--segment-seconds 2] [--pass-ms 20] [--torch-threads 1] [--label NAME]``
 
-The DeepSeek-V3 decode workload of :mod:`pass_bound` (bare: the hooks are the whole pass), recording
-on, with the recording's steps timed where they run: on the forward thread, the rotation or
+The DeepSeek-V3 decode workload of :mod:`pass_bound` (bare, the hooks the whole pass, or paced by
+``--pass-ms`` of stand-in device time), recording on, with the recording's steps timed where they run: on the forward thread, the rotation or
 checkpoint (``rotate``) and its wait for a free host buffer (``acquire``: the writer is behind and
 ``on_overflow="block"`` waits); on the engine's writer thread, each call to the writer process
 (``write``: the hand-off's rows down the pipe and written there; ``rotate_segment``: a segment
@@ -26,9 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from deepseek_workload import forward, recorder, routes
+import torch
+from deepseek_workload import recorder
 from harness import write_results
-from pass_bound import OVER_MEDIAN_S
+from pass_bound import OVER_MEDIAN_S, timed_passes
 
 from moetrace.recording.session import RecordingSession
 from moetrace.trace.stream import HostBufferPool
@@ -51,21 +52,15 @@ def timed(steps: list[Step], owner: type, name: str, step: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def breakdown(mode: str, seconds: float, segment_seconds: float, steps: list[Step]) -> dict[str, object]:
-    """One mode's run: its passes, its steps, and the long passes by the steps overlapping them."""
+def breakdown(mode: str, seconds: float, segment_seconds: float, pass_s: float, steps: list[Step]) -> dict[str, object]:
+    """One mode's run (``pass_s`` stand-in device time a pass): its passes, its steps, and the long
+    passes by the steps overlapping them."""
     with tempfile.TemporaryDirectory(prefix="moetrace-pass-breakdown-") as tmp:
         rec = recorder(mode, Path(tmp), segment_seconds=segment_seconds)
-        ids = routes()
         rec.start_record()
-        for _ in range(20):
-            forward(rec, ids)
         steps.clear()
-        passes: list[tuple[float, float]] = []
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            start = time.perf_counter()
-            passes.append((start, forward(rec, ids)))
-        taken = list(steps)
+        passes = timed_passes(rec, seconds, "cpu", pass_s)
+        taken = [step for step in steps if step[2] > passes[0][0]]  # the warm-up's steps left out
         rec.stop_record()
         rec.reset()
     median = statistics.median(d for _, d in passes)
@@ -84,16 +79,20 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--modes", nargs="*", default=["stat", "per_pass", "per_token"])
     parser.add_argument("--segment-seconds", type=float, default=2.0)
+    parser.add_argument("--pass-ms", type=float, default=0.0, help="stand-in device time after each pass's hooks (ms; 0: the bare workload)")
+    parser.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads for the hooks' CPU ops (default: torch's)")
     parser.add_argument("--label", default="now", help="results go to benchmarks/results/pass_breakdown-LABEL.json")
     args = parser.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     steps: list[Step] = []
     timed(steps, RecordingSession, "rotate", "rotate")
     timed(steps, HostBufferPool, "acquire", "acquire")
     timed(steps, RemoteSink, "write", "write")
     timed(steps, RemoteSink, "rotate", "rotate_segment")
-    results: dict[str, object] = {"seconds": args.seconds, "segment_seconds": args.segment_seconds}
+    results: dict[str, object] = {"seconds": args.seconds, "segment_seconds": args.segment_seconds, "pass_ms": args.pass_ms, "torch_threads": torch.get_num_threads()}
     for mode in args.modes:
-        out = results[mode] = breakdown(mode, args.seconds, args.segment_seconds, steps)
+        out = results[mode] = breakdown(mode, args.seconds, args.segment_seconds, args.pass_ms / 1e3, steps)
         print(f"{mode}: {out['passes']} passes, median {out['median_ms']:.2f} ms, max {out['max_ms']:.1f} ms, {out['long_passes']} over median + 5 ms", flush=True)
         for step, f in out["steps"].items():  # type: ignore[union-attr]
             print(f"  {step:<15} {f['count']:6d} calls, {f['total_s']:6.2f} s in all, longest {f['max_ms']:7.1f} ms")
