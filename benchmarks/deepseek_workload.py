@@ -17,7 +17,7 @@ import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 
-__all__ = ["LAYERS", "SLOTS", "TOKENS", "TOP_K", "forward", "recorder", "routes"]
+__all__ = ["LAYERS", "SLOTS", "TOKENS", "TOP_K", "forward", "paced_forward", "recorder", "routes"]
 
 LAYERS, SLOTS, TOP_K, TOKENS = 58, 288, 8, 256
 
@@ -41,6 +41,19 @@ def forward(rec: ExpertDistributionRecorder, ids: list[torch.Tensor]) -> float:
             with rec.with_current_layer(layer):
                 rec.on_select_experts(ids[layer])
     return time.perf_counter() - start
+
+
+def paced_forward(rec: ExpertDistributionRecorder, ids: list[torch.Tensor], pass_s: float, overlapped: bool = False) -> None:
+    """One forward pass through the hooks with ``pass_s`` of stand-in device time: after the hooks
+    (``overlapped`` false: their ops are part of the pass's time, as on this CPU, where they are the
+    device's work done by the forward thread) or alongside them (``overlapped``: as on a GPU, where
+    the host queues a pass's kernels while the device runs, and the pass ends when the device does,
+    so it takes the longer of the host's work and ``pass_s``; the hooks' own kernels, device time on
+    a GPU, are not modelled)."""
+    start = time.perf_counter()
+    forward(rec, ids)
+    if pass_s:
+        time.sleep(max(0.0, start + pass_s - time.perf_counter()) if overlapped else pass_s)
 
 
 def recorder(mode: str, output_dir: Path, **settings: object) -> ExpertDistributionRecorder:

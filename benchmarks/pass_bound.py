@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from deepseek_workload import forward, recorder, routes
+from deepseek_workload import forward, paced_forward, recorder, routes
 from harness import write_results
 
 import moetrace
@@ -58,8 +58,8 @@ def figures(times: list[float]) -> dict[str, float]:
 
 def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float, device: str, pass_s: float = 0.0) -> list[tuple[float, float]]:
     """Forward passes for ``seconds`` of wall time, each the hooks then ``pass_s`` of stand-in device
-    time; each one's start (``time.perf_counter``) and seconds (host time: what the engine's forward
-    thread spends)."""
+    time (:func:`~deepseek_workload.paced_forward`); each one's start (``time.perf_counter``) and
+    seconds (host time: what the engine's forward thread spends)."""
     ids = routes(device=device)
     for _ in range(20):  # warm-up: first-call allocations
         forward(rec, ids)
@@ -67,9 +67,7 @@ def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float, devic
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         start = time.perf_counter()
-        forward(rec, ids)
-        if pass_s:
-            time.sleep(pass_s)
+        paced_forward(rec, ids, pass_s)
         passes.append((start, time.perf_counter() - start))
     return passes
 
