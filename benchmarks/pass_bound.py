@@ -94,13 +94,18 @@ def mode_cases(tmp: Path, mode: str, seconds: float, segment_seconds: list[float
     return out
 
 
+def add_pacing_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--pass-ms`` (stand-in device time a pass) and ``--torch-threads`` (set them before the first op)."""
+    parser.add_argument("--pass-ms", type=float, default=0.0, help="stand-in device time after each pass's hooks (ms; 0: the bare workload)")
+    parser.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads for the hooks' CPU ops (default: torch's)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=600.0, help="seconds per case (the issue asks 600 on an idle machine)")
     parser.add_argument("--modes", nargs="*", default=["stat", "per_pass", "per_token"])
     parser.add_argument("--segment-seconds", type=float, nargs="*", default=[10.0, 2.0], help="RecorderConfig.segment_seconds of the recording-on cases")
-    parser.add_argument("--pass-ms", type=float, default=0.0, help="stand-in device time after each pass's hooks (ms; 0: the bare workload)")
-    parser.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads for the hooks' CPU ops (default: torch's)")
+    add_pacing_arguments(parser)
     parser.add_argument("--label", default="now", help="results go to benchmarks/results/pass_bound-LABEL.json")
     args = parser.parse_args()
     if args.torch_threads:

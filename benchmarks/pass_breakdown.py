@@ -4,13 +4,13 @@ Run: ``.venv/bin/python benchmarks/pass_breakdown.py [--seconds 20] [--modes sta
 [--segment-seconds 2] [--pass-ms 20] [--torch-threads 1] [--label NAME]``
 
 The DeepSeek-V3 decode workload of :mod:`pass_bound` (bare, the hooks the whole pass, or paced by
-``--pass-ms`` of stand-in device time), recording on, with the recording's steps timed where they run: on the forward thread, the rotation or
-checkpoint (``rotate``) and its wait for a free host buffer (``acquire``: the writer is behind and
-``on_overflow="block"`` waits); on the engine's writer thread, each call to the writer process
-(``write``: the hand-off's rows down the pipe and written there; ``rotate_segment``: a segment
-closed). Per mode: each step's count, total and longest time, and the passes more than 5 ms over
-the median grouped by the steps that overlapped them. A diagnosis, not a figure to compare across
-checkouts: it wraps internals by name.
+``--pass-ms`` of stand-in device time), recording on, with the recording's steps timed where they
+run: on the forward thread, the rotation or checkpoint (``rotate``) and its wait for a free host
+buffer (``acquire``: the writer is behind and ``on_overflow="block"`` waits); on the engine's writer
+thread, each call to the writer process (``write``: the hand-off's rows down the pipe and written
+there; ``rotate_segment``: a segment closed). Per mode: each step's count, total and longest time,
+and the passes more than 5 ms over the median grouped by the steps that overlapped them. A
+diagnosis, not a figure to compare across checkouts: it wraps internals by name.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from deepseek_workload import recorder
 from harness import write_results
-from pass_bound import OVER_MEDIAN_S, timed_passes
+from pass_bound import OVER_MEDIAN_S, add_pacing_arguments, timed_passes
 
 from moetrace.recording.session import RecordingSession
 from moetrace.trace.stream import HostBufferPool
@@ -79,8 +79,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--modes", nargs="*", default=["stat", "per_pass", "per_token"])
     parser.add_argument("--segment-seconds", type=float, default=2.0)
-    parser.add_argument("--pass-ms", type=float, default=0.0, help="stand-in device time after each pass's hooks (ms; 0: the bare workload)")
-    parser.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads for the hooks' CPU ops (default: torch's)")
+    add_pacing_arguments(parser)
     parser.add_argument("--label", default="now", help="results go to benchmarks/results/pass_breakdown-LABEL.json")
     args = parser.parse_args()
     if args.torch_threads:

@@ -63,7 +63,7 @@ class RecorderConfig:
         output_dir: where dumps go when no path is given.
         layer_ids: model layer index of each MoE layer ``[L]`` (gaps allowed).
         max_tokens_per_pass: largest pass ``per_token`` mode accepts.
-        stream_chunk_passes: passes staged on the device before a
+        stream_chunk_passes: passes staged before a
             ``per_pass`` hand-off to the background writer.
         stream_chunk_tokens: tokens staged before a ``per_token`` hand-off.
         hidden_size: model hidden size ``H`` (for all-to-all byte figures).

@@ -204,7 +204,7 @@ class RowStream(ModeSink):
 
 
 class PassStream(RowStream):
-    """``per_pass`` mode: stage ``S`` passes' rows on the device, then hand them to the writer."""
+    """``per_pass`` mode: stage ``S`` passes' rows, then hand them to the writer."""
 
     def __init__(self, config: RecorderConfig, layout: CounterLayout, submit: Submit, settle: Callable[[], None]) -> None:
         s = config.stream_chunk_passes
