@@ -87,6 +87,9 @@ class PassCounter:
         self._layer_tokens = torch.zeros(config.num_layers, dtype=torch.int64, device=device)
         # Each layer's counter row and stage as views made once: a hook slices nothing it can avoid.
         self._layer_counts, self._layer_stage = list(self.current.unbind(0)), list(self.stage.unbind(0))
+        # Each layer's last hook's views (_rows_views): making them costs about as much host time as
+        # a kernel launch on CPU, and consecutive passes usually give a layer the same rows.
+        self._hook_views: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * config.num_layers
         self.layer_rows = [0] * config.num_layers
         self._no_rows = [0] * config.num_layers
         self.rows = self.captured_rows = 0
@@ -124,16 +127,26 @@ class PassCounter:
                 raise ValueError(f"pass of {end} tokens{before} exceeds max_tokens_per_pass={room}; raise it in RecorderConfig")
             self._add_unstaged(layer, topk_ids)
             return
-        columns = self._layer_stage[layer][start:end]
+        _, _, columns, flat, gates = self._rows_views(layer, start, end)
         torch.add(topk_ids, 2, out=columns)
         columns.clamp_(0, self.layout.above)
-        flat = columns.view(-1)
-        self._layer_counts[layer].scatter_add_(0, flat, self.ones[: flat.shape[0]])
+        self._layer_counts[layer].scatter_add_(0, flat, gates)
         self.layer_rows[layer] = end
         if end > self.rows:
             self.rows = end
             if end > self.captured_rows and is_capturing(self.device):
                 self.captured_rows = end  # a replay of this graph writes this many rows, no hook telling
+
+    def _rows_views(self, layer: int, start: int, end: int) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(start, end, columns [n, k], flat [n * k], gates [n * k])``: layer ``layer``'s stage rows
+        ``[start, end)``, the same flat, and the ``scatter_add_`` source; made again only when the
+        layer's rows differ from its last hook's (views are host objects: no device memory)."""
+        views = self._hook_views[layer]
+        if views is None or views[0] != start or views[1] != end:
+            columns = self._layer_stage[layer][start:end]
+            flat = columns.view(-1)
+            views = self._hook_views[layer] = (start, end, columns, flat, self.ones[: flat.shape[0]])
+        return views
 
     def _add_unstaged(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Count rows that do not fit the stage directly (temporaries), tokens included."""
