@@ -10,6 +10,7 @@ measures an older checkout too (``PYTHONPATH`` or that checkout's virtualenv).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 
-__all__ = ["LAYERS", "SLOTS", "TOKENS", "TOP_K", "forward", "paced_forward", "recorder", "routes"]
+__all__ = ["LAYERS", "SLOTS", "TOKENS", "TOP_K", "bare_ops", "forward", "paced_forward", "recorder", "routes"]
 
 LAYERS, SLOTS, TOP_K, TOKENS = 58, 288, 8, 256
 
@@ -43,17 +44,36 @@ def forward(rec: ExpertDistributionRecorder, ids: list[torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
-def paced_forward(rec: ExpertDistributionRecorder, ids: list[torch.Tensor], pass_s: float, overlapped: bool = False) -> None:
-    """One forward pass through the hooks with ``pass_s`` of stand-in device time: after the hooks
-    (``overlapped`` false: their ops are part of the pass's time, as on this CPU, where they are the
-    device's work done by the forward thread) or alongside them (``overlapped``: as on a GPU, where
-    the host queues a pass's kernels while the device runs, and the pass ends when the device does,
-    so it takes the longer of the host's work and ``pass_s``; the hooks' own kernels, device time on
-    a GPU, are not modelled)."""
+def paced_forward(host_work: Callable[[], object], pass_s: float, overlapped: bool = False) -> None:
+    """One forward pass: ``host_work`` (the hooks, :func:`forward`, or the control's :func:`bare_ops`)
+    with ``pass_s`` of stand-in device time, after it (``overlapped`` false: its ops are part of the
+    pass's time, as on this CPU, where they are the device's work done by the forward thread) or
+    alongside it (``overlapped``: as on a GPU, where the host queues a pass's kernels while the
+    device runs, and the pass ends when the device does, so it takes the longer of the host's work
+    and ``pass_s``; the hooks' own kernels, device time on a GPU, are not modelled)."""
     start = time.perf_counter()
-    forward(rec, ids)
+    host_work()
     if pass_s:
         time.sleep(max(0.0, start + pass_s - time.perf_counter()) if overlapped else pass_s)
+
+
+def bare_ops(ids: list[torch.Tensor]) -> Callable[[], None]:
+    """A pass of the hooks' device ops without moetrace, for controls: per layer, the three ops a hook
+    issues (:mod:`moetrace.recording.pass_counter`: ``add``, ``clamp_`` into a ``[TOKENS, TOP_K]``
+    int64 stage, ``scatter_add_`` into that layer's row of ``[LAYERS, SLOTS + 3]`` counts) on
+    ``ids`` (one ``[TOKENS, TOP_K]`` tensor per layer), with none of the recorder's host work, pass
+    end or files."""
+    stage = torch.empty((TOKENS, TOP_K), dtype=torch.int64, device=ids[0].device)
+    counts = list(torch.zeros((LAYERS, SLOTS + 3), dtype=torch.int64, device=ids[0].device).unbind(0))
+    ones = torch.ones(TOKENS * TOP_K, dtype=torch.int64, device=ids[0].device)
+
+    def one_pass() -> None:
+        for layer_ids, layer_counts in zip(ids, counts, strict=True):
+            torch.add(layer_ids, 2, out=stage)
+            stage.clamp_(0, SLOTS + 2)
+            layer_counts.scatter_add_(0, stage.view(-1), ones)
+
+    return one_pass
 
 
 def recorder(mode: str, output_dir: Path, **settings: object) -> ExpertDistributionRecorder:

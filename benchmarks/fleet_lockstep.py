@@ -1,7 +1,7 @@
 """What recording costs a fleet in lockstep (issue 50, item 2): R ranks, a gloo barrier per pass.
 
 Run: ``.venv/bin/python benchmarks/fleet_lockstep.py [--ranks 2 4 8] [--modes stat per_pass per_token]
-[--passes 300] [--rounds 3] [--pass-ms 0 30] [--overlap] [--label NAME]``
+[--passes 300] [--rounds 3] [--pass-ms 0 30] [--overlap] [--control] [--label NAME]``
 
 Each of R processes runs the DeepSeek-V3 decode workload through the hooks (:mod:`deepseek_workload`:
 58 MoE layers, 288 slots, top-8, 256 tokens a pass), then ``dist.barrier()`` (gloo), which stands in for
@@ -11,17 +11,22 @@ the forward's device time (0: the issue's bare workload, where the hooks are the
 hooks or, with ``--overlap``, alongside them (a GPU's host queueing a pass while the device runs). Recording
 off and on alternate, ``--rounds`` times ``--passes`` passes each, in one launch (side by side); the figure
 per mode and R is the fleet's throughput with recording on over off (medians of the rounds), with the
-longest pass and the passes over the median + 5 ms on rank 0 (the fleet's hiccups).
+longest pass and the passes over the median + 5 ms on rank 0 (the fleet's hiccups). ``--control``
+replaces recording in the "on" rounds with the hooks' three device ops per layer on plain tensors
+(:func:`~deepseek_workload.bare_ops`): where ranks outnumber cores, what their sharing the cores costs
+with no moetrace host work and no files at all.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,37 +34,44 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from deepseek_workload import paced_forward, recorder, routes
+from deepseek_workload import bare_ops, forward, paced_forward, recorder, routes
 from harness import write_results
 
 from moetrace.reference.launcher import launch
 
 
-def passes(rec: object, ids: list, count: int, pass_s: float, overlapped: bool) -> list[float]:
-    """``count`` lockstep passes (hooks and the stand-in wait, :func:`~deepseek_workload.paced_forward`,
+def passes(host_work: Callable[[], object], count: int, pass_s: float, overlapped: bool) -> list[float]:
+    """``count`` lockstep passes (``host_work`` and the stand-in wait, :func:`~deepseek_workload.paced_forward`,
     then the barrier); each one's seconds."""
     times = []
     for _ in range(count):
         start = time.perf_counter()
-        paced_forward(rec, ids, pass_s, overlapped)  # type: ignore[arg-type]
+        paced_forward(host_work, pass_s, overlapped)
         dist.barrier()
         times.append(time.perf_counter() - start)
     return times
 
 
-def rank_main(rank: int, world: int, mode: str, output_dir: str, count: int, rounds: int, pass_s: float, overlapped: bool, settings: dict[str, object]) -> dict[str, object]:
-    """One rank: ``rounds`` of recording off then on, ``count`` passes each (``settings``: recorder config fields); its pass times."""
+def rank_main(rank: int, world: int, mode: str, output_dir: str, count: int, rounds: int, pass_s: float, overlapped: bool, settings: dict[str, object],
+              control: bool) -> dict[str, object]:
+    """One rank: ``rounds`` of recording off then on, ``count`` passes each (``settings``: recorder config fields); its pass times.
+    With ``control`` the "on" rounds run the hooks' device ops on plain tensors instead (:func:`~deepseek_workload.bare_ops`)."""
     out = Path(output_dir) / f"rank{rank}"
     out.mkdir(parents=True, exist_ok=True)
     ids = routes(seed=rank)
     rec = recorder(mode, out, **settings)
-    passes(rec, ids, 20, pass_s, overlapped)  # warm-up
+    hooks, bare = functools.partial(forward, rec, ids), bare_ops(ids)
+    passes(hooks, 20, pass_s, overlapped)  # warm-up
+    passes(bare, 20, pass_s, overlapped)
     off: list[list[float]] = []
     on: list[list[float]] = []
     for _ in range(rounds):
-        off.append(passes(rec, ids, count, pass_s, overlapped))
+        off.append(passes(hooks, count, pass_s, overlapped))
+        if control:
+            on.append(passes(bare, count, pass_s, overlapped))
+            continue
         rec.start_record()  # collective: the run id and the rotation period from rank 0
-        on.append(passes(rec, ids, count, pass_s, overlapped))
+        on.append(passes(hooks, count, pass_s, overlapped))
         rec.stop_record()
         rec.reset()
     return {"off": off, "on": on}
@@ -88,15 +100,17 @@ def main() -> None:
     parser.add_argument("--pass-ms", type=float, nargs="*", default=[0.0], help="stand-in device time per pass (ms)")
     parser.add_argument("--overlap", action="store_true", help="the hooks run alongside the stand-in device time (a GPU's host queueing ahead), not before it")
     parser.add_argument("--segment-seconds", type=float, default=None, help="RecorderConfig.segment_seconds (default: the recorder's)")
+    parser.add_argument("--control", action="store_true",
+                        help='the "on" rounds run the hooks\' device ops on plain tensors, without moetrace: what the ranks sharing this machine\'s cores costs by itself')
     parser.add_argument("--label", default="now")
     args = parser.parse_args()
     settings = {} if args.segment_seconds is None else {"segment_seconds": args.segment_seconds}
-    results: dict[str, object] = {"settings": settings, "passes": args.passes, "rounds": args.rounds, "overlapped": args.overlap, "load_average_start": os.getloadavg()[0]}
+    results: dict[str, object] = {"settings": settings, "passes": args.passes, "rounds": args.rounds, "overlapped": args.overlap, "control": args.control, "load_average_start": os.getloadavg()[0]}
     for pass_ms in args.pass_ms:
         for world in args.ranks:
             for mode in args.modes:
                 with tempfile.TemporaryDirectory(prefix="moetrace-lockstep-") as tmp:
-                    [first, *_] = launch(rank_main, world, mode, tmp, args.passes, args.rounds, pass_ms / 1e3, args.overlap, settings, backend="gloo", threads_per_rank=1, timeout=3600)
+                    [first, *_] = launch(rank_main, world, mode, tmp, args.passes, args.rounds, pass_ms / 1e3, args.overlap, settings, args.control, backend="gloo", threads_per_rank=1, timeout=3600)
                 figures = summary(first)
                 results[f"pass_ms_{pass_ms:g}/R{world}/{mode}"] = figures
                 print(f"pass {pass_ms:4g} ms  R={world}  {mode:<10} on/off {figures['on_over_off']:.3f}  ({figures['passes_per_s_on']:.1f} vs {figures['passes_per_s_off']:.1f} passes/s;"
