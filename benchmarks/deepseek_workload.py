@@ -59,13 +59,14 @@ def paced_forward(host_work: Callable[[], object], pass_s: float, overlapped: bo
 
 def bare_ops(ids: list[torch.Tensor]) -> Callable[[], None]:
     """A pass of the hooks' device ops without moetrace, for controls: per layer, the three ops a hook
-    issues (:mod:`moetrace.recording.pass_counter`: ``add``, ``clamp_`` into a ``[TOKENS, TOP_K]``
-    int64 stage, ``scatter_add_`` into that layer's row of ``[LAYERS, SLOTS + 3]`` counts) on
-    ``ids`` (one ``[TOKENS, TOP_K]`` tensor per layer), with none of the recorder's host work, pass
-    end or files."""
-    stage = torch.empty((TOKENS, TOP_K), dtype=torch.int64, device=ids[0].device)
-    counts = list(torch.zeros((LAYERS, SLOTS + 3), dtype=torch.int64, device=ids[0].device).unbind(0))
-    ones = torch.ones(TOKENS * TOP_K, dtype=torch.int64, device=ids[0].device)
+    issues (:mod:`moetrace.recording.pass_counter`: ``add``, ``clamp_`` into a ``[T, k]`` int64
+    stage, ``scatter_add_`` into that layer's row of ``[L, SLOTS + 3]`` counts) on ``ids`` (one
+    ``[T, k]`` tensor per layer, ``L`` of them), with none of the recorder's host work, pass end or
+    files."""
+    device = ids[0].device
+    stage = torch.empty(ids[0].shape, dtype=torch.int64, device=device)
+    counts = list(torch.zeros((len(ids), SLOTS + 3), dtype=torch.int64, device=device).unbind(0))
+    ones = torch.ones(stage.numel(), dtype=torch.int64, device=device)
 
     def one_pass() -> None:
         for layer_ids, layer_counts in zip(ids, counts, strict=True):

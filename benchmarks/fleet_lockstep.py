@@ -60,14 +60,16 @@ def rank_main(rank: int, world: int, mode: str, output_dir: str, count: int, rou
     out.mkdir(parents=True, exist_ok=True)
     ids = routes(seed=rank)
     rec = recorder(mode, out, **settings)
-    hooks, bare = functools.partial(forward, rec, ids), bare_ops(ids)
-    passes(hooks, 20, pass_s, overlapped)  # warm-up
-    passes(bare, 20, pass_s, overlapped)
+    hooks = functools.partial(forward, rec, ids)
+    bare = bare_ops(ids) if control else None
+    for warm in (hooks, bare):  # warm-up
+        if warm is not None:
+            passes(warm, 20, pass_s, overlapped)
     off: list[list[float]] = []
     on: list[list[float]] = []
     for _ in range(rounds):
         off.append(passes(hooks, count, pass_s, overlapped))
-        if control:
+        if bare is not None:
             on.append(passes(bare, count, pass_s, overlapped))
             continue
         rec.start_record()  # collective: the run id and the rotation period from rank 0

@@ -34,12 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from deepseek_workload import bare_ops
+from deepseek_workload import LAYERS, SLOTS, TOKENS, TOP_K, bare_ops
 from harness import interleaved, write_results
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 
-LAYERS, SLOTS, TOP_K, TOKENS = 58, 288, 8, 256
 MODES = ("stat", "per_pass", "per_token")
 
 
