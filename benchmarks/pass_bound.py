@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -57,10 +58,12 @@ def figures(times: list[float]) -> dict[str, float]:
     }
 
 
-def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float, device: str, pass_s: float = 0.0) -> list[tuple[float, float]]:
+def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float, device: str, pass_s: float = 0.0,
+                 probe: Callable[[], None] | None = None) -> list[tuple[float, float]]:
     """Forward passes for ``seconds`` of wall time, each the hooks then ``pass_s`` of stand-in device
     time (:func:`~deepseek_workload.paced_forward`); each one's start (``time.perf_counter``) and
-    seconds (host time: what the engine's forward thread spends)."""
+    seconds (host time: what the engine's forward thread spends). ``probe``: called just before and
+    just after each timed pass (it keeps its own readings: two a pass, in order)."""
     ids = routes(device=device)
     one_pass = functools.partial(forward, rec, ids)
     for _ in range(20):  # warm-up: first-call allocations
@@ -68,9 +71,13 @@ def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float, devic
     passes: list[tuple[float, float]] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
+        if probe is not None:
+            probe()
         start = time.perf_counter()
         paced_forward(one_pass, pass_s)
         passes.append((start, time.perf_counter() - start))
+        if probe is not None:
+            probe()
     return passes
 
 

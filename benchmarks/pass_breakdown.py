@@ -6,19 +6,31 @@ Run: ``.venv/bin/python benchmarks/pass_breakdown.py [--seconds 20] [--modes sta
 The DeepSeek-V3 decode workload of :mod:`pass_bound` (bare, the hooks the whole pass, or paced by
 ``--pass-ms`` of stand-in device time), recording on, with the recording's steps timed where they
 run: on the forward thread, the rotation or checkpoint (``rotate``) and its wait for a free host
-buffer (``acquire``: the writer is behind and ``on_overflow="block"`` waits); on the engine's writer
-thread, each call to the writer process (``write``: the hand-off's rows down the pipe and written
-there; ``rotate_segment``: a segment closed). Per mode: each step's count, total and longest time,
-and the passes more than 5 ms over the median grouped by the steps that overlapped them. A
-diagnosis, not a figure to compare across checkouts: it wraps internals by name.
+buffer (``acquire``: the writer is behind and ``on_overflow="block"`` waits), and a part of a
+checkpoint's window copied at a pass end (``window_copy``); on the engine's writer thread, each
+call to the writer process (``write``: the hand-off's rows down the pipe and written there;
+``rotate_segment``: a segment closed); on any thread, Python's garbage collector (``gc0``-``gc2``,
+by generation). Per mode: each step's count, total and longest time, and the passes more than 5 ms
+over the median grouped by the steps that overlapped them.
+
+Each long pass is also split by where its threads were (Linux ``/proc/.../schedstat``, read before
+and after every pass): the forward thread on a core, waiting for one (runnable, another task on
+it), or off one beyond the pass's stand-in sleep (blocked: the GIL, a lock, a page fault's I/O),
+with its page faults (``getrusage``), the machine's stolen time (a virtual machine's host ran
+something else: ``/proc/stat``), and the CPU the engine's writer thread and the writer process used
+meanwhile. A diagnosis, not a figure to compare across checkouts: it wraps internals by name.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
+import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -32,10 +44,25 @@ from harness import write_results
 from pass_bound import OVER_MEDIAN_S, add_pacing_arguments, timed_passes
 
 from moetrace.recording.session import RecordingSession
+from moetrace.recording.window import StatWindow
 from moetrace.trace.stream import HostBufferPool
-from moetrace.trace.writer_process import RemoteSink
+from moetrace.trace.writer_process import RemoteSink, WriterProcess
 
 Step = tuple[str, float, float]
+
+
+def timed_collections(steps: list[Step]) -> None:
+    """Append ``("gc0" | "gc1" | "gc2", start, end)`` to ``steps`` for each run of Python's cyclic
+    garbage collector (any thread: it runs in the one whose allocation set it off, holding the GIL)."""
+    started: list[float] = []
+
+    def collection(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            steps.append((f"gc{info['generation']}", started.pop(), time.perf_counter()))
+
+    gc.callbacks.append(collection)
 
 
 def timed(steps: list[Step], owner: type, name: str, step: str) -> None:
@@ -52,26 +79,90 @@ def timed(steps: list[Step], owner: type, name: str, step: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def breakdown(mode: str, seconds: float, segment_seconds: float, pass_s: float, steps: list[Step]) -> dict[str, object]:
-    """One mode's run (``pass_s`` stand-in device time a pass): its passes, its steps, and the long
-    passes by the steps overlapping them."""
+class Schedstat:
+    """One Linux task's ``/proc/<pid>/task/<tid>/schedstat``: nanoseconds on a core, and waiting for one."""
+
+    def __init__(self, pid: int, tid: int) -> None:
+        self._fd = os.open(f"/proc/{pid}/task/{tid}/schedstat", os.O_RDONLY)
+
+    def read(self) -> tuple[int, int]:
+        """``(on a core, runnable but waiting)`` so far, nanoseconds."""
+        on_core, waiting, _ = os.pread(self._fd, 128, 0).split()
+        return int(on_core), int(waiting)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class ThreadProbe:
+    """Readings around each pass (:func:`pass_bound.timed_passes`' ``probe``): the forward thread's
+    time on a core and waiting for one, the engine's writer thread's and the writer process's time on one."""
+
+    def __init__(self, writer_pid: int) -> None:
+        writer_thread = next(t for t in threading.enumerate() if t.name == "moetrace-trace-writer")
+        self._forward = Schedstat(os.getpid(), threading.get_native_id())
+        self._writer_thread = Schedstat(os.getpid(), writer_thread.native_id)  # type: ignore[arg-type]
+        self._writer_process = Schedstat(writer_pid, writer_pid)
+        self._machine = os.open("/proc/stat", os.O_RDONLY)
+        self.readings: list[tuple[int, ...]] = []
+
+    def __call__(self) -> None:
+        on_core, waiting = self._forward.read()
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+        stolen = int(os.pread(self._machine, 256, 0).split(b"\n", 1)[0].split()[8])  # the "cpu" line's steal, in clock ticks
+        self.readings.append((on_core, waiting, self._writer_thread.read()[0], self._writer_process.read()[0], usage.ru_minflt, usage.ru_majflt, stolen))
+
+    def close(self) -> None:
+        for stat in (self._forward, self._writer_thread, self._writer_process):
+            stat.close()
+        os.close(self._machine)
+
+    def split(self, index: int, seconds: float, pass_s: float) -> dict[str, float]:
+        """Pass ``index`` (``seconds`` long, ``pass_s`` of it a sleep), milliseconds: the forward
+        thread on a core, waiting for one, and blocked beyond the sleep; the writer thread and the
+        writer process on a core; the machine's stolen time (all cores); and (counts) the forward
+        thread's minor and major page faults."""
+        before, after = self.readings[2 * index], self.readings[2 * index + 1]
+        on_core, waiting, writer_thread, writer_process, minor, major, stolen = (b - a for a, b in zip(before, after, strict=True))
+        return {"ms": 1e3 * seconds, "on_core_ms": on_core / 1e6, "waiting_for_core_ms": waiting / 1e6,
+                "blocked_ms": 1e3 * (seconds - pass_s) - (on_core + waiting) / 1e6,
+                "writer_thread_ms": writer_thread / 1e6, "writer_process_ms": writer_process / 1e6,
+                "stolen_ms": 1e3 * stolen / os.sysconf("SC_CLK_TCK"), "minor_faults": minor, "major_faults": major}
+
+
+def breakdown(mode: str, seconds: float, segment_seconds: float, pass_s: float, steps: list[Step], writer_pids: list[int]) -> dict[str, object]:
+    """One mode's run (``pass_s`` stand-in device time a pass): its passes, its steps, the long
+    passes by the steps overlapping them, and each long pass split by where its threads were."""
     with tempfile.TemporaryDirectory(prefix="moetrace-pass-breakdown-") as tmp:
         rec = recorder(mode, Path(tmp), segment_seconds=segment_seconds)
         rec.start_record()
+        probe = ThreadProbe(writer_pids[-1])
         steps.clear()
-        passes = timed_passes(rec, seconds, "cpu", pass_s)
+        passes = timed_passes(rec, seconds, "cpu", pass_s, probe)
         taken = [step for step in steps if step[2] > passes[0][0]]  # the warm-up's steps left out
+        probe.close()
         rec.stop_record()
         rec.reset()
     median = statistics.median(d for _, d in passes)
-    long = [(t, d) for t, d in passes if d > median + OVER_MEDIAN_S]
+    long_indices = [i for i, (_, d) in enumerate(passes) if d > median + OVER_MEDIAN_S]
+    long = [passes[i] for i in long_indices]
+    splits = [probe.split(i, d, pass_s) for i, (_, d) in enumerate(passes)]
+    typical = {key: statistics.median(s[key] for s in splits) for key in splits[0]}
     by_step: dict[str, dict[str, float]] = {}
     for step in sorted({s for s, _, _ in taken}):
         times = [b - a for s, a, b in taken if s == step]
         by_step[step] = {"count": len(times), "total_s": sum(times), "max_ms": 1e3 * max(times)}
     overlaps = Counter("+".join(sorted({s for s, a, b in taken if a < t + d and b > t})) or "nothing" for t, d in long)
     return {"passes": len(passes), "median_ms": 1e3 * median, "max_ms": 1e3 * max(d for _, d in passes), "long_passes": len(long),
-            "steps": by_step, "long_passes_overlapping": dict(overlaps.most_common())}
+            "steps": by_step, "long_passes_overlapping": dict(overlaps.most_common()),
+            "median_pass_split": typical, "long_pass_splits": [splits[i] for i in long_indices]}
+
+
+def split_line(name: str, split: dict[str, float]) -> str:
+    """One pass's :meth:`ThreadProbe.split`, as a line."""
+    return (f"{name:<12} {split['ms']:6.1f} ms: forward thread on a core {split['on_core_ms']:5.1f}, waiting for one {split['waiting_for_core_ms']:5.1f}, "
+            f"blocked {split['blocked_ms']:5.1f}, page faults {split['minor_faults']:g} minor {split['major_faults']:g} major; "
+            f"writer thread on a core {split['writer_thread_ms']:5.1f}, writer process {split['writer_process_ms']:5.1f}; stolen {split['stolen_ms']:4.0f}")
 
 
 def main() -> None:
@@ -89,14 +180,27 @@ def main() -> None:
     timed(steps, HostBufferPool, "acquire", "acquire")
     timed(steps, RemoteSink, "write", "write")
     timed(steps, RemoteSink, "rotate", "rotate_segment")
+    timed(steps, StatWindow, "copy_cut", "window_copy")
+    timed_collections(steps)
+    writer_pids: list[int] = []
+    started = WriterProcess.__init__
+
+    def start_writer(process: WriterProcess, spec: object) -> None:
+        started(process, spec)  # type: ignore[arg-type]
+        writer_pids.append(process.pid)
+
+    WriterProcess.__init__ = start_writer  # type: ignore[method-assign]
     results: dict[str, object] = {"seconds": args.seconds, "segment_seconds": args.segment_seconds, "pass_ms": args.pass_ms, "torch_threads": torch.get_num_threads()}
     for mode in args.modes:
-        out = results[mode] = breakdown(mode, args.seconds, args.segment_seconds, args.pass_ms / 1e3, steps)
+        out = results[mode] = breakdown(mode, args.seconds, args.segment_seconds, args.pass_ms / 1e3, steps, writer_pids)
         print(f"{mode}: {out['passes']} passes, median {out['median_ms']:.2f} ms, max {out['max_ms']:.1f} ms, {out['long_passes']} over median + 5 ms", flush=True)
         for step, f in out["steps"].items():  # type: ignore[union-attr]
             print(f"  {step:<15} {f['count']:6d} calls, {f['total_s']:6.2f} s in all, longest {f['max_ms']:7.1f} ms")
         for overlap, count in out["long_passes_overlapping"].items():  # type: ignore[union-attr]
             print(f"  long passes during {overlap}: {count}")
+        print("  " + split_line("median pass", out["median_pass_split"]))  # type: ignore[arg-type]
+        for split in out["long_pass_splits"]:  # type: ignore[union-attr]
+            print("  " + split_line("long pass", split))
     print(write_results(f"pass_breakdown-{args.label}", results))
 
 
