@@ -222,7 +222,7 @@ class SnapshotChannel:
         self._rows = [torch.zeros(shape, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
         self._tokens = [torch.zeros(shape[0], dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
         self._views = [(rows.numpy(), tokens.numpy()) for rows, tokens in zip(self._rows, self._tokens, strict=True)]
-        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._events: list[torch.cuda.Event | None] = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else [None, None]  # one per slot, made once: none per pass
         self._passes = [0, 0]
         self._timestamps = [0.0, 0.0]
         self._host = [np.zeros((2, shape[0]), np.int64) for _ in range(2)]  # passes, requests of each pass phase
@@ -246,11 +246,9 @@ class SnapshotChannel:
         self._rows[slot].copy_(totals, non_blocking=True)
         self._tokens[slot].copy_(tokens, non_blocking=True)
         self._host[slot][:] = 0 if host is None else host
-        event = None
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self._events[slot] = event
+        event = self._events[slot]
+        if event is not None:
+            event.record()  # recorded again: a slot's event answers for its newest copy
         self._passes[slot], self._timestamps[slot] = num_passes, timestamp
         self._flight = slot
         if event is None:

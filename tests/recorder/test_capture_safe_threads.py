@@ -29,6 +29,7 @@ class FakeEvent:
 
     def record(self) -> None:
         FakeEvent.calls.append(("record", threading.get_ident()))
+        self.done = False  # as a CUDA event recorded again: not complete until the stream reaches it
 
     def query(self) -> bool:
         FakeEvent.calls.append(("query", threading.get_ident()))
@@ -87,10 +88,10 @@ def test_a_full_queue_settles_instead_of_deadlocking():
     assert sink.parts == [0, 1, 2, 3] and callers() == {threading.get_ident()}
 
 
-def cuda_channel(monkeypatch) -> SnapshotChannel:
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+def cuda_channel() -> SnapshotChannel:
     channel = SnapshotChannel((1, 2, 3), torch.device("cpu"))  # one pass phase
-    channel._cuda = True  # events as on a GPU; host buffers stay unpinned here
+    channel._cuda = True  # events as on a GPU (one per slot, made once, recorded again); host buffers stay unpinned here
+    channel._events = [FakeEvent(), FakeEvent()]  # type: ignore[list-item]
     return channel
 
 
@@ -102,9 +103,9 @@ def scrape(channel: SnapshotChannel) -> tuple[np.ndarray, tuple[int, int, float]
     return out[0]
 
 
-def test_scrapes_read_host_memory_only_and_clear_drops_copies_in_flight(monkeypatch):
+def test_scrapes_read_host_memory_only_and_clear_drops_copies_in_flight():
     FakeEvent.calls = []
-    channel = cuda_channel(monkeypatch)
+    channel = cuda_channel()
     ones, tokens = torch.ones((1, 2, 3), dtype=torch.int64), torch.tensor([5])
     channel.publish(ones, tokens, 1, 10.0)
     rows, (passes, num_tokens, _) = scrape(channel)
@@ -125,10 +126,10 @@ def test_scrapes_read_host_memory_only_and_clear_drops_copies_in_flight(monkeypa
     assert callers() == {threading.get_ident()}  # the scrape threads made no event call
 
 
-def test_a_lifecycle_call_settles_the_last_copy(monkeypatch):
+def test_a_lifecycle_call_settles_the_last_copy():
     """An idle engine publishes no more passes: stop_record/dump_record wait for the copy in flight."""
     FakeEvent.calls = []
-    channel = cuda_channel(monkeypatch)
+    channel = cuda_channel()
     channel.publish(torch.ones((1, 2, 3), dtype=torch.int64), torch.tensor([4]), 1, 10.0)
     assert scrape(channel)[1][:2] == (0, 0)
     channel.settle()
