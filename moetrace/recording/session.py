@@ -116,7 +116,7 @@ class RecordingSession:
         self._period = period
         self._warned = False
         self._rotate_at = period or None  # the pass count of the next rotation
-        self._checkpoint_buffers: tuple[HostBufferPool, HostBufferPool, HostBufferPool, HostBufferPool] | None = None
+        self._checkpoint_buffers = None if staged.sink.streamed else self._checkpoint_pools()
         self._window_copy: _WindowCopy | None = None  # a checkpoint whose window is being copied
         self._undumped: list[SegmentInfo] = []  # closed segments taken by a dump that failed
 
@@ -181,7 +181,8 @@ class RecordingSession:
         if wait:  # the previous checkpoint's copy finished and handed over, so that its buffers come back once written
             self._finish_window_copy()
             self.settle()
-        totals_pool, window_pool, tokens_pool, phase_pool = self._checkpoint_pools(counter, w)
+        assert self._checkpoint_buffers is not None  # made for stat mode, the only one that checkpoints
+        totals_pool, window_pool, tokens_pool, phase_pool = self._checkpoint_buffers
         totals = totals_pool.acquire(block=wait)
         if totals is None:
             return
@@ -221,18 +222,18 @@ class RecordingSession:
         else:
             self.advance()
 
-    def _checkpoint_pools(self, counter: PassCounter, w: StatWindow) -> tuple[HostBufferPool, HostBufferPool, HostBufferPool, HostBufferPool]:
-        """The checkpoint's host buffers, one each (made on first use): totals ``[L, C]``, window
-        ``[W, L, P]``, tokens ``[W + 1 + Q]`` (each slot's, the total, each pass phase's), phase totals ``[Q, L, C]``."""
-        if self._checkpoint_buffers is None:
-            with torch.inference_mode(False):  # normal tensors, even when the first checkpoint runs under it
-                self._checkpoint_buffers = (
-                    HostBufferPool(tuple(counter.totals.shape), torch.int64, 1, self._cuda),
-                    HostBufferPool(tuple(w.counts.shape), torch.int32, 1, self._cuda),
-                    HostBufferPool((len(w.pass_id) + 1 + len(counter.pass_phase_tokens),), torch.int64, 1, self._cuda),
-                    HostBufferPool(tuple(counter.pass_phase_totals.shape), torch.int64, 1, self._cuda),
-                )
-        return self._checkpoint_buffers
+    def _checkpoint_pools(self) -> tuple[HostBufferPool, HostBufferPool, HostBufferPool, HostBufferPool]:
+        """``stat`` mode's checkpoint host buffers, one each, made when the recording starts (not at its
+        first checkpoint, on the forward thread): totals ``[L, C]``, window ``[W, L, P]``, tokens
+        ``[W + 1 + Q]`` (each slot's, the total, each pass phase's), phase totals ``[Q, L, C]``."""
+        counter, w = self._staged.counter, self._window()
+        with torch.inference_mode(False):  # normal tensors, even when the recording starts under it
+            return (
+                HostBufferPool(tuple(counter.totals.shape), torch.int64, 1, self._cuda),
+                HostBufferPool(tuple(w.counts.shape), torch.int32, 1, self._cuda),
+                HostBufferPool((len(w.pass_id) + 1 + len(counter.pass_phase_tokens),), torch.int64, 1, self._cuda),
+                HostBufferPool(tuple(counter.pass_phase_totals.shape), torch.int64, 1, self._cuda),
+            )
 
     def advance(self) -> None:
         """Pass end (lock held): copy the next slots of a checkpoint's window; once all are

@@ -65,8 +65,9 @@ class StatWindow(ModeSink):
         self._cuts: list[WindowCut] = []  # dumps' copies of the ring still being taken
 
     def host_buffer(self) -> torch.Tensor:
-        """A fresh host buffer for one :class:`WindowCut` (pinned on CUDA): ``[W, L, P]`` int32."""
-        return torch.empty(tuple(self.counts.shape), dtype=torch.int32, pin_memory=self.counts.device.type == "cuda")
+        """A fresh host buffer for one :class:`WindowCut` (pinned on CUDA): ``[W, L, P]`` int32, zeroed
+        here (before the recorder's lock) so that the copies made under the lock fault in no page."""
+        return torch.zeros(tuple(self.counts.shape), dtype=torch.int32, pin_memory=self.counts.device.type == "cuda")
 
     def cut(self, host: torch.Tensor) -> WindowCut:
         """Begin a dump's copy of the ring into ``host`` (recorder lock held): O(W) host bookkeeping, no copy."""

@@ -44,14 +44,20 @@ __all__ = ["BackgroundTraceWriter", "HostBufferPool", "StreamJob", "StreamSink"]
 
 
 class HostBufferPool:
-    """A fixed set of (pinned, when on CUDA) host buffers of one shape and dtype."""
+    """A fixed set of (pinned, when on CUDA) host buffers of one shape and dtype.
+
+    The buffers are zeroed when made, so that every page is in memory from then on (a recording's
+    start) rather than faulted in by the first pass that fills or copies into it: at DeepSeek-V3
+    size a checkpoint's window is 16,000 pages, and faulting them in held that pass end up to 20 ms
+    on a CPU device (``benchmarks/pass_breakdown.py``).
+    """
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, count: int, pin: bool) -> None:
         import torch  # only a recording allocates buffers: the writer thread and its jobs need no torch
 
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(count):
-            self._free.put(torch.empty(shape, dtype=dtype, pin_memory=pin))
+            self._free.put(torch.zeros(shape, dtype=dtype, pin_memory=pin))
 
     def acquire(self, block: bool = True) -> torch.Tensor | None:
         """A free buffer; blocks while all are in flight (or returns ``None`` with ``block=False``)."""
