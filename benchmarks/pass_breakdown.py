@@ -10,8 +10,9 @@ buffer (``acquire``: the writer is behind and ``on_overflow="block"`` waits), an
 checkpoint's window copied at a pass end (``window_copy``); on the engine's writer thread, each
 call to the writer process (``write``: the hand-off's rows down the pipe and written there;
 ``rotate_segment``: a segment closed); on any thread, Python's garbage collector (``gc0``-``gc2``,
-by generation). Per mode: each step's count, total and longest time, and the passes more than 5 ms
-over the median grouped by the steps that overlapped them.
+by generation). Per mode: each step's count, total and longest time, the passes more than 5 ms
+over the median grouped by the steps that overlapped them, and the forward thread's page faults
+over all its passes.
 
 Each long pass is also split by where its threads were (Linux ``/proc/.../schedstat``, read before
 and after every pass): the forward thread on a core, waiting for one (runnable, another task on
@@ -155,7 +156,10 @@ def breakdown(mode: str, seconds: float, segment_seconds: float, pass_s: float, 
     overlaps = Counter("+".join(sorted({s for s, a, b in taken if a < t + d and b > t})) or "nothing" for t, d in long)
     return {"passes": len(passes), "median_ms": 1e3 * median, "max_ms": 1e3 * max(d for _, d in passes), "long_passes": len(long),
             "steps": by_step, "long_passes_overlapping": dict(overlaps.most_common()),
-            "median_pass_split": typical, "long_pass_splits": [splits[i] for i in long_indices]}
+            "median_pass_split": typical, "long_pass_splits": [splits[i] for i in long_indices],
+            "forward_thread_faults": {"minor": sum(s["minor_faults"] for s in splits), "major": sum(s["major_faults"] for s in splits),
+                                      "passes_with_faults": sum(1 for s in splits if s["minor_faults"] or s["major_faults"]),
+                                      "most_in_a_pass": max(s["minor_faults"] + s["major_faults"] for s in splits)}}
 
 
 def split_line(name: str, split: dict[str, float]) -> str:
@@ -198,6 +202,9 @@ def main() -> None:
             print(f"  {step:<15} {f['count']:6d} calls, {f['total_s']:6.2f} s in all, longest {f['max_ms']:7.1f} ms")
         for overlap, count in out["long_passes_overlapping"].items():  # type: ignore[union-attr]
             print(f"  long passes during {overlap}: {count}")
+        faults = out["forward_thread_faults"]
+        print(f"  forward thread's page faults in its passes: {faults['minor']} minor, {faults['major']} major, "  # type: ignore[index]
+              f"in {faults['passes_with_faults']} passes, at most {faults['most_in_a_pass']} in one")  # type: ignore[index]
         print("  " + split_line("median pass", out["median_pass_split"]))  # type: ignore[arg-type]
         for split in out["long_pass_splits"]:  # type: ignore[union-attr]
             print("  " + split_line("long pass", split))
