@@ -103,6 +103,7 @@ class RecordingSession:
         self.config = config
         self._staged = staged
         self._cuda = torch.device(config.device).type == "cuda"  # type: ignore[arg-type]
+        self._checkpoint_buffers = None if staged.sink.streamed else self._checkpoint_pools()  # before any file or process: a failed allocation leaves none behind
         directory = check_writable_dir(Path(config.output_dir))
         sweep_dead_temporaries(directory)
         rank = header.rank
@@ -116,7 +117,6 @@ class RecordingSession:
         self._period = period
         self._warned = False
         self._rotate_at = period or None  # the pass count of the next rotation
-        self._checkpoint_buffers = None if staged.sink.streamed else self._checkpoint_pools()
         self._window_copy: _WindowCopy | None = None  # a checkpoint whose window is being copied
         self._undumped: list[SegmentInfo] = []  # closed segments taken by a dump that failed
 
