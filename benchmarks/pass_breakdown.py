@@ -47,7 +47,7 @@ from pass_bound import OVER_MEDIAN_S, add_pacing_arguments, timed_passes
 from moetrace.recording.session import RecordingSession
 from moetrace.recording.window import StatWindow
 from moetrace.trace.stream import HostBufferPool
-from moetrace.trace.writer_process import RemoteSink, WriterProcess
+from moetrace.trace.writer_process import RemoteSink
 
 Step = tuple[str, float, float]
 
@@ -99,12 +99,15 @@ class ThreadProbe:
     """Readings around each pass (:func:`pass_bound.timed_passes`' ``probe``): the forward thread's
     time on a core and waiting for one, the engine's writer thread's and the writer process's time on one."""
 
-    def __init__(self, writer_pid: int) -> None:
-        writer_thread = next(t for t in threading.enumerate() if t.name == "moetrace-trace-writer")
+    def __init__(self, session: RecordingSession) -> None:
+        process = session._process
+        if process is None:
+            raise SystemExit("pass_breakdown: the recording has no writer process (none could be started); nothing to split")
         self._forward = Schedstat(os.getpid(), threading.get_native_id())
-        self._writer_thread = Schedstat(os.getpid(), writer_thread.native_id)  # type: ignore[arg-type]
-        self._writer_process = Schedstat(writer_pid, writer_pid)
+        self._writer_thread = Schedstat(os.getpid(), session.writer._thread.native_id)  # type: ignore[arg-type]
+        self._writer_process = Schedstat(process.pid, process.pid)
         self._machine = os.open("/proc/stat", os.O_RDONLY)
+        self._ticks_per_s = os.sysconf("SC_CLK_TCK")
         self.readings: list[tuple[int, ...]] = []
 
     def __call__(self) -> None:
@@ -128,16 +131,18 @@ class ThreadProbe:
         return {"ms": 1e3 * seconds, "on_core_ms": on_core / 1e6, "waiting_for_core_ms": waiting / 1e6,
                 "blocked_ms": 1e3 * (seconds - pass_s) - (on_core + waiting) / 1e6,
                 "writer_thread_ms": writer_thread / 1e6, "writer_process_ms": writer_process / 1e6,
-                "stolen_ms": 1e3 * stolen / os.sysconf("SC_CLK_TCK"), "minor_faults": minor, "major_faults": major}
+                "stolen_ms": 1e3 * stolen / self._ticks_per_s, "minor_faults": minor, "major_faults": major}
 
 
-def breakdown(mode: str, seconds: float, segment_seconds: float, pass_s: float, steps: list[Step], writer_pids: list[int]) -> dict[str, object]:
+def breakdown(mode: str, seconds: float, segment_seconds: float, pass_s: float, steps: list[Step]) -> dict[str, object]:
     """One mode's run (``pass_s`` stand-in device time a pass): its passes, its steps, the long
     passes by the steps overlapping them, and each long pass split by where its threads were."""
     with tempfile.TemporaryDirectory(prefix="moetrace-pass-breakdown-") as tmp:
         rec = recorder(mode, Path(tmp), segment_seconds=segment_seconds)
         rec.start_record()
-        probe = ThreadProbe(writer_pids[-1])
+        session = rec._files.session
+        assert session is not None  # every mode keeps files while it records
+        probe = ThreadProbe(session)
         steps.clear()
         passes = timed_passes(rec, seconds, "cpu", pass_s, probe)
         taken = [step for step in steps if step[2] > passes[0][0]]  # the warm-up's steps left out
@@ -186,17 +191,9 @@ def main() -> None:
     timed(steps, RemoteSink, "rotate", "rotate_segment")
     timed(steps, StatWindow, "copy_cut", "window_copy")
     timed_collections(steps)
-    writer_pids: list[int] = []
-    started = WriterProcess.__init__
-
-    def start_writer(process: WriterProcess, spec: object) -> None:
-        started(process, spec)  # type: ignore[arg-type]
-        writer_pids.append(process.pid)
-
-    WriterProcess.__init__ = start_writer  # type: ignore[method-assign]
     results: dict[str, object] = {"seconds": args.seconds, "segment_seconds": args.segment_seconds, "pass_ms": args.pass_ms, "torch_threads": torch.get_num_threads()}
     for mode in args.modes:
-        out = results[mode] = breakdown(mode, args.seconds, args.segment_seconds, args.pass_ms / 1e3, steps, writer_pids)
+        out = results[mode] = breakdown(mode, args.seconds, args.segment_seconds, args.pass_ms / 1e3, steps)
         print(f"{mode}: {out['passes']} passes, median {out['median_ms']:.2f} ms, max {out['max_ms']:.1f} ms, {out['long_passes']} over median + 5 ms", flush=True)
         for step, f in out["steps"].items():  # type: ignore[union-attr]
             print(f"  {step:<15} {f['count']:6d} calls, {f['total_s']:6.2f} s in all, longest {f['max_ms']:7.1f} ms")

@@ -45,7 +45,6 @@ def test_the_check_sees_pages_not_yet_touched() -> None:
     assert resident_fraction(address, BIG) == 0.0
     fresh[::mmap.PAGESIZE] = b"\1" * (BIG // mmap.PAGESIZE)
     assert resident_fraction(address, BIG) == 1.0
-    del address
     fresh.close()
     empty = torch.empty(BIG // 4, dtype=torch.int32)
     assert tensor_resident(empty) < 0.5
