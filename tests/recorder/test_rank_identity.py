@@ -51,6 +51,10 @@ def _identities(rank: int, world: int) -> dict[str, tuple[int, int]]:
             "layout": rank_identity(_config(layout=RankLayout.independent(5, 8)))}
     if rank in (1, 2):
         seen["pair"] = rank_identity(group=pair)
+    # No rank leaves before all are done with the store: rank 0, outside the pair, returns from
+    # new_group at once, and its teardown would close the store that ranks 1 and 2 may still be
+    # connecting the pair's gloo mesh through ("Connection closed by peer", a failure by chance).
+    dist.barrier()
     return {name: (identity.rank, identity.world_size) for name, identity in seen.items()}
 
 
