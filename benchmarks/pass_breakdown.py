@@ -19,7 +19,7 @@ and after every pass): the forward thread on a core, waiting for one (runnable, 
 it), or off one beyond the pass's stand-in sleep (blocked: the GIL, a lock, a page fault's I/O),
 with its page faults (``getrusage``), the machine's stolen time (a virtual machine's host ran
 something else: ``/proc/stat``), and the CPU the engine's writer thread and the writer process used
-meanwhile. A diagnosis, not a figure to compare across checkouts: it wraps internals by name.
+meanwhile; and over the whole run, each of those three's seconds on a core (``on_core_s``). A diagnosis, not a figure to compare across checkouts: it wraps internals by name.
 """
 
 from __future__ import annotations
@@ -121,6 +121,12 @@ class ThreadProbe:
             stat.close()
         os.close(self._machine)
 
+    def on_core_s(self) -> dict[str, float]:
+        """Seconds on a core from the first pass's start to the last one's end: the forward thread,
+        the engine's writer thread and the writer process."""
+        first, last = self.readings[0], self.readings[-1]
+        return {name: (last[i] - first[i]) / 1e9 for name, i in (("forward_thread", 0), ("writer_thread", 2), ("writer_process", 3))}
+
     def split(self, index: int, seconds: float, pass_s: float) -> dict[str, float]:
         """Pass ``index`` (``seconds`` long, ``pass_s`` of it a sleep), milliseconds: the forward
         thread on a core, waiting for one, and blocked beyond the sleep; the writer thread and the
@@ -161,7 +167,7 @@ def breakdown(mode: str, seconds: float, segment_seconds: float, pass_s: float, 
     overlaps = Counter("+".join(sorted({s for s, a, b in taken if a < t + d and b > t})) or "nothing" for t, d in long)
     return {"passes": len(passes), "median_ms": 1e3 * median, "max_ms": 1e3 * max(d for _, d in passes), "long_passes": len(long),
             "steps": by_step, "long_passes_overlapping": dict(overlaps.most_common()),
-            "median_pass_split": typical, "long_pass_splits": [splits[i] for i in long_indices],
+            "median_pass_split": typical, "long_pass_splits": [splits[i] for i in long_indices], "on_core_s": probe.on_core_s(),
             "forward_thread_faults": {"minor": sum(s["minor_faults"] for s in splits), "major": sum(s["major_faults"] for s in splits),
                                       "passes_with_faults": sum(1 for s in splits if s["minor_faults"] or s["major_faults"]),
                                       "most_in_a_pass": max(s["minor_faults"] + s["major_faults"] for s in splits)}}
@@ -202,6 +208,9 @@ def main() -> None:
         faults = out["forward_thread_faults"]
         print(f"  forward thread's page faults in its passes: {faults['minor']} minor, {faults['major']} major, "  # type: ignore[index]
               f"in {faults['passes_with_faults']} passes, at most {faults['most_in_a_pass']} in one")  # type: ignore[index]
+        on_core = out["on_core_s"]
+        print(f"  on a core over the run: forward thread {on_core['forward_thread']:.1f} s, "  # type: ignore[index]
+              f"writer thread {on_core['writer_thread']:.1f} s, writer process {on_core['writer_process']:.1f} s")  # type: ignore[index]
         print("  " + split_line("median pass", out["median_pass_split"]))  # type: ignore[arg-type]
         for split in out["long_pass_splits"]:  # type: ignore[union-attr]
             print("  " + split_line("long pass", split))

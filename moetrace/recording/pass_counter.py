@@ -18,7 +18,8 @@ are counted at pass end, once for all layers, from the stage (:meth:`PassCounter
 CUDA-graph replay no hook's Python runs, so tokens must be counted from what the device holds,
 and the stage is what the replayed hooks wrote. The stage is set back to the padding column
 after each pass, so a layer (or a replayed graph) that writes fewer rows adds nothing there.
-``per_token`` mode reads each pass's ids back from the same stage.
+``per_token`` mode reads each pass's ids back from the same stage, and which of its rows are
+tokens from the same count (:meth:`PassCounter.rows_with_ids`).
 
 A layer given more rows in a pass than the stage holds (``max_tokens_per_pass``, e.g. a
 prefill larger than configured) is counted directly in ``stat`` and ``per_pass`` mode, with
@@ -190,6 +191,14 @@ class PassCounter:
         torch.sum(real_rows, dim=1, out=self._layer_tokens)
         tokens = self.layout.tokens
         self.current[:, tokens].addcmul_(self._layer_tokens, self.gate)
+
+    def rows_with_ids(self, out: torch.Tensor) -> None:
+        """After :meth:`fold`: into ``out [pass_rows]`` (bool), whether each row of the pass holds an
+        id other than -1 in any layer (a token; all -1 is a padding row of a static batch), from
+        what the pass end's token count computed: one kernel, into ``out``."""
+        rows = self.pass_rows
+        if rows:
+            torch.amax(self._real_rows[:, :rows], dim=0, out=out)
 
     def fold(self, phase: int, requests: int) -> None:
         """Pass end: count the pass's tokens, add the pass into the totals and its tokens into

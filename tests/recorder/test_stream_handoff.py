@@ -8,6 +8,11 @@ three buffers cycle many times through the writer, and the buffers the writer gi
 order, those it was handed (a writer quicker than the forward thread hides a mix-up from the ids). A
 ``TorchDispatchMode`` around each hand-off sees what it copies: no staged rows on the swap path, one
 copy of them per hand-off on the copy path (the negative control).
+
+``per_token`` keeps only the rows that are tokens, which the pass end marks beside the rows (the
+writer no longer scans the chunk's ids): passes with padding rows, rows that are -1 in some layers
+only, and a layer given fewer rows keep exactly the rows an independent numpy filter keeps, on
+both paths.
 """
 
 from __future__ import annotations
@@ -110,6 +115,47 @@ def test_both_hand_off_paths_keep_every_id_fed_and_only_the_copy_path_copies_row
             np.testing.assert_array_equal(np.concatenate([c.pass_id for c in chunks]), np.arange(PASSES))
             np.testing.assert_array_equal(np.concatenate([c.physical_count for c in chunks]), np.stack([counts(ids) for ids in fed]))
         np.testing.assert_array_equal(trace.physical_count(), counts(fed))
+
+
+def padded_pass(pass_id: int) -> tuple[np.ndarray, int]:
+    """Pass ``pass_id``'s ids ``[TOKENS, L, k]`` with rows that are no tokens and rows that are, and
+    the rows its last layer is given (fewer in two passes of three; the rest read as -1 there)."""
+    rng = np.random.default_rng((50, pass_id))
+    ids = pass_ids(pass_id).copy()
+    ids[rng.random(TOKENS) < 0.3] = -1  # padding rows of a static batch: -1 in every layer
+    ids[rng.random(TOKENS) < 0.3, 0] = -1  # -1 in the first layer only: still tokens
+    ids[1, :, 0] = -1  # a row mixing -1 with ids in every layer
+    last_rows = TOKENS - pass_id % 3
+    ids[last_rows:, LAYERS - 1] = -1
+    return ids, last_rows
+
+
+@pytest.mark.parametrize("hand_offs", ["swap", "copy"], indirect=True)
+def test_per_token_keeps_exactly_the_rows_that_are_tokens(tmp_path, hand_offs):
+    rec = make_recorder("per_token", tmp_path, segment_seconds=0)
+    rec.start_record()
+    fed = []
+    for pass_id in range(PASSES):
+        ids, last_rows = padded_pass(pass_id)
+        fed.append(ids)
+        with rec.with_forward_pass(pass_id):
+            for layer in range(LAYERS):
+                with rec.with_current_layer(layer):
+                    rec.on_select_experts(torch.as_tensor(ids[: last_rows if layer == LAYERS - 1 else TOKENS, layer]))
+    rec.stop_record()
+    dumped = rec.dump_record(tmp_path / "t.h5")
+    assert len(hand_offs.handed) >= PASSES // 8
+
+    stacked = np.stack(fed)  # [N, T, L, k]
+    tokens = (stacked != -1).any(axis=(2, 3))  # [N, T]: the independent filter
+    assert 0 < tokens.sum() < tokens.size  # padding rows were fed, and tokens
+    pass_of, position = np.nonzero(tokens)
+    with open_trace(dumped) as trace:
+        chunks = list(trace.iter_tokens())
+        np.testing.assert_array_equal(np.concatenate([c.pass_id for c in chunks]), pass_of)
+        np.testing.assert_array_equal(np.concatenate([c.position for c in chunks]), position)
+        np.testing.assert_array_equal(np.concatenate([c.topk_ids for c in chunks]), stacked[tokens])
+        assert int(trace.num_tokens().sum()) == tokens.sum()
 
 
 def counts(ids: np.ndarray) -> np.ndarray:
