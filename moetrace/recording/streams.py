@@ -6,7 +6,9 @@ Both stage rows and hand them to the segment writer through their shared base
 ``on_overflow`` policy. On CUDA the rows are staged on the device and the hand-off is an
 asynchronous copy into a free pinned buffer and a CUDA event. On a CPU device the staging buffer
 is a pool buffer itself: the hand-off gives it to the writer and stages on in a free one (no copy
-on the forward thread, which a 17-61 MB staging buffer at DeepSeek-V3 size made 10-45 ms on this CPU).
+on the forward thread, which a 17-61 MB staging buffer at DeepSeek-V3 size made 10-45 ms on this CPU),
+and the pool's buffers are shared memory that the writer process maps (no copy into its pipe either:
+:mod:`moetrace.trace.shared_memory`).
 """
 
 from __future__ import annotations

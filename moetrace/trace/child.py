@@ -11,6 +11,8 @@ the engine's threads go first.
 Messages are pickles (protocol 5) whose contiguous arrays travel out of band: :func:`send` writes the
 number of parts, each part's size, the pickle, then each array's memory as it is (no copy; a
 blocking write releases the GIL), and :func:`receive` reads them back over buffers of their own.
+An array in a shared buffer (:mod:`moetrace.trace.shared_memory`) travels as a reference instead
+when the sender says so (``share``): the receiver maps the same pages.
 A child's pipes hold :data:`PIPE_BYTES` (Linux), so a checkpoint's window crosses in few writes.
 """
 
@@ -27,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import IO
+
+from .shared_memory import SharedMaps, dumps_sharing
 
 __all__ = ["NICE", "PIPE_BYTES", "die_with_starter", "receive", "send", "start_child", "widen_pipe"]
 
@@ -73,10 +77,15 @@ def widen_pipe(fd: int) -> None:
         fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
 
 
-def send(stream: IO[bytes], message: object) -> None:
-    """Write ``message`` (see the module docstring) and flush."""
+def send(stream: IO[bytes], message: object, share: bool = False) -> None:
+    """Write ``message`` (see the module docstring) and flush; ``share``: its arrays that lie in
+    shared buffers go as references (only where the receiver is done with them before the sender
+    reuses their memory: a synchronous call)."""
     buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+    if share:
+        head = dumps_sharing(message, buffers.append)
+    else:
+        head = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
     parts = [memoryview(head), *(b.raw() for b in buffers)]
     stream.write(_SIZE.pack(len(parts)) + b"".join(_SIZE.pack(part.nbytes) for part in parts))
     for part in parts:
@@ -84,15 +93,20 @@ def send(stream: IO[bytes], message: object) -> None:
     stream.flush()
 
 
-def receive(stream: IO[bytes]) -> object:
-    """What :func:`send` wrote (the arrays over writable buffers of their own).
+def receive(stream: IO[bytes], maps: SharedMaps | None = None) -> object:
+    """What :func:`send` wrote (the arrays over writable buffers of their own; references to
+    shared buffers as read-only arrays over ``maps``).
 
     Raises:
         EOFError: the stream ended (the other side is gone).
+        pickle.UnpicklingError: a reference, and no ``maps`` to resolve it.
+        OSError: a shared buffer could not be mapped.
     """
     (count,) = _SIZE.unpack(_read(stream, _SIZE.size))
     sizes = struct.unpack(f"<{count}Q", _read(stream, count * _SIZE.size))
     head, *buffers = (_read(stream, size) for size in sizes)
+    if maps is not None:
+        return maps.loads(head, buffers)
     return pickle.loads(head, buffers=buffers)
 
 

@@ -30,12 +30,15 @@ so a routing recorder or a tool that streams host rows loads no torch.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+
+from .shared_memory import SharedBuffer, sharing_available
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +47,9 @@ __all__ = ["BackgroundTraceWriter", "HostBufferPool", "StreamJob", "StreamSink"]
 
 
 class HostBufferPool:
-    """A fixed set of (pinned, when on CUDA) host buffers of one shape and dtype.
+    """A fixed set of host buffers of one shape and dtype: pinned (``pin``, for CUDA copies), or
+    else in shared memory (:class:`~moetrace.trace.shared_memory.SharedBuffer`, where there is
+    some), so that the writer process maps them and a hand-off copies no rows into its pipe.
 
     The buffers are zeroed when made, so that every page is in memory from then on (a recording's
     start) rather than faulted in by the first pass that fills or copies into it: at DeepSeek-V3
@@ -56,8 +61,23 @@ class HostBufferPool:
         import torch  # only a recording allocates buffers: the writer thread and its jobs need no torch
 
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        self._shared: list[SharedBuffer] = []  # kept while the pool lives: the writer process maps them by key
         for _ in range(count):
-            self._free.put(torch.zeros(shape, dtype=dtype, pin_memory=pin))
+            self._free.put(torch.zeros(shape, dtype=dtype, pin_memory=True) if pin else self._shared_zeros(shape, dtype))
+
+    def _shared_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed buffer in a new shared buffer; in private memory where none can be made."""
+        import torch
+
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0 or not sharing_available():
+            return torch.zeros(shape, dtype=dtype)
+        try:
+            shared = SharedBuffer(nbytes)
+        except OSError:
+            return torch.zeros(shape, dtype=dtype)
+        self._shared.append(shared)
+        return torch.frombuffer(shared.map, dtype=dtype).view(shape).zero_()
 
     def acquire(self, block: bool = True) -> torch.Tensor | None:
         """A free buffer; blocks while all are in flight (or returns ``None`` with ``block=False``)."""

@@ -7,6 +7,10 @@ by one long-lived child process per recording, started with ``sys.executable``
 interpreter keeps no file open and holds its GIL for none of that work: its writer thread (:class:`~moetrace.trace.stream.BackgroundTraceWriter`) builds each
 hand-off's host arrays and sends them down a pipe (:func:`~moetrace.trace.child.send`: the arrays'
 memory as it is, the GIL released while the write blocks), then waits for the child's answer.
+Arrays in the recording's shared host buffers (:mod:`moetrace.trace.shared_memory`: a stream's
+rows, a checkpoint's window, on a CPU device) cross as references, nothing copied, once a probe at
+start showed that the child can map this process's buffers; a call is synchronous, so the child is
+done with them before the engine reuses their memory.
 
 Bounded: one call is in flight at a time (a lock), so what the child holds is one hand-off, and
 the pipe's back-pressure reaches the writer thread's bounded queue, where the drop policy
@@ -45,6 +49,7 @@ from .child import lower_priority, receive, send, start_child
 from .journal import Journal
 from .schema import TraceError, TraceHeader, TraceWriteError
 from .segments import CheckpointWriter, SegmentInfo, SegmentWriter
+from .shared_memory import SharedBuffer, SharedMaps, sharing_available
 from .stat import CounterLayout
 
 __all__ = ["RemoteJournal", "RemoteSink", "WriterProcess", "WriterSpec"]
@@ -101,7 +106,25 @@ class WriterProcess:
         self._lock = threading.Lock()
         self._dead: str | None = None
         self.pid = self._child.pid
+        self._share = False
         self._exchange(("spec", spec, os.getpid()))
+        self._share = self._child_maps_shared_buffers()
+
+    def _child_maps_shared_buffers(self) -> bool:
+        """Whether the child reads this process's shared buffers: a probe buffer's bytes, read
+        back there (no shared memory here, or ``/proc/<pid>/fd`` closed to the child: arrays go as bytes)."""
+        if not sharing_available():
+            return False
+        marker = os.urandom(16)
+        try:
+            probe = SharedBuffer(len(marker))
+        except OSError:
+            return False
+        probe.map[:] = marker
+        try:
+            return bool(self.call("shared", "probe", probe.key, len(marker)) == marker)
+        except OSError:
+            return False
 
     @property
     def alive(self) -> bool:
@@ -127,7 +150,7 @@ class WriterProcess:
                 raise TraceWriteError(self._dead)
             assert self._child.stdin is not None and self._child.stdout is not None
             try:
-                send(self._child.stdin, message)
+                send(self._child.stdin, message, share=self._share)
                 reply: dict[str, Any] = receive(self._child.stdout)  # type: ignore[assignment]
             except (OSError, EOFError, pickle.UnpicklingError) as exc:
                 status = self._child.wait()
@@ -191,13 +214,14 @@ class RemoteSink:
         self._process.call("sink", "abort")
 
 
-def _next_message(stream: Any, parent: int) -> object | None:
-    """The parent's next message; ``None`` once the pipe ends or the parent is gone."""
+def _next_message(stream: Any, parent: int, maps: SharedMaps) -> object | None:
+    """The parent's next message (arrays in its shared buffers mapped through ``maps``); ``None``
+    once the pipe ends or the parent is gone."""
     while True:
         ready, _, _ = select.select([stream], [], [], PARENT_CHECK_S)
         if ready:
             try:
-                return receive(stream)
+                return receive(stream, maps)
             except EOFError:
                 return None
         if os.getppid() != parent:
@@ -229,8 +253,9 @@ def main() -> None:
         send(stdout, {"error": TraceWriteError(f"the recording's writer process could not open its files: {exc}")})
         return
     send(stdout, {"ok": None})
-    objects = {"journal": journal, "sink": sink, "offload": offload}
-    while (message := _next_message(stdin, parent)) is not None:
+    maps = SharedMaps()
+    objects = {"journal": journal, "sink": sink, "offload": offload, "shared": maps}
+    while (message := _next_message(stdin, parent, maps)) is not None:
         send(stdout, _answer(objects, message))  # type: ignore[arg-type]
     if isinstance(sink, SegmentWriter):
         sink.rotate()  # the parent is gone (or done): what it handed over becomes a complete segment

@@ -1,0 +1,206 @@
+"""Hand-offs through shared memory (issue 50): the rows stay where the engine staged them.
+
+On a CPU device a recording's host buffers (a stream's staged rows, a checkpoint's window) live in
+shared memory that the writer process maps (:mod:`moetrace.trace.shared_memory`), so a hand-off
+sends the writer process only where its arrays lie. Checked here:
+
+* the references themselves: an array wholly in a shared buffer crosses as one, read-only over the
+  same pages; anything else (a private array, reversed strides) crosses as bytes;
+* a real recording's pipe carries none of the rows it hands off (``per_token``'s ids, ``stat``'s
+  window), against the negative control, sharing turned off, whose pipe carries them all; both
+  traces equal to the ids fed;
+* a writer process that cannot map the engine's buffers (its probe fails) gets the bytes, and the
+  trace is still exact;
+* a process forked after buffers were made writes into private memory, not its parent's; the
+  negative control, a buffer the fork hook does not know, shows that the parent would see it;
+* a buffer that the collector frees while another is being made (its finalizer runs inside that
+  code) does not deadlock.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from moetrace import ExpertDistributionRecorder, RecorderConfig
+from moetrace.trace import open_trace, shared_memory, writer_process
+from moetrace.trace.shared_memory import SharedBuffer, SharedMaps, dumps_sharing, reference
+
+pytestmark = pytest.mark.skipif(not shared_memory.sharing_available(), reason="no memfd: nothing is shared here")
+
+LAYERS, EXPERTS, TOP_K, TOKENS = 16, 130, 8, 256  # int16 ids: 256 bytes of ids per row
+CHUNK_TOKENS = 8192  # 32 passes per hand-off
+WINDOW, PERIOD, PASSES = 32, 32, 80
+CHECKPOINTS = PASSES // PERIOD + 1  # stat: at each period, and the dump's
+
+
+def routing(pass_id: int) -> np.ndarray:
+    """Pass ``pass_id``'s ids ``[TOKENS, L, k]`` (distinct per token and layer)."""
+    rng = np.random.default_rng((7, pass_id))
+    return np.argsort(rng.random((TOKENS, LAYERS, EXPERTS)), axis=2)[:, :, :TOP_K].astype(np.int64)
+
+
+def record(mode: str, tmp_path) -> tuple[str, np.ndarray]:
+    """``PASSES`` passes of :func:`routing` recorded and dumped; ``(trace path, ids fed [N, T, L, k])``."""
+    config = RecorderConfig(num_layers=LAYERS, num_physical_experts=EXPERTS, top_k=TOP_K, mode=mode, output_dir=tmp_path / "out",
+                            max_tokens_per_pass=TOKENS, stream_chunk_tokens=CHUNK_TOKENS, window=WINDOW, segment_passes=PERIOD)
+    rec = ExpertDistributionRecorder(config)
+    rec.start_record()
+    fed = []
+    for pass_id in range(PASSES):
+        ids = routing(pass_id)
+        fed.append(ids)
+        with rec.with_forward_pass(pass_id):
+            for layer in range(LAYERS):
+                with rec.with_current_layer(layer):
+                    rec.on_select_experts(torch.as_tensor(ids[:, layer]))
+    rec.stop_record()
+    return str(rec.dump_record(tmp_path / f"{mode}.h5")), np.stack(fed)
+
+
+class CountingStream:
+    """Forwards writes to a pipe and counts their bytes."""
+
+    def __init__(self, stream) -> None:  # type: ignore[no-untyped-def]
+        self.stream, self.bytes = stream, 0
+
+    def write(self, data) -> int:  # type: ignore[no-untyped-def]
+        self.bytes += memoryview(data).nbytes
+        return self.stream.write(data)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+@pytest.fixture
+def piped(monkeypatch) -> list[int]:
+    """Bytes of every message sent to a writer process, in order."""
+    sent: list[int] = []
+    send = writer_process.send
+
+    def counted(stream, message, share=False):  # type: ignore[no-untyped-def]
+        counter = CountingStream(stream)
+        send(counter, message, share)
+        sent.append(counter.bytes)
+
+    monkeypatch.setattr(writer_process, "send", counted)
+    return sent
+
+
+def test_an_array_in_a_shared_buffer_crosses_as_a_reference_and_anything_else_as_bytes():
+    shared = SharedBuffer(4096)
+    rows = np.frombuffer(shared.map, dtype=np.int16).reshape(64, 32)
+    rows[:] = np.arange(rows.size, dtype=np.int16).reshape(rows.shape)
+    private = np.arange(10)
+    message = {"rows": rows[3:40], "column": rows[:, 5], "private": private, "reversed": rows[::-1]}
+    assert reference(message["rows"]) is not None and reference(message["column"]) is not None
+    assert reference(private) is None and reference(message["reversed"]) is None and reference(rows[:0]) is None
+
+    def pickled(what: dict[str, np.ndarray]) -> tuple[bytes, list[pickle.PickleBuffer]]:
+        buffers: list[pickle.PickleBuffer] = []
+        return dumps_sharing(what, buffers.append), buffers
+
+    def size(head: bytes, buffers: list[pickle.PickleBuffer]) -> int:
+        return len(head) + sum(b.raw().nbytes for b in buffers)
+
+    head, buffers = pickled(message)
+    bytes_only = size(*pickled({"private": private, "reversed": message["reversed"]}))
+    assert bytes_only > private.nbytes + rows.nbytes  # those two cross as bytes
+    assert size(head, buffers) - bytes_only < 512  # the two shared ones add their places only
+    back = SharedMaps().loads(head, [bytearray(b.raw()) for b in buffers])
+    for name, array in message.items():
+        np.testing.assert_array_equal(back[name], array)
+    assert not back["rows"].flags.writeable  # the child reads the engine's memory, never writes it
+    rows[3, 0] = -7  # the same pages: what the engine writes, the mapping sees
+    assert back["rows"][0, 0] == -7
+
+
+@pytest.mark.parametrize("mode", ["per_token", "stat"])
+def test_the_rows_handed_off_stay_out_of_the_pipe(tmp_path, monkeypatch, piped, mode):
+    shared_path, fed = record(mode, tmp_path / "shared")
+    shared_bytes = sum(piped)
+    piped.clear()
+    monkeypatch.setattr(writer_process, "sharing_available", lambda: False)  # the negative control: every row through the pipe
+    private_path, _ = record(mode, tmp_path / "private")
+    private_bytes = sum(piped)
+    # The rows handed off: per_token's ids (int16), or stat's window [W, L, P] (int32) at each checkpoint.
+    handed = fed.size * 2 if mode == "per_token" else CHECKPOINTS * WINDOW * LAYERS * EXPERTS * 4
+    references = 200 * CHECKPOINTS  # what a reference itself takes in a message, at most, for each hand-off
+    assert private_bytes - shared_bytes >= handed - references, f"pipe: {shared_bytes} bytes shared, {private_bytes} not, for {handed} bytes of rows"
+    counts = np.stack([np.bincount(fed[:, :, layer].ravel(), minlength=EXPERTS) for layer in range(LAYERS)])
+    for path in (shared_path, private_path):
+        with open_trace(path) as trace:
+            np.testing.assert_array_equal(trace.physical_count(), counts)
+            if mode == "per_token":
+                np.testing.assert_array_equal(np.concatenate([c.topk_ids for c in trace.iter_tokens()]), fed.reshape(-1, LAYERS, TOP_K))
+
+
+def test_a_writer_that_cannot_map_the_buffers_gets_the_bytes(tmp_path, monkeypatch, piped):
+    class Unreachable(SharedBuffer):
+        """A probe buffer whose key names no file (as when ``/proc/<pid>/fd`` is closed to the child)."""
+
+        def __init__(self, nbytes: int) -> None:
+            super().__init__(nbytes)
+            self.key = (self.key[0], 10**6, self.key[2])
+
+    monkeypatch.setattr(writer_process, "SharedBuffer", Unreachable)
+    path, fed = record("per_token", tmp_path)
+    assert sum(piped) > fed.size * 2
+    with open_trace(path) as trace:
+        np.testing.assert_array_equal(np.concatenate([c.topk_ids for c in trace.iter_tokens()]), fed.reshape(-1, LAYERS, TOP_K))
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_a_forked_process_writes_private_memory(known):
+    shared = SharedBuffer(1 << 20)
+    pages = np.frombuffer(shared.map, dtype=np.uint8)
+    pages[:] = 1
+    if not known:  # the negative control: the fork hook does not know this buffer
+        shared_memory._live.remove(shared.key[2])
+    pid = os.fork()
+    if pid == 0:  # the child: write every page, then leave without running the parent's cleanup
+        pages[:] = 2
+        os._exit(0 if pages.min() == 2 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert bool((pages == 1).all()) is known, "the child's writes reached the parent's memory" if known else "the control saw no sharing"
+
+
+class CollectingDict(dict):
+    """A registry's storage that runs the collector as an entry goes in (as it may at any
+    allocation there)."""
+
+    def __setitem__(self, key, value) -> None:  # type: ignore[no-untyped-def]
+        gc.collect()
+        super().__setitem__(key, value)
+
+
+def test_a_buffer_freed_by_the_collector_while_another_registers_does_not_deadlock():
+    registry = shared_memory._live
+    gc.collect()
+    gc.disable()  # no finalizer between the copy and the swap
+    registry._spans = collecting = CollectingDict(registry._spans)
+    gc.enable()
+    try:
+        freed = SharedBuffer(4096)
+        key = freed.key
+        cycle: list[object] = [freed]
+        del freed
+        cycle.append(cycle)  # only the collector frees it: its finalizer runs inside the next buffer's registration
+        del cycle
+        made: list[SharedBuffer] = []
+        thread = threading.Thread(target=lambda: made.append(SharedBuffer(4096)), daemon=True)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "registering a shared buffer deadlocked with another one's finalizer"
+    finally:
+        registry._spans = dict(collecting)  # what was added and removed meanwhile stays
+    live = [span[2] for span in registry.spans()]
+    assert key not in live and made[0].key in live
+    assert reference(np.frombuffer(made[0].map, dtype=np.uint8)) is not None
