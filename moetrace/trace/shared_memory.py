@@ -137,7 +137,8 @@ def reference(obj: object) -> tuple[Any, ...] | None:
 class _SharingPickler(pickle.Pickler):
     """A pickler that writes arrays in live shared buffers as references (:func:`reference`)."""
 
-    def persistent_id(self, obj: Any) -> Any:  # noqa: D102 - pickle's hook
+    def persistent_id(self, obj: Any) -> Any:
+        """Pickle's hook: :func:`reference`."""
         return reference(obj)
 
 
