@@ -27,6 +27,7 @@ address (so every tensor over it stays valid), and stops sharing it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import itertools
@@ -107,16 +108,16 @@ class SharedBuffer:
         self.address = int(view.__array_interface__["data"][0])
         del view  # a live export would keep the map from closing
         _live.add(serial, (self.address, self.address + nbytes, self.key))
-        self._finalizer = weakref.finalize(self, _forget, serial, fd)
+        self._finalizer = weakref.finalize(self, _forget, serial, fd, os.getpid())
 
 
-def _forget(serial: int, fd: int) -> None:
-    """A buffer is gone: no more references into it, and its file closed (a child that mapped it keeps its pages)."""
+def _forget(serial: int, fd: int, owner: int) -> None:
+    """A buffer is gone: no more references into it, and its file closed by the process that
+    made it (a child that mapped it keeps its pages; a forked child closed its copy at the fork,
+    and the number may name another file there since)."""
     _live.remove(serial)
-    try:
+    if os.getpid() == owner:
         os.close(fd)
-    except OSError:
-        pass  # closed already (a forked child's copy)
 
 
 def reference(obj: object) -> tuple[Any, ...] | None:
@@ -210,6 +211,8 @@ def _privatize_after_fork() -> None:
         if libc.mmap(first, size, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS_FIXED, -1, 0) != first:
             raise OSError(ctypes.get_errno(), f"could not give the forked process a private copy of shared buffer {key}")
         ctypes.memmove(first, saved, size)
+        with contextlib.suppress(OSError):
+            os.close(key[1])  # the inherited file: this process no longer uses it
 
 
 if sharing_available():
