@@ -102,13 +102,12 @@ class SharedBuffer:
         except BaseException:
             os.close(fd)
             raise
-        self.nbytes = nbytes
         self.key: Key = (os.getpid(), fd, serial)
         view = np.frombuffer(self.map, dtype=np.uint8)
-        self.address = int(view.__array_interface__["data"][0])
+        address = int(view.__array_interface__["data"][0])
         del view  # a live export would keep the map from closing
-        _live.add(serial, (self.address, self.address + nbytes, self.key))
-        self._finalizer = weakref.finalize(self, _forget, serial, fd, os.getpid())
+        _live.add(serial, (address, address + nbytes, self.key))
+        weakref.finalize(self, _forget, serial, fd, os.getpid())  # kept by weakref's own registry until it runs
 
 
 def _forget(serial: int, fd: int, owner: int) -> None:

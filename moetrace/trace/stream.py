@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .shared_memory import SharedBuffer, sharing_available
+from .shared_memory import SharedBuffer
 
 if TYPE_CHECKING:
     import torch
@@ -70,11 +70,11 @@ class HostBufferPool:
         import torch
 
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes == 0 or not sharing_available():
+        if nbytes == 0:
             return torch.zeros(shape, dtype=dtype)
         try:
             shared = SharedBuffer(nbytes)
-        except OSError:
+        except OSError:  # no memfd on this platform, or none left
             return torch.zeros(shape, dtype=dtype)
         self._shared.append(shared)
         return torch.frombuffer(shared.map, dtype=dtype).view(shape).zero_()
