@@ -37,7 +37,6 @@ pytestmark = pytest.mark.skipif(not shared_memory.sharing_available(), reason="n
 LAYERS, EXPERTS, TOP_K, TOKENS = 16, 130, 8, 256  # int16 ids: 256 bytes of ids per row
 CHUNK_TOKENS = 8192  # 32 passes per hand-off
 WINDOW, PERIOD, PASSES = 32, 32, 80
-CHECKPOINTS = PASSES // PERIOD + 1  # stat: at each period, and the dump's
 
 
 def routing(pass_id: int) -> np.ndarray:
@@ -80,14 +79,16 @@ class CountingStream:
 
 @pytest.fixture
 def piped(monkeypatch) -> list[int]:
-    """Bytes of every message sent to a writer process, in order."""
+    """Bytes of every hand-off sent to a writer process (a sink's ``write`` of rows), in order."""
     sent: list[int] = []
     send = writer_process.send
 
     def counted(stream, message, share=False):  # type: ignore[no-untyped-def]
         counter = CountingStream(stream)
         send(counter, message, share)
-        sent.append(counter.bytes)
+        target, name, args, _ = message if isinstance(message, tuple) and len(message) == 4 else (None, None, None, None)
+        if (target, name) == ("sink", "write") and args and args[0] is not None:
+            sent.append(counter.bytes)
 
     monkeypatch.setattr(writer_process, "send", counted)
     return sent
@@ -124,15 +125,18 @@ def test_an_array_in_a_shared_buffer_crosses_as_a_reference_and_anything_else_as
 @pytest.mark.parametrize("mode", ["per_token", "stat"])
 def test_the_rows_handed_off_stay_out_of_the_pipe(tmp_path, monkeypatch, piped, mode):
     shared_path, fed = record(mode, tmp_path / "shared")
-    shared_bytes = sum(piped)
+    shared = list(piped)
     piped.clear()
     monkeypatch.setattr(writer_process, "sharing_available", lambda: False)  # the negative control: every row through the pipe
     private_path, _ = record(mode, tmp_path / "private")
-    private_bytes = sum(piped)
-    # The rows handed off: per_token's ids (int16), or stat's window [W, L, P] (int32) at each checkpoint.
-    handed = fed.size * 2 if mode == "per_token" else CHECKPOINTS * WINDOW * LAYERS * EXPERTS * 4
-    references = 200 * CHECKPOINTS  # what a reference itself takes in a message, at most, for each hand-off
-    assert private_bytes - shared_bytes >= handed - references, f"pipe: {shared_bytes} bytes shared, {private_bytes} not, for {handed} bytes of rows"
+    private = list(piped)
+    # Per hand-off, the rows it hands: per_token's ids (int16; every hand-off alike in both runs: the
+    # block policy drops none), or stat's window [W, L, P] (int32) at each checkpoint. Averaged per
+    # hand-off: a loaded machine may skip a stat checkpoint (its writer still busy) in either run.
+    handed = fed.size * 2 / len(shared) if mode == "per_token" else WINDOW * LAYERS * EXPERTS * 4
+    per_shared, per_private = sum(shared) / len(shared), sum(private) / len(private)
+    references = 200  # what a hand-off's references themselves take, at most
+    assert per_private - per_shared >= handed - references, f"pipe per hand-off: {per_shared:.0f} bytes shared, {per_private:.0f} not, for {handed:.0f} bytes of rows"
     counts = np.stack([np.bincount(fed[:, :, layer].ravel(), minlength=EXPERTS) for layer in range(LAYERS)])
     for path in (shared_path, private_path):
         with open_trace(path) as trace:
