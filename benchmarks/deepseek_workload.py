@@ -57,22 +57,28 @@ def paced_forward(host_work: Callable[[], object], pass_s: float, overlapped: bo
         time.sleep(max(0.0, start + pass_s - time.perf_counter()) if overlapped else pass_s)
 
 
-def bare_ops(ids: list[torch.Tensor]) -> Callable[[], None]:
-    """A pass of the hooks' device ops without moetrace, for controls: per layer, the three ops a hook
-    issues (:mod:`moetrace.recording.pass_counter`: ``add``, ``clamp_`` into a ``[T, k]`` int64
-    stage, ``scatter_add_`` into that layer's row of ``[L, SLOTS + 3]`` counts) on ``ids`` (one
-    ``[T, k]`` tensor per layer, ``L`` of them), with none of the recorder's host work, pass end or
-    files."""
-    device = ids[0].device
-    stage = torch.empty(ids[0].shape, dtype=torch.int64, device=device)
-    counts = list(torch.zeros((len(ids), SLOTS + 3), dtype=torch.int64, device=device).unbind(0))
-    ones = torch.ones(stage.numel(), dtype=torch.int64, device=device)
+def bare_ops(ids: list[torch.Tensor], pass_end: bool = True) -> Callable[[], None]:
+    """A pass of the recording's device ops without moetrace, for controls: per layer, the two ops
+    a hook issues (:mod:`moetrace.recording.pass_counter`: ``copy_`` of its ids into its rows of an
+    int64 stage ``[L, T, k]``, ``fill_`` of its row end), then with ``pass_end`` the pass end's
+    count of every layer at once (``add_``, ``clamp_``, one ``scatter_add_`` into ``[L, SLOTS + 3]``
+    counts, the stage set back to -1), on ``ids`` (one ``[T, k]`` tensor per layer, ``L`` of them),
+    with none of the recorder's host work, token count or files."""
+    device, (tokens, top_k) = ids[0].device, ids[0].shape
+    stage = torch.full((len(ids), tokens, top_k), -1, dtype=torch.int64, device=device)
+    ends = torch.zeros(len(ids), dtype=torch.int64, device=device)
+    counts = torch.zeros((len(ids), SLOTS + 3), dtype=torch.int64, device=device)
+    ones = torch.ones(tokens * top_k, dtype=torch.int64, device=device).expand(len(ids), -1)
+    hooks = list(zip(ids, stage.unbind(0), ends.unbind(0), strict=True))
 
     def one_pass() -> None:
-        for layer_ids, layer_counts in zip(ids, counts, strict=True):
-            torch.add(layer_ids, 2, out=stage)
-            stage.clamp_(0, SLOTS + 2)
-            layer_counts.scatter_add_(0, stage.view(-1), ones)
+        for layer_ids, rows, end in hooks:
+            rows.copy_(layer_ids)
+            end.fill_(tokens)
+        if pass_end:
+            stage.add_(2).clamp_(0, SLOTS + 2)
+            counts.scatter_add_(1, stage.view(len(ids), -1), ones)
+            stage.fill_(-1)
 
     return one_pass
 

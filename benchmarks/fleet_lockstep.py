@@ -12,8 +12,8 @@ hooks or, with ``--overlap``, alongside them (a GPU's host queueing a pass while
 off and on alternate, ``--rounds`` times ``--passes`` passes each, in one launch (side by side); the figure
 per mode and R is the fleet's throughput with recording on over off (medians of the rounds), with the
 longest pass and the passes over the median + 5 ms on rank 0 (the fleet's hiccups). ``--control``
-replaces recording in the "on" rounds with the hooks' three device ops per layer on plain tensors
-(:func:`~deepseek_workload.bare_ops`): where ranks outnumber cores, what their sharing the cores costs
+replaces recording in the "on" rounds with its device ops on plain tensors (the hooks' two per layer
+and the pass end's count: :func:`~deepseek_workload.bare_ops`): where ranks outnumber cores, what their sharing the cores costs
 with no moetrace host work and no files at all.
 """
 

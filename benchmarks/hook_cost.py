@@ -9,9 +9,10 @@ experts). Variants, interleaved round by round in one process (:func:`harness.in
 
 * ``bare scatter_add_``: per layer, one ``scatter_add_`` of the same ids (already shifted to
   ``int64`` columns, so the baseline does no index work at all) into a ``[L, C]`` buffer;
-* ``3 ops, no moetrace``: per layer, the three ops a hook issues (``add``, ``clamp_``,
-  ``scatter_add_``) on plain tensors (:func:`deepseek_workload.bare_ops`): the floor of the
-  hook's design, so that a hook's figure less this one is moetrace's own host work;
+* ``hook ops, no moetrace``: per layer, the ops a hook issues (``copy_`` of the ids into an
+  int64 stage, ``fill_`` of the layer's row end) on plain tensors
+  (:func:`deepseek_workload.bare_ops`, without its pass end): the floor of the hook's design, so
+  that a hook's figure less this one is moetrace's own host work;
 * ``<mode> hooks``: the 58 hooks of a pass (``on_select_experts(ids, layer=l)``), timed without
   the layer scopes and the pass end;
 * ``<mode> pass``: a whole recorded pass, pass end included, per layer.
@@ -63,13 +64,13 @@ def variants(out_dir: Path, device: torch.device) -> tuple[dict[str, object], li
             target[layer].scatter_add_(0, columns[layer], ones)
         sync()
 
-    three_ops = bare_ops(ids)
+    hook_ops = bare_ops(ids, pass_end=False)
 
     def ops_alone() -> None:
-        three_ops()
+        hook_ops()
         sync()
 
-    timed: dict[str, object] = {"bare scatter_add_": bare, "3 ops, no moetrace": ops_alone}
+    timed: dict[str, object] = {"bare scatter_add_": bare, "hook ops, no moetrace": ops_alone}
     recorders = []
     for mode in MODES:
         rec = ExpertDistributionRecorder(RecorderConfig(

@@ -170,7 +170,7 @@ class ExpertDistributionRecorder:
         ``batch``: the engine's batch of this pass (:class:`~moetrace.batch.PassBatch`, host
         arrays), which ties ``per_token`` rows to their requests and gives the pass its phase;
         :meth:`set_batch` gives it from inside the pass instead. Passes do not nest. If the
-        body raises, the partial pass is discarded.
+        body raises, the partial pass is discarded, and so is a pass begun before ``start_record``.
         """
         if self._in_pass:
             raise RecorderStateError("with_forward_pass is already active: forward passes do not nest")
@@ -186,10 +186,10 @@ class ExpertDistributionRecorder:
             yield pass_id
             ok = True
         finally:
-            if self._pass_active and not is_capturing(self._device):
-                if ok:
+            if (self._pass_active or self._recording) and not is_capturing(self._device):
+                if ok and self._pass_active:
                     self._end_pass(pass_id)
-                else:
+                else:  # it raised, or began before start_record: what a replay staged in it is not the recording's
                     self._discard_pass()
             self._in_pass = False
             self._pass_active = False

@@ -1,25 +1,29 @@
-"""The pass counter: every hook's counts, in three device ops, and the pass's tokens, once per pass.
+"""The pass counter: a hook copies its ids in two device ops; the pass end counts every layer at once.
 
-A hook (:meth:`PassCounter.add_select`) issues three kernels whatever the mode:
+A hook (:meth:`PassCounter.add_select`) issues two kernels whatever the mode:
 
-1. ``add`` and 2. ``clamp_`` turn ids ``[T, k]`` into counter columns, written into the
-   layer's rows of the pass stage ``[L, max_tokens, k]`` (the columns of
-   :class:`~moetrace.trace.stat.CounterLayout`: column ``clamp(id + 2, 0, P + 2)``, so ``-1``
-   lands in the padding column and ids below ``-1`` or at least ``P`` in the two invalid
-   columns);
-3. one ``scatter_add_`` of the gate (1 recording, 0 stopped) at those columns into the
-   layer's counter row.
+1. ``copy_`` of ids ``[T, k]`` (any integer dtype) into the layer's rows of the int64 pass stage
+   ``[L, max_tokens, k]``, after the rows its earlier calls in the pass wrote (micro-batches);
+2. ``fill_`` of the layer's row end ``layer_end [L]`` on the device: the rows it holds. A replayed
+   CUDA graph runs no hook's Python, so the host cannot know which rows a replay wrote.
 
-(``torch.bucketize`` would make the columns in one kernel, but on CPU it costs about 10x
-``add`` and ``clamp_`` together at DeepSeek-V3 decode shape: ``docs/benchmarks.md``.)
+The pass end (:meth:`PassCounter.fold`) counts the pass from the stage, for all layers at once and
+in a fixed number of kernels however many layers there are: ``add_`` and ``clamp_`` turn the
+stage's ids into counter columns in place (the columns of
+:class:`~moetrace.trace.stat.CounterLayout`: column ``clamp(id + 2, 0, P + 2)``, so ``-1`` lands in
+the padding column and ids below ``-1`` or at least ``P`` in the two invalid columns), one
+``scatter_add_`` along the columns adds the gate (1 recording, 0 stopped) at each into its layer's
+counter row, and the padding column gives back the rows a layer was not given (``stage rows -
+layer_end``: they hold -1, the stage's empty value). Under CUDA-graph replay this is what the
+device holds, so it stays exact with no hook's Python running. (Counting in each hook took three
+kernels a layer, ``add``, ``clamp_`` and ``scatter_add_``: ``docs/benchmarks.md``.)
 
 The tokens of a pass (rows with at least one id that is not -1, in the layer that has most)
-are counted at pass end, once for all layers, from the stage (:meth:`PassCounter.fold`): under
-CUDA-graph replay no hook's Python runs, so tokens must be counted from what the device holds,
-and the stage is what the replayed hooks wrote. The stage is set back to the padding column
-after each pass, so a layer (or a replayed graph) that writes fewer rows adds nothing there.
-``per_token`` mode reads each pass's ids back from the same stage, and which of its rows are
-tokens from the same count (:meth:`PassCounter.rows_with_ids`).
+are counted at the same pass end, from the same columns (:meth:`PassCounter._count_tokens`).
+The stage is set back to -1 after each pass, so a layer (or a replayed graph) that writes fewer
+rows leaves nothing there. ``per_token`` mode reads each pass's ids back from the stage's columns
+after :meth:`PassCounter.fold`, and which of its rows are tokens from the same count
+(:meth:`PassCounter.rows_with_ids`).
 
 A layer given more rows in a pass than the stage holds (``max_tokens_per_pass``, e.g. a
 prefill larger than configured) is counted directly in ``stat`` and ``per_pass`` mode, with
@@ -49,12 +53,14 @@ class PassCounter:
 
     ``ones`` is a static buffer of 1 (recording) or 0 (stopped) used as the ``scatter_add_``
     source: a CUDA graph captured with recording on can be switched off and on without
-    re-capture; ``gate`` is its first element. ``stage [L, max_tokens, k]`` holds the counter
-    column of every id the pass's hooks gave, layer by layer (``layer_rows [L]``, host ints:
-    rows each layer holds, in call order, so the micro-batches of one layer follow each other;
-    they start over at every pass and every graph capture, whose offsets a replay repeats).
-    ``rows`` is a host bound on the rows any layer holds in the pass (the most a hook wrote in
-    this pass or in any graph capture, since a replay tells the host nothing).
+    re-capture; ``gate`` is its first element. ``stage [L, max_tokens, k]`` holds every id the
+    pass's hooks gave (int64), layer by layer, -1 where none was given, and after :meth:`fold`
+    their counter columns (``layer_rows [L]``, host ints: rows each layer holds, in call order,
+    so the micro-batches of one layer follow each other; they start over at every pass and every
+    graph capture, whose offsets a replay repeats; ``layer_end [L]``: the same on the device,
+    written by the hooks, so a replay's too). ``rows`` is a host bound on the rows any layer
+    holds in the pass (the most a hook wrote in this pass or in any graph capture, since a
+    replay tells the host nothing).
 
     ``pass_tokens [1]`` (the tokens of the pass just folded) and ``token_total [1]`` (since the
     last reset) are updated on the device at pass end, and so are the same totals split by pass
@@ -78,7 +84,9 @@ class PassCounter:
         self.gate = self.ones[:1]
         # int64 whatever the ids' dtype: an int64 id is then never narrowed before it is clamped, so
         # none, however large, lands on an expert's column.
-        self.stage = torch.full(stage, layout.padding, dtype=torch.int64, device=device)
+        self.stage = torch.full(stage, -1, dtype=torch.int64, device=device)
+        self.layer_end = torch.zeros(config.num_layers, dtype=torch.int64, device=device)
+        self._unwritten = torch.zeros(config.num_layers, dtype=torch.int64, device=device)  # pass end: layer_end - rows
         # Pass end: which ids are not -1, each row padded to whole 8-byte words so that "any id of
         # the row" is one word compared with 0 (a reduction over k bools is slow on CPU).
         words = -(-config.top_k // 8)
@@ -86,11 +94,11 @@ class PassCounter:
         self._real_words = self._real.view(torch.int64)  # [L, max_tokens, words]
         self._real_rows = torch.empty(stage[:2], dtype=torch.bool, device=device)  # [L, max_tokens] rows with one
         self._layer_tokens = torch.zeros(config.num_layers, dtype=torch.int64, device=device)
-        # Each layer's counter row and stage as views made once: a hook slices nothing it can avoid.
-        self._layer_counts, self._layer_stage = list(self.current.unbind(0)), list(self.stage.unbind(0))
-        # Each layer's last hook's views (_rows_views): making them costs about as much host time as
-        # a kernel launch on CPU, and consecutive passes usually give a layer the same rows.
-        self._hook_views: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * config.num_layers
+        # Each layer's stage and row end as views made once: a hook slices nothing it can avoid.
+        self._layer_stage, self._layer_ends = list(self.stage.unbind(0)), list(self.layer_end.unbind(0))
+        # Each layer's last hook's rows of the stage (_rows_view): making a view costs about as much
+        # host time as a kernel launch on CPU, and consecutive passes usually give a layer the same rows.
+        self._hook_views: list[tuple[int, int, torch.Tensor] | None] = [None] * config.num_layers
         self.layer_rows = [0] * config.num_layers
         self._no_rows = [0] * config.num_layers
         self.rows = self.captured_rows = 0
@@ -110,7 +118,7 @@ class PassCounter:
         self.rows = 0
 
     def add_select(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """Count ``topk_ids [T, k]`` into layer ``layer`` (three kernels; see the module docstring).
+        """Stage ``topk_ids [T, k]`` for layer ``layer``, counted at pass end (two kernels; see the module docstring).
 
         Ids in ``[0, P)`` count for their expert, ``-1`` in the padding column, any other id in
         one of the two invalid columns; the pass end counts the rows that are not all -1
@@ -128,26 +136,21 @@ class PassCounter:
                 raise ValueError(f"pass of {end} tokens{before} exceeds max_tokens_per_pass={room}; raise it in RecorderConfig")
             self._add_unstaged(layer, topk_ids)
             return
-        _, _, columns, flat, gates = self._rows_views(layer, start, end)
-        torch.add(topk_ids, 2, out=columns)
-        columns.clamp_(0, self.layout.above)
-        self._layer_counts[layer].scatter_add_(0, flat, gates)
+        self._rows_view(layer, start, end).copy_(topk_ids)
+        self._layer_ends[layer].fill_(end)
         self.layer_rows[layer] = end
         if end > self.rows:
             self.rows = end
             if end > self.captured_rows and is_capturing(self.device):
                 self.captured_rows = end  # a replay of this graph writes this many rows, no hook telling
 
-    def _rows_views(self, layer: int, start: int, end: int) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(start, end, columns [n, k], flat [n * k], gates [n * k])``: layer ``layer``'s stage rows
-        ``[start, end)``, the same flat, and the ``scatter_add_`` source; made again only when the
-        layer's rows differ from its last hook's (views are host objects: no device memory)."""
+    def _rows_view(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Layer ``layer``'s stage rows ``[start, end)``, ``[n, k]``; made again only when the layer's
+        rows differ from its last hook's (a view is a host object: no device memory)."""
         views = self._hook_views[layer]
         if views is None or views[0] != start or views[1] != end:
-            columns = self._layer_stage[layer][start:end]
-            flat = columns.view(-1)
-            views = self._hook_views[layer] = (start, end, columns, flat, self.ones[: flat.shape[0]])
-        return views
+            views = self._hook_views[layer] = (start, end, self._layer_stage[layer][start:end])
+        return views[2]
 
     def _add_unstaged(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Count rows that do not fit the stage directly (temporaries), tokens included."""
@@ -178,12 +181,20 @@ class PassCounter:
         if dropped is not None:
             row[self.layout.dropped].addcmul_(dropped.reshape(()), self.gate.reshape(()))
 
-    def _count_tokens(self) -> None:
-        """Pass end: each layer's rows of the stage that hold an id other than -1 into its tokens
-        column (gated), once for all layers; into preallocated buffers."""
-        rows = self.pass_rows
-        if rows == 0:
-            return
+    def _count_stage(self, rows: int) -> None:
+        """Pass end: the stage's first ``rows`` rows of every layer into counter columns (in place),
+        counted into ``current`` (gated), less the padding of the rows a layer was not given; five
+        kernels for all layers."""
+        layers, _, k = self.stage.shape
+        columns = self.stage[:, :rows]
+        columns.add_(2).clamp_(0, self.layout.above)
+        self.current.scatter_add_(1, columns.view(layers, rows * k), self.ones[: rows * k].expand(layers, -1))
+        torch.sub(self.layer_end, rows, out=self._unwritten)
+        self.current[:, self.layout.padding].addcmul_(self._unwritten, self.gate, value=k)
+
+    def _count_tokens(self, rows: int) -> None:
+        """Pass end, after :meth:`_count_stage`: each layer's rows of the stage that hold an id other
+        than -1 into its tokens column (gated), once for all layers; into preallocated buffers."""
         k = self.stage.shape[2]
         torch.ne(self.stage[:, :rows], self.layout.padding, out=self._real[:, :rows, :k])
         real_rows = self._real_rows[:, :rows]
@@ -205,7 +216,10 @@ class PassCounter:
         ``token_total``, and both into pass phase ``phase``'s rows (a host int: a view, no device
         read), with the pass's ``requests`` (-1: unknown, adds nothing) on the host; the pass
         (its rows and stage) stays readable until :meth:`clear`."""
-        self._count_tokens()
+        rows = self.pass_rows
+        if rows:
+            self._count_stage(rows)
+            self._count_tokens(rows)
         self.pass_phase_host[0, phase] += 1
         self.pass_phase_host[1, phase] += max(requests, 0)
         self.totals.add_(self.current)
@@ -216,16 +230,18 @@ class PassCounter:
         self.pass_phase_tokens[phase : phase + 1].add_(self.pass_tokens)
 
     def clear(self) -> None:
-        """Start the next pass empty: zero counts, the stage's rows back to the padding column."""
+        """Start the next pass empty: zero counts, the stage's rows back to -1, no row ends."""
         self.current.zero_()
         rows = self.pass_rows
         if rows:
-            self.stage[:, :rows].fill_(self.layout.padding)
+            self.stage[:, :rows].fill_(-1)
+            self.layer_end.zero_()
 
     def reset(self) -> None:
         """A new recording: everything zero (the stage too: graph replays write it while nothing is recorded)."""
         self.current.zero_()
-        self.stage.fill_(self.layout.padding)
+        self.stage.fill_(-1)
+        self.layer_end.zero_()
         self.totals.zero_()
         self.pass_tokens.zero_()
         self.token_total.zero_()

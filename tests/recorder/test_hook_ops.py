@@ -1,13 +1,15 @@
-"""Device operations per hook (issue 50): at most 3 in every mode, tokens counted once per pass.
+"""Device operations per hook (issue 50): at most 3 in every mode (2: ``copy_`` and ``fill_``),
+counts and tokens taken once per pass.
 
 A ``TorchDispatchMode`` sees every aten op a hook issues; views (metadata only, no kernel) are
 left out. The negative control runs the pre-issue-50 hook body (add, clamp_, scatter_add_, ne,
-any, sum, addcmul_) under the same counter, which must see its 7 ops. Token counts, now taken
-once per pass from the pass counter's stage, are checked against an independent numpy count of
-the ids fed, through the cases the stage must get right: rows mixing -1 and real ids, rows of
-invalid ids only, rows all -1, layers given fewer rows than others, micro-batches, a pass
-larger than the stage (``stat`` and ``per_pass`` count it directly), and CUDA-graph replay; and
-the stage views a hook keeps between passes are made again when its layer's rows change.
+any, sum, addcmul_) under the same counter, which must see its 7 ops. Counts and tokens, now
+taken once per pass from the pass counter's stage, are checked against an independent numpy
+count of the ids fed, through the cases the stage must get right: rows mixing -1 and real ids,
+rows of invalid ids only, rows all -1, layers given fewer rows than others, micro-batches, a
+pass larger than the stage (``stat`` and ``per_pass`` count it directly), and CUDA-graph replay
+(graphs of two batch sizes); and the stage views a hook keeps between passes are made again
+when its layer's rows change.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from moetrace.recording.modes import MODE_CLASSES
 from moetrace.recording.pass_counter import PassCounter
 from moetrace.testing import assert_no_host_sync
 from moetrace.trace import open_trace
-from tests.recorder.helpers import captured_hooks
+from tests.recorder.helpers import captured_hooks, numpy_counts
 
 MAX_HOOK_OPS = 3
+HOOK_OPS = ["copy_.default", "fill_.Scalar"]
 LAYERS, EXPERTS, TOP_K, MAX_TOKENS = 3, 16, 4, 8
 
 
@@ -62,7 +65,7 @@ def test_a_hook_issues_at_most_three_device_ops(tmp_path, mode, dtype):
     rec.start_record()
     ops = hook_ops(rec, torch.tensor([[0, 3, -1, 20], [5, 5, 1, -7]], dtype=dtype))
     assert 0 < len(ops) <= MAX_HOOK_OPS, ops
-    assert ops == ["add.out", "clamp_.default", "scatter_add_.default"]
+    assert ops == HOOK_OPS
 
 
 def naive_hook(current: torch.Tensor, ones: torch.Tensor, ids: torch.Tensor) -> None:
@@ -84,7 +87,7 @@ def test_negative_control_the_counter_sees_the_naive_hooks_seven_ops():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_pass_end_ops_do_not_grow_with_layers(tmp_path, mode):
-    """The tokens are counted once per pass for all layers: the pass end issues as many ops for 2 layers as for 6."""
+    """Counts and tokens are taken once per pass for all layers: the pass end issues as many ops for 2 layers as for 6."""
     ends = []
     for layers in (2, 6):
         rec = make(tmp_path / f"{layers}", mode, layers=layers)
@@ -94,7 +97,7 @@ def test_pass_end_ops_do_not_grow_with_layers(tmp_path, mode):
                 for layer in range(layers):
                     with rec.with_current_layer(layer):
                         rec.on_select_experts(torch.tensor([[0, 3, -1, 2]]))
-        hooks = 3 * layers
+        hooks = len(HOOK_OPS) * layers
         ends.append(len(counter.ops) - hooks)
     assert ends[0] == ends[1], ends
 
@@ -187,8 +190,8 @@ def test_a_hooks_kept_views_follow_its_rows(tmp_path, monkeypatch, views):
     per layer whatever the rows (the first ones made) miscount."""
     if views != "kept-per-rows":
         first: dict[int, tuple] = {}
-        kept = PassCounter._rows_views
-        monkeypatch.setattr(PassCounter, "_rows_views", lambda self, layer, start, end: first.setdefault(layer, kept(self, layer, start, end)))
+        kept = PassCounter._rows_view
+        monkeypatch.setattr(PassCounter, "_rows_view", lambda self, layer, start, end: first.setdefault(layer, kept(self, layer, start, end)))
     passes = micro_batched_passes()
     want = np.zeros((LAYERS, EXPERTS), dtype=np.int64)
     for layers in passes:
@@ -261,6 +264,70 @@ def test_tokens_under_graph_replay_match_an_independent_count(tmp_path, mode):
         with rec.with_forward_pass():
             graph.replay()
     assert rec.snapshot().num_tokens == sum(expected_tokens(passes))
+
+
+def count_stage_keeping_unwritten_padding(self: PassCounter, rows: int) -> None:
+    """Negative control: :meth:`PassCounter._count_stage` without giving back the padding of the rows a layer was not given."""
+    layers, _, k = self.stage.shape
+    columns = self.stage[:, :rows]
+    columns.add_(2).clamp_(0, self.layout.above)
+    self.current.scatter_add_(1, columns.view(layers, rows * k), self.ones[: rows * k].expand(layers, -1))
+
+
+@pytest.mark.parametrize("give_back", [True, False], ids=["unwritten-given-back", "negative-control-kept"])
+def test_padding_counts_only_the_ids_given(tmp_path, monkeypatch, give_back):
+    """Rows a layer was not given hold -1 in the stage at pass end: a layer given fewer rows than
+    another, and every layer under replay of a graph smaller than the largest one captured. Each
+    layer's expert counts, invalid ids and padding ids (-1 given) equal a numpy count of the ids
+    fed; counting those rows as padding (the negative control) does not."""
+    if not give_back:
+        monkeypatch.setattr(PassCounter, "_count_stage", count_stage_keeping_unwritten_padding)
+    rec = make(tmp_path, "stat")
+    graphs = []
+    for size in (MAX_TOKENS, 3):
+        static = torch.full((LAYERS, size, TOP_K), -1, dtype=torch.int64)
+        graphs.append((captured_hooks(rec, static), static))
+    rec.start_record()
+    passes = awkward_passes()
+    with assert_no_host_sync():
+        run(rec, passes)
+    rng = np.random.default_rng(3)
+    for i in range(6):
+        graph, static = graphs[i % 2]
+        ids = rng.integers(-3, EXPERTS + 2, static.shape)
+        ids[:, -1] = -1  # a padding row of the static batch: given, so counted as padding
+        static.copy_(torch.as_tensor(ids))
+        with rec.with_forward_pass(), assert_no_host_sync():
+            graph.replay()
+        passes.append(list(ids))
+    counts, invalid = numpy_counts(passes, EXPERTS)
+    padding = np.sum([[(ids == -1).sum() for ids in layers] for layers in passes], axis=0)
+    with open_trace(rec.dump_record(tmp_path / "padding.h5")) as trace:
+        np.testing.assert_array_equal(trace.physical_count(), counts)
+        np.testing.assert_array_equal(trace.invalid_ids()[0], invalid)
+        assert np.array_equal(trace.padding_ids()[0], padding) is give_back
+
+
+@pytest.mark.parametrize("forget", [True, False], ids=["forgotten", "negative-control-kept"])
+def test_a_replay_in_a_pass_begun_before_start_record_is_not_counted(tmp_path, monkeypatch, forget):
+    """``start_record`` (another thread) lands inside a pass whose graph then replays: that pass is
+    not recorded, and the rows it staged must not count in the next pass, whose smaller graph
+    leaves them in place."""
+    if not forget:
+        monkeypatch.setattr(ExpertDistributionRecorder, "_discard_pass", lambda self: None)
+    rec = make(tmp_path, "stat")
+    (big, big_ids), (small, small_ids) = [(captured_hooks(rec, s), s) for s in (torch.zeros((LAYERS, n, TOP_K), dtype=torch.int64) for n in (MAX_TOKENS, 2))]
+    big_ids.fill_(5)
+    small_ids.fill_(7)
+    with rec.with_forward_pass():
+        rec.start_record()
+        big.replay()
+    with rec.with_forward_pass():
+        small.replay()
+    want = np.zeros((LAYERS, EXPERTS), np.int64)
+    want[:, 7] = 2 * TOP_K
+    snap = rec.snapshot()
+    assert (np.array_equal(snap.physical_count, want) and snap.num_tokens == 2) is forget
 
 
 def test_every_configured_mode_has_its_class():

@@ -27,7 +27,6 @@ from moetrace.batch import PassBatch
 from moetrace.recording.pass_counter import PassCounter
 from moetrace.testing import CpuGraph, assert_no_host_sync
 from moetrace.trace import open_trace
-from moetrace.trace.schema import TraceDamageError
 from tests.recorder.helpers import numpy_counts
 
 LAYERS, EXPERTS, TOP_K, MAX_TOKENS = 4, 16, 2, 24
@@ -93,14 +92,19 @@ def expected_ids(passes: list[tuple[np.ndarray, int]]) -> np.ndarray:
     return np.where((ids >= EXPERTS) | (ids < -1), -2, ids)
 
 
-@pytest.mark.parametrize("mode", ["stat", "per_pass", "per_token"])
-def test_micro_batches_count_every_token_once(tmp_path, mode):
+def recorded_micro_batches(tmp_path, mode: str, count: int = 14) -> tuple[ExpertDistributionRecorder, list[tuple[np.ndarray, int]]]:
+    """A recording of ``count`` passes of :func:`schedule` run as micro-batches, and the passes."""
     rec = make(tmp_path, mode)
     rec.start_record()
-    passes = schedule(seed=1)
+    passes = schedule(seed=1, count=count)
     for ids, split in passes:
         with rec.with_forward_pass():
             run_tbo(rec, ids, split)
+    return rec, passes
+
+
+def assert_every_token_counted_once(tmp_path, rec: ExpertDistributionRecorder, passes: list[tuple[np.ndarray, int]], mode: str) -> None:
+    """The dumped counts, invalid ids, tokens (and ``per_token`` rows) equal the numpy oracle's."""
     counts, invalid = numpy_counts([list(p) for p, _ in passes], EXPERTS)
     tokens = sum(p.shape[1] for p, _ in passes)
     with open_trace(rec.dump_record(tmp_path / f"{mode}.h5")) as trace:
@@ -112,6 +116,12 @@ def test_micro_batches_count_every_token_once(tmp_path, mode):
             np.testing.assert_array_equal(ids, expected_ids(passes))
             np.testing.assert_array_equal(pass_id, np.concatenate([np.full(p.shape[1], i) for i, (p, _) in enumerate(passes)]))
             np.testing.assert_array_equal(position, np.concatenate([np.arange(p.shape[1]) for p, _ in passes]))
+
+
+@pytest.mark.parametrize("mode", ["stat", "per_pass", "per_token"])
+def test_micro_batches_count_every_token_once(tmp_path, mode):
+    rec, passes = recorded_micro_batches(tmp_path, mode)
+    assert_every_token_counted_once(tmp_path, rec, passes, mode)
 
 
 def test_micro_batch_rows_keep_their_requests(tmp_path):
@@ -190,9 +200,11 @@ def test_micro_batch_hooks_do_not_sync(tmp_path):
         assert int(trace.num_tokens().sum()) == sum(ids.shape[1] for ids, _ in schedule(seed=4, count=6))
 
 
-def test_negative_control_overwriting_micro_batches_is_caught(tmp_path, monkeypatch):
-    """The defect these tests guard against: each call staging at row 0 drops the first micro-batch.
-    The trace's own invariants refuse it (more assignments than tokens x top_k)."""
+@pytest.mark.parametrize("mode", ["stat", "per_token"])
+def test_negative_control_overwriting_micro_batches_is_caught(tmp_path, monkeypatch, mode):
+    """The defect these tests guard against: each call staging at row 0 drops the first micro-batch
+    from the counts and the tokens alike (both are taken from the stage at pass end), which the
+    oracle comparison of :func:`test_micro_batches_count_every_token_once` catches."""
 
     staged_after_earlier_calls = PassCounter.add_select
 
@@ -201,13 +213,9 @@ def test_negative_control_overwriting_micro_batches_is_caught(tmp_path, monkeypa
         staged_after_earlier_calls(self, layer, topk_ids)
 
     monkeypatch.setattr(PassCounter, "add_select", at_row_zero)
-    rec = make(tmp_path, "per_token")
-    rec.start_record()
-    for ids, split in schedule(seed=1, count=4):
-        with rec.with_forward_pass():
-            run_tbo(rec, ids, split)
-    with open_trace(rec.dump_record(tmp_path / "broken.h5")) as trace, pytest.raises(TraceDamageError, match="more than /stat/num_tokens"):
-        trace.physical_count()
+    rec, passes = recorded_micro_batches(tmp_path, mode, count=4)
+    with pytest.raises(AssertionError):
+        assert_every_token_counted_once(tmp_path, rec, passes, mode)
 
 
 def test_negative_control_capture_offsets_that_never_start_over_are_caught(tmp_path, monkeypatch):
