@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import io
 import itertools
 import mmap
@@ -196,8 +197,21 @@ _MAP_PRIVATE_ANONYMOUS_FIXED = 0x02 | 0x20 | 0x10
 
 def _privatize_after_fork() -> None:
     """In a forked child: each live buffer becomes private memory with the same bytes at the same
-    address (see the module docstring), and is no longer shared."""
-    inherited = _live.take_all()
+    address (see the module docstring), and is no longer shared.
+
+    The collector is off meanwhile: buffers that were garbage in reference cycles at the fork, not
+    yet collected, are live here too, and a collection set off by this hook's own allocations
+    would free them, unmapping pages while they are copied (the child died of SIGSEGV)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        _privatize(_live.take_all())
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _privatize(inherited: list[Span]) -> None:
     if not inherited:
         return
     libc = ctypes.CDLL(None, use_errno=True)

@@ -13,6 +13,8 @@ sends the writer process only where its arrays lie. Checked here:
   trace is still exact;
 * a process forked after buffers were made writes into private memory, not its parent's, and has
   closed its copy of the buffer's file; the negative control, a buffer the fork hook does not know, shows that the parent would see it;
+* a buffer that was garbage, not yet collected, at the fork is not freed while the forked child
+  copies it (negative control: with the collector on during the fork hook, it is);
 * a buffer that the collector frees while another is being made (its finalizer runs inside that
   code) does not deadlock.
 """
@@ -23,6 +25,7 @@ import gc
 import os
 import pickle
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -179,6 +182,51 @@ def test_a_forked_process_writes_private_memory(known):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert bool((pages == 1).all()) is known, "the child's writes reached the parent's memory" if known else "the control saw no sharing"
+
+
+@pytest.mark.parametrize("collector_off", [True, False], ids=["collector-off", "negative-control-collector-on"])
+def test_a_buffer_garbage_at_the_fork_is_not_freed_while_the_child_copies_it(monkeypatch, collector_off):
+    """A buffer in a reference cycle that was garbage but not yet collected at the fork is live in
+    the child too; a collection there, set off by the fork hook's own allocations, would free it
+    and unmap its pages before the hook copies them (a full-suite run's child died of SIGSEGV so).
+    Here every allocation after the hook takes the registry sets one off, and the child leaves
+    with 3 where the hook would copy the buffer after it was freed: it does with the collector on
+    during the hook (the negative control)."""
+    if not collector_off:
+        monkeypatch.setattr(shared_memory.gc, "disable", lambda: None)
+    take_all, memmove = shared_memory._Registry.take_all, shared_memory.ctypes.memmove
+
+    def take_all_then_collect_often(self):  # type: ignore[no-untyped-def]
+        spans = take_all(self)
+        gc.set_threshold(1)
+        return spans
+
+    monkeypatch.setattr(shared_memory._Registry, "take_all", take_all_then_collect_often)
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(10**9)  # nothing collected in this process until the fork
+    try:
+        buffer = SharedBuffer(1 << 22)
+        [address] = [first for first, _, key in shared_memory._live.spans() if key == buffer.key]
+        alive = weakref.ref(buffer)
+
+        def memmove_unless_freed(dst, src, count):  # type: ignore[no-untyped-def]
+            if src == address and alive() is None:
+                os._exit(3)  # about to read the pages of a buffer the collector freed
+            return memmove(dst, src, count)
+
+        monkeypatch.setattr(shared_memory.ctypes, "memmove", memmove_unless_freed)
+        garbage: list[object] = [buffer]
+        garbage.append(garbage)
+        del buffer, garbage
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()
+    assert os.waitstatus_to_exitcode(status) == (0 if collector_off else 3)
 
 
 class CollectingDict(dict):
