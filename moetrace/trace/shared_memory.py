@@ -212,6 +212,7 @@ def _privatize_after_fork() -> None:
 
 
 def _privatize(inherited: list[Span]) -> None:
+    """Each of the ``inherited`` spans swapped for private memory holding the same bytes, its file closed."""
     if not inherited:
         return
     libc = ctypes.CDLL(None, use_errno=True)
