@@ -189,8 +189,13 @@ class PassCounter:
         columns = self.stage[:, :rows]
         columns.add_(2).clamp_(0, self.layout.above)
         self.current.scatter_add_(1, columns.view(layers, rows * k), self.ones[: rows * k].expand(layers, -1))
+        self._take_back_unwritten(rows)
+
+    def _take_back_unwritten(self, rows: int) -> None:
+        """The padding :meth:`_count_stage` counted in the rows ``[layer_end, rows)`` of each layer,
+        which hold -1 because no hook wrote them, taken back (gated)."""
         torch.sub(self.layer_end, rows, out=self._unwritten)
-        self.current[:, self.layout.padding].addcmul_(self._unwritten, self.gate, value=k)
+        self.current[:, self.layout.padding].addcmul_(self._unwritten, self.gate, value=self.stage.shape[2])
 
     def _count_tokens(self, rows: int) -> None:
         """Pass end, after :meth:`_count_stage`: each layer's rows of the stage that hold an id other
