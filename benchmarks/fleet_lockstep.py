@@ -11,7 +11,8 @@ the forward's device time (0: the issue's bare workload, where the hooks are the
 hooks or, with ``--overlap``, alongside them (a GPU's host queueing a pass while the device runs). Recording
 off and on alternate, ``--rounds`` times ``--passes`` passes each, in one launch (side by side); the figure
 per mode and R is the fleet's throughput with recording on over off (medians of the rounds), with the
-longest pass and the passes over the median + 5 ms on rank 0 (the fleet's hiccups). ``--control``
+longest pass and the passes over the median + 5 ms on rank 0 (the fleet's hiccups), and where its passes'
+time went: the median CPU of a pass's host work and its wait in the barrier, recording off and on. ``--control``
 replaces recording in the "on" rounds with its device ops on plain tensors (the hooks' two per layer
 and the pass end's count: :func:`~deepseek_workload.bare_ops`): where ranks outnumber cores, what their sharing the cores costs
 with no moetrace host work and no files at all.
@@ -40,15 +41,18 @@ from harness import write_results
 from moetrace.reference.launcher import launch
 
 
-def passes(host_work: Callable[[], object], count: int, pass_s: float, overlapped: bool) -> list[float]:
+def passes(host_work: Callable[[], object], count: int, pass_s: float, overlapped: bool) -> np.ndarray:
     """``count`` lockstep passes (``host_work`` and the stand-in wait, :func:`~deepseek_workload.paced_forward`,
-    then the barrier); each one's seconds."""
-    times = []
-    for _ in range(count):
-        start = time.perf_counter()
+    then the barrier); ``[count, 3]`` seconds: each whole pass, the CPU its host work took (this thread),
+    and its wait in the barrier (for the slowest rank: under ``--overlap`` where the ranks' host work shows)."""
+    times = np.empty((count, 3))
+    for i in range(count):
+        start, cpu = time.perf_counter(), time.thread_time()
         paced_forward(host_work, pass_s, overlapped)
+        cpu, waiting = time.thread_time() - cpu, time.perf_counter()
         dist.barrier()
-        times.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        times[i] = end - start, cpu, end - waiting
     return times
 
 
@@ -65,8 +69,8 @@ def rank_main(rank: int, world: int, mode: str, output_dir: str, count: int, rou
     for warm in (hooks, bare):  # warm-up
         if warm is not None:
             passes(warm, 20, pass_s, overlapped)
-    off: list[list[float]] = []
-    on: list[list[float]] = []
+    off: list[np.ndarray] = []
+    on: list[np.ndarray] = []
     for _ in range(rounds):
         off.append(passes(hooks, count, pass_s, overlapped))
         if bare is not None:
@@ -79,16 +83,20 @@ def rank_main(rank: int, world: int, mode: str, output_dir: str, count: int, rou
     return {"off": off, "on": on}
 
 
-def summary(result: dict[str, list[list[float]]]) -> dict[str, float]:
-    """Rank 0's rounds: throughput on / off (median of rounds), pass-time figures with recording on."""
-    off = [len(r) / sum(r) for r in result["off"]]
-    on = [len(r) / sum(r) for r in result["on"]]
-    on_times = np.concatenate(result["on"])
+def summary(result: dict[str, list[np.ndarray]]) -> dict[str, float]:
+    """Rank 0's rounds: throughput on / off (median of rounds), pass-time figures with recording on, and
+    per case the median host CPU and barrier wait of a pass (:func:`passes`)."""
+    off = [len(r) / r[:, 0].sum() for r in result["off"]]
+    on = [len(r) / r[:, 0].sum() for r in result["on"]]
+    on_all, off_all = np.concatenate(result["on"]), np.concatenate(result["off"])
+    on_times = on_all[:, 0]
     median = float(np.median(on_times))
     return {
         "passes_per_s_off": statistics.median(off), "passes_per_s_on": statistics.median(on), "on_over_off": statistics.median(on) / statistics.median(off),
         "median_on_ms": 1e3 * median, "p99_on_ms": 1e3 * float(np.percentile(on_times, 99)), "max_on_ms": 1e3 * float(on_times.max()),
-        "over_median_5ms_on": int((on_times > median + 5e-3).sum()), "median_off_ms": 1e3 * float(np.median(np.concatenate(result["off"]))),
+        "over_median_5ms_on": int((on_times > median + 5e-3).sum()), "median_off_ms": 1e3 * float(np.median(off_all[:, 0])),
+        "host_cpu_off_ms": 1e3 * float(np.median(off_all[:, 1])), "host_cpu_on_ms": 1e3 * float(np.median(on_all[:, 1])),
+        "barrier_off_ms": 1e3 * float(np.median(off_all[:, 2])), "barrier_on_ms": 1e3 * float(np.median(on_all[:, 2])),
         "load_average": os.getloadavg()[0],
     }
 
@@ -117,7 +125,8 @@ def main() -> None:
                 results[f"pass_ms_{pass_ms:g}/R{world}/{mode}"] = figures
                 print(f"pass {pass_ms:4g} ms  R={world}  {mode:<10} on/off {figures['on_over_off']:.3f}  ({figures['passes_per_s_on']:.1f} vs {figures['passes_per_s_off']:.1f} passes/s;"
                       f" on: median {figures['median_on_ms']:.1f} p99 {figures['p99_on_ms']:.1f} max {figures['max_on_ms']:.1f} ms,"
-                      f" {figures['over_median_5ms_on']} over median+5 ms; load {figures['load_average']:.2f})", flush=True)
+                      f" {figures['over_median_5ms_on']} over median+5 ms; host CPU {figures['host_cpu_off_ms']:.2f} -> {figures['host_cpu_on_ms']:.2f} ms,"
+                      f" barrier {figures['barrier_off_ms']:.1f} -> {figures['barrier_on_ms']:.1f} ms; load {figures['load_average']:.2f})", flush=True)
     print(write_results(f"fleet_lockstep-{args.label}", results))
 
 
