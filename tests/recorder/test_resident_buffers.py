@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from moetrace.trace.shared_memory import SharedBuffer, sharing_available
 from moetrace.trace.stream import HostBufferPool
 from tests.faults.recording import feed, make_recorder
 
@@ -38,16 +39,23 @@ def tensor_resident(tensor: torch.Tensor) -> float:
 
 
 def test_the_check_sees_pages_not_yet_touched() -> None:
-    """Negative control: fresh anonymous memory, and a ``torch.empty`` of the pool's size, are not in
-    memory until written; the check says so (a pool made with ``torch.empty`` would fail below)."""
+    """Negative control: fresh anonymous memory, and a pool's shared buffer before it is zeroed, are
+    not in memory until written; the check says so (a pool that skipped the zeroing would fail below).
+
+    Not a ``torch.empty``: malloc may serve it from heap memory that an earlier test freed, already
+    in memory and holding that test's data (seen in a fresh-clone CI run), so it proves nothing."""
     fresh = mmap.mmap(-1, BIG)
     address = ctypes.addressof(ctypes.c_char.from_buffer(fresh))
     assert resident_fraction(address, BIG) == 0.0
     fresh[::mmap.PAGESIZE] = b"\1" * (BIG // mmap.PAGESIZE)
     assert resident_fraction(address, BIG) == 1.0
     fresh.close()
-    empty = torch.empty(BIG // 4, dtype=torch.int32)
-    assert tensor_resident(empty) < 0.5
+    if not sharing_available():
+        pytest.skip("no memfd here: the pool's buffers are private zeros, made by torch.zeros")
+    unzeroed = torch.frombuffer(SharedBuffer(BIG).map, dtype=torch.int32)
+    assert tensor_resident(unzeroed) == 0.0
+    unzeroed.zero_()  # what HostBufferPool does to each buffer it makes
+    assert tensor_resident(unzeroed) == 1.0
 
 
 def test_a_pools_buffers_are_in_memory_when_made() -> None:
