@@ -50,11 +50,16 @@ def expert_count(routes: list[np.ndarray]) -> np.ndarray:
 
 def sglang_recorder_count(files: list[Path], tp_size: int) -> np.ndarray:
     """``[L, E]`` what the engine routed, from SGLang's own ``stat`` recorder dumps (an independent record
-    inside the engine): SGLang all-reduces the ranks' counts over the TP group, so each of the ``tp_size``
-    files holds ``tp_size`` x the count under TP attention; the files must agree."""
+    inside the engine): SGLang all-reduces the ranks' counts over the TP group, so each TP rank's file
+    holds ``tp_size`` x the count under TP attention; the files must agree.
+
+    Every TP rank is EP rank 0 here and writes ``expert_distribution_recorder_{time.time()}.pt``, a name
+    without the rank (SGLang 0.5.23, ``_StatAccumulator.dump``). Two ranks leaving the all-reduce together
+    can read the same clock and write one file (a fresh-clone CI run: both ranks' log lines name
+    ``..._1796650638.3074987.pt``), so 1 to ``tp_size`` files."""
     import torch
 
-    assert len(files) == tp_size, f"expected one SGLang dump per rank, found {files}"
+    assert 1 <= len(files) <= tp_size, f"expected one SGLang dump per TP rank (or fewer, sharing a name), found {files}"
     totals = [torch.load(path, weights_only=True)["logical_count"].numpy().sum(axis=0) for path in files]
     for other in totals[1:]:
         np.testing.assert_array_equal(other, totals[0])
