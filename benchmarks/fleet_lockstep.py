@@ -1,7 +1,7 @@
 """What recording costs a fleet in lockstep (issue 50, item 2): R ranks, a gloo barrier per pass.
 
 Run: ``.venv/bin/python benchmarks/fleet_lockstep.py [--ranks 2 4 8] [--modes stat per_pass per_token]
-[--passes 300] [--rounds 3] [--pass-ms 0 30] [--overlap] [--control] [--label NAME]``
+[--passes 300] [--rounds 3] [--pass-ms 0 30] [--overlap] [--control [--control-cpu-ms MS]] [--label NAME]``
 
 Each of R processes runs the DeepSeek-V3 decode workload through the hooks (:mod:`deepseek_workload`:
 58 MoE layers, 288 slots, top-8, 256 tokens a pass), then ``dist.barrier()`` (gloo), which stands in for
@@ -15,7 +15,9 @@ longest pass and the passes over the median + 5 ms on rank 0 (the fleet's hiccup
 time went: the median CPU of a pass's host work and its wait in the barrier, recording off and on. ``--control``
 replaces recording in the "on" rounds with its device ops on plain tensors (the hooks' two per layer
 and the pass end's count: :func:`~deepseek_workload.bare_ops`): where ranks outnumber cores, what their sharing the cores costs
-with no moetrace host work and no files at all.
+with no moetrace host work and no files at all. ``--control-cpu-ms`` adds that many milliseconds of CPU
+(a busy loop on the forward thread) to each control pass, after its device ops: whether a pass's host CPU
+alone, with nothing of moetrace's, costs the fleet what recording does.
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ from harness import write_results
 from moetrace.reference.launcher import launch
 
 
+def burning(work: Callable[[], object], cpu_s: float) -> Callable[[], None]:
+    """``work``, then a busy loop until this thread has used ``cpu_s`` more seconds of CPU."""
+
+    def run() -> None:
+        work()
+        end = time.thread_time() + cpu_s
+        while time.thread_time() < end:
+            pass
+
+    return run
+
+
 def passes(host_work: Callable[[], object], count: int, pass_s: float, overlapped: bool) -> np.ndarray:
     """``count`` lockstep passes (``host_work`` and the stand-in wait, :func:`~deepseek_workload.paced_forward`,
     then the barrier); ``[count, 3]`` seconds: each whole pass, the CPU its host work took (this thread),
@@ -57,15 +71,16 @@ def passes(host_work: Callable[[], object], count: int, pass_s: float, overlappe
 
 
 def rank_main(rank: int, world: int, mode: str, output_dir: str, count: int, rounds: int, pass_s: float, overlapped: bool, settings: dict[str, object],
-              control: bool) -> dict[str, object]:
+              control_cpu_s: float | None) -> dict[str, object]:
     """One rank: ``rounds`` of recording off then on, ``count`` passes each (``settings``: recorder config fields); its pass times.
-    With ``control`` the "on" rounds run the hooks' device ops on plain tensors instead (:func:`~deepseek_workload.bare_ops`)."""
+    With ``control_cpu_s`` (not ``None``) the "on" rounds run the hooks' device ops on plain tensors instead
+    (:func:`~deepseek_workload.bare_ops`), then that many seconds of CPU (:func:`burning`)."""
     out = Path(output_dir) / f"rank{rank}"
     out.mkdir(parents=True, exist_ok=True)
     ids = routes(seed=rank)
     rec = recorder(mode, out, **settings)
     hooks = functools.partial(forward, rec, ids)
-    bare = bare_ops(ids) if control else None
+    bare = None if control_cpu_s is None else burning(bare_ops(ids), control_cpu_s)
     for warm in (hooks, bare):  # warm-up
         if warm is not None:
             passes(warm, 20, pass_s, overlapped)
@@ -112,15 +127,17 @@ def main() -> None:
     parser.add_argument("--segment-seconds", type=float, default=None, help="RecorderConfig.segment_seconds (default: the recorder's)")
     parser.add_argument("--control", action="store_true",
                         help='the "on" rounds run the hooks\' device ops on plain tensors, without moetrace: what the ranks sharing this machine\'s cores costs by itself')
+    parser.add_argument("--control-cpu-ms", type=float, default=0.0, help="with --control: CPU (ms) a control pass burns after its device ops")
     parser.add_argument("--label", default="now")
     args = parser.parse_args()
+    control_cpu_s = args.control_cpu_ms / 1e3 if args.control else None
     settings = {} if args.segment_seconds is None else {"segment_seconds": args.segment_seconds}
-    results: dict[str, object] = {"settings": settings, "passes": args.passes, "rounds": args.rounds, "overlapped": args.overlap, "control": args.control, "load_average_start": os.getloadavg()[0]}
+    results: dict[str, object] = {"settings": settings, "passes": args.passes, "rounds": args.rounds, "overlapped": args.overlap, "control": args.control, "control_cpu_ms": args.control_cpu_ms, "load_average_start": os.getloadavg()[0]}
     for pass_ms in args.pass_ms:
         for world in args.ranks:
             for mode in args.modes:
                 with tempfile.TemporaryDirectory(prefix="moetrace-lockstep-") as tmp:
-                    [first, *_] = launch(rank_main, world, mode, tmp, args.passes, args.rounds, pass_ms / 1e3, args.overlap, settings, args.control, backend="gloo", threads_per_rank=1, timeout=3600)
+                    [first, *_] = launch(rank_main, world, mode, tmp, args.passes, args.rounds, pass_ms / 1e3, args.overlap, settings, control_cpu_s, backend="gloo", threads_per_rank=1, timeout=3600)
                 figures = summary(first)
                 results[f"pass_ms_{pass_ms:g}/R{world}/{mode}"] = figures
                 print(f"pass {pass_ms:4g} ms  R={world}  {mode:<10} on/off {figures['on_over_off']:.3f}  ({figures['passes_per_s_on']:.1f} vs {figures['passes_per_s_off']:.1f} passes/s;"
