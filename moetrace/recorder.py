@@ -333,7 +333,7 @@ class ExpertDistributionRecorder:
             self._sink.end_pass(counter, pass_id, timestamp, phase, requests, self._batch)
             counter.clear()
             self._num_passes += 1
-            self._snapshots.publish(counter.pass_phase_totals, counter.pass_phase_tokens, self._num_passes, timestamp, counter.pass_phase_host)
+            self._snapshots.publish(counter.pass_phase_totals, counter.pass_phase_tokens, phase, self._num_passes, timestamp, counter.pass_phase_host)
             if self._files.after_pass(pass_id, self._num_passes):  # the writer failed: stop, the engine goes on
                 self._recording = False
                 self._counter.set_gate(False)

@@ -272,7 +272,7 @@ class TraceDump:
         window's metadata and of the passes and requests of each pass phase. Nothing is read
         back to the host here."""
         return StatCut(
-            totals=counter.totals.clone(), token_total=counter.token_total.clone(), ring=window.cut(ring),
+            totals=counter.totals(), token_total=counter.token_total(), ring=window.cut(ring),
             tokens=window.tokens.clone(), order=window.order(), pass_id=window.pass_id.copy(), timestamp=window.timestamp.copy(),
             num_passes=num_passes, pass_phase_totals=counter.pass_phase_totals.clone(), pass_phase_tokens=counter.pass_phase_tokens.clone(),
             pass_phase_host=counter.pass_phase_host.copy(), window_pass_phase=window.pass_phase.copy(), window_requests=window.requests.copy(),

@@ -49,7 +49,7 @@ __all__ = ["PassCounter"]
 
 
 class PassCounter:
-    """Counts of the current pass ``current [L, C]`` and running ``totals [L, C]`` (int64).
+    """Counts of the current pass ``current [L, C]`` and, since the last reset, by pass phase (int64).
 
     ``ones`` is a static buffer of 1 (recording) or 0 (stopped) used as the ``scatter_add_``
     source: a CUDA graph captured with recording on can be switched off and on without
@@ -62,10 +62,10 @@ class PassCounter:
     holds in the pass (the most a hook wrote in this pass or in any graph capture, since a
     replay tells the host nothing).
 
-    ``pass_tokens [1]`` (the tokens of the pass just folded) and ``token_total [1]`` (since the
-    last reset) are updated on the device at pass end, and so are the same totals split by pass
-    phase, ``pass_phase_totals [Q, L, C]`` and ``pass_phase_tokens [Q]`` (their sums over ``Q`` are
-    ``totals`` and ``token_total``).
+    ``pass_tokens [1]`` (the tokens of the pass just folded) is updated on the device at pass end,
+    and so are the totals since the last reset, by pass phase: ``pass_phase_totals [Q, L, C]`` and
+    ``pass_phase_tokens [Q]``. Their sums over ``Q`` (:meth:`totals`, :meth:`token_total`) are
+    taken only when read (dumps, checkpoints), not kept beside them at every pass end.
 
     Args:
         keep_rows: refuse a layer's rows that do not fit the stage (``per_token`` mode keeps
@@ -79,7 +79,6 @@ class PassCounter:
         stage = (config.num_layers, config.max_tokens_per_pass, config.top_k)
         self.device: torch.device = device  # type: ignore[assignment]
         self.current = torch.zeros(shape, dtype=torch.int64, device=device)
-        self.totals = torch.zeros(shape, dtype=torch.int64, device=device)
         self.ones = torch.zeros(config.max_tokens_per_pass * config.top_k, dtype=torch.int64, device=device)
         self.gate = self.ones[:1]
         # int64 whatever the ids' dtype: an int64 id is then never narrowed before it is clamped, so
@@ -103,7 +102,6 @@ class PassCounter:
         self._no_rows = [0] * config.num_layers
         self.rows = self.captured_rows = 0
         self.pass_tokens = torch.zeros(1, dtype=torch.int64, device=device)
-        self.token_total = torch.zeros(1, dtype=torch.int64, device=device)
         self.pass_phase_totals = torch.zeros((len(PASS_PHASES), *shape), dtype=torch.int64, device=device)
         self.pass_phase_tokens = torch.zeros(len(PASS_PHASES), dtype=torch.int64, device=device)
         self.pass_phase_host = np.zeros((2, len(PASS_PHASES)), dtype=np.int64)  # host: passes, requests of each pass phase
@@ -217,22 +215,28 @@ class PassCounter:
             torch.amax(self._real_rows[:, :rows], dim=0, out=out)
 
     def fold(self, phase: int, requests: int) -> None:
-        """Pass end: count the pass's tokens, add the pass into the totals and its tokens into
-        ``token_total``, and both into pass phase ``phase``'s rows (a host int: a view, no device
-        read), with the pass's ``requests`` (-1: unknown, adds nothing) on the host; the pass
-        (its rows and stage) stays readable until :meth:`clear`."""
+        """Pass end: count the pass's tokens, and add the pass and its tokens into pass phase
+        ``phase``'s totals (a host int: a view, no device read), with the pass's ``requests`` (-1:
+        unknown, adds nothing) on the host; the pass (its rows and stage) stays readable until
+        :meth:`clear`."""
         rows = self.pass_rows
         if rows:
             self._count_stage(rows)
             self._count_tokens(rows)
         self.pass_phase_host[0, phase] += 1
         self.pass_phase_host[1, phase] += max(requests, 0)
-        self.totals.add_(self.current)
         self.pass_phase_totals[phase].add_(self.current)
         tokens = self.layout.tokens
         torch.amax(self.current[:, tokens : tokens + 1], dim=0, out=self.pass_tokens)
-        self.token_total.add_(self.pass_tokens)
         self.pass_phase_tokens[phase : phase + 1].add_(self.pass_tokens)
+
+    def totals(self) -> torch.Tensor:
+        """The counts since the last reset, ``[L, C]``: a new device tensor (the sum over pass phases)."""
+        return self.pass_phase_totals.sum(dim=0)
+
+    def token_total(self) -> torch.Tensor:
+        """The tokens since the last reset, ``[1]``: a new device tensor (the sum over pass phases)."""
+        return self.pass_phase_tokens.sum(dim=0, keepdim=True)
 
     def clear(self) -> None:
         """Start the next pass empty: zero counts, the stage's rows back to -1, no row ends."""
@@ -247,9 +251,7 @@ class PassCounter:
         self.current.zero_()
         self.stage.fill_(-1)
         self.layer_end.zero_()
-        self.totals.zero_()
         self.pass_tokens.zero_()
-        self.token_total.zero_()
         self.pass_phase_totals.zero_()
         self.pass_phase_tokens.zero_()
         self.pass_phase_host[:] = 0

@@ -188,10 +188,10 @@ class RecordingSession:
             return
         window, tokens, phase_totals = window_pool.acquire(), tokens_pool.acquire(), phase_pool.acquire()
         assert window is not None and tokens is not None and phase_totals is not None
-        totals.copy_(counter.totals, non_blocking=True)
+        totals.copy_(counter.totals(), non_blocking=True)
         phase_totals.copy_(counter.pass_phase_totals, non_blocking=True)
         tokens[:slots].copy_(w.tokens, non_blocking=True)  # each window slot's tokens, the token total, each pass phase's
-        tokens[slots : slots + 1].copy_(counter.token_total, non_blocking=True)
+        tokens[slots : slots + 1].copy_(counter.token_total(), non_blocking=True)
         tokens[slots + 1 :].copy_(counter.pass_phase_tokens, non_blocking=True)
         cut = w.cut(window)
         order = cut.order
@@ -229,7 +229,7 @@ class RecordingSession:
         counter, w = self._staged.counter, self._window()
         with torch.inference_mode(False):  # normal tensors, even when the recording starts under it
             return (
-                HostBufferPool(tuple(counter.totals.shape), torch.int64, 1, self._cuda),
+                HostBufferPool(tuple(counter.current.shape), torch.int64, 1, self._cuda),
                 HostBufferPool(tuple(w.counts.shape), torch.int32, 1, self._cuda),
                 HostBufferPool((len(w.pass_id) + 1 + len(counter.pass_phase_tokens),), torch.int64, 1, self._cuda),
                 HostBufferPool(tuple(counter.pass_phase_totals.shape), torch.int64, 1, self._cuda),

@@ -107,20 +107,20 @@ def test_scrapes_read_host_memory_only_and_clear_drops_copies_in_flight():
     FakeEvent.calls = []
     channel = cuda_channel()
     ones, tokens = torch.ones((1, 2, 3), dtype=torch.int64), torch.tensor([5])
-    channel.publish(ones, tokens, 1, 10.0)
+    channel.publish(ones, tokens, 0, 1, 10.0)
     rows, (passes, num_tokens, _) = scrape(channel)
     assert rows.sum() == 0 and passes == 0  # the copy is not known finished yet
     channel._events[channel._flight].done = True  # type: ignore[union-attr]
-    channel.publish(ones * 2, tokens * 2, 2, 11.0)  # pass end: the forward thread sees the first copy done
+    channel.publish(ones * 2, tokens * 2, 0, 2, 11.0)  # pass end: the forward thread sees the first copy done
     rows, (passes, num_tokens, _) = scrape(channel)
     assert rows.sum() == 6 and (passes, num_tokens) == (1, 5)
     channel.clear()  # start_record/reset while pass 2's copy may still be landing
     channel._events[0].done = channel._events[1].done = True  # type: ignore[union-attr]
     rows, (passes, num_tokens, _) = scrape(channel)
     assert rows.sum() == 0 and (passes, num_tokens) == (0, 0)
-    channel.publish(ones * 3, tokens * 3, 1, 12.0)
+    channel.publish(ones * 3, tokens * 3, 0, 1, 12.0)
     channel._events[channel._flight].done = True  # type: ignore[union-attr]
-    channel.publish(ones * 4, tokens * 4, 2, 13.0)
+    channel.publish(ones * 4, tokens * 4, 0, 2, 13.0)
     rows, (passes, num_tokens, _) = scrape(channel)
     assert rows.sum() == 18 and (passes, num_tokens) == (1, 15)  # the new recording's copy, never the stale one
     assert callers() == {threading.get_ident()}  # the scrape threads made no event call
@@ -130,7 +130,7 @@ def test_a_lifecycle_call_settles_the_last_copy():
     """An idle engine publishes no more passes: stop_record/dump_record wait for the copy in flight."""
     FakeEvent.calls = []
     channel = cuda_channel()
-    channel.publish(torch.ones((1, 2, 3), dtype=torch.int64), torch.tensor([4]), 1, 10.0)
+    channel.publish(torch.ones((1, 2, 3), dtype=torch.int64), torch.tensor([4]), 0, 1, 10.0)
     assert scrape(channel)[1][:2] == (0, 0)
     channel.settle()
     rows, (passes, tokens, _) = scrape(channel)
