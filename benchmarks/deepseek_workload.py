@@ -18,7 +18,7 @@ import torch
 
 from moetrace import ExpertDistributionRecorder, RecorderConfig
 
-__all__ = ["LAYERS", "SLOTS", "TOKENS", "TOP_K", "bare_ops", "forward", "paced_forward", "recorder", "routes"]
+__all__ = ["LAYERS", "SLOTS", "TOKENS", "TOP_K", "bare_ops", "burning", "forward", "paced_forward", "recorder", "routes"]
 
 LAYERS, SLOTS, TOP_K, TOKENS = 58, 288, 8, 256
 
@@ -55,6 +55,18 @@ def paced_forward(host_work: Callable[[], object], pass_s: float, overlapped: bo
     host_work()
     if pass_s:
         time.sleep(max(0.0, start + pass_s - time.perf_counter()) if overlapped else pass_s)
+
+
+def burning(work: Callable[[], object], cpu_s: float) -> Callable[[], None]:
+    """``work``, then a busy loop until this thread has used ``cpu_s`` more seconds of CPU."""
+
+    def run() -> None:
+        work()
+        end = time.thread_time() + cpu_s
+        while time.thread_time() < end:
+            pass
+
+    return run
 
 
 def bare_ops(ids: list[torch.Tensor], pass_end: bool = True) -> Callable[[], None]:

@@ -37,22 +37,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from deepseek_workload import bare_ops, forward, paced_forward, recorder, routes
+from deepseek_workload import bare_ops, burning, forward, paced_forward, recorder, routes
 from harness import write_results
 
 from moetrace.reference.launcher import launch
-
-
-def burning(work: Callable[[], object], cpu_s: float) -> Callable[[], None]:
-    """``work``, then a busy loop until this thread has used ``cpu_s`` more seconds of CPU."""
-
-    def run() -> None:
-        work()
-        end = time.thread_time() + cpu_s
-        while time.thread_time() < end:
-            pass
-
-    return run
 
 
 def passes(host_work: Callable[[], object], count: int, pass_s: float, overlapped: bool) -> np.ndarray:

@@ -1,14 +1,21 @@
 """What a recording adds to a forward pass, at the median, p99 and the worst (issue 50, item 4).
 
 Run: ``.venv/bin/python benchmarks/pass_bound.py [--seconds 600] [--modes stat per_pass per_token]
-[--segment-seconds 10 2] [--pass-ms 0] [--torch-threads N] [--label NAME]``
+[--segment-seconds 10 2] [--interleaved [--control-cpu-ms MS]] [--pass-ms 0] [--torch-threads N] [--label NAME]``
 
 For every mode, one process runs the DeepSeek-V3 decode workload (:mod:`deepseek_workload`: 58 MoE
 layers, 288 slots, top-8, 256 tokens a pass, the hooks on this machine's CPU) for ``--seconds``
 with recording off, then for ``--seconds`` recording with each ``segment_seconds`` setting (the
 default 10, then 2), side by side in one run. Per case: the median, p99 and longest pass, the
 passes over 20 ms, and the passes more than 5 ms over the case's own median (the bound issue 50
-asks: none). ``--pass-ms`` adds that many milliseconds of waiting after the hooks of every pass,
+asks: none). With ``--interleaved``, each recording-on case instead takes every other pass, and
+a recorder that is not recording takes the passes between (``off_beside_...``): both see the same
+host, whose stolen time and other tasks otherwise differ from one ten-minute case to the next. The
+recording's work off the forward thread (the writer process) may then reach into the off passes,
+so the off figures there are an upper bound on the host's own hiccups. ``--control-cpu-ms`` adds a
+third turn, recording off then that much CPU in a busy loop: a pass with a recorded pass's CPU and
+nothing of moetrace's, which tells the recording's own hiccups from a longer pass's greater share
+of the host's. ``--pass-ms`` adds that many milliseconds of waiting after the hooks of every pass,
 standing in for the forward's device time (0, the default: the issue's bare workload, 700-900
 passes a second here, 20-90x what a DeepSeek-V3 rank runs on a GPU, so the streaming modes hand the
 writer process more rows a second than one niced core writes, and ``on_overflow="block"`` makes the
@@ -29,7 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from deepseek_workload import forward, paced_forward, recorder, routes
+from deepseek_workload import burning, forward, paced_forward, recorder, routes
 from harness import write_results
 
 import moetrace
@@ -58,27 +65,35 @@ def figures(times: list[float]) -> dict[str, float]:
     }
 
 
-def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float, device: str, pass_s: float = 0.0,
-                 probe: Callable[[], None] | None = None) -> list[tuple[float, float]]:
-    """Forward passes for ``seconds`` of wall time, each the hooks then ``pass_s`` of stand-in device
-    time (:func:`~deepseek_workload.paced_forward`); each one's start (``time.perf_counter``) and
-    seconds (host time: what the engine's forward thread spends). ``probe``: called just before and
-    just after each timed pass (it keeps its own readings: two a pass, in order)."""
-    ids = routes(device=device)
-    one_pass = functools.partial(forward, rec, ids)
+def alternating_passes(works: Sequence[Callable[[], object]], seconds: float, pass_s: float = 0.0,
+                       probe: Callable[[], None] | None = None) -> list[list[tuple[float, float]]]:
+    """Forward passes for ``seconds`` of wall time, taking the host works in turn (pass ``i`` runs
+    ``works[i % len(works)]``: the hooks, :func:`~deepseek_workload.forward`), each then ``pass_s``
+    of stand-in device time (:func:`~deepseek_workload.paced_forward`); per work, each of its
+    passes' start (``time.perf_counter``) and seconds (host time: what the engine's forward thread
+    spends). ``probe``: called just before and just after each timed pass (it keeps its own
+    readings: two a pass, in order)."""
     for _ in range(20):  # warm-up: first-call allocations
-        one_pass()
-    passes: list[tuple[float, float]] = []
-    end = time.monotonic() + seconds
+        for work in works:
+            work()
+    passes: list[list[tuple[float, float]]] = [[] for _ in works]
+    end, turn = time.monotonic() + seconds, 0
     while time.monotonic() < end:
         if probe is not None:
             probe()
         start = time.perf_counter()
-        paced_forward(one_pass, pass_s)
-        passes.append((start, time.perf_counter() - start))
+        paced_forward(works[turn], pass_s)
+        passes[turn].append((start, time.perf_counter() - start))
         if probe is not None:
             probe()
+        turn = (turn + 1) % len(works)
     return passes
+
+
+def timed_passes(rec: moetrace.ExpertDistributionRecorder, seconds: float, device: str, pass_s: float = 0.0,
+                 probe: Callable[[], None] | None = None) -> list[tuple[float, float]]:
+    """:func:`alternating_passes` of the hooks of one recorder."""
+    return alternating_passes([functools.partial(forward, rec, routes(device=device))], seconds, pass_s, probe)[0]
 
 
 def seconds_of(passes: list[tuple[float, float]]) -> list[float]:
@@ -86,19 +101,39 @@ def seconds_of(passes: list[tuple[float, float]]) -> list[float]:
     return [seconds for _, seconds in passes]
 
 
-def mode_cases(tmp: Path, mode: str, seconds: float, segment_seconds: list[float], device: str = "cpu", pass_s: float = 0.0) -> dict[str, dict[str, float]]:
-    """Recording off, then on with each ``segment_seconds``: one mode's figures (hooks on ``device``, ``pass_s`` stand-in device time a pass)."""
-    rec = recorder(mode, tmp, device=device)
-    out = {"off": figures(seconds_of(timed_passes(rec, seconds, device, pass_s)))}
+def mode_cases(tmp: Path, mode: str, seconds: float, segment_seconds: list[float], device: str = "cpu", pass_s: float = 0.0,
+               interleaved: bool = False, control_cpu_s: float | None = None) -> dict[str, dict[str, float]]:
+    """Recording off, then on with each ``segment_seconds``: one mode's figures (hooks on ``device``,
+    ``pass_s`` stand-in device time a pass). ``interleaved``: per setting, ``seconds`` of passes
+    taken in turn by a recorder that is not recording and one that is (:func:`alternating_passes`),
+    so that both see the same host; the off passes are then ``off_beside_segment_seconds_<s>``.
+    ``control_cpu_s`` (with ``interleaved``): a third turn, the hooks of a recorder that is not
+    recording then that much CPU in a busy loop (:func:`~deepseek_workload.burning`),
+    ``control_beside_segment_seconds_<s>``: a pass that takes a recorded pass's CPU, with nothing of
+    moetrace's running."""
+    out: dict[str, dict[str, float]] = {}
+    if not interleaved:
+        out["off"] = figures(seconds_of(timed_passes(recorder(mode, tmp, device=device), seconds, device, pass_s)))
+    ids = routes(device=device)
     for setting in segment_seconds:
         rec = recorder(mode, tmp, segment_seconds=setting, device=device)
         rec.start_record()
-        times = seconds_of(timed_passes(rec, seconds, device, pass_s))
+        if interleaved:
+            off = functools.partial(forward, recorder(mode, tmp, device=device), ids)
+            works = [off, functools.partial(forward, rec, ids)]
+            if control_cpu_s is not None:
+                works.append(burning(off, control_cpu_s))
+            off_passes, on, *control = alternating_passes(works, seconds, pass_s)
+            out[f"off_beside_segment_seconds_{setting:g}"] = figures(seconds_of(off_passes))
+            for passes in control:
+                out[f"control_beside_segment_seconds_{setting:g}"] = figures(seconds_of(passes))
+        else:
+            on = timed_passes(rec, seconds, device, pass_s)
         rec.stop_record()
         rec.reset()  # the run's files go
-        out[f"on_segment_seconds_{setting:g}"] = figures(times)
+        out[f"on_segment_seconds_{setting:g}"] = figures(seconds_of(on))
     for case, f in out.items():
-        print(f"{mode:<10} {case:<26} median {f['median_ms']:6.2f}  p99 {f['p99_ms']:6.2f}  max {f['max_ms']:7.1f} ms"
+        print(f"{mode:<10} {case:<38} median {f['median_ms']:6.2f}  p99 {f['p99_ms']:6.2f}  max {f['max_ms']:7.1f} ms"
               f"  over 20 ms {f['over_20ms']:4d}  over median+5 ms {f['over_median_5ms']:4d}  ({f['passes']} passes, load {f['load_average']:.2f})", flush=True)
     return out
 
@@ -114,16 +149,24 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=600.0, help="seconds per case (the issue asks 600 on an idle machine)")
     parser.add_argument("--modes", nargs="*", default=["stat", "per_pass", "per_token"])
     parser.add_argument("--segment-seconds", type=float, nargs="*", default=[10.0, 2.0], help="RecorderConfig.segment_seconds of the recording-on cases")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="per setting, alternate passes between recording off and on (the same host for both) instead of off then on")
+    parser.add_argument("--control-cpu-ms", type=float, default=None,
+                        help="with --interleaved: a third turn, recording off then this much CPU (ms) in a busy loop")
     add_pacing_arguments(parser)
     parser.add_argument("--label", default="now", help="results go to benchmarks/results/pass_bound-LABEL.json")
     args = parser.parse_args()
+    if args.control_cpu_ms is not None and not args.interleaved:
+        parser.error("--control-cpu-ms needs --interleaved: the control takes its turn beside the recording")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     results: dict[str, object] = {"seconds_per_case": args.seconds, "pass_ms": args.pass_ms, "torch_threads": torch.get_num_threads(), "moetrace": str(Path(moetrace.__file__).parent),
-                                  "load_average_start": os.getloadavg()[0]}
+                                  "load_average_start": os.getloadavg()[0], "interleaved": args.interleaved,
+                                  "control_cpu_ms": args.control_cpu_ms}
     with tempfile.TemporaryDirectory(prefix="moetrace-pass-bound-") as tmp:
         for mode in args.modes:
-            results[mode] = mode_cases(Path(tmp), mode, args.seconds, args.segment_seconds, pass_s=args.pass_ms / 1e3)
+            results[mode] = mode_cases(Path(tmp), mode, args.seconds, args.segment_seconds, pass_s=args.pass_ms / 1e3, interleaved=args.interleaved,
+                                       control_cpu_s=None if args.control_cpu_ms is None else args.control_cpu_ms / 1e3)
     print(write_results(f"pass_bound-{args.label}", results))
 
 
