@@ -62,7 +62,7 @@ def rank_main(rank: int, world: int, mode: str, output_dir: str, count: int, rou
               control_cpu_s: float | None) -> dict[str, object]:
     """One rank: ``rounds`` of recording off then on, ``count`` passes each (``settings``: recorder config fields); its pass times.
     With ``control_cpu_s`` (not ``None``) the "on" rounds run the hooks' device ops on plain tensors instead
-    (:func:`~deepseek_workload.bare_ops`), then that many seconds of CPU (:func:`burning`)."""
+    (:func:`~deepseek_workload.bare_ops`), then that many seconds of CPU (:func:`~deepseek_workload.burning`)."""
     out = Path(output_dir) / f"rank{rank}"
     out.mkdir(parents=True, exist_ok=True)
     ids = routes(seed=rank)
