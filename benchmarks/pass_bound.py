@@ -110,7 +110,9 @@ def mode_cases(tmp: Path, mode: str, seconds: float, segment_seconds: list[float
     ``control_cpu_s`` (with ``interleaved``): a third turn, the hooks of a recorder that is not
     recording then that much CPU in a busy loop (:func:`~deepseek_workload.burning`),
     ``control_beside_segment_seconds_<s>``: a pass that takes a recorded pass's CPU, with nothing of
-    moetrace's running."""
+    moetrace's running. The turns go off, on, control: the pass after a recorded one is the
+    control's, so work the recording leaves running lands there, and the recording's long passes
+    over the control's are a lower bound on its own."""
     out: dict[str, dict[str, float]] = {}
     if not interleaved:
         out["off"] = figures(seconds_of(timed_passes(recorder(mode, tmp, device=device), seconds, device, pass_s)))
