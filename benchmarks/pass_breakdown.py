@@ -1,6 +1,6 @@
 """Where the long passes of a recording come from (issue 50): each one set against what ran meanwhile.
 
-Run: ``.venv/bin/python benchmarks/pass_breakdown.py [--seconds 20] [--modes stat per_pass per_token]
+Run: ``.venv/bin/python benchmarks/pass_breakdown.py [--seconds 20] [--modes stat per_pass per_token] [--control-cpu-ms MS]
 [--segment-seconds 2] [--pass-ms 20] [--torch-threads 1] [--label NAME]``
 
 The DeepSeek-V3 decode workload of :mod:`pass_bound` (bare, the hooks the whole pass, or paced by
@@ -19,12 +19,19 @@ and after every pass): the forward thread on a core, waiting for one (runnable, 
 it), or off one beyond the pass's stand-in sleep (blocked: the GIL, a lock, a page fault's I/O),
 with its page faults (``getrusage``), the machine's stolen time (a virtual machine's host ran
 something else: ``/proc/stat``), and the CPU the engine's writer thread and the writer process used
-meanwhile; and over the whole run, each of those three's seconds on a core (``on_core_s``). A diagnosis, not a figure to compare across checkouts: it wraps internals by name.
+meanwhile; and over the whole run, each of those three's seconds on a core (``on_core_s``).
+
+With ``--control-cpu-ms MS`` the recorded passes take turns with control passes (the hooks of a
+recorder that is not recording, then MS of CPU in a busy loop), split the same way under
+``control``: the same host and about the same CPU a pass, with nothing of moetrace's, so a long
+recorded pass can be told from one the host would have made anyway. A diagnosis, not a figure to
+compare across checkouts: it wraps internals by name.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import resource
@@ -40,9 +47,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from deepseek_workload import recorder
+from deepseek_workload import burning, forward, recorder, routes
 from harness import write_results
-from pass_bound import OVER_MEDIAN_S, add_pacing_arguments, timed_passes
+from pass_bound import OVER_MEDIAN_S, add_pacing_arguments, alternating_passes
 
 from moetrace.recording.session import RecordingSession
 from moetrace.recording.window import StatWindow
@@ -96,7 +103,7 @@ class Schedstat:
 
 
 class ThreadProbe:
-    """Readings around each pass (:func:`pass_bound.timed_passes`' ``probe``): the forward thread's
+    """Readings around each pass (:func:`pass_bound.alternating_passes`' ``probe``): the forward thread's
     time on a core and waiting for one, the engine's writer thread's and the writer process's time on one."""
 
     def __init__(self, session: RecordingSession) -> None:
@@ -140,9 +147,33 @@ class ThreadProbe:
                 "stolen_ms": 1e3 * stolen / self._ticks_per_s, "minor_faults": minor, "major_faults": major}
 
 
-def breakdown(mode: str, seconds: float, segment_seconds: float, pass_s: float, steps: list[Step]) -> dict[str, object]:
+def turn_figures(passes: list[tuple[float, float]], turn: int, turns: int, probe: ThreadProbe, pass_s: float,
+                 taken: list[Step]) -> dict[str, object]:
+    """The figures of one turn's passes (``passes``: :func:`pass_bound.alternating_passes`' for turn
+    ``turn`` of ``turns``, so its pass ``i`` is the probe's pass ``i * turns + turn``): median and
+    longest, the long passes by the recording's steps (``taken``) overlapping them, the median
+    pass's split and each long one's, and the forward thread's page faults."""
+    median = statistics.median(d for _, d in passes)
+    long_indices = [i for i, (_, d) in enumerate(passes) if d > median + OVER_MEDIAN_S]
+    long = [passes[i] for i in long_indices]
+    splits = [probe.split(i * turns + turn, d, pass_s) for i, (_, d) in enumerate(passes)]
+    typical = {key: statistics.median(s[key] for s in splits) for key in splits[0]}
+    overlaps = Counter("+".join(sorted({s for s, a, b in taken if a < t + d and b > t})) or "nothing" for t, d in long)
+    return {"passes": len(passes), "median_ms": 1e3 * median, "max_ms": 1e3 * max(d for _, d in passes), "long_passes": len(long),
+            "long_passes_overlapping": dict(overlaps.most_common()),
+            "median_pass_split": typical, "long_pass_splits": [splits[i] for i in long_indices],
+            "forward_thread_faults": {"minor": sum(s["minor_faults"] for s in splits), "major": sum(s["major_faults"] for s in splits),
+                                      "passes_with_faults": sum(1 for s in splits if s["minor_faults"] or s["major_faults"]),
+                                      "most_in_a_pass": max(s["minor_faults"] + s["major_faults"] for s in splits)}}
+
+
+def breakdown(mode: str, seconds: float, segment_seconds: float, pass_s: float, steps: list[Step],
+              control_cpu_s: float | None = None) -> dict[str, object]:
     """One mode's run (``pass_s`` stand-in device time a pass): its passes, its steps, the long
-    passes by the steps overlapping them, and each long pass split by where its threads were."""
+    passes by the steps overlapping them, and each long pass split by where its threads were.
+    ``control_cpu_s``: the recorded passes take turns with control passes (hooks of a recorder that
+    is not recording, then that much CPU in a busy loop: :func:`~deepseek_workload.burning`), whose
+    figures are under ``control``: the same host and CPU a pass, nothing of moetrace's."""
     with tempfile.TemporaryDirectory(prefix="moetrace-pass-breakdown-") as tmp:
         rec = recorder(mode, Path(tmp), segment_seconds=segment_seconds)
         rec.start_record()
@@ -150,27 +181,23 @@ def breakdown(mode: str, seconds: float, segment_seconds: float, pass_s: float, 
         assert session is not None  # every mode keeps files while it records
         probe = ThreadProbe(session)
         steps.clear()
-        passes = timed_passes(rec, seconds, "cpu", pass_s, probe)
-        taken = [step for step in steps if step[2] > passes[0][0]]  # the warm-up's steps left out
+        ids = routes()
+        works = [functools.partial(forward, rec, ids)]
+        if control_cpu_s is not None:
+            works.append(burning(functools.partial(forward, recorder(mode, Path(tmp)), ids), control_cpu_s))
+        turns = alternating_passes(works, seconds, pass_s, probe)
+        taken = [step for step in steps if step[2] > turns[0][0][0]]  # the warm-up's steps left out
         probe.close()
         rec.stop_record()
         rec.reset()
-    median = statistics.median(d for _, d in passes)
-    long_indices = [i for i, (_, d) in enumerate(passes) if d > median + OVER_MEDIAN_S]
-    long = [passes[i] for i in long_indices]
-    splits = [probe.split(i, d, pass_s) for i, (_, d) in enumerate(passes)]
-    typical = {key: statistics.median(s[key] for s in splits) for key in splits[0]}
     by_step: dict[str, dict[str, float]] = {}
     for step in sorted({s for s, _, _ in taken}):
         times = [b - a for s, a, b in taken if s == step]
         by_step[step] = {"count": len(times), "total_s": sum(times), "max_ms": 1e3 * max(times)}
-    overlaps = Counter("+".join(sorted({s for s, a, b in taken if a < t + d and b > t})) or "nothing" for t, d in long)
-    return {"passes": len(passes), "median_ms": 1e3 * median, "max_ms": 1e3 * max(d for _, d in passes), "long_passes": len(long),
-            "steps": by_step, "long_passes_overlapping": dict(overlaps.most_common()),
-            "median_pass_split": typical, "long_pass_splits": [splits[i] for i in long_indices], "on_core_s": probe.on_core_s(),
-            "forward_thread_faults": {"minor": sum(s["minor_faults"] for s in splits), "major": sum(s["major_faults"] for s in splits),
-                                      "passes_with_faults": sum(1 for s in splits if s["minor_faults"] or s["major_faults"]),
-                                      "most_in_a_pass": max(s["minor_faults"] + s["major_faults"] for s in splits)}}
+    out = {**turn_figures(turns[0], 0, len(turns), probe, pass_s, taken), "steps": by_step, "on_core_s": probe.on_core_s()}
+    if control_cpu_s is not None:
+        out["control"] = turn_figures(turns[1], 1, len(turns), probe, pass_s, taken)
+    return out
 
 
 def split_line(name: str, split: dict[str, float]) -> str:
@@ -185,6 +212,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--modes", nargs="*", default=["stat", "per_pass", "per_token"])
     parser.add_argument("--segment-seconds", type=float, default=2.0)
+    parser.add_argument("--control-cpu-ms", type=float, default=None,
+                        help="recorded passes take turns with control passes: recording off, then this much CPU (ms) in a busy loop")
     add_pacing_arguments(parser)
     parser.add_argument("--label", default="now", help="results go to benchmarks/results/pass_breakdown-LABEL.json")
     args = parser.parse_args()
@@ -197,9 +226,11 @@ def main() -> None:
     timed(steps, RemoteSink, "rotate", "rotate_segment")
     timed(steps, StatWindow, "copy_cut", "window_copy")
     timed_collections(steps)
-    results: dict[str, object] = {"seconds": args.seconds, "segment_seconds": args.segment_seconds, "pass_ms": args.pass_ms, "torch_threads": torch.get_num_threads()}
+    results: dict[str, object] = {"seconds": args.seconds, "segment_seconds": args.segment_seconds, "pass_ms": args.pass_ms, "torch_threads": torch.get_num_threads(),
+                                  "control_cpu_ms": args.control_cpu_ms}
     for mode in args.modes:
-        out = results[mode] = breakdown(mode, args.seconds, args.segment_seconds, args.pass_ms / 1e3, steps)
+        control_cpu_s = None if args.control_cpu_ms is None else args.control_cpu_ms / 1e3
+        out = results[mode] = breakdown(mode, args.seconds, args.segment_seconds, args.pass_ms / 1e3, steps, control_cpu_s)
         print(f"{mode}: {out['passes']} passes, median {out['median_ms']:.2f} ms, max {out['max_ms']:.1f} ms, {out['long_passes']} over median + 5 ms", flush=True)
         for step, f in out["steps"].items():  # type: ignore[union-attr]
             print(f"  {step:<15} {f['count']:6d} calls, {f['total_s']:6.2f} s in all, longest {f['max_ms']:7.1f} ms")
@@ -214,6 +245,15 @@ def main() -> None:
         print("  " + split_line("median pass", out["median_pass_split"]))  # type: ignore[arg-type]
         for split in out["long_pass_splits"]:  # type: ignore[union-attr]
             print("  " + split_line("long pass", split))
+        control = out.get("control")
+        if control is not None:
+            print(f"  control: {control['passes']} passes, median {control['median_ms']:.2f} ms, max {control['max_ms']:.1f} ms, "  # type: ignore[index]
+                  f"{control['long_passes']} over median + 5 ms")  # type: ignore[index]
+            for overlap, count in control["long_passes_overlapping"].items():  # type: ignore[index]
+                print(f"    control's long passes during {overlap}: {count}")
+            print("    " + split_line("median pass", control["median_pass_split"]))  # type: ignore[index]
+            for split in control["long_pass_splits"]:  # type: ignore[index]
+                print("    " + split_line("long pass", split))
     print(write_results(f"pass_breakdown-{args.label}", results))
 
 
