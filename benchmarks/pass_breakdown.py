@@ -207,6 +207,20 @@ def split_line(name: str, split: dict[str, float]) -> str:
             f"writer thread on a core {split['writer_thread_ms']:5.1f}, writer process {split['writer_process_ms']:5.1f}; stolen {split['stolen_ms']:4.0f}")
 
 
+def print_turn(name: str, figures: dict[str, object], indent: str) -> None:
+    """One turn's :func:`turn_figures` as lines, each after ``indent``."""
+    print(f"{indent}{name}: {figures['passes']} passes, median {figures['median_ms']:.2f} ms, max {figures['max_ms']:.1f} ms, "
+          f"{figures['long_passes']} over median + 5 ms", flush=True)
+    for overlap, count in figures["long_passes_overlapping"].items():  # type: ignore[attr-defined]
+        print(f"{indent}  long passes during {overlap}: {count}")
+    faults = figures["forward_thread_faults"]
+    print(f"{indent}  forward thread's page faults in its passes: {faults['minor']} minor, {faults['major']} major, "  # type: ignore[index]
+          f"in {faults['passes_with_faults']} passes, at most {faults['most_in_a_pass']} in one")  # type: ignore[index]
+    print(f"{indent}  " + split_line("median pass", figures["median_pass_split"]))  # type: ignore[arg-type]
+    for split in figures["long_pass_splits"]:  # type: ignore[attr-defined]
+        print(f"{indent}  " + split_line("long pass", split))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20.0)
@@ -228,32 +242,17 @@ def main() -> None:
     timed_collections(steps)
     results: dict[str, object] = {"seconds": args.seconds, "segment_seconds": args.segment_seconds, "pass_ms": args.pass_ms, "torch_threads": torch.get_num_threads(),
                                   "control_cpu_ms": args.control_cpu_ms}
+    control_cpu_s = None if args.control_cpu_ms is None else args.control_cpu_ms / 1e3
     for mode in args.modes:
-        control_cpu_s = None if args.control_cpu_ms is None else args.control_cpu_ms / 1e3
         out = results[mode] = breakdown(mode, args.seconds, args.segment_seconds, args.pass_ms / 1e3, steps, control_cpu_s)
-        print(f"{mode}: {out['passes']} passes, median {out['median_ms']:.2f} ms, max {out['max_ms']:.1f} ms, {out['long_passes']} over median + 5 ms", flush=True)
+        print_turn(mode, out, "")
         for step, f in out["steps"].items():  # type: ignore[union-attr]
             print(f"  {step:<15} {f['count']:6d} calls, {f['total_s']:6.2f} s in all, longest {f['max_ms']:7.1f} ms")
-        for overlap, count in out["long_passes_overlapping"].items():  # type: ignore[union-attr]
-            print(f"  long passes during {overlap}: {count}")
-        faults = out["forward_thread_faults"]
-        print(f"  forward thread's page faults in its passes: {faults['minor']} minor, {faults['major']} major, "  # type: ignore[index]
-              f"in {faults['passes_with_faults']} passes, at most {faults['most_in_a_pass']} in one")  # type: ignore[index]
         on_core = out["on_core_s"]
         print(f"  on a core over the run: forward thread {on_core['forward_thread']:.1f} s, "  # type: ignore[index]
               f"writer thread {on_core['writer_thread']:.1f} s, writer process {on_core['writer_process']:.1f} s")  # type: ignore[index]
-        print("  " + split_line("median pass", out["median_pass_split"]))  # type: ignore[arg-type]
-        for split in out["long_pass_splits"]:  # type: ignore[union-attr]
-            print("  " + split_line("long pass", split))
-        control = out.get("control")
-        if control is not None:
-            print(f"  control: {control['passes']} passes, median {control['median_ms']:.2f} ms, max {control['max_ms']:.1f} ms, "  # type: ignore[index]
-                  f"{control['long_passes']} over median + 5 ms")  # type: ignore[index]
-            for overlap, count in control["long_passes_overlapping"].items():  # type: ignore[index]
-                print(f"    control's long passes during {overlap}: {count}")
-            print("    " + split_line("median pass", control["median_pass_split"]))  # type: ignore[index]
-            for split in control["long_pass_splits"]:  # type: ignore[index]
-                print("    " + split_line("long pass", split))
+        if "control" in out:
+            print_turn("control", out["control"], "  ")  # type: ignore[arg-type]
     print(write_results(f"pass_breakdown-{args.label}", results))
 
 
