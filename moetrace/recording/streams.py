@@ -281,6 +281,56 @@ class PassStream(RowStream):
         self.filled = 0
 
 
+class _TokenColumns:
+    """Each staged token's ``/tokens`` columns besides its ids, ``[chunk]`` each, by dataset name:
+    its pass id (int64), position in its pass, request index and position in that request (int32),
+    pass phase (int8).
+
+    They are numpy views (:attr:`staged`) of one byte buffer of a pool of three, in shared memory
+    where there is some (:class:`~moetrace.trace.stream.HostBufferPool`): one being staged into,
+    up to two with the writer. A hand-off gives the staged set to the writer as it is and stages
+    on in a free one, so it copies nothing and touches no fresh memory on the forward thread (its
+    copies of them were 1.3 MB and 320 page faults in a hand-off pass at DeepSeek-V3 size,
+    ``benchmarks/pass_breakdown.py``), and the writer process maps them rather than reading their
+    bytes down its pipe.
+    """
+
+    LAYOUT = ((Data.TOKENS_PASS_ID, np.int64), (Data.TOKENS_POSITION, np.int32), (Data.TOKENS_REQUEST, np.int32),
+              (Data.TOKENS_REQUEST_POSITION, np.int32), (Data.TOKENS_PASS_PHASE, np.int8))  # widest first: every view aligned
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+        width = sum(np.dtype(dtype).itemsize for _, dtype in self.LAYOUT)
+        # Three: a set is released before its rows buffer, and a hand-off holds a free rows buffer,
+        # so at most one other set is with the writer then (as the token rows' pool of two).
+        self.pool = HostBufferPool((chunk * width,), torch.uint8, count=3, pin=False)
+        buffers = [self.pool.acquire(block=False) for _ in range(3)]
+        self._views = {id(buffer): self._carve(buffer) for buffer in buffers}  # made once: no tensor call at a hand-off
+        self.buffer = buffers.pop()
+        for buffer in buffers:
+            self.pool.release(buffer)
+        self.staged = self._views[id(self.buffer)]
+
+    def _carve(self, buffer: torch.Tensor | None) -> dict[str, np.ndarray]:
+        """``buffer``'s columns, views of its bytes in :attr:`LAYOUT`'s order."""
+        assert buffer is not None  # a new pool has every buffer free
+        raw, views, offset = buffer.numpy(), {}, 0
+        for name, dtype in self.LAYOUT:
+            size = self.chunk * np.dtype(dtype).itemsize
+            views[name] = raw[offset : offset + size].view(dtype)
+            offset += size
+        return views
+
+    def hand_off(self) -> tuple[dict[str, np.ndarray], Callable[[], None]]:
+        """The staged columns, for the writer, and what gives them back to the pool once it is done
+        with them; staging goes on in a free set."""
+        buffer, columns = self.buffer, self.staged
+        free = self.pool.acquire(block=False)  # never waits: see __init__
+        assert free is not None
+        self.buffer, self.staged = free, self._views[id(free)]
+        return columns, lambda: self.pool.release(buffer)
+
+
 class TokenStream(RowStream):
     """``per_token`` mode: every token's ``[L, k]`` ids, staged per pass then per chunk.
 
@@ -321,13 +371,10 @@ class TokenStream(RowStream):
         self.token_rows = torch.zeros(chunk, dtype=torch.bool, device=config.device)
         # Two: released before their rows buffer, so one is free whenever a rows buffer is (as _ChunkTotals').
         self.token_rows_pool = HostBufferPool((chunk,), torch.bool, count=2, pin=config.device.type == "cuda")
-        self.pass_id = np.zeros(config.stream_chunk_tokens, dtype=np.int64)
-        self.position = np.zeros(config.stream_chunk_tokens, dtype=np.int32)
-        self.pass_phase = np.zeros(config.stream_chunk_tokens, dtype=np.int8)
+        self.columns = _TokenColumns(chunk)
+        self.positions = np.arange(chunk, dtype=np.int32)  # a pass's row positions, sliced: no array made per pass
         self.phase_passes = np.zeros(len(PASS_PHASES), dtype=np.int64)  # since the last hand-off
         self.phase_requests = np.zeros(len(PASS_PHASES), dtype=np.int64)
-        self.request = np.full(config.stream_chunk_tokens, -1, dtype=np.int32)
-        self.request_position = np.full(config.stream_chunk_tokens, -1, dtype=np.int32)
         self.request_table: dict[str, int] = {}  # request id -> index, this hand-off's requests
         self.passes = 0  # passes (with or without tokens) since the last hand-off
         self.first_pass = self.last_pass = -1
@@ -336,7 +383,7 @@ class TokenStream(RowStream):
         """Move the pass's rows of the counter's stage into ``staging`` (each row's request from
         ``batch``; ``None``: rows of no known request)."""
         rows = counter.pass_rows
-        if self.filled + rows > len(self.pass_id):
+        if self.filled + rows > len(self.positions):
             self.flush()
         self.totals.add(counter.current, phase)
         if self.passes == 0:
@@ -350,17 +397,17 @@ class TokenStream(RowStream):
         columns = counter.stage[:, :rows].transpose(0, 1)  # [rows, L, k]
         torch.gather(self.lut.expand(*columns.shape[:2], -1), 2, columns, out=self.staging[self.filled : self.filled + rows])
         counter.rows_with_ids(self.token_rows[self.filled : self.filled + rows])
-        span = slice(self.filled, self.filled + rows)
-        self.pass_id[span] = pass_id
-        self.position[span] = np.arange(rows, dtype=np.int32)
-        self.pass_phase[span] = phase
+        span, staged = slice(self.filled, self.filled + rows), self.columns.staged
+        staged[Data.TOKENS_PASS_ID][span] = pass_id
+        staged[Data.TOKENS_POSITION][span] = self.positions[:rows]
+        staged[Data.TOKENS_PASS_PHASE][span] = phase
         if batch is None:
-            self.request[span] = -1
-            self.request_position[span] = -1
+            staged[Data.TOKENS_REQUEST][span] = -1
+            staged[Data.TOKENS_REQUEST_POSITION][span] = -1
         else:
             table = self.request_table
             index = np.fromiter((table.setdefault(r, len(table)) for r in batch.request_ids), dtype=np.int64, count=len(batch.request_ids))
-            self.request[span], self.request_position[span] = batch.row_requests(index, rows)
+            staged[Data.TOKENS_REQUEST][span], staged[Data.TOKENS_REQUEST_POSITION][span] = batch.row_requests(index, rows)
         self.filled += rows
 
     def _staged_passes(self) -> int:
@@ -374,18 +421,15 @@ class TokenStream(RowStream):
         token_rows = self.token_rows_pool.acquire(block=False)  # never waits: see __init__
         assert token_rows is not None
         token_rows[:n].copy_(self.token_rows[:n], non_blocking=True)
-        pass_phase = self.pass_phase[:n].copy()
+        columns, release_columns = self.columns.hand_off()
         phase_passes, phase_requests = self.phase_passes.copy(), self.phase_requests.copy()
-        pass_id, position = self.pass_id[:n].copy(), self.position[:n].copy()
-        request, request_position = self.request[:n].copy(), self.request_position[:n].copy()
         request_ids = tuple(self.request_table)
         first, last = self.first_pass, self.last_pass
 
         def build(by_phase: np.ndarray, dropped: int) -> StreamRows:
             ids, real = host[:n].numpy(), token_rows[:n].numpy()
-            # Views of the host buffer when every row is a token: the writer is done with them before ``done`` releases it.
-            rows = {Data.TOKENS_TOPK_IDS: ids, Data.TOKENS_PASS_ID: pass_id, Data.TOKENS_POSITION: position,
-                    Data.TOKENS_PASS_PHASE: pass_phase, Data.TOKENS_REQUEST: request, Data.TOKENS_REQUEST_POSITION: request_position}
+            # Views of the host buffers when every row is a token: the writer is done with them before ``done`` releases them.
+            rows = {Data.TOKENS_TOPK_IDS: ids, **{name: column[:n] for name, column in columns.items()}}
             if not real.all():
                 rows = {name: array[real] for name, array in rows.items()}
             counts = np.stack([phase_passes, np.bincount(rows[Data.TOKENS_PASS_PHASE], minlength=len(PASS_PHASES)), phase_requests])
@@ -402,7 +446,11 @@ class TokenStream(RowStream):
                 request_ids=request_ids,
             )
 
-        return build, lambda: self.token_rows_pool.release(token_rows)
+        def release() -> None:
+            release_columns()
+            self.token_rows_pool.release(token_rows)
+
+        return build, release
 
     def _forget(self) -> None:
         self.filled = self.passes = 0

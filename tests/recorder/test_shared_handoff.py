@@ -6,9 +6,9 @@ sends the writer process only where its arrays lie. Checked here:
 
 * the references themselves: an array wholly in a shared buffer crosses as one, read-only over the
   same pages; anything else (a private array, reversed strides) crosses as bytes;
-* a real recording's pipe carries none of the rows it hands off (``per_token``'s ids, ``stat``'s
-  window), against the negative control, sharing turned off, whose pipe carries them all; both
-  traces equal to the ids fed;
+* a real recording's pipe carries none of the rows it hands off (``per_token``'s ids and its
+  tokens' other ``/tokens`` columns, ``stat``'s window), against the negative control, sharing
+  turned off, whose pipe carries them all; both traces equal to the ids fed;
 * a writer process that cannot map the engine's buffers (its probe fails) gets the bytes, and the
   trace is still exact;
 * a process forked after buffers were made writes into private memory, not its parent's, and has
@@ -133,10 +133,13 @@ def test_the_rows_handed_off_stay_out_of_the_pipe(tmp_path, monkeypatch, piped, 
     monkeypatch.setattr(writer_process, "sharing_available", lambda: False)  # the negative control: every row through the pipe
     private_path, _ = record(mode, tmp_path / "private")
     private = list(piped)
-    # Per hand-off, the rows it hands: per_token's ids (int16; every hand-off alike in both runs: the
-    # block policy drops none), or stat's window [W, L, P] (int32) at each checkpoint. Averaged per
-    # hand-off: a loaded machine may skip a stat checkpoint (its writer still busy) in either run.
-    handed = fed.size * 2 / len(shared) if mode == "per_token" else WINDOW * LAYERS * EXPERTS * 4
+    # Per hand-off, the rows it hands: per_token's ids (int16) and each token's other /tokens
+    # columns (pass id, int64; position, request and request position, int32; pass phase, int8:
+    # 21 bytes), every hand-off alike in both runs (the block policy drops none); or stat's window
+    # [W, L, P] (int32) at each checkpoint. Averaged per hand-off: a loaded machine may skip a stat
+    # checkpoint (its writer still busy) in either run.
+    tokens = fed.shape[0] * TOKENS
+    handed = (fed.size * 2 + tokens * 21) / len(shared) if mode == "per_token" else WINDOW * LAYERS * EXPERTS * 4
     per_shared, per_private = sum(shared) / len(shared), sum(private) / len(private)
     references = 200  # what a hand-off's references themselves take, at most
     assert per_private - per_shared >= handed - references, f"pipe per hand-off: {per_shared:.0f} bytes shared, {per_private:.0f} not, for {handed:.0f} bytes of rows"
