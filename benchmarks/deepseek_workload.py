@@ -69,19 +69,25 @@ def burning(work: Callable[[], object], cpu_s: float) -> Callable[[], None]:
     return run
 
 
-def bare_ops(ids: list[torch.Tensor], pass_end: bool = True) -> Callable[[], None]:
+def bare_ops(ids: list[torch.Tensor], pass_end: bool = True, staging_rows: int = 0) -> Callable[[], None]:
     """A pass of the recording's device ops without moetrace, for controls: per layer, the two ops
     a hook issues (:mod:`moetrace.recording.pass_counter`: ``copy_`` of its ids into its rows of an
     int64 stage ``[L, T, k]``, ``fill_`` of its row end), then with ``pass_end`` the pass end's
     count of every layer at once (``add_``, ``clamp_``, one ``scatter_add_`` into ``[L, SLOTS + 3]``
     counts, the stage set back to -1), on ``ids`` (one ``[T, k]`` tensor per layer, ``L`` of them),
-    with none of the recorder's host work, token count or files."""
+    with none of the recorder's host work, token count or files. ``staging_rows`` (with
+    ``pass_end``): also ``per_token``'s move of the pass's rows, one ``gather`` through a lookup
+    table from the stage into the next ``T`` rows of an int16 staging buffer ``[staging_rows, L, k]``
+    (:class:`moetrace.recording.streams.TokenStream`), round the buffer."""
     device, (tokens, top_k) = ids[0].device, ids[0].shape
     stage = torch.full((len(ids), tokens, top_k), -1, dtype=torch.int64, device=device)
     ends = torch.zeros(len(ids), dtype=torch.int64, device=device)
     counts = torch.zeros((len(ids), SLOTS + 3), dtype=torch.int64, device=device)
     ones = torch.ones(tokens * top_k, dtype=torch.int64, device=device).expand(len(ids), -1)
     hooks = list(zip(ids, stage.unbind(0), ends.unbind(0), strict=True))
+    staging = torch.zeros((staging_rows, len(ids), top_k), dtype=torch.int16, device=device)
+    lut = torch.arange(-2, SLOTS + 1, dtype=torch.int16, device=device).expand(tokens, len(ids), -1)
+    filled = [0]
 
     def one_pass() -> None:
         for layer_ids, rows, end in hooks:
@@ -90,6 +96,10 @@ def bare_ops(ids: list[torch.Tensor], pass_end: bool = True) -> Callable[[], Non
         if pass_end:
             stage.add_(2).clamp_(0, SLOTS + 2)
             counts.scatter_add_(1, stage.view(len(ids), -1), ones)
+            if staging_rows:
+                start = filled[0] if filled[0] + tokens <= staging_rows else 0
+                torch.gather(lut, 2, stage.transpose(0, 1), out=staging[start : start + tokens])
+                filled[0] = start + tokens
             stage.fill_(-1)
 
     return one_pass

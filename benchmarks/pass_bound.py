@@ -1,7 +1,7 @@
 """What a recording adds to a forward pass, at the median, p99 and the worst (issue 50, item 4).
 
 Run: ``.venv/bin/python benchmarks/pass_bound.py [--seconds 600] [--modes stat per_pass per_token]
-[--segment-seconds 10 2] [--interleaved [--control-cpu-ms MS]] [--pass-ms 0] [--torch-threads N] [--label NAME]``
+[--segment-seconds 10 2] [--interleaved [--control-cpu-ms MS] [--control-ops-cpu-ms MS]] [--pass-ms 0] [--torch-threads N] [--label NAME]``
 
 For every mode, one process runs the DeepSeek-V3 decode workload (:mod:`deepseek_workload`: 58 MoE
 layers, 288 slots, top-8, 256 tokens a pass, the hooks on this machine's CPU) for ``--seconds``
@@ -15,7 +15,9 @@ recording's work off the forward thread (the writer process) may then reach into
 so the off figures there are an upper bound on the host's own hiccups. ``--control-cpu-ms`` adds a
 third turn, recording off then that much CPU in a busy loop: a pass with a recorded pass's CPU and
 nothing of moetrace's, which tells the recording's own hiccups from a longer pass's greater share
-of the host's. ``--pass-ms`` adds that many milliseconds of waiting after the hooks of every pass,
+of the host's. ``--control-ops-cpu-ms`` adds another, the recorded pass's device ops without
+moetrace (:func:`~deepseek_workload.bare_ops`) then that much CPU: the recording's memory work with
+none of its host work, hand-offs or files. ``--pass-ms`` adds that many milliseconds of waiting after the hooks of every pass,
 standing in for the forward's device time (0, the default: the issue's bare workload, 700-900
 passes a second here, 20-90x what a DeepSeek-V3 rank runs on a GPU, so the streaming modes hand the
 writer process more rows a second than one niced core writes, and ``on_overflow="block"`` makes the
@@ -44,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from deepseek_workload import burning, forward, paced_forward, recorder, routes
+from deepseek_workload import bare_ops, burning, forward, paced_forward, recorder, routes
 from harness import write_results
 
 import moetrace
@@ -102,33 +104,40 @@ def seconds_of(passes: list[tuple[float, float]]) -> list[float]:
 
 
 def mode_cases(tmp: Path, mode: str, seconds: float, segment_seconds: list[float], device: str = "cpu", pass_s: float = 0.0,
-               interleaved: bool = False, control_cpu_s: float | None = None) -> dict[str, dict[str, float]]:
+               interleaved: bool = False, control_cpu_s: float | None = None, ops_cpu_s: float | None = None) -> dict[str, dict[str, float]]:
     """Recording off, then on with each ``segment_seconds``: one mode's figures (hooks on ``device``,
     ``pass_s`` stand-in device time a pass). ``interleaved``: per setting, ``seconds`` of passes
     taken in turn by a recorder that is not recording and one that is (:func:`alternating_passes`),
     so that both see the same host; the off passes are then ``off_beside_segment_seconds_<s>``.
-    ``control_cpu_s`` (with ``interleaved``): a third turn, the hooks of a recorder that is not
+    ``control_cpu_s`` (with ``interleaved``): a turn of the hooks of a recorder that is not
     recording then that much CPU in a busy loop (:func:`~deepseek_workload.burning`),
     ``control_beside_segment_seconds_<s>``: a pass that takes a recorded pass's CPU, with nothing of
-    moetrace's running. The turns go off, on, control: the pass after a recorded one is the
+    moetrace's running. ``ops_cpu_s`` (with ``interleaved``): a turn of the recorded pass's device
+    ops without moetrace (:func:`~deepseek_workload.bare_ops`, in ``per_token`` with its move of
+    the pass's rows into a staging buffer of the default chunk) then that much CPU,
+    ``ops_beside_segment_seconds_<s>``: the recording's memory work with none of its host work,
+    hand-offs or files. The turns go off, on, then the controls: the pass after a recorded one is a
     control's, so work the recording leaves running lands there, and the recording's long passes
-    over the control's are a lower bound on its own."""
+    over a control's are a lower bound on its own."""
     out: dict[str, dict[str, float]] = {}
     if not interleaved:
         out["off"] = figures(seconds_of(timed_passes(recorder(mode, tmp, device=device), seconds, device, pass_s)))
     ids = routes(device=device)
+    controls: dict[str, Callable[[], object]] = {}
     for setting in segment_seconds:
         rec = recorder(mode, tmp, segment_seconds=setting, device=device)
         rec.start_record()
         if interleaved:
             off = functools.partial(forward, recorder(mode, tmp, device=device), ids)
-            works = [off, functools.partial(forward, rec, ids)]
             if control_cpu_s is not None:
-                works.append(burning(off, control_cpu_s))
-            off_passes, on, *control = alternating_passes(works, seconds, pass_s)
+                controls["control"] = burning(off, control_cpu_s)
+            if ops_cpu_s is not None:
+                staging_rows = rec.config.stream_chunk_tokens if mode == "per_token" else 0
+                controls["ops"] = burning(bare_ops(ids, staging_rows=staging_rows), ops_cpu_s)
+            off_passes, on, *beside = alternating_passes([off, functools.partial(forward, rec, ids), *controls.values()], seconds, pass_s)
             out[f"off_beside_segment_seconds_{setting:g}"] = figures(seconds_of(off_passes))
-            for passes in control:
-                out[f"control_beside_segment_seconds_{setting:g}"] = figures(seconds_of(passes))
+            for name, passes in zip(controls, beside, strict=True):
+                out[f"{name}_beside_segment_seconds_{setting:g}"] = figures(seconds_of(passes))
         else:
             on = timed_passes(rec, seconds, device, pass_s)
         rec.stop_record()
@@ -155,20 +164,23 @@ def main() -> None:
                         help="per setting, alternate passes between recording off and on (the same host for both) instead of off then on")
     parser.add_argument("--control-cpu-ms", type=float, default=None,
                         help="with --interleaved: a third turn, recording off then this much CPU (ms) in a busy loop")
+    parser.add_argument("--control-ops-cpu-ms", type=float, default=None,
+                        help="with --interleaved: a turn of the recorded pass's device ops without moetrace, then this much CPU (ms) in a busy loop")
     add_pacing_arguments(parser)
     parser.add_argument("--label", default="now", help="results go to benchmarks/results/pass_bound-LABEL.json")
     args = parser.parse_args()
-    if args.control_cpu_ms is not None and not args.interleaved:
-        parser.error("--control-cpu-ms needs --interleaved: the control takes its turn beside the recording")
+    if (args.control_cpu_ms is not None or args.control_ops_cpu_ms is not None) and not args.interleaved:
+        parser.error("--control-cpu-ms and --control-ops-cpu-ms need --interleaved: a control takes its turn beside the recording")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     results: dict[str, object] = {"seconds_per_case": args.seconds, "pass_ms": args.pass_ms, "torch_threads": torch.get_num_threads(), "moetrace": str(Path(moetrace.__file__).parent),
                                   "load_average_start": os.getloadavg()[0], "interleaved": args.interleaved,
-                                  "control_cpu_ms": args.control_cpu_ms}
+                                  "control_cpu_ms": args.control_cpu_ms, "control_ops_cpu_ms": args.control_ops_cpu_ms}
     with tempfile.TemporaryDirectory(prefix="moetrace-pass-bound-") as tmp:
         for mode in args.modes:
             results[mode] = mode_cases(Path(tmp), mode, args.seconds, args.segment_seconds, pass_s=args.pass_ms / 1e3, interleaved=args.interleaved,
-                                       control_cpu_s=None if args.control_cpu_ms is None else args.control_cpu_ms / 1e3)
+                                       control_cpu_s=None if args.control_cpu_ms is None else args.control_cpu_ms / 1e3,
+                                       ops_cpu_s=None if args.control_ops_cpu_ms is None else args.control_ops_cpu_ms / 1e3)
     print(write_results(f"pass_bound-{args.label}", results))
 
 
