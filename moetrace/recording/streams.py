@@ -290,7 +290,7 @@ class _TokenColumns:
     where there is some (:class:`~moetrace.trace.stream.HostBufferPool`): one being staged into,
     up to two with the writer. A hand-off gives the staged set to the writer as it is and stages
     on in a free one, so it copies nothing and touches no fresh memory on the forward thread (its
-    copies of them were 1.3 MB and 320 page faults in a hand-off pass at DeepSeek-V3 size,
+    copies of them were 1.3 MB and up to 320 page faults in a hand-off pass at DeepSeek-V3 size,
     ``benchmarks/pass_breakdown.py``), and the writer process maps them rather than reading their
     bytes down its pipe.
     """
