@@ -103,6 +103,21 @@ def seconds_of(passes: list[tuple[float, float]]) -> list[float]:
     return [seconds for _, seconds in passes]
 
 
+def control_works(off: Callable[[], object], ids: list[torch.Tensor], cpu_s: float | None, ops_cpu_s: float | None = None,
+                  staging_rows: int = 0) -> dict[str, Callable[[], None]]:
+    """The control passes that take turns beside a recording, by name: ``"control"`` (with ``cpu_s``):
+    ``off`` (the hooks of a recorder that is not recording) then ``cpu_s`` of CPU in a busy loop
+    (:func:`~deepseek_workload.burning`); ``"ops"`` (with ``ops_cpu_s``): the recorded pass's device
+    ops on ``ids`` without moetrace (:func:`~deepseek_workload.bare_ops`, ``staging_rows``: its
+    ``per_token`` staging buffer's rows, 0 for none) then ``ops_cpu_s`` of CPU."""
+    controls: dict[str, Callable[[], None]] = {}
+    if cpu_s is not None:
+        controls["control"] = burning(off, cpu_s)
+    if ops_cpu_s is not None:
+        controls["ops"] = burning(bare_ops(ids, staging_rows=staging_rows), ops_cpu_s)
+    return controls
+
+
 def mode_cases(tmp: Path, mode: str, seconds: float, segment_seconds: list[float], device: str = "cpu", pass_s: float = 0.0,
                interleaved: bool = False, control_cpu_s: float | None = None, ops_cpu_s: float | None = None) -> dict[str, dict[str, float]]:
     """Recording off, then on with each ``segment_seconds``: one mode's figures (hooks on ``device``,
@@ -123,17 +138,12 @@ def mode_cases(tmp: Path, mode: str, seconds: float, segment_seconds: list[float
     if not interleaved:
         out["off"] = figures(seconds_of(timed_passes(recorder(mode, tmp, device=device), seconds, device, pass_s)))
     ids = routes(device=device)
-    controls: dict[str, Callable[[], object]] = {}
     for setting in segment_seconds:
         rec = recorder(mode, tmp, segment_seconds=setting, device=device)
         rec.start_record()
         if interleaved:
             off = functools.partial(forward, recorder(mode, tmp, device=device), ids)
-            if control_cpu_s is not None:
-                controls["control"] = burning(off, control_cpu_s)
-            if ops_cpu_s is not None:
-                staging_rows = rec.config.stream_chunk_tokens if mode == "per_token" else 0
-                controls["ops"] = burning(bare_ops(ids, staging_rows=staging_rows), ops_cpu_s)
+            controls = control_works(off, ids, control_cpu_s, ops_cpu_s, rec.config.stream_chunk_tokens if mode == "per_token" else 0)
             off_passes, on, *beside = alternating_passes([off, functools.partial(forward, rec, ids), *controls.values()], seconds, pass_s)
             out[f"off_beside_segment_seconds_{setting:g}"] = figures(seconds_of(off_passes))
             for name, passes in zip(controls, beside, strict=True):

@@ -47,9 +47,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from deepseek_workload import burning, forward, recorder, routes
+from deepseek_workload import forward, recorder, routes
 from harness import write_results
-from pass_bound import OVER_MEDIAN_S, add_pacing_arguments, alternating_passes
+from pass_bound import OVER_MEDIAN_S, add_pacing_arguments, alternating_passes, control_works
 
 from moetrace.recording.session import RecordingSession
 from moetrace.recording.window import StatWindow
@@ -182,10 +182,8 @@ def breakdown(mode: str, seconds: float, segment_seconds: float, pass_s: float, 
         probe = ThreadProbe(session)
         steps.clear()
         ids = routes()
-        works = [functools.partial(forward, rec, ids)]
-        if control_cpu_s is not None:
-            works.append(burning(functools.partial(forward, recorder(mode, Path(tmp)), ids), control_cpu_s))
-        turns = alternating_passes(works, seconds, pass_s, probe)
+        controls = control_works(functools.partial(forward, recorder(mode, Path(tmp)), ids), ids, control_cpu_s)
+        turns = alternating_passes([functools.partial(forward, rec, ids), *controls.values()], seconds, pass_s, probe)
         taken = [step for step in steps if step[2] > turns[0][0][0]]  # the warm-up's steps left out
         probe.close()
         rec.stop_record()
