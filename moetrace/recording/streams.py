@@ -383,7 +383,7 @@ class TokenStream(RowStream):
         """Move the pass's rows of the counter's stage into ``staging`` (each row's request from
         ``batch``; ``None``: rows of no known request)."""
         rows = counter.pass_rows
-        if self.filled + rows > len(self.positions):
+        if self.filled + rows > self.columns.chunk:
             self.flush()
         self.totals.add(counter.current, phase)
         if self.passes == 0:
